@@ -1,0 +1,63 @@
+//! Dequantizers from raw GGML blocks to f32, bit-identical to gguf-py's `gguf.quants.dequantize`.
+//!
+//! Each type's block decoder is a plain function over whole blocks; [`dequantize`] dispatches on
+//! the type and [`dequantize_rows`] spreads rows over the rayon pool.
+
+use rayon::prelude::*;
+
+use super::ggml_type::GgmlType;
+
+/// Why a buffer could not be dequantized.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuantError {
+    #[error("type {0} has no dequantizer")]
+    Unsupported(GgmlType),
+    #[error("{ty}: {bytes} bytes is not a whole number of {type_size}-byte blocks")]
+    PartialBlock { ty: GgmlType, bytes: usize, type_size: usize },
+    #[error("{ty}: {blocks} blocks give {expected} values, output holds {got}")]
+    OutputSize { ty: GgmlType, blocks: usize, expected: usize, got: usize },
+}
+
+/// Dequantize whole blocks of `ty` from `src` into `dst` (`dst.len()` = blocks × block size).
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    let decode = block_decoder(ty)?;
+    let ts = ty.type_size();
+    if src.len() % ts != 0 {
+        return Err(QuantError::PartialBlock { ty, bytes: src.len(), type_size: ts });
+    }
+    let blocks = src.len() / ts;
+    let expected = blocks * ty.block_size();
+    if dst.len() != expected {
+        return Err(QuantError::OutputSize { ty, blocks, expected, got: dst.len() });
+    }
+    decode(src, dst);
+    Ok(())
+}
+
+/// Dequantize `src` holding whole rows of `row_len` elements, in parallel over chunks of rows.
+pub fn dequantize_rows(ty: GgmlType, src: &[u8], dst: &mut [f32], row_len: usize) -> Result<(), QuantError> {
+    let decode = block_decoder(ty)?;
+    let ts = ty.type_size();
+    let bs = ty.block_size();
+    if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {
+        return Err(QuantError::PartialBlock { ty, bytes: src.len(), type_size: ts });
+    }
+    let blocks = src.len() / ts;
+    if dst.len() != blocks * bs {
+        return Err(QuantError::OutputSize { ty, blocks, expected: blocks * bs, got: dst.len() });
+    }
+    let row_bytes = row_len / bs * ts;
+    // Chunks of about 256 KiB of output keep rayon's overhead negligible and the cache warm.
+    let rows_per_chunk = (65536 / row_len).max(1);
+    src.par_chunks(row_bytes * rows_per_chunk)
+        .zip(dst.par_chunks_mut(row_len * rows_per_chunk))
+        .for_each(|(s, d)| decode(s, d));
+    Ok(())
+}
+
+/// A decoder of whole blocks: `src.len()` is a multiple of the type size and `dst` matches it.
+type BlockDecoder = fn(&[u8], &mut [f32]);
+
+fn block_decoder(ty: GgmlType) -> Result<BlockDecoder, QuantError> {
+    Err(QuantError::Unsupported(ty))
+}
