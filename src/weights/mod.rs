@@ -1,4 +1,10 @@
 //! Reading weights: GGUF and safetensors files, GGML dequantizers, GLM-5 names and kv_b assembly.
 
+pub mod error;
 pub mod ggml_type;
 pub mod quant;
+pub mod tensor;
+
+pub use error::{Result, WeightError};
+pub use ggml_type::GgmlType;
+pub use tensor::{Encoding, TensorEntry};

@@ -1,0 +1,47 @@
+//! Helpers shared by the integration tests: the Python oracle interpreter and scratch folders.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Python interpreter that has the oracles (`gguf`, `numpy`, `torch`, `transformers`):
+/// `$GLMCHECK_PYTHON`, else the project's `.venv` made by `scripts/setup-venv`.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("GLMCHECK_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = root().join(".venv/bin/python");
+    assert!(venv.exists(), "no Python oracle: run scripts/setup-venv or set GLMCHECK_PYTHON");
+    venv
+}
+
+/// Run a Python script from `tests/oracle/` with arguments; panics with its stderr on failure.
+pub fn run_oracle(script: &str, args: &[&str]) -> String {
+    let out = Command::new(python())
+        .arg(root().join("tests/oracle").join(script))
+        .args(args)
+        .output()
+        .expect("start python");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A fresh scratch directory removed at drop.
+pub fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+/// The path of the built `glmcheck` binary.
+pub fn glmcheck_bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_glmcheck"))
+}
