@@ -8,3 +8,4 @@ pub mod tensor;
 pub use error::{Result, WeightError};
 pub use ggml_type::GgmlType;
 pub use tensor::{Encoding, TensorEntry};
+pub mod gguf;
