@@ -2,4 +2,5 @@
 //!
 //! The library holds everything the `glmcheck` binary does; the binary only parses arguments.
 
+pub mod model;
 pub mod weights;
