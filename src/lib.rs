@@ -1,6 +1,10 @@
 //! glmcheck: finds why a large language model prints garbage.
 //!
-//! The library holds everything the `glmcheck` binary does; the binary only parses arguments.
+//! The library holds everything the `glmcheck` binary does; `main.rs` only maps outcomes to exit
+//! codes.
 
+pub mod cli;
 pub mod model;
+pub mod shard;
+pub mod synth;
 pub mod weights;

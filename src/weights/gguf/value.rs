@@ -136,7 +136,9 @@ impl Value {
     /// The value as a float, if it is numeric.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
-            Value::F32(v) => Some(v.into()),
+            // The shortest decimal that round-trips the f32 is what the writer meant (1e-5, not
+            // 9.99999974e-6).
+            Value::F32(v) => Some(v.to_string().parse().unwrap_or(v.into())),
             Value::F64(v) => Some(v),
             Value::I8(v) => Some(v.into()),
             Value::I16(v) => Some(v.into()),

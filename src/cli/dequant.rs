@@ -1,0 +1,171 @@
+//! `glmcheck dequant MODEL`: every (selected) tensor dequantized to f32 and checked for health;
+//! `--dump` writes the f32 tensors to safetensors under their file names.
+
+use std::borrow::Cow;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use serde_json::json;
+
+use super::output::{num, progress, shape, table};
+use super::{ModelArg, Outcome};
+use crate::weights::health::{tensor_health, Health};
+use crate::weights::{ModelFiles, TensorEntry};
+
+#[derive(clap::Args, Debug)]
+pub struct DequantArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Only tensors whose name matches this glob (repeatable), e.g. `blk.3.*` or `*attn_k_b*`.
+    #[arg(long = "tensor", value_name = "GLOB")]
+    pub tensors: Vec<String>,
+    /// Write the dequantized f32 tensors to this safetensors file, in the file's element order.
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub dump: Option<PathBuf>,
+}
+
+fn selector(globs: &[String]) -> anyhow::Result<Option<GlobSet>> {
+    if globs.is_empty() {
+        return Ok(None);
+    }
+    let mut b = GlobSetBuilder::new();
+    for g in globs {
+        b.add(Glob::new(g).with_context(|| format!("--tensor `{g}`"))?);
+    }
+    Ok(Some(b.build()?))
+}
+
+/// One tensor's dequantized bytes, produced only when the safetensors writer asks for them, so
+/// that a dump holds one tensor in memory at a time.
+struct LazyF32<'a> {
+    files: &'a ModelFiles,
+    tensor: &'a TensorEntry,
+    shape: Vec<usize>,
+}
+
+impl safetensors::View for LazyF32<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        // Every dumped tensor was dequantized once already for its health, so this cannot fail
+        // short of the file changing under us; zeros would then be wrong silently, so stop.
+        let values = self.files.dequantize(self.tensor).unwrap_or_else(|e| panic!("{e}"));
+        Cow::Owned(bytemuck::cast_slice(&values).to_vec())
+    }
+    fn data_len(&self) -> usize {
+        self.tensor.numel() as usize * 4
+    }
+}
+
+pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
+    let files = ModelFiles::open(&args.model.model)?;
+    let select = selector(&args.tensors)?;
+    let chosen: Vec<&TensorEntry> =
+        files.tensors().iter().filter(|t| select.as_ref().is_none_or(|s| s.is_match(&t.name))).collect();
+    if chosen.is_empty() {
+        anyhow::bail!("{}: no tensor matches {:?}", files.path.display(), args.tensors);
+    }
+    let bar = progress(chosen.len() as u64, args.model.json, "dequantizing");
+    let mut results: Vec<(&TensorEntry, Option<Health>)> = Vec::with_capacity(chosen.len());
+    for t in &chosen {
+        bar.set_message(t.name.clone());
+        let h = if files.can_dequantize(t) { Some(tensor_health(&files, t)?) } else { None };
+        results.push((t, h));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if let Some(out) = &args.dump {
+        dump(&files, &results, out)?;
+    }
+    let poisoned = results.iter().filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned)).count();
+    if args.model.json {
+        print_json(&files, &results, args.dump.as_ref())?;
+    } else {
+        print_text(&results, poisoned);
+        if let Some(out) = &args.dump {
+            println!("wrote {}", out.display());
+        }
+    }
+    Ok(if poisoned > 0 { Outcome::Fail } else { Outcome::Pass })
+}
+
+fn dump(files: &ModelFiles, results: &[(&TensorEntry, Option<Health>)], out: &std::path::Path) -> anyhow::Result<()> {
+    let views = results.iter().filter(|(_, h)| h.is_some()).map(|(t, _)| {
+        let view = LazyF32 { files, tensor: t, shape: t.shape.iter().map(|&d| d as usize).collect() };
+        (t.name.clone(), view)
+    });
+    let tmp = out.with_extension("safetensors.partial");
+    safetensors::serialize_to_file(views, None, &tmp).with_context(|| tmp.display().to_string())?;
+    std::fs::rename(&tmp, out).with_context(|| out.display().to_string())?;
+    Ok(())
+}
+
+fn flags(h: &Health) -> String {
+    let mut f = Vec::new();
+    if h.nan > 0 {
+        f.push("NaN");
+    }
+    if h.inf > 0 {
+        f.push("Inf");
+    }
+    if h.beyond_f16 > 0 {
+        f.push("beyond fp16");
+    }
+    if h.outliers > 0 {
+        f.push("outliers");
+    }
+    if f.is_empty() {
+        "ok".into()
+    } else {
+        f.join(", ")
+    }
+}
+
+fn print_text(results: &[(&TensorEntry, Option<Health>)], poisoned: usize) {
+    let mut t = table(&["tensor", "type", "shape", "nan", "inf", "absmax", "fp16 use", "mean", "std", "max σ", "health"]);
+    let mut skipped = 0;
+    for (e, h) in results {
+        let Some(h) = h else {
+            skipped += 1;
+            continue;
+        };
+        t.add_row(vec![
+            e.name.clone(),
+            e.encoding.name().to_string(),
+            shape(&e.shape),
+            h.nan.to_string(),
+            h.inf.to_string(),
+            num(h.absmax),
+            format!("{:.2e}", h.f16_headroom),
+            num(h.mean),
+            num(h.std),
+            format!("{:.1}", h.max_sigma),
+            flags(h),
+        ]);
+    }
+    println!("{t}");
+    let checked = results.len() - skipped;
+    println!("{checked} tensors dequantized, {poisoned} with NaN/Inf{}", if skipped > 0 { format!(", {skipped} skipped (no f32 form)") } else { String::new() });
+}
+
+fn print_json(files: &ModelFiles, results: &[(&TensorEntry, Option<Health>)], dump: Option<&PathBuf>) -> anyhow::Result<()> {
+    let tensors: Vec<_> = results
+        .iter()
+        .map(|(t, h)| json!({"name": t.name, "type": t.encoding.name(), "shape": t.shape, "health": h}))
+        .collect();
+    let poisoned = results.iter().filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned)).count();
+    let out = json!({
+        "path": files.path,
+        "format": files.format(),
+        "verdict": if poisoned > 0 { "fail" } else { "pass" },
+        "tensors": tensors,
+        "dump": dump,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! The `glmcheck` command line: one module per command; this one holds the argument types.
+
+mod demo;
+mod dequant;
+mod inspect;
+mod output;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// How a command ended: the process exit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Exit 0: every check passed.
+    Pass = 0,
+    /// Exit 1: a check failed or a divergence was found.
+    Fail = 1,
+}
+
+/// Find why a large language model prints garbage.
+///
+/// Exit codes: 0 pass, 1 a check failed or a divergence was found, 2 usage or input error.
+#[derive(Parser, Debug)]
+#[command(name = "glmcheck", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Build a small GLM-5 GGUF in a temporary folder and show `inspect` and `dequant` on it.
+    Demo(demo::DemoArgs),
+    /// Format, metadata, GLM-5 config, tensor table, schema check, quant histogram, bytes per TP rank.
+    Inspect(inspect::InspectArgs),
+    /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers).
+    Dequant(dequant::DequantArgs),
+}
+
+/// The model argument shared by the commands that read weights.
+#[derive(clap::Args, Debug)]
+pub struct ModelArg {
+    /// A `.gguf` file (any shard of a split set), a `.safetensors` file, an index JSON, or a
+    /// Hugging Face folder (`config.json` + `*.safetensors`).
+    pub model: PathBuf,
+    /// Machine-readable JSON on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
+    match cli.command {
+        Command::Demo(a) => demo::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Dequant(a) => dequant::run(a),
+    }
+}

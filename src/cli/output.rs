@@ -1,0 +1,62 @@
+//! Terminal output helpers: byte sizes, shapes, tables and progress bars that stay quiet when
+//! the output is JSON or not a terminal.
+
+use std::io::IsTerminal;
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, ContentArrangement, Table};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// `1.23 GiB`, `512 B`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// `[64, 512, 192]`.
+pub fn shape(s: &[u64]) -> String {
+    format!("{s:?}")
+}
+
+/// A table with the project's look.
+pub fn table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic).set_header(header.iter().copied());
+    t
+}
+
+/// A progress bar over `len` items, hidden when `quiet` or when stderr is not a terminal.
+pub fn progress(len: u64, quiet: bool, what: &str) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed_precise}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// A float in a short fixed form for tables: `1.23e-4`, `0.0312`, `65504`.
+pub fn num(v: f64) -> String {
+    let a = v.abs();
+    if v == 0.0 {
+        "0".into()
+    } else if !(1e-3..1e5).contains(&a) {
+        format!("{v:.3e}")
+    } else {
+        format!("{v:.4}")
+    }
+}

@@ -1,0 +1,177 @@
+//! A model's weight files, whatever their format: a GGUF (or split set) or a Hugging Face
+//! safetensors checkpoint. Tensors are listed uniformly and dequantized lazily, by row range or
+//! expert, reading only the bytes asked for.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::fp8;
+use super::gguf::GgufModel;
+use super::quant;
+use super::safetensors::SafetensorsSet;
+use super::{Encoding, Result, TensorEntry, WeightError};
+
+/// FP8 checkpoints (GLM-5-FP8, DeepSeek-V3) scale 128×128 tiles.
+const FP8_BLOCK: usize = 128;
+
+enum Source {
+    Gguf(GgufModel),
+    Safetensors(SafetensorsSet),
+}
+
+/// The weight files of one model.
+pub struct ModelFiles {
+    /// What the user named: a `.gguf`, a `.safetensors`, an index or a folder.
+    pub path: PathBuf,
+    source: Source,
+}
+
+impl ModelFiles {
+    /// Open `path`: a `.gguf` (any shard of a split set), or a safetensors file, index or folder.
+    pub fn open(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(WeightError::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")));
+        }
+        let source = if path.is_file() && has_gguf_magic(path)? {
+            Source::Gguf(GgufModel::open(path)?)
+        } else {
+            Source::Safetensors(SafetensorsSet::open(path)?)
+        };
+        Ok(ModelFiles { path: path.to_path_buf(), source })
+    }
+
+    /// Human description of the format: `GGUF v3, 2 files` or `safetensors, 1 file`.
+    pub fn format(&self) -> String {
+        let files = self.files().len();
+        let plural = if files == 1 { "" } else { "s" };
+        match &self.source {
+            Source::Gguf(g) => format!("GGUF v{}, {files} file{plural}", g.shards[0].version),
+            Source::Safetensors(_) => format!("safetensors, {files} file{plural}"),
+        }
+    }
+
+    pub fn gguf(&self) -> Option<&GgufModel> {
+        match &self.source {
+            Source::Gguf(g) => Some(g),
+            Source::Safetensors(_) => None,
+        }
+    }
+
+    /// The `config.json` beside a safetensors checkpoint, if there is one.
+    pub fn hf_config_path(&self) -> Option<PathBuf> {
+        let Source::Safetensors(_) = &self.source else { return None };
+        let dir = if self.path.is_dir() { self.path.clone() } else { self.path.parent()?.to_path_buf() };
+        Some(dir.join("config.json")).filter(|p| p.is_file())
+    }
+
+    pub fn files(&self) -> Vec<PathBuf> {
+        match &self.source {
+            Source::Gguf(g) => g.paths(),
+            Source::Safetensors(s) => s.files.clone(),
+        }
+    }
+
+    pub fn tensors(&self) -> &[TensorEntry] {
+        match &self.source {
+            Source::Gguf(g) => &g.tensors,
+            Source::Safetensors(s) => &s.tensors,
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorEntry> {
+        match &self.source {
+            Source::Gguf(g) => g.tensors.iter().find(|t| t.name == name),
+            Source::Safetensors(s) => s.get(name),
+        }
+    }
+
+    /// The tensor named `name`, or an error naming the model.
+    pub fn require(&self, name: &str) -> Result<&TensorEntry> {
+        self.get(name).ok_or_else(|| WeightError::NoSuchTensor { file: self.path.clone(), tensor: name.into() })
+    }
+
+    /// The file holding `t`.
+    pub fn file_of(&self, t: &TensorEntry) -> PathBuf {
+        match &self.source {
+            Source::Gguf(g) => g.shards[t.file].path.clone(),
+            Source::Safetensors(s) => s.path(t).to_path_buf(),
+        }
+    }
+
+    pub fn bytes(&self, t: &TensorEntry) -> &[u8] {
+        match &self.source {
+            Source::Gguf(g) => g.bytes(t),
+            Source::Safetensors(s) => s.bytes(t),
+        }
+    }
+
+    /// Whether glmcheck can produce f32 values for `t`.
+    pub fn can_dequantize(&self, t: &TensorEntry) -> bool {
+        match &t.encoding {
+            Encoding::Ggml(ty) => ty.can_dequantize(),
+            Encoding::F8E4M3 | Encoding::F8E5M2 => true,
+            Encoding::Other(_) => false,
+        }
+    }
+
+    /// Every element of `t` as f32, in the file's element order.
+    pub fn dequantize(&self, t: &TensorEntry) -> Result<Vec<f32>> {
+        self.dequantize_rows(t, 0..t.rows())
+    }
+
+    /// Rows `rows` of `t` (a row is the innermost dimension), reading only their bytes.
+    pub fn dequantize_rows(&self, t: &TensorEntry, rows: Range<u64>) -> Result<Vec<f32>> {
+        let fail = |why: String| WeightError::tensor(self.file_of(t), &t.name, why);
+        if rows.start > rows.end || rows.end > t.rows() {
+            return Err(fail(format!("rows {rows:?} are outside its {} rows", t.rows())));
+        }
+        let row_len = t.row_len();
+        let n = usize::try_from((rows.end - rows.start) * row_len).map_err(|_| fail("too large for this machine".into()))?;
+        match &t.encoding {
+            Encoding::Ggml(ty) => {
+                let row_bytes = ty.bytes_for(row_len).ok_or_else(|| fail(format!("row of {row_len} is not whole {ty} blocks")))?;
+                let src = &self.bytes(t)[(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
+                let mut out = vec![0f32; n];
+                if n > 0 {
+                    quant::dequantize_rows(*ty, src, &mut out, row_len as usize).map_err(|e| fail(e.to_string()))?;
+                }
+                Ok(out)
+            }
+            Encoding::F8E4M3 | Encoding::F8E5M2 => self.dequantize_fp8(t, rows),
+            Encoding::Other(name) => Err(fail(format!("{name} tensors have no f32 form"))),
+        }
+    }
+
+    /// Expert `e` of a stacked `[E, out, in]` expert tensor, reading only that expert's bytes.
+    pub fn dequantize_expert(&self, t: &TensorEntry, e: u64) -> Result<Vec<f32>> {
+        let [experts, out, _] = t.shape[..] else {
+            return Err(WeightError::tensor(self.file_of(t), &t.name, format!("shape {:?} is not [experts, out, in]", t.shape)));
+        };
+        if e >= experts {
+            return Err(WeightError::tensor(self.file_of(t), &t.name, format!("expert {e} is outside its {experts} experts")));
+        }
+        self.dequantize_rows(t, e * out..(e + 1) * out)
+    }
+
+    fn dequantize_fp8(&self, t: &TensorEntry, rows: Range<u64>) -> Result<Vec<f32>> {
+        let Source::Safetensors(set) = &self.source else {
+            return Err(WeightError::tensor(self.file_of(t), &t.name, "FP8 outside safetensors"));
+        };
+        let rows = rows.start as usize..rows.end as usize;
+        if let Some(scale) = set.get(&format!("{}_scale_inv", t.name)) {
+            return fp8::dequant_block_scaled(set, t, scale, rows, FP8_BLOCK);
+        }
+        // No block scales: the bytes are the values.
+        let convert = if t.encoding == Encoding::F8E4M3 { fp8::f8e4m3_to_f32 } else { fp8::f8e5m2_to_f32 };
+        let row_len = t.row_len() as usize;
+        Ok(set.bytes(t)[rows.start * row_len..rows.end * row_len].iter().map(|&b| convert(b)).collect())
+    }
+}
+
+fn has_gguf_magic(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(|e| WeightError::io(path, e))?;
+    let n = f.read(&mut magic).map_err(|e| WeightError::io(path, e))?;
+    Ok(n == 4 && &magic == b"GGUF" || path.extension().is_some_and(|e| e == "gguf"))
+}
