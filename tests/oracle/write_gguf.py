@@ -1,0 +1,79 @@
+"""Write a GGUF with gguf-py's GGUFWriter and describe what it holds, for tests/gguf_oracle.rs.
+
+OUTDIR/model.gguf      metadata of every value type (nested arrays too) and, for every type gguf-py
+                       dequantizes, a 2-D tensor and a 3-D "stacked experts" tensor of random valid
+                       blocks, plus glm-dsa indexer-named tensors
+OUTDIR/expected.safetensors   gguf.quants.dequantize of every tensor (f32, logical shape)
+OUTDIR/manifest.json   metadata as JSON and, per tensor, type id, shape and absolute data offset
+                       as gguf-py's GGUFReader reads them back
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_blocks import random_blocks, supported_types  # noqa: E402
+
+
+def add_metadata(w: GGUFWriter) -> None:
+    w.add_uint8("test.u8", 200)
+    w.add_int8("test.i8", -100)
+    w.add_uint16("test.u16", 60000)
+    w.add_int16("test.i16", -30000)
+    w.add_uint32("test.u32", 4_000_000_000)
+    w.add_int32("test.i32", -2_000_000_000)
+    w.add_float32("test.f32", 0.1)
+    w.add_bool("test.bool", True)
+    w.add_string("test.string", "Grüße, 世界")
+    w.add_uint64("test.u64", 2**63 + 5)
+    w.add_int64("test.i64", -(2**62))
+    w.add_float64("test.f64", 1e-300)
+    w.add_array("test.ints", [1, 2, 3])
+    w.add_array("test.strings", ["a", "", "ß"])
+    w.add_array("test.nested", [[1, 2], [3]])
+
+
+def tensors(rng: np.random.Generator):
+    """(name, qtype, blocks reshaped to the byte shape) for every dequantizable type."""
+    for q in supported_types():
+        block, size = GGML_QUANT_SIZES[q]
+        row_blocks = max(1, 64 // block)  # a row of 64 elements, or one block when blocks are bigger
+        yield f"t2.{q.name}", q, random_blocks(q, 6 * row_blocks, rng).reshape(6, row_blocks * size)
+        yield f"t3.{q.name}", q, random_blocks(q, 3 * 4 * row_blocks, rng).reshape(3, 4, row_blocks * size)
+    yield "blk.0.indexer.attn_k.weight", GGMLQuantizationType.F32, rng.standard_normal((8, 64)).astype(np.float32).view(np.uint8)
+
+
+def main(outdir: Path) -> None:
+    rng = np.random.default_rng(7)
+    path = outdir / "model.gguf"
+    w = GGUFWriter(path, arch="glm-dsa")
+    add_metadata(w)
+    expected = {}
+    for name, q, data in tensors(rng):
+        w.add_tensor(name, data, raw_dtype=q)
+        expected[name] = np.ascontiguousarray(dequantize(data, q), dtype=np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file(expected, str(outdir / "expected.safetensors"))
+    r = GGUFReader(path)
+    manifest = {
+        # gguf-py flattens nested arrays in `contents()`; the test checks test.nested itself.
+        "metadata": {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.") and f.name != "test.nested"},
+        "tensors": [
+            {"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)], "offset": int(t.data_offset)}
+            for t in r.tensors
+        ],
+    }
+    (outdir / "manifest.json").write_text(json.dumps(manifest))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
