@@ -16,7 +16,10 @@ pub fn python() -> PathBuf {
         return PathBuf::from(p);
     }
     let venv = root().join(".venv/bin/python");
-    assert!(venv.exists(), "no Python oracle: run scripts/setup-venv or set GLMCHECK_PYTHON");
+    assert!(
+        venv.exists(),
+        "no Python oracle: run scripts/setup-venv or set GLMCHECK_PYTHON"
+    );
     venv
 }
 

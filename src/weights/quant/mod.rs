@@ -3,6 +3,15 @@
 //! Each type's block decoder is a plain function over whole blocks; [`dequantize`] dispatches on
 //! the type and [`dequantize_rows`] spreads rows over the rayon pool.
 
+mod block;
+mod float;
+mod fp4;
+mod grids;
+mod iquants;
+mod kquants;
+mod legacy;
+mod ternary;
+
 use rayon::prelude::*;
 
 use super::ggml_type::GgmlType;
@@ -59,5 +68,36 @@ pub fn dequantize_rows(ty: GgmlType, src: &[u8], dst: &mut [f32], row_len: usize
 type BlockDecoder = fn(&[u8], &mut [f32]);
 
 fn block_decoder(ty: GgmlType) -> Result<BlockDecoder, QuantError> {
-    Err(QuantError::Unsupported(ty))
+    use GgmlType as T;
+    Ok(match ty {
+        T::F32 => float::from_f32,
+        T::F16 => float::from_f16,
+        T::BF16 => float::from_bf16,
+        T::Q4_0 => legacy::q4_0,
+        T::Q4_1 => legacy::q4_1,
+        T::Q5_0 => legacy::q5_0,
+        T::Q5_1 => legacy::q5_1,
+        T::Q8_0 => legacy::q8_0,
+        T::Q2_K => kquants::q2_k,
+        T::Q3_K => kquants::q3_k,
+        T::Q4_K => kquants::q4_k,
+        T::Q5_K => kquants::q5_k,
+        T::Q6_K => kquants::q6_k,
+        T::IQ1_S => iquants::iq1_s,
+        T::IQ1_M => iquants::iq1_m,
+        T::IQ2_XXS => iquants::iq2_xxs,
+        T::IQ2_XS => iquants::iq2_xs,
+        T::IQ2_S => iquants::iq2_s,
+        T::IQ3_XXS => iquants::iq3_xxs,
+        T::IQ3_S => iquants::iq3_s,
+        T::IQ4_NL => iquants::iq4_nl,
+        T::IQ4_XS => iquants::iq4_xs,
+        T::TQ1_0 => ternary::tq1_0,
+        T::TQ2_0 => ternary::tq2_0,
+        T::MXFP4 => fp4::mxfp4,
+        T::NVFP4 => fp4::nvfp4,
+        T::Q8_1 | T::Q8_K | T::Q1_0 | T::I8 | T::I16 | T::I32 | T::I64 | T::F64 => {
+            return Err(QuantError::Unsupported(ty))
+        }
+    })
 }

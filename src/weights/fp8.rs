@@ -1,0 +1,217 @@
+//! FP8 to f32, element by element and for block-scaled weights (GLM-5-FP8, DeepSeek-V3 layout).
+//!
+//! A block-scaled weight `W` [out, in] of FP8 comes with `W_scale_inv`
+//! [ceil(out/B), ceil(in/B)] in f32 or bf16; element (r, c) is `f32(W[r][c]) * scale[r/B][c/B]`,
+//! one f32 multiply, the same as the reference `weight_dequant` (`x.float() * s` per block).
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::error::{Result, WeightError};
+use super::ggml_type::GgmlType;
+use super::safetensors::SafetensorsSet;
+use super::tensor::{Encoding, TensorEntry};
+
+/// The block edge of GLM-5-FP8 and DeepSeek-V3 (`weight_block_size` [128, 128]).
+pub const DEFAULT_BLOCK: usize = 128;
+
+/// The bit layout of an 8-bit float: 1 sign bit, then exponent, then mantissa.
+struct Fp8Format {
+    exp_bits: u32,
+    man_bits: u32,
+    /// IEEE-like: the top exponent holds infinities and NaNs. Otherwise (the "fn" variants)
+    /// it holds ordinary numbers and only the all-ones pattern is NaN.
+    ieee_specials: bool,
+}
+
+/// 2^k as f32, for k in the normal range.
+const fn pow2(k: i32) -> f32 {
+    f32::from_bits(((k + 127) as u32) << 23)
+}
+
+/// The f32 value of every byte of a format; every FP8 value is exact in f32.
+const fn table(f: Fp8Format) -> [f32; 256] {
+    let bias = (1 << (f.exp_bits - 1)) - 1;
+    let top_exp = (1 << f.exp_bits) - 1;
+    let man_mask = (1 << f.man_bits) - 1;
+    let mut out = [0.0; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let exp = (byte as u32 >> f.man_bits) & top_exp;
+        let man = byte as u32 & man_mask;
+        let magnitude = if exp == top_exp && f.ieee_specials {
+            if man == 0 {
+                f32::INFINITY
+            } else {
+                f32::NAN
+            }
+        } else if exp == top_exp && man == man_mask {
+            f32::NAN
+        } else if exp == 0 {
+            man as f32 * pow2(1 - bias - f.man_bits as i32)
+        } else {
+            (man | (man_mask + 1)) as f32 * pow2(exp as i32 - bias - f.man_bits as i32)
+        };
+        out[byte] = if byte & 0x80 != 0 {
+            -magnitude
+        } else {
+            magnitude
+        };
+        byte += 1;
+    }
+    out
+}
+
+static E4M3: [f32; 256] = table(Fp8Format {
+    exp_bits: 4,
+    man_bits: 3,
+    ieee_specials: false,
+});
+static E5M2: [f32; 256] = table(Fp8Format {
+    exp_bits: 5,
+    man_bits: 2,
+    ieee_specials: true,
+});
+
+/// An F8_E4M3 ("e4m3fn": bias 7, no infinities, 0x7f and 0xff NaN) byte as f32.
+pub fn f8e4m3_to_f32(b: u8) -> f32 {
+    E4M3[b as usize]
+}
+
+/// An F8_E5M2 (IEEE-like: bias 15, infinities and NaNs) byte as f32.
+pub fn f8e5m2_to_f32(b: u8) -> f32 {
+    E5M2[b as usize]
+}
+
+/// Dequantize rows `rows` of a block-scaled FP8 weight of `set` into row-major f32.
+///
+/// Only the bytes of those rows and the scale rows they need are read. `weight` is a 2-D
+/// F8_E4M3 or F8_E5M2 tensor, `scale` its f32 or bf16 `*_scale_inv` with one value per
+/// `block`×`block` tile ([`DEFAULT_BLOCK`] in GLM-5 and DeepSeek-V3 checkpoints).
+pub fn dequant_block_scaled(
+    set: &SafetensorsSet,
+    weight: &TensorEntry,
+    scale: &TensorEntry,
+    rows: Range<usize>,
+    block: usize,
+) -> Result<Vec<f32>> {
+    let fail = |why: String| WeightError::tensor(set.path(weight), &weight.name, why);
+    let table = match weight.encoding {
+        Encoding::F8E4M3 => &E4M3,
+        Encoding::F8E5M2 => &E5M2,
+        ref other => return Err(fail(format!("is {other}, not FP8"))),
+    };
+    let [out_dim, in_dim] = matrix_dims(weight)
+        .ok_or_else(|| fail(format!("shape {:?} is not a matrix", weight.shape)))?;
+    check_scale_shape(scale, [out_dim, in_dim], block).map_err(fail)?;
+    if rows.start > rows.end || rows.end > out_dim {
+        return Err(fail(format!(
+            "rows {rows:?} are outside its {out_dim} rows"
+        )));
+    }
+    if rows.is_empty() || in_dim == 0 {
+        return Ok(Vec::new());
+    }
+    let scale_rows = rows.start / block..rows.end.div_ceil(block);
+    let scale_cols = in_dim.div_ceil(block);
+    let scales = scale_values(set, scale, scale_rows.clone(), scale_cols).ok_or_else(|| {
+        fail(format!(
+            "scale `{}` has fewer bytes than its shape needs",
+            scale.name
+        ))
+    })?;
+    let bytes = set
+        .bytes(weight)
+        .get(rows.start * in_dim..rows.end * in_dim)
+        .ok_or_else(|| fail("has fewer bytes than its shape needs".into()))?;
+    let mut out = vec![0.0; rows.len() * in_dim];
+    // Tasks of at least 64 Ki elements keep rayon's overhead negligible.
+    let min_rows = (1 << 16) / in_dim + 1;
+    out.par_chunks_mut(in_dim)
+        .zip(bytes.par_chunks(in_dim))
+        .enumerate()
+        .with_min_len(min_rows)
+        .for_each(|(i, (o, w))| {
+            let scale_row = (rows.start + i) / block - scale_rows.start;
+            dequant_row(
+                table,
+                w,
+                &scales[scale_row * scale_cols..][..scale_cols],
+                block,
+                o,
+            );
+        });
+    Ok(out)
+}
+
+/// One row: each `block`-wide run of elements times its scale.
+fn dequant_row(table: &[f32; 256], bytes: &[u8], scales: &[f32], block: usize, out: &mut [f32]) {
+    for ((o, w), &s) in out.chunks_mut(block).zip(bytes.chunks(block)).zip(scales) {
+        for (o, &b) in o.iter_mut().zip(w) {
+            *o = table[b as usize] * s;
+        }
+    }
+}
+
+/// The [rows, columns] of a 2-D tensor whose dimensions fit in memory.
+fn matrix_dims(t: &TensorEntry) -> Option<[usize; 2]> {
+    match t.shape[..] {
+        [r, c] => Some([usize::try_from(r).ok()?, usize::try_from(c).ok()?]),
+        _ => None,
+    }
+}
+
+/// The scale must have one value per `block`×`block` tile of the weight, as f32 or bf16.
+fn check_scale_shape(
+    scale: &TensorEntry,
+    [rows, cols]: [usize; 2],
+    block: usize,
+) -> Result<(), String> {
+    if block == 0 {
+        return Err("block size 0".into());
+    }
+    let need = [rows.div_ceil(block), cols.div_ceil(block)];
+    if matrix_dims(scale) != Some(need) {
+        return Err(format!(
+            "scale `{}` has shape {:?}; a [{rows}, {cols}] weight in {block}×{block} blocks needs {need:?}",
+            scale.name, scale.shape
+        ));
+    }
+    if !matches!(
+        scale.encoding,
+        Encoding::Ggml(GgmlType::F32 | GgmlType::BF16)
+    ) {
+        return Err(format!(
+            "scale `{}` is {}, not F32 or BF16",
+            scale.name, scale.encoding
+        ));
+    }
+    Ok(())
+}
+
+/// Rows `rows` of a checked scale tensor of `cols` columns as row-major f32; `None` when its
+/// bytes are too few.
+fn scale_values(
+    set: &SafetensorsSet,
+    scale: &TensorEntry,
+    rows: Range<usize>,
+    cols: usize,
+) -> Option<Vec<f32>> {
+    let is_f32 = scale.encoding == Encoding::Ggml(GgmlType::F32);
+    let width = if is_f32 { 4 } else { 2 };
+    let bytes = set
+        .bytes(scale)
+        .get(rows.start * cols * width..rows.end * cols * width)?;
+    Some(if is_f32 {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    } else {
+        bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect()
+    })
+}

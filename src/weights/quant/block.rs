@@ -1,0 +1,126 @@
+//! What the block decoders share: walking blocks as fixed-size arrays, reading little-endian
+//! fields, converting f16 the way numpy does, and ggml's 4-bit layout.
+
+/// Calls `decode` on each `TS`-byte block and its `BS` outputs. Fixed-size arrays let the compiler
+/// drop bounds checks and unroll; the caller has checked that both slices hold whole blocks.
+#[inline(always)]
+pub(super) fn each_block<const TS: usize, const BS: usize>(
+    src: &[u8],
+    dst: &mut [f32],
+    decode: impl Fn(&[u8; TS], &mut [f32; BS]),
+) {
+    for (s, d) in src.chunks_exact(TS).zip(dst.chunks_exact_mut(BS)) {
+        // `chunks_exact` makes both conversions infallible.
+        if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
+            decode(s, d);
+        }
+    }
+}
+
+/// f16 bits to f32 as numpy converts them: exact, and NaN payloads (signalling ones too) kept,
+/// where the F16C instruction, and so `half` on x86, would quiet them.
+#[inline(always)]
+pub(super) fn f16_to_f32(h: u16) -> f32 {
+    const EXP_ALL_ONES: u32 = 0x1f << 23;
+    const TWO_POW_112: f32 = f32::from_bits((127 + 112) << 23);
+    let sign = u32::from(h & 0x8000) << 16;
+    let rest = u32::from(h & 0x7fff) << 13;
+    let bits = if rest >= EXP_ALL_ONES {
+        0x7f80_0000 | rest
+    } else {
+        // Moving the exponent bias from 15 to 127 by a power-of-two product is exact for normal
+        // and subnormal halves alike.
+        (f32::from_bits(rest) * TWO_POW_112).to_bits()
+    };
+    f32::from_bits(sign | bits)
+}
+
+/// The little-endian u16 at byte `at`.
+#[inline(always)]
+pub(super) fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+/// The little-endian u32 at byte `at`.
+#[inline(always)]
+pub(super) fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The f16 scale at byte `at`, as f32.
+#[inline(always)]
+pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16_at(b, at))
+}
+
+/// ggml's 4-bit layout: byte `i` of `q` holds element `i` in its low nibble and element
+/// `i + q.len()` in its high one. `f(nibble, half, i)` gives the value; `half` is 0 or 1.
+#[inline(always)]
+pub(super) fn nibbles_at(q: &[u8], out: &mut [f32], f: impl Fn(u8, usize, usize) -> f32) {
+    let (lo, hi) = out.split_at_mut(q.len());
+    for (i, ((&b, l), h)) in q.iter().zip(lo).zip(hi).enumerate() {
+        *l = f(b & 0x0f, 0, i);
+        *h = f(b >> 4, 1, i);
+    }
+}
+
+/// [`nibbles_at`] for values that do not depend on the position within the half.
+#[inline(always)]
+pub(super) fn nibbles(q: &[u8], out: &mut [f32], f: impl Fn(u8, usize) -> f32) {
+    nibbles_at(q, out, |n, half, _| f(n, half));
+}
+
+/// Nibble `j` of a packed array of 4-bit fields, low nibble first.
+#[inline(always)]
+pub(super) fn nibble(b: &[u8], j: usize) -> u8 {
+    (b[j / 2] >> (4 * (j % 2))) & 0x0f
+}
+
+/// ggml's 2-bit layout over 256 elements: element `128h + 32s + l` sits at bits `2s` of byte
+/// `32h + l`. For the 16-element group `g`, the 16 bytes that hold it and their shift.
+#[inline(always)]
+pub(super) fn crumb_group(q: &[u8], g: usize) -> (&[u8], u32) {
+    (&q[g / 8 * 32 + g % 2 * 16..][..16], (g / 2 % 4 * 2) as u32)
+}
+
+/// The 4-bit codebook types (IQ4_NL, IQ4_XS, MXFP4, NVFP4): each nibble picks an integer level,
+/// scaled by `d` in f32. The 16 products are formed once per group; they are the same products.
+#[inline(always)]
+pub(super) fn codebook_nibbles(d: f32, levels: &[i8; 16], q: &[u8], out: &mut [f32]) {
+    let lut = levels.map(|k| d * f32::from(k));
+    nibbles(q, out, |n, _| lut[usize::from(n)]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_keeps_every_bit_pattern() {
+        // Every half round-trips through f32 (via `half`'s exact f32 → f16 for non-NaNs).
+        for h in 0..=u16::MAX {
+            let f = f16_to_f32(h);
+            if f.is_nan() {
+                let expected = (u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (u32::from(h & 0x3ff) << 13);
+                assert_eq!(f.to_bits(), expected, "{h:#06x}");
+            } else {
+                assert_eq!(half::f16::from_f32(f).to_bits(), h, "{h:#06x}");
+            }
+        }
+    }
+
+    #[test]
+    fn crumb_groups_follow_ggml_order() {
+        let q: Vec<u8> = (0..64).collect();
+        assert_eq!(crumb_group(&q, 0), (&q[0..16], 0));
+        assert_eq!(crumb_group(&q, 3), (&q[16..32], 2));
+        assert_eq!(crumb_group(&q, 15), (&q[48..64], 6));
+    }
+
+    #[test]
+    fn nibbles_put_low_halves_first() {
+        let mut out = [0.0; 4];
+        nibbles(&[0x21, 0x43], &mut out, |n, half| f32::from(n) + 10.0 * half as f32);
+        assert_eq!(out, [1.0, 3.0, 12.0, 14.0]);
+    }
+}

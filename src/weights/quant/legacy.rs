@@ -1,0 +1,53 @@
+//! The first ggml quants: 32 elements per block behind an f16 scale `d` (and, for the `_1` types,
+//! an f16 minimum `m`). Values are `d * q`, or `d * q + m` with the product rounded before the sum.
+
+use super::block::{each_block, f16_at, nibbles, nibbles_at, u32_at};
+
+/// Q4_0: `d`, then 16 bytes of 4-bit `q - 8`.
+pub(super) fn q4_0(src: &[u8], dst: &mut [f32]) {
+    each_block(src, dst, |b: &[u8; 18], out: &mut [f32; 32]| {
+        let d = f16_at(b, 0);
+        nibbles(&b[2..], out, |n, _| d * f32::from(n as i8 - 8));
+    });
+}
+
+/// Q4_1: `d`, `m`, then 16 bytes of 4-bit `q`.
+pub(super) fn q4_1(src: &[u8], dst: &mut [f32]) {
+    each_block(src, dst, |b: &[u8; 20], out: &mut [f32; 32]| {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        nibbles(&b[4..], out, |n, _| d * f32::from(n) + m);
+    });
+}
+
+/// The 5-bit codes of Q5_0/Q5_1 through `f`: bit `i` of `qh` is the fifth bit of element `i`, and
+/// `ql` holds the low four bits in ggml's nibble layout.
+#[inline(always)]
+fn five_bit(qh: u32, ql: &[u8], out: &mut [f32; 32], f: impl Fn(u8) -> f32) {
+    nibbles_at(ql, out, |n, half, i| f(n | (((qh >> (i + 16 * half)) & 1) as u8) << 4));
+}
+
+/// Q5_0: `d`, 4 bytes of fifth bits, 16 bytes of low nibbles; codes are `q - 16`.
+pub(super) fn q5_0(src: &[u8], dst: &mut [f32]) {
+    each_block(src, dst, |b: &[u8; 22], out: &mut [f32; 32]| {
+        let d = f16_at(b, 0);
+        five_bit(u32_at(b, 2), &b[6..], out, |q| d * f32::from(q as i8 - 16));
+    });
+}
+
+/// Q5_1: `d`, `m`, 4 bytes of fifth bits, 16 bytes of low nibbles.
+pub(super) fn q5_1(src: &[u8], dst: &mut [f32]) {
+    each_block(src, dst, |b: &[u8; 24], out: &mut [f32; 32]| {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        five_bit(u32_at(b, 4), &b[8..], out, |q| d * f32::from(q) + m);
+    });
+}
+
+/// Q8_0: `d`, then 32 signed bytes.
+pub(super) fn q8_0(src: &[u8], dst: &mut [f32]) {
+    each_block(src, dst, |b: &[u8; 34], out: &mut [f32; 32]| {
+        let d = f16_at(b, 0);
+        for (o, &x) in out.iter_mut().zip(&b[2..]) {
+            *o = f32::from(x as i8) * d;
+        }
+    });
+}
