@@ -232,8 +232,10 @@ fn same_f32(a: f32, b: f32) -> bool {
 #[test]
 fn fp8_elements_match_torch_for_every_byte() {
     let table = read_json(&oracle().join("fp8_table.json"));
-    let formats: [(&str, fn(u8) -> f32); 2] = [("e4m3", f8e4m3_to_f32), ("e5m2", f8e5m2_to_f32)];
-    for (name, convert) in formats {
+    for (name, convert) in [
+        ("e4m3", f8e4m3_to_f32 as fn(u8) -> f32),
+        ("e5m2", f8e5m2_to_f32),
+    ] {
         let want = u64s(&table[name]);
         assert_eq!(want.len(), 256);
         for (byte, bits) in (0..=255u8).zip(want) {
@@ -407,7 +409,7 @@ fn hostile_headers_name_the_field_and_byte() {
     let with_length = |n: u64| {
         [
             &n.to_le_bytes()[..],
-            &file_with(&format!("{{{f32_a}}}"), 8)[8..],
+            &file_with(format!("{{{f32_a}}}"), 8)[8..],
         ]
         .concat()
     };
@@ -416,12 +418,9 @@ fn hostile_headers_name_the_field_and_byte() {
         (with_length(u64::MAX), "header length at byte 0"),
         (with_length(1 << 40), "header length at byte 0"),
         (with_length(100_000_001), "header length at byte 0"),
+        (file_with(format!("{{{f32_a}}}"), 4), "data_offsets at byte"),
         (
-            file_with(&format!("{{{f32_a}}}"), 4),
-            "data_offsets at byte",
-        ),
-        (
-            file_with(&format!("{{{f32_a}}}"), 12),
+            file_with(format!("{{{f32_a}}}"), 12),
             "data_offsets at byte",
         ),
         (
@@ -440,19 +439,19 @@ fn hostile_headers_name_the_field_and_byte() {
         ),
         (
             file_with(
-                &format!(r#"{{{f32_a},"b":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}}}"#),
+                format!(r#"{{{f32_a},"b":{{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}}}"#),
                 8,
             ),
             "tensor `b` data_offsets at byte",
         ),
         (
             file_with(
-                &format!(r#"{{{f32_a},"b":{{"dtype":"F32","shape":[1],"data_offsets":[12,16]}}}}"#),
+                format!(r#"{{{f32_a},"b":{{"dtype":"F32","shape":[1],"data_offsets":[12,16]}}}}"#),
                 16,
             ),
             "data_offsets at byte",
         ),
-        (file_with(&format!("{{{f32_a}"), 8), "header at byte"),
+        (file_with(format!("{{{f32_a}"), 8), "header at byte"),
         (
             file_with(
                 r#"{"a":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}}"#,

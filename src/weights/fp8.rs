@@ -103,8 +103,14 @@ pub fn dequant_block_scaled(
         ref other => return Err(fail(format!("is {other}, not FP8"))),
     };
     let [out_dim, in_dim] = matrix_dims(weight)
-        .ok_or_else(|| fail(format!("shape {:?} is not a matrix", weight.shape)))?;
-    check_scale_shape(scale, [out_dim, in_dim], block).map_err(fail)?;
+        .filter(|&dims| holds(weight, dims, 1))
+        .ok_or_else(|| {
+            fail(format!(
+                "shape {:?} is not a matrix of its {} bytes",
+                weight.shape, weight.nbytes
+            ))
+        })?;
+    let (scale_width, decode) = check_scale(scale, [out_dim, in_dim], block).map_err(fail)?;
     if rows.start > rows.end || rows.end > out_dim {
         return Err(fail(format!(
             "rows {rows:?} are outside its {out_dim} rows"
@@ -115,16 +121,10 @@ pub fn dequant_block_scaled(
     }
     let scale_rows = rows.start / block..rows.end.div_ceil(block);
     let scale_cols = in_dim.div_ceil(block);
-    let scales = scale_values(set, scale, scale_rows.clone(), scale_cols).ok_or_else(|| {
-        fail(format!(
-            "scale `{}` has fewer bytes than its shape needs",
-            scale.name
-        ))
-    })?;
-    let bytes = set
-        .bytes(weight)
-        .get(rows.start * in_dim..rows.end * in_dim)
-        .ok_or_else(|| fail("has fewer bytes than its shape needs".into()))?;
+    let scale_bytes = &set.bytes(scale)
+        [scale_rows.start * scale_cols * scale_width..scale_rows.end * scale_cols * scale_width];
+    let scales: Vec<f32> = scale_bytes.chunks_exact(scale_width).map(decode).collect();
+    let bytes = &set.bytes(weight)[rows.start * in_dim..rows.end * in_dim];
     let mut out = vec![0.0; rows.len() * in_dim];
     // Tasks of at least 64 Ki elements keep rayon's overhead negligible.
     let min_rows = (1 << 16) / in_dim + 1;
@@ -134,13 +134,8 @@ pub fn dequant_block_scaled(
         .with_min_len(min_rows)
         .for_each(|(i, (o, w))| {
             let scale_row = (rows.start + i) / block - scale_rows.start;
-            dequant_row(
-                table,
-                w,
-                &scales[scale_row * scale_cols..][..scale_cols],
-                block,
-                o,
-            );
+            let row_scales = &scales[scale_row * scale_cols..][..scale_cols];
+            dequant_row(table, w, row_scales, block, o);
         });
     Ok(out)
 }
@@ -162,56 +157,42 @@ fn matrix_dims(t: &TensorEntry) -> Option<[usize; 2]> {
     }
 }
 
-/// The scale must have one value per `block`×`block` tile of the weight, as f32 or bf16.
-fn check_scale_shape(
+/// Whether a tensor's bytes are exactly `dims` elements of `width` bytes, so slicing them by
+/// row cannot fail.
+fn holds(t: &TensorEntry, [rows, cols]: [usize; 2], width: usize) -> bool {
+    let bytes = rows.checked_mul(cols).and_then(|n| n.checked_mul(width));
+    bytes.is_some_and(|n| n as u64 == t.nbytes)
+}
+
+/// A scale element's width in bytes and its decoder.
+type ScaleElement = (usize, fn(&[u8]) -> f32);
+
+/// The scale must be f32 or bf16 with one value per `block`×`block` tile of a `dims` weight;
+/// gives its element width and decoder.
+fn check_scale(
     scale: &TensorEntry,
     [rows, cols]: [usize; 2],
     block: usize,
-) -> Result<(), String> {
+) -> Result<ScaleElement, String> {
     if block == 0 {
         return Err("block size 0".into());
     }
+    let element: ScaleElement = match scale.encoding {
+        Encoding::Ggml(GgmlType::F32) => (4, |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        Encoding::Ggml(GgmlType::BF16) => (2, |c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ref other => {
+            return Err(format!(
+                "scale `{}` is {other}, not F32 or BF16",
+                scale.name
+            ))
+        }
+    };
     let need = [rows.div_ceil(block), cols.div_ceil(block)];
-    if matrix_dims(scale) != Some(need) {
+    if matrix_dims(scale) != Some(need) || !holds(scale, need, element.0) {
         return Err(format!(
             "scale `{}` has shape {:?}; a [{rows}, {cols}] weight in {block}×{block} blocks needs {need:?}",
             scale.name, scale.shape
         ));
     }
-    if !matches!(
-        scale.encoding,
-        Encoding::Ggml(GgmlType::F32 | GgmlType::BF16)
-    ) {
-        return Err(format!(
-            "scale `{}` is {}, not F32 or BF16",
-            scale.name, scale.encoding
-        ));
-    }
-    Ok(())
-}
-
-/// Rows `rows` of a checked scale tensor of `cols` columns as row-major f32; `None` when its
-/// bytes are too few.
-fn scale_values(
-    set: &SafetensorsSet,
-    scale: &TensorEntry,
-    rows: Range<usize>,
-    cols: usize,
-) -> Option<Vec<f32>> {
-    let is_f32 = scale.encoding == Encoding::Ggml(GgmlType::F32);
-    let width = if is_f32 { 4 } else { 2 };
-    let bytes = set
-        .bytes(scale)
-        .get(rows.start * cols * width..rows.end * cols * width)?;
-    Some(if is_f32 {
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    } else {
-        bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect()
-    })
+    Ok(element)
 }

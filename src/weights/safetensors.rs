@@ -254,96 +254,131 @@ fn encoding(dtype: Dtype) -> Encoding {
 
 /// The crate's error with the file, the field and, where known, the byte offset added.
 fn header_error(path: &Path, file: &[u8], err: SafeTensorError) -> WeightError {
-    let file_len = file.len() as u64;
-    let header_len = file
-        .get(..LEN_BYTES as usize)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_le_bytes);
-    let header = header_len
-        .and_then(|n| {
-            file.get(LEN_BYTES as usize..usize::try_from(n.checked_add(LEN_BYTES)?).ok()?)
-        })
-        .unwrap_or_default();
-    let data_start = LEN_BYTES + header.len() as u64;
-    let bad = |field: String, offset: u64, reason: String| {
-        WeightError::malformed(path, field, offset, reason)
-    };
-    match (err, header_len) {
-        (SafeTensorError::HeaderTooSmall, _) | (_, None) => bad(
+    let (field, offset, reason) = match Layout::of(file) {
+        Some(layout) => layout.explain(err),
+        None => (
             "header length".into(),
             0,
-            format!("the file has {file_len} bytes, fewer than the 8 it needs"),
+            format!(
+                "the file has {} bytes, fewer than the 8 it needs",
+                file.len()
+            ),
         ),
-        (SafeTensorError::HeaderTooLarge | SafeTensorError::InvalidHeaderLength, Some(n)) => {
-            let room = file_len - LEN_BYTES;
-            let why = if n > room {
-                format!("{n} bytes of header but only {room} bytes follow")
-            } else {
-                format!("{n} bytes of header is over the safetensors crate's limit")
-            };
-            bad("header length".into(), 0, why)
+    };
+    WeightError::malformed(path, field, offset, reason)
+}
+
+/// What is wrong: the field, the byte offset in the file, the reason.
+type Fault = (String, u64, String);
+
+/// As much of a rejected file's layout as can be found, to say where the crate's error lies.
+struct Layout<'a> {
+    file_len: u64,
+    header_len: u64,
+    /// The header's bytes, or none when its length runs past the end.
+    header: &'a [u8],
+}
+
+impl<'a> Layout<'a> {
+    /// `None` when the file is too short to hold a header length.
+    fn of(file: &'a [u8]) -> Option<Self> {
+        let header_len = u64::from_le_bytes(file.get(..LEN_BYTES as usize)?.try_into().ok()?);
+        let header_end = usize::try_from(header_len.saturating_add(LEN_BYTES)).ok();
+        let header = header_end.and_then(|end| file.get(LEN_BYTES as usize..end));
+        Some(Layout {
+            file_len: file.len() as u64,
+            header_len,
+            header: header.unwrap_or_default(),
+        })
+    }
+
+    /// Absolute offset of a byte of the data section.
+    fn data_byte(&self, offset: usize) -> u64 {
+        (LEN_BYTES + self.header_len).saturating_add(offset as u64)
+    }
+
+    fn explain(&self, err: SafeTensorError) -> Fault {
+        match err {
+            SafeTensorError::HeaderTooLarge | SafeTensorError::InvalidHeaderLength => {
+                self.length_fault()
+            }
+            SafeTensorError::InvalidHeader(e) => (
+                "header".into(),
+                LEN_BYTES + e.valid_up_to() as u64,
+                format!("invalid UTF-8: {e}"),
+            ),
+            SafeTensorError::InvalidHeaderDeserialization(e) => (
+                "header".into(),
+                LEN_BYTES + json_offset(self.header, &e),
+                format!("invalid header JSON: {e}"),
+            ),
+            SafeTensorError::InvalidOffset(name) => self.offsets_fault(name),
+            SafeTensorError::MetadataIncompleteBuffer => self.coverage_fault(),
+            other => self
+                .size_fault()
+                .unwrap_or_else(|| ("header".into(), LEN_BYTES, other.to_string())),
         }
-        (SafeTensorError::InvalidHeader(e), _) => bad(
-            "header".into(),
-            LEN_BYTES + e.valid_up_to() as u64,
-            format!("invalid UTF-8: {e}"),
-        ),
-        (SafeTensorError::InvalidHeaderDeserialization(e), _) => bad(
-            "header".into(),
-            LEN_BYTES + json_offset(header, &e),
-            format!("invalid header JSON: {e}"),
-        ),
-        (SafeTensorError::InvalidOffset(name), _) => {
-            let raw = raw_tensors(header);
-            let offsets = raw
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, i)| i.data_offsets);
-            let (start, end) = offsets.unwrap_or_default();
-            let why = format!("[{start}, {end}] do not start where the previous tensor ends, or end before they start");
-            bad(
-                format!("tensor `{name}` data_offsets"),
-                data_start.saturating_add(start as u64),
-                why,
-            )
-        }
-        (SafeTensorError::MetadataIncompleteBuffer, _) => {
-            let end = raw_tensors(header)
+    }
+
+    fn length_fault(&self) -> Fault {
+        let (n, room) = (self.header_len, self.file_len - LEN_BYTES);
+        let why = if n > room {
+            format!("{n} bytes of header but only {room} bytes follow")
+        } else {
+            format!("{n} bytes of header is over the safetensors crate's limit")
+        };
+        ("header length".into(), 0, why)
+    }
+
+    /// A tensor's data does not follow the previous one's: a gap, an overlap or a reversal.
+    fn offsets_fault(&self, name: String) -> Fault {
+        let raw = raw_tensors(self.header);
+        let info = raw.iter().find(|(n, _)| *n == name).map(|(_, i)| i);
+        let (start, end) = info.map(|i| i.data_offsets).unwrap_or_default();
+        let why = format!(
+            "[{start}, {end}] do not start where the previous tensor ends, or end before they start"
+        );
+        (
+            format!("tensor `{name}` data_offsets"),
+            self.data_byte(start),
+            why,
+        )
+    }
+
+    /// The tensors do not end exactly at the end of the file.
+    fn coverage_fault(&self) -> Fault {
+        let tensors = raw_tensors(self.header);
+        let end = self.data_byte(
+            tensors
                 .iter()
                 .map(|(_, i)| i.data_offsets.1)
                 .max()
-                .unwrap_or(0);
-            let end = data_start.saturating_add(end as u64);
-            bad(
-                "data_offsets".into(),
-                end,
-                format!("tensor data ends at byte {end} but the file has {file_len} bytes"),
-            )
-        }
-        (err, _) => match raw_tensors(header)
+                .unwrap_or(0),
+        );
+        let why = format!(
+            "tensor data ends at byte {end} but the file has {} bytes",
+            self.file_len
+        );
+        ("data_offsets".into(), end, why)
+    }
+
+    /// The first tensor whose shape and dtype do not fill its data offsets exactly.
+    fn size_fault(&self) -> Option<Fault> {
+        let (name, info) = raw_tensors(self.header)
             .into_iter()
-            .find(|(_, i)| needed_bytes(i) != Some(span(i)))
-        {
-            Some((name, info)) => {
-                let (start, end) = info.data_offsets;
-                let need = needed_bytes(&info)
-                    .map_or("an overflowing or fractional number of".into(), |n| {
-                        n.to_string()
-                    });
-                let why = format!(
-                    "{} {:?} needs {need} bytes, data_offsets [{start}, {end}] hold {}",
-                    info.dtype,
-                    info.shape,
-                    span(&info)
-                );
-                bad(
-                    format!("tensor `{name}` shape"),
-                    data_start.saturating_add(start as u64),
-                    why,
-                )
-            }
-            None => bad("header".into(), LEN_BYTES, err.to_string()),
-        },
+            .find(|(_, i)| needed_bytes(i) != Some(span(i)))?;
+        let need = needed_bytes(&info)
+            .map_or("an overflowing or fractional number of".into(), |n| {
+                n.to_string()
+            });
+        let (start, end) = info.data_offsets;
+        let why = format!(
+            "{} {:?} needs {need} bytes, data_offsets [{start}, {end}] hold {}",
+            info.dtype,
+            info.shape,
+            span(&info)
+        );
+        Some((format!("tensor `{name}` shape"), self.data_byte(start), why))
     }
 }
 
