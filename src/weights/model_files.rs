@@ -129,7 +129,7 @@ impl ModelFiles {
         let n = usize::try_from((rows.end - rows.start) * row_len).map_err(|_| fail("too large for this machine".into()))?;
         match &t.encoding {
             Encoding::Ggml(ty) => {
-                let row_bytes = ty.bytes_for(row_len).ok_or_else(|| fail(format!("row of {row_len} is not whole {ty} blocks")))?;
+                let row_bytes = ty.bytes_for(row_len).ok_or_else(|| fail(format!("row of {row_len} elements is not whole {ty} blocks, or its byte size overflows")))?;
                 let src = &self.bytes(t)[(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
                 let mut out = vec![0f32; n];
                 if n > 0 {

@@ -166,7 +166,10 @@ fn place_tensors(path: &Path, infos: Vec<RawInfo>, data_offset: u64, alignment: 
         if !names.insert(info.name.clone()) {
             return Err(bad("name", "appears twice".into()));
         }
-        let numel = info.ne.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+        // The product must fit whatever order it is taken in (the shape multiplies them outermost
+        // first), so a zero dim does not excuse huge ones.
+        let nonzero = info.ne.iter().filter(|&&d| d != 0).try_fold(1u64, |acc, &d| acc.checked_mul(d));
+        let numel = nonzero.map(|n| if info.ne.contains(&0) { 0 } else { n });
         let numel = numel.ok_or_else(|| bad("dims", format!("{:?} overflow", info.ne)))?;
         let row = info.ne.first().copied().unwrap_or(1);
         if row % info.ty.block_size() as u64 != 0 {

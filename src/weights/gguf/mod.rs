@@ -13,6 +13,10 @@ pub use value::{Value, ValueType};
 
 use crate::weights::{Result, TensorEntry, WeightError};
 
+/// gguf-split numbers shards with five digits; a larger count is hostile, and listing its
+/// shard names would exhaust memory.
+const MAX_SHARDS: u64 = 99_999;
+
 /// A GGUF model: every shard of a split set, with one tensor list across them.
 pub struct GgufModel {
     /// Shards in split order; the first holds the model's metadata.
@@ -26,6 +30,9 @@ impl GgufModel {
     pub fn open(path: &Path) -> Result<Self> {
         let first = GgufFile::open(path)?;
         let count = split_key(&first, "split.count")?.unwrap_or(1);
+        if count > MAX_SHARDS {
+            return Err(WeightError::malformed(path, "metadata `split.count`", 0, format!("{count} shards (at most {MAX_SHARDS})")));
+        }
         if count <= 1 {
             let tensors = first.tensors.clone();
             return Ok(GgufModel { shards: vec![first], tensors });
