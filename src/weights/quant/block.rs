@@ -4,35 +4,52 @@
 /// Calls `decode` on each `TS`-byte block and its `BS` outputs. Fixed-size arrays let the compiler
 /// drop bounds checks and unroll; the caller has checked that both slices hold whole blocks.
 #[inline(always)]
-pub(super) fn each_block<const TS: usize, const BS: usize>(
+pub(super) fn each_block<const TS: usize, const BS: usize, F: Fn(&[u8; TS], &mut [f32; BS])>(
     src: &[u8],
     dst: &mut [f32],
-    decode: impl Fn(&[u8; TS], &mut [f32; BS]),
+    decode: F,
 ) {
     for (s, d) in src.chunks_exact(TS).zip(dst.chunks_exact_mut(BS)) {
         // `chunks_exact` makes both conversions infallible.
         if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-            decode(s, d);
+            one_block(&decode, s, d);
         }
     }
 }
 
+/// One block, kept out of line so that LLVM vectorizes within the block. Inlined into the loop
+/// over blocks, it vectorizes across blocks instead (a lane per block, strided byte gathers and
+/// scalar stores), which measured 1.6x slower on Q4_0.
+#[inline(never)]
+fn one_block<const TS: usize, const BS: usize, F: Fn(&[u8; TS], &mut [f32; BS])>(
+    decode: &F,
+    src: &[u8; TS],
+    dst: &mut [f32; BS],
+) {
+    decode(src, dst);
+}
+
 /// f16 bits to f32 as numpy converts them: exact, and NaN payloads (signalling ones too) kept,
-/// where the F16C instruction, and so `half` on x86, would quiet them.
+/// where the F16C instruction, and so `half` on x86, would quiet them. Branch-free so that it
+/// vectorizes, and free of subnormal arithmetic, which is slow on some CPUs.
 #[inline(always)]
 pub(super) fn f16_to_f32(h: u16) -> f32 {
-    const EXP_ALL_ONES: u32 = 0x1f << 23;
-    const TWO_POW_112: f32 = f32::from_bits((127 + 112) << 23);
-    let sign = u32::from(h & 0x8000) << 16;
-    let rest = u32::from(h & 0x7fff) << 13;
-    let bits = if rest >= EXP_ALL_ONES {
-        0x7f80_0000 | rest
+    // The f16 exponent and mantissa moved into f32 position; rebiasing is then an addition.
+    let o = u32::from(h & 0x7fff) << 13;
+    let exp = o & (0x1f << 23);
+    let normal = o + (112 << 23);
+    let inf_nan = o + (224 << 23);
+    // A subnormal m · 2^-24 is (2^-14 + m · 2^-24) - 2^-14, both exact f32 normals.
+    let magic = f32::from_bits(113 << 23);
+    let subnormal = (f32::from_bits(o + (113 << 23)) - magic).to_bits();
+    let bits = if exp == 0x1f << 23 {
+        inf_nan
+    } else if exp == 0 {
+        subnormal
     } else {
-        // Moving the exponent bias from 15 to 127 by a power-of-two product is exact for normal
-        // and subnormal halves alike.
-        (f32::from_bits(rest) * TWO_POW_112).to_bits()
+        normal
     };
-    f32::from_bits(sign | bits)
+    f32::from_bits(u32::from(h & 0x8000) << 16 | bits)
 }
 
 /// The little-endian u16 at byte `at`.

@@ -31,19 +31,24 @@ fn q3_scales(s: &[u8]) -> [i8; 16] {
 }
 
 /// Q3_K: 32 bytes of high bits (a set bit means no -4 offset), 64 bytes of 2-bit codes,
-/// 12 bytes of scales, then `d`.
+/// 12 bytes of scales, then `d`. Element `32j + l` takes its high bit from bit `j` of byte `l`.
 pub(super) fn q3_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 110], out: &mut [f32; 256]| {
         let d = f16_at(b, 108);
         let scales = q3_scales(&b[96..108]);
-        for (g, (o, &s)) in out.chunks_exact_mut(16).zip(&scales).enumerate() {
-            let dl = d * f32::from(s);
-            let (q, shift) = crumb_group(&b[32..96], g);
-            // Element 32j + l takes its high bit from bit j of byte l.
-            let (hmask, bit) = (&b[g % 2 * 16..][..16], g / 2);
-            for ((o, &q), &h) in o.iter_mut().zip(q).zip(hmask) {
-                let offset = (((h >> bit) & 1) ^ 1) << 2;
-                *o = dl * f32::from(((q >> shift) & 3) as i8 - offset as i8);
+        let hmask = &b[..32];
+        for (h, (o, qs)) in out.chunks_exact_mut(128).zip(b[32..96].chunks_exact(32)).enumerate() {
+            // Part `p` of the half is elements 16p..16p+16 of each of its four rows of 32.
+            for p in 0..2 {
+                let dl: [f32; 4] = std::array::from_fn(|r| d * f32::from(scales[8 * h + 2 * r + p]));
+                let (qs, hm) = (&qs[16 * p..][..16], &hmask[16 * p..][..16]);
+                for i in 0..16 {
+                    for (r, dl) in dl.iter().enumerate() {
+                        let offset = (((hm[i] >> (4 * h + r)) & 1) ^ 1) << 2;
+                        let q = ((qs[i] >> (2 * r)) & 3) as i8 - offset as i8;
+                        o[32 * r + 16 * p + i] = dl * f32::from(q);
+                    }
+                }
             }
         }
     });
@@ -86,20 +91,25 @@ pub(super) fn q5_k(src: &[u8], dst: &mut [f32]) {
 }
 
 /// Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 signed scales (one per 16
-/// elements), then `d`. Each half of 128 elements takes 64 low bytes (four rows of 32: low
-/// nibbles of bytes 0..32, of 32..64, then high nibbles) and 32 high bytes (row `r` at bits `2r`).
+/// elements), then `d`. Each half of 128 elements is four rows of 32 made from 64 low bytes
+/// (rows 0 and 1: low nibbles of bytes 0..32 and 32..64; rows 2 and 3: their high nibbles) and
+/// 32 high bytes (row `r` at bits `2r`).
 pub(super) fn q6_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 210], out: &mut [f32; 256]| {
         let d = f16_at(b, 208);
-        for (g, (o, &s)) in out.chunks_exact_mut(16).zip(&b[192..208]).enumerate() {
-            let dl = d * f32::from(s as i8);
-            let (half, row, part) = (g / 8, g / 2 % 4, g % 2);
-            let ql = &b[half * 64 + row % 2 * 32 + part * 16..][..16];
-            let qh = &b[128 + half * 32 + part * 16..][..16];
-            let (lshift, hshift) = (row / 2 * 4, row * 2);
-            for ((o, &l), &h) in o.iter_mut().zip(ql).zip(qh) {
-                let q = ((l >> lshift) & 0x0f) | ((h >> hshift) & 3) << 4;
-                *o = dl * f32::from(q as i8 - 32);
+        let halves = b[..128].chunks_exact(64).zip(b[128..192].chunks_exact(32));
+        for (h, (o, (ql, qh))) in out.chunks_exact_mut(128).zip(halves).enumerate() {
+            // Part `p` of the half is its elements 16p..16p+16 of each row.
+            for p in 0..2 {
+                let dl: [f32; 4] = std::array::from_fn(|r| d * f32::from(b[192 + 8 * h + 2 * r + p] as i8));
+                let (a, c, hb) = (&ql[16 * p..][..16], &ql[32 + 16 * p..][..16], &qh[16 * p..][..16]);
+                for i in 0..16 {
+                    let q = [a[i] & 0x0f, c[i] & 0x0f, a[i] >> 4, c[i] >> 4];
+                    for (r, q) in q.into_iter().enumerate() {
+                        let q = q | ((hb[i] >> (2 * r)) & 3) << 4;
+                        o[32 * r + 16 * p + i] = dl[r] * f32::from(q as i8 - 32);
+                    }
+                }
             }
         }
     });

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Write small valid seed files for the fuzz targets.
+
+    python fuzz/make_seeds.py [CORPUS]      (default: fuzz/corpus)
+
+CORPUS/gguf_header/*.gguf comes from gguf-py's GGUFWriter: metadata of every value type, nested
+arrays, a custom alignment, and tensors of float, legacy, k- and i-quant types made of random
+valid blocks (tests/oracle/quant_blocks.py). CORPUS/safetensors_header/*.safetensors comes from
+safetensors' torch writer: F32, BF16, I64, and an FP8 weight with its block scale. Seeds stay
+a few KiB, so that libFuzzer's default input size limit (the largest seed) stays small.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))
+from quant_blocks import random_blocks  # noqa: E402
+
+
+def gguf_seed(path: Path, types: list[Q], alignment: int | None, rng: np.random.Generator) -> None:
+    """One GGUF of metadata of every value type and one two-row tensor per type."""
+    w = GGUFWriter(path, arch="seed")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    w.add_uint8("seed.u8", 7)
+    w.add_int8("seed.i8", -7)
+    w.add_uint16("seed.u16", 700)
+    w.add_int16("seed.i16", -700)
+    w.add_uint32("seed.u32", 70_000)
+    w.add_int32("seed.i32", -70_000)
+    w.add_float32("seed.f32", 0.5)
+    w.add_bool("seed.bool", True)
+    w.add_string("seed.string", "Grüße")
+    w.add_uint64("seed.u64", 2**40)
+    w.add_int64("seed.i64", -(2**40))
+    w.add_float64("seed.f64", 1e-300)
+    w.add_array("seed.strings", ["a", "", "ß"])
+    w.add_array("seed.nested", [[1, 2], [3]])
+    for q in types:
+        block, size = GGML_QUANT_SIZES[q]
+        row_blocks = max(1, 32 // block)
+        blocks = random_blocks(q, 2 * row_blocks, rng).reshape(2, row_blocks * size)
+        w.add_tensor(f"blk.0.{q.name.lower()}.weight", blocks, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def safetensors_seed(path: Path, generator: torch.Generator) -> None:
+    """F32, BF16 and I64 tensors and a block-scaled FP8 weight."""
+    tensors = {
+        "a.weight": torch.randn(2, 3, generator=generator),
+        "b.weight": torch.randn(4, generator=generator).to(torch.bfloat16),
+        "c.weight": torch.randn(2, 130, generator=generator).to(torch.float8_e4m3fn),
+        "c.weight_scale_inv": torch.rand(1, 2, generator=generator),
+        "d.ids": torch.arange(3, dtype=torch.int64),
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def main(corpus: Path) -> None:
+    rng = np.random.default_rng(0)
+    gguf_dir = corpus / "gguf_header"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf_seed(gguf_dir / "floats.gguf", [Q.F32, Q.F16, Q.BF16], None, rng)
+    gguf_seed(gguf_dir / "legacy.gguf", [Q.Q4_0, Q.Q8_0, Q.IQ4_NL, Q.MXFP4], 64, rng)
+    gguf_seed(gguf_dir / "kquants.gguf", [Q.Q4_K, Q.Q6_K], None, rng)
+    gguf_seed(gguf_dir / "iquants.gguf", [Q.IQ2_XXS, Q.IQ4_XS], 16, rng)
+    gguf_seed(gguf_dir / "metadata-only.gguf", [], None, rng)
+    st_dir = corpus / "safetensors_header"
+    st_dir.mkdir(parents=True, exist_ok=True)
+    safetensors_seed(st_dir / "mixed.safetensors", torch.Generator().manual_seed(0))
+    for d in (gguf_dir, st_dir):
+        for f in sorted(d.iterdir()):
+            print(f"{f}: {f.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "corpus")

@@ -1,0 +1,39 @@
+//! What every fuzz target does with its input: write it to a file, open that file as a model
+//! and dequantize the first rows of every tensor it lists. Nothing may panic, and every error must
+//! name the file.
+//!
+//! glmcheck reads models from files (memory-mapped), so the input goes through a file rather than
+//! a new byte-slice entry point that the real program would never use.
+
+use std::sync::OnceLock;
+
+use glmcheck::weights::ModelFiles;
+
+/// Rows dequantized per tensor: enough to reach every decoder, little enough to stay fast.
+const ROWS: u64 = 4;
+
+/// A scratch folder for this fuzzing process, created once.
+fn scratch() -> &'static tempfile::TempDir {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("create a scratch folder"))
+}
+
+/// Open `data` as a model file named `input.EXT` and dequantize the first rows of each tensor.
+pub fn open_and_dequantize(data: &[u8], ext: &str) {
+    let path = scratch().path().join(format!("input.{ext}"));
+    std::fs::write(&path, data).expect("write the input file");
+    let name = path.display().to_string();
+    let assert_named = |e: glmcheck::weights::WeightError| {
+        let msg = e.to_string();
+        assert!(msg.contains(&name), "error does not name the file: {msg}");
+    };
+    let files = match ModelFiles::open(&path) {
+        Ok(files) => files,
+        Err(e) => return assert_named(e),
+    };
+    for t in files.tensors() {
+        if let Err(e) = files.dequantize_rows(t, 0..t.rows().min(ROWS)) {
+            assert_named(e);
+        }
+    }
+}
