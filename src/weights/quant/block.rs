@@ -1,5 +1,5 @@
 //! What the block decoders share: walking blocks as fixed-size arrays, reading little-endian
-//! fields, converting f16 the way numpy does, and ggml's 4-bit layout.
+//! fields, converting f16 the way numpy does, and ggml's 4-bit, 2-bit and codebook layouts.
 
 /// Calls `decode` on each `TS`-byte block and its `BS` outputs. Fixed-size arrays let the compiler
 /// drop bounds checks and unroll; the caller has checked that both slices hold whole blocks.
@@ -93,11 +93,21 @@ pub(super) fn nibble(b: &[u8], j: usize) -> u8 {
     (b[j / 2] >> (4 * (j % 2))) & 0x0f
 }
 
-/// ggml's 2-bit layout over 256 elements: element `128h + 32s + l` sits at bits `2s` of byte
-/// `32h + l`. For the 16-element group `g`, the 16 bytes that hold it and their shift.
+/// ggml's 2-bit layout: each 32 bytes hold 128 elements as four rows of 32, row `r` at bits `2r`.
+/// `f(crumb, row, i)` gives element `i` of `row`, counting rows over the whole of `out`.
 #[inline(always)]
-pub(super) fn crumb_group(q: &[u8], g: usize) -> (&[u8], u32) {
-    (&q[g / 8 * 32 + g % 2 * 16..][..16], (g / 2 % 4 * 2) as u32)
+pub(super) fn crumb_rows(q: &[u8], out: &mut [f32], f: impl Fn(u8, usize, usize) -> f32) {
+    for (h, (o, q)) in out
+        .chunks_exact_mut(128)
+        .zip(q.chunks_exact(32))
+        .enumerate()
+    {
+        for (i, &b) in q.iter().enumerate() {
+            for r in 0..4 {
+                o[32 * r + i] = f((b >> (2 * r)) & 3, 4 * h + r, i);
+            }
+        }
+    }
 }
 
 /// The 4-bit codebook types (IQ4_NL, IQ4_XS, MXFP4, NVFP4): each nibble picks an integer level,
@@ -118,7 +128,8 @@ mod tests {
         for h in 0..=u16::MAX {
             let f = f16_to_f32(h);
             if f.is_nan() {
-                let expected = (u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (u32::from(h & 0x3ff) << 13);
+                let expected =
+                    (u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (u32::from(h & 0x3ff) << 13);
                 assert_eq!(f.to_bits(), expected, "{h:#06x}");
             } else {
                 assert_eq!(half::f16::from_f32(f).to_bits(), h, "{h:#06x}");
@@ -127,17 +138,30 @@ mod tests {
     }
 
     #[test]
-    fn crumb_groups_follow_ggml_order() {
-        let q: Vec<u8> = (0..64).collect();
-        assert_eq!(crumb_group(&q, 0), (&q[0..16], 0));
-        assert_eq!(crumb_group(&q, 3), (&q[16..32], 2));
-        assert_eq!(crumb_group(&q, 15), (&q[48..64], 6));
+    fn crumb_rows_follow_ggml_order() {
+        let q: Vec<u8> = (0..64)
+            .map(|i| if i == 33 { 0b1110_0100 } else { 0 })
+            .collect();
+        let mut out = [0.0; 256];
+        crumb_rows(&q, &mut out, |c, row, i| {
+            f32::from(c) + (100 * row + i) as f32 / 1000.0
+        });
+        // Byte 33 is element 1 of rows 4..8, i.e. elements 128 + 32r + 1, with crumbs 0, 1, 2, 3.
+        for r in 0..4 {
+            assert_eq!(
+                out[128 + 32 * r + 1],
+                r as f32 + (100 * (4 + r) + 1) as f32 / 1000.0
+            );
+        }
+        assert_eq!(out[1], 0.001);
     }
 
     #[test]
     fn nibbles_put_low_halves_first() {
         let mut out = [0.0; 4];
-        nibbles(&[0x21, 0x43], &mut out, |n, half| f32::from(n) + 10.0 * half as f32);
+        nibbles(&[0x21, 0x43], &mut out, |n, half| {
+            f32::from(n) + 10.0 * half as f32
+        });
         assert_eq!(out, [1.0, 3.0, 12.0, 14.0]);
     }
 }

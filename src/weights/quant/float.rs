@@ -37,5 +37,7 @@ pub(super) fn from_f16(src: &[u8], dst: &mut [f32]) {
 
 /// BF16: the top half of an f32.
 pub(super) fn from_bf16(src: &[u8], dst: &mut [f32]) {
-    map_elements(src, dst, |b| f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16));
+    map_elements(src, dst, |b| {
+        f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16)
+    });
 }

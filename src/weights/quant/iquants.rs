@@ -4,7 +4,8 @@
 
 use super::block::{codebook_nibbles, each_block, f16_at, f16_to_f32, nibble, u16_at, u32_at};
 use super::grids::{
-    IQ1S_GRID, IQ1_DELTA, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, IQ4NL_VALUES, KSIGNS,
+    IQ1S_GRID, IQ1_DELTA, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, IQ4NL_VALUES,
+    KSIGNS,
 };
 
 /// The sub-block scale of IQ2 and IQ3_XXS: `(d * (0.5 + s)) * unit`, rounded at each step.
@@ -91,7 +92,12 @@ pub(super) fn iq2_s(src: &[u8], dst: &mut [f32]) {
             let db = half_step_scale(d, u32::from(nibble(&b[74..82], g / 2)), 0.25);
             let top = usize::from(b[66 + g / 4] >> (2 * (g % 4))) & 3;
             let index = usize::from(b[2 + g]) | top << 8;
-            signed_row(db, &IQ2S_GRID[index], &SIGN_FACTORS[usize::from(b[34 + g])], o);
+            signed_row(
+                db,
+                &IQ2S_GRID[index],
+                &SIGN_FACTORS[usize::from(b[34 + g])],
+                o,
+            );
         }
     });
 }
@@ -101,11 +107,18 @@ pub(super) fn iq2_s(src: &[u8], dst: &mut [f32]) {
 pub(super) fn iq3_xxs(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 98], out: &mut [f32; 256]| {
         let d = f16_at(b, 0);
-        for (j, (o, q)) in out.chunks_exact_mut(32).zip(b[2..66].chunks_exact(8)).enumerate() {
+        for (j, (o, q)) in out
+            .chunks_exact_mut(32)
+            .zip(b[2..66].chunks_exact(8))
+            .enumerate()
+        {
             let aux = u32_at(b, 66 + 4 * j);
             let db = half_step_scale(d, aux >> 28, 0.5);
             for (k, (o, q)) in o.chunks_exact_mut(8).zip(q.chunks_exact(2)).enumerate() {
-                let rows = [&IQ3XXS_GRID[usize::from(q[0])], &IQ3XXS_GRID[usize::from(q[1])]];
+                let rows = [
+                    &IQ3XXS_GRID[usize::from(q[0])],
+                    &IQ3XXS_GRID[usize::from(q[1])],
+                ];
                 signed_row_pair(db, rows, aux_signs(aux, k), o);
             }
         }
@@ -117,7 +130,8 @@ pub(super) fn iq3_xxs(src: &[u8], dst: &mut [f32]) {
 pub(super) fn iq3_s(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 110], out: &mut [f32; 256]| {
         let d = f16_at(b, 0);
-        let index = |i: usize| usize::from(b[2 + i]) | usize::from((b[66 + i / 8] >> (i % 8)) & 1) << 8;
+        let index =
+            |i: usize| usize::from(b[2 + i]) | usize::from((b[66 + i / 8] >> (i % 8)) & 1) << 8;
         for (g, o) in out.chunks_exact_mut(8).enumerate() {
             let db = d * f32::from(1 + 2 * nibble(&b[106..110], g / 4));
             let rows = [&IQ3S_GRID[index(2 * g)], &IQ3S_GRID[index(2 * g + 1)]];
@@ -149,7 +163,11 @@ fn iq1_delta(negative: bool) -> f32 {
 pub(super) fn iq1_s(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 50], out: &mut [f32; 256]| {
         let d = f16_at(b, 0);
-        for (j, (o, q)) in out.chunks_exact_mut(32).zip(b[2..34].chunks_exact(4)).enumerate() {
+        for (j, (o, q)) in out
+            .chunks_exact_mut(32)
+            .zip(b[2..34].chunks_exact(4))
+            .enumerate()
+        {
             let qh = u16_at(b, 34 + 2 * j);
             let dl = d * f32::from(2 * ((qh >> 12) & 7) + 1);
             let delta = iq1_delta(qh & 0x8000 != 0);
@@ -167,7 +185,8 @@ pub(super) fn iq1_s(src: &[u8], dst: &mut [f32]) {
 pub(super) fn iq1_m(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 56], out: &mut [f32; 256]| {
         let s: [u16; 4] = std::array::from_fn(|i| u16_at(b, 48 + 2 * i));
-        let d = f16_to_f32((s[0] >> 12) | (s[1] >> 12) << 4 | (s[2] >> 12) << 8 | (s[3] >> 12) << 12);
+        let d =
+            f16_to_f32((s[0] >> 12) | (s[1] >> 12) << 4 | (s[2] >> 12) << 8 | (s[3] >> 12) << 12);
         for (g, o) in out.chunks_exact_mut(8).enumerate() {
             let sub = g / 2;
             let dl = d * f32::from(2 * ((s[sub / 4] >> (3 * (sub % 4))) & 7) + 1);
@@ -191,7 +210,11 @@ pub(super) fn iq4_xs(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 136], out: &mut [f32; 256]| {
         let d = f16_at(b, 0);
         let tops = u16_at(b, 2);
-        for (j, (o, q)) in out.chunks_exact_mut(32).zip(b[8..].chunks_exact(16)).enumerate() {
+        for (j, (o, q)) in out
+            .chunks_exact_mut(32)
+            .zip(b[8..].chunks_exact(16))
+            .enumerate()
+        {
             let top = ((tops >> (2 * j)) & 3) as u8;
             let ls = (nibble(&b[4..8], j) | top << 4) as i8 - 32;
             codebook_nibbles(d * f32::from(ls), &IQ4NL_VALUES, q, o);

@@ -1,21 +1,21 @@
 //! The k-quants: 256-element super-blocks with an f16 `d` (and `dmin`) and small integer scales
-//! per sub-block. Like gguf-py, each sub-block's `d * scale` (and `dmin * min`) is rounded to f32
-//! first, then every element is `dl * q` (minus `ml`, after rounding the product).
+//! per sub-block. Like gguf-py, each sub-block's `d * scale` (and `dmin * min`) is formed in f32
+//! first, then every element is `dl * q` (minus `ml`). An f16 has 11 significant bits and scale
+//! times code at most 13, so every product is exact: only the subtraction of `ml` rounds.
 
-use super::block::{crumb_group, each_block, f16_at, nibbles, nibbles_at};
+use super::block::{crumb_rows, each_block, f16_at, nibbles, nibbles_at};
 
 /// Q2_K: 16 bytes of 4-bit scale (low) and min (high) per 16 elements, 64 bytes of 2-bit codes,
 /// then `d` and `dmin`.
 pub(super) fn q2_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 84], out: &mut [f32; 256]| {
         let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-        for (g, (o, &sc)) in out.chunks_exact_mut(16).zip(&b[..16]).enumerate() {
-            let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
-            let (q, shift) = crumb_group(&b[16..80], g);
-            for (o, &q) in o.iter_mut().zip(q) {
-                *o = dl * f32::from((q >> shift) & 3) - ml;
-            }
-        }
+        let dl: [f32; 16] = std::array::from_fn(|g| d * f32::from(b[g] & 0x0f));
+        let ml: [f32; 16] = std::array::from_fn(|g| dmin * f32::from(b[g] >> 4));
+        crumb_rows(&b[16..80], out, |q, row, i| {
+            let g = 2 * row + i / 16;
+            dl[g] * f32::from(q) - ml[g]
+        });
     });
 }
 
@@ -31,35 +31,40 @@ fn q3_scales(s: &[u8]) -> [i8; 16] {
 }
 
 /// Q3_K: 32 bytes of high bits (a set bit means no -4 offset), 64 bytes of 2-bit codes,
-/// 12 bytes of scales, then `d`. Element `32j + l` takes its high bit from bit `j` of byte `l`.
+/// 12 bytes of scales, then `d`. Row `j` of 32 takes its high bits from bit `j` of each byte.
 pub(super) fn q3_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 110], out: &mut [f32; 256]| {
         let d = f16_at(b, 108);
         let scales = q3_scales(&b[96..108]);
-        let hmask = &b[..32];
-        for (h, (o, qs)) in out.chunks_exact_mut(128).zip(b[32..96].chunks_exact(32)).enumerate() {
-            // Part `p` of the half is elements 16p..16p+16 of each of its four rows of 32.
-            for p in 0..2 {
-                let dl: [f32; 4] = std::array::from_fn(|r| d * f32::from(scales[8 * h + 2 * r + p]));
-                let (qs, hm) = (&qs[16 * p..][..16], &hmask[16 * p..][..16]);
-                for i in 0..16 {
-                    for (r, dl) in dl.iter().enumerate() {
-                        let offset = (((hm[i] >> (4 * h + r)) & 1) ^ 1) << 2;
-                        let q = ((qs[i] >> (2 * r)) & 3) as i8 - offset as i8;
-                        o[32 * r + 16 * p + i] = dl * f32::from(q);
-                    }
-                }
-            }
-        }
+        let dl: [f32; 16] = std::array::from_fn(|g| d * f32::from(scales[g]));
+        crumb_rows(&b[32..96], out, |q, row, i| {
+            let offset = (((b[i] >> row) & 1) ^ 1) << 2;
+            dl[2 * row + i / 16] * f32::from(q as i8 - offset as i8)
+        });
     });
 }
 
 /// The eight 6-bit scales and mins of Q4_K/Q5_K, packed in 12 bytes, times `d` and `dmin`.
 #[inline(always)]
 fn scales_mins(d: f32, dmin: f32, s: &[u8]) -> ([f32; 8], [f32; 8]) {
-    let scale = |j: usize| if j < 4 { s[j] & 0x3f } else { (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30) };
-    let min = |j: usize| if j < 4 { s[j + 4] & 0x3f } else { (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30) };
-    (std::array::from_fn(|j| d * f32::from(scale(j))), std::array::from_fn(|j| dmin * f32::from(min(j))))
+    let scale = |j: usize| {
+        if j < 4 {
+            s[j] & 0x3f
+        } else {
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30)
+        }
+    };
+    let min = |j: usize| {
+        if j < 4 {
+            s[j + 4] & 0x3f
+        } else {
+            (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30)
+        }
+    };
+    (
+        std::array::from_fn(|j| d * f32::from(scale(j))),
+        std::array::from_fn(|j| dmin * f32::from(min(j))),
+    )
 }
 
 /// Q4_K: `d`, `dmin`, 12 bytes of scales and mins, then 4-bit codes: each 32 bytes hold two
@@ -67,7 +72,11 @@ fn scales_mins(d: f32, dmin: f32, s: &[u8]) -> ([f32; 8], [f32; 8]) {
 pub(super) fn q4_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 144], out: &mut [f32; 256]| {
         let (dl, ml) = scales_mins(f16_at(b, 0), f16_at(b, 2), &b[4..16]);
-        for (c, (o, q)) in out.chunks_exact_mut(64).zip(b[16..].chunks_exact(32)).enumerate() {
+        for (c, (o, q)) in out
+            .chunks_exact_mut(64)
+            .zip(b[16..].chunks_exact(32))
+            .enumerate()
+        {
             let (dl, ml) = ([dl[2 * c], dl[2 * c + 1]], [ml[2 * c], ml[2 * c + 1]]);
             nibbles(q, o, |n, half| dl[half] * f32::from(n) - ml[half]);
         }
@@ -80,7 +89,11 @@ pub(super) fn q5_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 176], out: &mut [f32; 256]| {
         let (dl, ml) = scales_mins(f16_at(b, 0), f16_at(b, 2), &b[4..16]);
         let qh = &b[16..48];
-        for (c, (o, q)) in out.chunks_exact_mut(64).zip(b[48..].chunks_exact(32)).enumerate() {
+        for (c, (o, q)) in out
+            .chunks_exact_mut(64)
+            .zip(b[48..].chunks_exact(32))
+            .enumerate()
+        {
             let (dl, ml) = ([dl[2 * c], dl[2 * c + 1]], [ml[2 * c], ml[2 * c + 1]]);
             nibbles_at(q, o, |n, half, l| {
                 let q = n | ((qh[l] >> (2 * c + half)) & 1) << 4;
@@ -97,18 +110,14 @@ pub(super) fn q5_k(src: &[u8], dst: &mut [f32]) {
 pub(super) fn q6_k(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 210], out: &mut [f32; 256]| {
         let d = f16_at(b, 208);
+        let dl: [f32; 16] = std::array::from_fn(|g| d * f32::from(b[192 + g] as i8));
         let halves = b[..128].chunks_exact(64).zip(b[128..192].chunks_exact(32));
         for (h, (o, (ql, qh))) in out.chunks_exact_mut(128).zip(halves).enumerate() {
-            // Part `p` of the half is its elements 16p..16p+16 of each row.
-            for p in 0..2 {
-                let dl: [f32; 4] = std::array::from_fn(|r| d * f32::from(b[192 + 8 * h + 2 * r + p] as i8));
-                let (a, c, hb) = (&ql[16 * p..][..16], &ql[32 + 16 * p..][..16], &qh[16 * p..][..16]);
-                for i in 0..16 {
-                    let q = [a[i] & 0x0f, c[i] & 0x0f, a[i] >> 4, c[i] >> 4];
-                    for (r, q) in q.into_iter().enumerate() {
-                        let q = q | ((hb[i] >> (2 * r)) & 3) << 4;
-                        o[32 * r + 16 * p + i] = dl[r] * f32::from(q as i8 - 32);
-                    }
+            for i in 0..32 {
+                for r in 0..4 {
+                    let low = (ql[32 * (r % 2) + i] >> (4 * (r / 2))) & 0x0f;
+                    let q = low | ((qh[i] >> (2 * r)) & 3) << 4;
+                    o[32 * r + i] = dl[8 * h + 2 * r + i / 16] * f32::from(q as i8 - 32);
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! The first ggml quants: 32 elements per block behind an f16 scale `d` (and, for the `_1` types,
 //! an f16 minimum `m`). Values are `d * q`, or `d * q + m` with the product rounded before the sum.
 
-use super::block::{each_block, f16_at, nibbles, nibbles_at, u32_at};
+use super::block::{each_block, f16_at, nibbles, nibbles_at};
 
 /// Q4_0: `d`, then 16 bytes of 4-bit `q - 8`.
 pub(super) fn q4_0(src: &[u8], dst: &mut [f32]) {
@@ -19,18 +19,35 @@ pub(super) fn q4_1(src: &[u8], dst: &mut [f32]) {
     });
 }
 
-/// The 5-bit codes of Q5_0/Q5_1 through `f`: bit `i` of `qh` is the fifth bit of element `i`, and
-/// `ql` holds the low four bits in ggml's nibble layout.
+/// Bit `k` of a byte moved to bit 4 of byte `k`: Q5's fifth bits spread to one byte per element
+/// by table, which vectorizes where per-element bit tests did not (2x on Q5_0).
+static FIFTH_BITS: [[u8; 8]; 256] = {
+    let mut table = [[0; 8]; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let mut bit = 0;
+        while bit < 8 {
+            table[byte][bit] = (((byte >> bit) & 1) << 4) as u8;
+            bit += 1;
+        }
+        byte += 1;
+    }
+    table
+};
+
+/// The 5-bit codes of Q5_0/Q5_1 through `f`: bit `i` of the 4 bytes `qh` is the fifth bit of
+/// element `i`, and `ql` holds the low four bits in ggml's nibble layout.
 #[inline(always)]
-fn five_bit(qh: u32, ql: &[u8], out: &mut [f32; 32], f: impl Fn(u8) -> f32) {
-    nibbles_at(ql, out, |n, half, i| f(n | (((qh >> (i + 16 * half)) & 1) as u8) << 4));
+fn five_bit(qh: &[u8], ql: &[u8], out: &mut [f32; 32], f: impl Fn(u8) -> f32) {
+    let high: [u8; 32] = std::array::from_fn(|i| FIFTH_BITS[usize::from(qh[i / 8])][i % 8]);
+    nibbles_at(ql, out, |n, half, i| f(n | high[i + 16 * half]));
 }
 
 /// Q5_0: `d`, 4 bytes of fifth bits, 16 bytes of low nibbles; codes are `q - 16`.
 pub(super) fn q5_0(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 22], out: &mut [f32; 32]| {
         let d = f16_at(b, 0);
-        five_bit(u32_at(b, 2), &b[6..], out, |q| d * f32::from(q as i8 - 16));
+        five_bit(&b[2..6], &b[6..], out, |q| d * f32::from(q as i8 - 16));
     });
 }
 
@@ -38,7 +55,7 @@ pub(super) fn q5_0(src: &[u8], dst: &mut [f32]) {
 pub(super) fn q5_1(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 24], out: &mut [f32; 32]| {
         let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-        five_bit(u32_at(b, 4), &b[8..], out, |q| d * f32::from(q) + m);
+        five_bit(&b[4..8], &b[8..], out, |q| d * f32::from(q) + m);
     });
 }
 

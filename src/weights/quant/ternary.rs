@@ -1,6 +1,6 @@
 //! The ternary quants TQ1_0 and TQ2_0: 256 values in {-1, 0, 1} times an f16 `d` at the end.
 
-use super::block::{crumb_group, each_block, f16_at};
+use super::block::{crumb_rows, each_block, f16_at};
 
 /// One trit of a TQ1_0 byte, which packs five as a base-3 fraction of 256: multiplying by 3^p
 /// (wrapping) moves digit `p` to the top, and the top bits of three times that are the digit.
@@ -35,11 +35,6 @@ pub(super) fn tq1_0(src: &[u8], dst: &mut [f32]) {
 pub(super) fn tq2_0(src: &[u8], dst: &mut [f32]) {
     each_block(src, dst, |b: &[u8; 66], out: &mut [f32; 256]| {
         let d = f16_at(b, 64);
-        for (g, o) in out.chunks_exact_mut(16).enumerate() {
-            let (q, shift) = crumb_group(&b[..64], g);
-            for (o, &q) in o.iter_mut().zip(q) {
-                *o = d * f32::from(((q >> shift) & 3) as i8 - 1);
-            }
-        }
+        crumb_rows(&b[..64], out, |q, _, _| d * f32::from(q as i8 - 1));
     });
 }
