@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0};
-use comfy_table::{presets, Table};
+use comfy_table::{presets, Table, TableStyle};
 use glmcheck::weights::quant;
 use glmcheck::weights::GgmlType;
 
@@ -64,11 +64,15 @@ fn run() -> Result<bool> {
         let path = data.path().join(format!("{name}.blocks"));
         let blocks = std::fs::read(&path).with_context(|| path.display().to_string())?;
         let mut ours = vec![0f32; blocks.len() / ty.type_size() * ty.block_size()];
-        let dequant = |out: &mut [f32]| quant::dequantize_rows(ty, &blocks, out, ROW_LEN).expect("whole rows");
+        let dequant = |out: &mut [f32]| {
+            quant::dequantize_rows(ty, &blocks, out, ROW_LEN).expect("whole rows")
+        };
         let glmcheck_1 = gbps(&mut ours, |out| one.install(|| dequant(out)));
         let glmcheck_2 = gbps(&mut ours, |out| two.install(|| dequant(out)));
         let candle = candle(ty, &blocks, ours.len());
-        let same_bits = candle.as_ref().map(|(_, theirs)| same_bits(name, &ours, theirs));
+        let same_bits = candle
+            .as_ref()
+            .map(|(_, theirs)| same_bits(name, &ours, theirs));
         rows.push(Row {
             ty,
             glmcheck_1,
@@ -100,7 +104,10 @@ fn gguf_py(dir: &Path) -> Result<BTreeMap<String, f64>> {
         .output()
         .context("start python (run scripts/setup-venv or set GLMCHECK_PYTHON)")?;
     if !out.status.success() {
-        bail!("gguf_py_dequant.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "gguf_py_dequant.py failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     serde_json::from_slice(&out.stdout).context("gguf_py_dequant.py output")
 }
@@ -142,18 +149,30 @@ fn candle_run<B: k_quants::GgmlType>(bytes: &[u8], n: usize) -> (f64, Vec<f32>) 
 /// disk, so that the bytes are copied in as they are.
 fn candle_blocks<B: k_quants::GgmlType>(bytes: &[u8]) -> Vec<B> {
     let size = std::mem::size_of::<B>();
-    assert_eq!(size, B::DTYPE.type_size(), "candle's block is its on-disk size");
+    assert_eq!(
+        size,
+        B::DTYPE.type_size(),
+        "candle's block is its on-disk size"
+    );
     assert_eq!(bytes.len() % size, 0, "whole blocks");
     let mut blocks = vec![B::zeros(); bytes.len() / size];
     // SAFETY: `blocks` holds exactly `bytes.len()` bytes, and every bit pattern is a valid block
     // (its fields are f16 and u8 arrays, no padding: the size equals the on-disk block size).
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), blocks.as_mut_ptr().cast::<u8>(), bytes.len()) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            blocks.as_mut_ptr().cast::<u8>(),
+            bytes.len(),
+        )
+    };
     blocks
 }
 
 /// Whether the two outputs are bit-identical; a difference is reported on stderr.
 fn same_bits(name: &str, ours: &[f32], theirs: &[f32]) -> bool {
-    let differ: Vec<usize> = (0..ours.len()).filter(|&i| ours[i].to_bits() != theirs[i].to_bits()).collect();
+    let differ: Vec<usize> = (0..ours.len())
+        .filter(|&i| ours[i].to_bits() != theirs[i].to_bits())
+        .collect();
     if let Some(&i) = differ.first() {
         eprintln!(
             "MISMATCH {name}: glmcheck and candle differ in {} of {} values; first at {i}: {} vs {}",
@@ -182,7 +201,7 @@ fn report(rows: &[Row]) -> Result<()> {
     Ok(())
 }
 
-fn table(rows: &[Row], preset: &str) -> Table {
+fn table(rows: &[Row], preset: TableStyle) -> Table {
     let mut t = Table::new();
     t.load_style(preset).set_header([
         "type",
@@ -195,13 +214,20 @@ fn table(rows: &[Row], preset: &str) -> Table {
     ]);
     let dash = || "—".to_string();
     for r in rows {
-        let equal = r.same_bits.map_or_else(dash, |same| if same { "yes".into() } else { "MISMATCH".into() });
+        let equal = r.same_bits.map_or_else(dash, |same| {
+            if same {
+                "yes".into()
+            } else {
+                "MISMATCH".into()
+            }
+        });
         t.add_row([
             r.ty.name().to_string(),
             format!("{:.2}", r.glmcheck_1),
             format!("{:.2}", r.glmcheck_2),
             r.candle.map_or_else(dash, |c| format!("{c:.2}")),
-            r.candle.map_or_else(dash, |c| format!("{:.2}×", r.glmcheck_1 / c)),
+            r.candle
+                .map_or_else(dash, |c| format!("{:.2}×", r.glmcheck_1 / c)),
             r.gguf_py.map_or_else(dash, |p| format!("{p:.3}")),
             equal,
         ]);
