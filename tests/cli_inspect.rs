@@ -11,26 +11,38 @@ use glmcheck::weights::ModelFiles;
 use serde_json::Value as Json;
 
 fn glmcheck(args: &[&str]) -> Output {
-    Command::new(common::glmcheck_bin()).args(args).output().unwrap()
+    Command::new(common::glmcheck_bin())
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn one_line_error(out: &Output, naming: &str) {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("glmcheck: error: ") && err.contains(naming), "{err}");
+    assert!(
+        err.starts_with("glmcheck: error: ") && err.contains(naming),
+        "{err}"
+    );
 }
 
 #[test]
 fn missing_and_unreadable_inputs_are_one_line_exit_2() {
-    one_line_error(&glmcheck(&["inspect", "/no/such/model.gguf"]), "/no/such/model.gguf");
+    one_line_error(
+        &glmcheck(&["inspect", "/no/such/model.gguf"]),
+        "/no/such/model.gguf",
+    );
     let dir = common::scratch();
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"GGUF\x03\x00\x00\x00\xff\xff").unwrap();
     one_line_error(&glmcheck(&["dequant", junk.to_str().unwrap()]), "junk.gguf");
     let model = dir.path().join("m.gguf");
     synth::write_gguf(&synth::tiny_config(), &model, 1).unwrap();
-    one_line_error(&glmcheck(&["dequant", "--tensor", "nothing*", model.to_str().unwrap()]), "m.gguf");
+    one_line_error(
+        &glmcheck(&["dequant", "--tensor", "nothing*", model.to_str().unwrap()]),
+        "m.gguf",
+    );
 }
 
 #[test]
@@ -39,16 +51,29 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
     let model = dir.path().join("tiny.gguf");
     synth::write_gguf(&synth::tiny_config(), &model, 3).unwrap();
     let out = glmcheck(&["inspect", "--json", model.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: Json = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["schema"]["ok"], true);
     assert_eq!(report["schema"]["report"]["layout"]["kv_b"], "split");
-    assert_eq!(report["schema"]["report"]["mtp_layers"], serde_json::json!([3]));
+    assert_eq!(
+        report["schema"]["report"]["mtp_layers"],
+        serde_json::json!([3])
+    );
     // gguf-py reads the same architecture, tensor names and shapes.
     let listing = common::run_oracle("list_gguf.py", &[model.to_str().unwrap()]);
     let theirs: Json = serde_json::from_str(&listing).unwrap();
     assert_eq!(theirs["arch"], "glm-dsa");
-    let ours: Vec<Json> = report["tensors"].as_array().unwrap().iter().map(|t| serde_json::json!([t["name"], t["shape"]])).collect();
+    let ours: Vec<Json> = report["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| serde_json::json!([t["name"], t["shape"]]))
+        .collect();
     assert_eq!(theirs["tensors"].as_array().unwrap(), &ours);
 }
 
@@ -62,8 +87,14 @@ fn a_missing_tensor_fails_the_schema_with_exit_1() {
     for (k, v) in files.gguf().unwrap().metadata() {
         w.metadata(k.clone(), v.clone());
     }
-    for t in files.tensors().iter().filter(|t| t.name != "blk.1.attn_v_b.weight") {
-        let glmcheck::weights::Encoding::Ggml(ty) = t.encoding else { unreachable!() };
+    for t in files
+        .tensors()
+        .iter()
+        .filter(|t| t.name != "blk.1.attn_v_b.weight")
+    {
+        let glmcheck::weights::Encoding::Ggml(ty) = t.encoding else {
+            unreachable!()
+        };
         w.tensor(t.name.clone(), ty, &t.shape, files.bytes(t).to_vec());
     }
     let broken = dir.path().join("broken.gguf");
@@ -71,5 +102,8 @@ fn a_missing_tensor_fails_the_schema_with_exit_1() {
     let out = glmcheck(&["inspect", "--json", broken.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let report: Json = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["schema"]["report"]["missing"], serde_json::json!(["blk.1.attn_v_b.weight"]));
+    assert_eq!(
+        report["schema"]["report"]["missing"],
+        serde_json::json!(["blk.1.attn_v_b.weight"])
+    );
 }

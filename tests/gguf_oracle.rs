@@ -14,20 +14,34 @@ use serde_json::Value as Json;
 
 fn expected_f32(st: &SafeTensors, name: &str) -> Vec<f32> {
     let view = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits()) {
-        panic!("{what}: element {i} is {} ({:#x}), gguf-py says {} ({:#x})", got[i], got[i].to_bits(), want[i], want[i].to_bits());
+    if let Some(i) = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{what}: element {i} is {} ({:#x}), gguf-py says {} ({:#x})",
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
     }
 }
 
 fn written(dir: &Path) -> (ModelFiles, Json, Vec<u8>) {
     common::run_oracle("write_gguf.py", &[dir.to_str().unwrap()]);
     let files = ModelFiles::open(&dir.join("model.gguf")).expect("open");
-    let manifest: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let manifest: Json =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
     let expected = std::fs::read(dir.join("expected.safetensors")).unwrap();
     (files, manifest, expected)
 }
@@ -41,23 +55,45 @@ fn reads_what_gguf_py_wrote_and_dequantizes_bit_for_bit() {
 
     // Metadata: every key gguf-py reads back has the same value here.
     for (key, want) in manifest["metadata"].as_object().unwrap() {
-        let got = gguf.get(key).unwrap_or_else(|| panic!("metadata {key} missing"));
+        let got = gguf
+            .get(key)
+            .unwrap_or_else(|| panic!("metadata {key} missing"));
         assert_eq!(&got.to_json(usize::MAX), want, "metadata {key}");
     }
     let nested = gguf.get("test.nested").unwrap();
     assert_eq!(nested.to_json(usize::MAX), serde_json::json!([[1, 2], [3]]));
-    assert_eq!(gguf.get("test.u64").and_then(Value::as_u64), Some((1 << 63) + 5));
+    assert_eq!(
+        gguf.get("test.u64").and_then(Value::as_u64),
+        Some((1 << 63) + 5)
+    );
 
     // Tensor infos: names, types, shapes and absolute data offsets as GGUFReader has them.
     let infos = manifest["tensors"].as_array().unwrap();
     assert_eq!(files.tensors().len(), infos.len());
     for (t, info) in files.tensors().iter().zip(infos) {
         assert_eq!(t.name, info["name"].as_str().unwrap());
-        let Encoding::Ggml(ty) = t.encoding else { panic!("{}: not a GGML type", t.name) };
-        assert_eq!(u64::from(ty.id()), info["type"].as_u64().unwrap(), "{} type", t.name);
-        let shape: Vec<u64> = info["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        let Encoding::Ggml(ty) = t.encoding else {
+            panic!("{}: not a GGML type", t.name)
+        };
+        assert_eq!(
+            u64::from(ty.id()),
+            info["type"].as_u64().unwrap(),
+            "{} type",
+            t.name
+        );
+        let shape: Vec<u64> = info["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(t.shape, shape, "{} shape", t.name);
-        assert_eq!(t.offset, info["offset"].as_u64().unwrap(), "{} offset", t.name);
+        assert_eq!(
+            t.offset,
+            info["offset"].as_u64().unwrap(),
+            "{} offset",
+            t.name
+        );
     }
 
     // Values: whole tensors, row ranges, single experts.
@@ -66,11 +102,22 @@ fn reads_what_gguf_py_wrote_and_dequantizes_bit_for_bit() {
         let want = expected_f32(&st, &t.name);
         assert_bits(&t.name, &files.dequantize(t).unwrap(), &want);
         let row = t.row_len() as usize;
-        assert_bits(&format!("{} rows 1..3", t.name), &files.dequantize_rows(t, 1..3).unwrap(), &want[row..3 * row]);
+        assert_bits(
+            &format!("{} rows 1..3", t.name),
+            &files.dequantize_rows(t, 1..3).unwrap(),
+            &want[row..3 * row],
+        );
         if t.shape.len() == 3 {
             let per_expert = (t.shape[1] * t.shape[2]) as usize;
-            assert_bits(&format!("{} expert 2", t.name), &files.dequantize_expert(t, 2).unwrap(), &want[2 * per_expert..3 * per_expert]);
-            assert!(files.dequantize_expert(t, 3).is_err(), "expert past the end must be refused");
+            assert_bits(
+                &format!("{} expert 2", t.name),
+                &files.dequantize_expert(t, 2).unwrap(),
+                &want[2 * per_expert..3 * per_expert],
+            );
+            assert!(
+                files.dequantize_expert(t, 3).is_err(),
+                "expert past the end must be refused"
+            );
             types_seen += 1;
         }
     }
@@ -89,12 +136,24 @@ fn dequant_dump_writes_what_gguf_py_computes() {
         .output()
         .unwrap();
     let dumped = std::fs::read(&out).unwrap();
-    let (got, want) = (SafeTensors::deserialize(&dumped).unwrap(), SafeTensors::deserialize(&expected).unwrap());
+    let (got, want) = (
+        SafeTensors::deserialize(&dumped).unwrap(),
+        SafeTensors::deserialize(&expected).unwrap(),
+    );
     // Random F32/F16/BF16 bytes hold NaN and Inf patterns: the health check must flag exactly those.
-    let poisoned: Vec<String> =
-        want.names().into_iter().filter(|n| expected_f32(&want, n).iter().any(|x| !x.is_finite())).map(|n| n.to_string()).collect();
+    let poisoned: Vec<String> = want
+        .names()
+        .into_iter()
+        .filter(|n| expected_f32(&want, n).iter().any(|x| !x.is_finite()))
+        .map(|n| n.to_string())
+        .collect();
     assert!(!poisoned.is_empty());
-    assert_eq!(status.status.code(), Some(1), "{}", String::from_utf8_lossy(&status.stderr));
+    assert_eq!(
+        status.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     let report: Json = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(report["verdict"], "fail");
     let mut flagged: Vec<String> = report["tensors"]
@@ -110,7 +169,11 @@ fn dequant_dump_writes_what_gguf_py_computes() {
     assert_eq!(flagged, poisoned);
     assert_eq!(got.len(), want.len());
     for name in want.names() {
-        assert_eq!(got.tensor(name).unwrap().shape(), want.tensor(name).unwrap().shape(), "{name}");
+        assert_eq!(
+            got.tensor(name).unwrap().shape(),
+            want.tensor(name).unwrap().shape(),
+            "{name}"
+        );
         assert_bits(name, &expected_f32(&got, name), &expected_f32(&want, name));
     }
 }

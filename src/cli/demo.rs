@@ -26,11 +26,30 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
             println!("\n== {s}\n");
         }
     };
-    say(&format!("built a tiny GLM-5 ({} layers + MTP, {} experts) at {}", cfg.num_hidden_layers, cfg.n_routed_experts, path.display()));
+    say(&format!(
+        "built a tiny GLM-5 ({} layers + MTP, {} experts) at {}",
+        cfg.num_hidden_layers,
+        cfg.n_routed_experts,
+        path.display()
+    ));
     say("glmcheck inspect glm5-tiny.gguf");
-    let model = || ModelArg { model: path.clone(), json: args.json };
-    let inspected = inspect::run(InspectArgs { model: model(), all: false })?;
+    let model = || ModelArg {
+        model: path.clone(),
+        json: args.json,
+    };
+    let inspected = inspect::run(InspectArgs {
+        model: model(),
+        all: false,
+    })?;
     say("glmcheck dequant glm5-tiny.gguf --tensor 'blk.1.*'");
-    let checked = dequant::run(DequantArgs { model: model(), tensors: vec!["blk.1.*".into()], dump: None })?;
-    Ok(if inspected == Outcome::Pass && checked == Outcome::Pass { Outcome::Pass } else { Outcome::Fail })
+    let checked = dequant::run(DequantArgs {
+        model: model(),
+        tensors: vec!["blk.1.*".into()],
+        dump: None,
+    })?;
+    Ok(if inspected == Outcome::Pass && checked == Outcome::Pass {
+        Outcome::Pass
+    } else {
+        Outcome::Fail
+    })
 }

@@ -54,7 +54,10 @@ impl safetensors::View for LazyF32<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         // Every dumped tensor was dequantized once already for its health, so this cannot fail
         // short of the file changing under us; zeros would then be wrong silently, so stop.
-        let values = self.files.dequantize(self.tensor).unwrap_or_else(|e| panic!("{e}"));
+        let values = self
+            .files
+            .dequantize(self.tensor)
+            .unwrap_or_else(|e| panic!("{e}"));
         Cow::Owned(bytemuck::cast_slice(&values).to_vec())
     }
     fn data_len(&self) -> usize {
@@ -65,16 +68,27 @@ impl safetensors::View for LazyF32<'_> {
 pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
     let files = ModelFiles::open(&args.model.model)?;
     let select = selector(&args.tensors)?;
-    let chosen: Vec<&TensorEntry> =
-        files.tensors().iter().filter(|t| select.as_ref().is_none_or(|s| s.is_match(&t.name))).collect();
+    let chosen: Vec<&TensorEntry> = files
+        .tensors()
+        .iter()
+        .filter(|t| select.as_ref().is_none_or(|s| s.is_match(&t.name)))
+        .collect();
     if chosen.is_empty() {
-        anyhow::bail!("{}: no tensor matches {:?}", files.path.display(), args.tensors);
+        anyhow::bail!(
+            "{}: no tensor matches {:?}",
+            files.path.display(),
+            args.tensors
+        );
     }
     let bar = progress(chosen.len() as u64, args.model.json, "dequantizing");
     let mut results: Vec<(&TensorEntry, Option<Health>)> = Vec::with_capacity(chosen.len());
     for t in &chosen {
         bar.set_message(t.name.clone());
-        let h = if files.can_dequantize(t) { Some(tensor_health(&files, t)?) } else { None };
+        let h = if files.can_dequantize(t) {
+            Some(tensor_health(&files, t)?)
+        } else {
+            None
+        };
         results.push((t, h));
         bar.inc(1);
     }
@@ -82,7 +96,10 @@ pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
     if let Some(out) = &args.dump {
         dump(&files, &results, out)?;
     }
-    let poisoned = results.iter().filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned)).count();
+    let poisoned = results
+        .iter()
+        .filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned))
+        .count();
     if args.model.json {
         print_json(&files, &results, args.dump.as_ref())?;
     } else {
@@ -91,12 +108,24 @@ pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
             println!("wrote {}", out.display());
         }
     }
-    Ok(if poisoned > 0 { Outcome::Fail } else { Outcome::Pass })
+    Ok(if poisoned > 0 {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    })
 }
 
-fn dump(files: &ModelFiles, results: &[(&TensorEntry, Option<Health>)], out: &std::path::Path) -> anyhow::Result<()> {
+fn dump(
+    files: &ModelFiles,
+    results: &[(&TensorEntry, Option<Health>)],
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
     let views = results.iter().filter(|(_, h)| h.is_some()).map(|(t, _)| {
-        let view = LazyF32 { files, tensor: t, shape: t.shape.iter().map(|&d| d as usize).collect() };
+        let view = LazyF32 {
+            files,
+            tensor: t,
+            shape: t.shape.iter().map(|&d| d as usize).collect(),
+        };
         (t.name.clone(), view)
     });
     let tmp = out.with_extension("safetensors.partial");
@@ -127,7 +156,10 @@ fn flags(h: &Health) -> String {
 }
 
 fn print_text(results: &[(&TensorEntry, Option<Health>)], poisoned: usize) {
-    let mut t = table(&["tensor", "type", "shape", "nan", "inf", "absmax", "fp16 use", "mean", "std", "max σ", "health"]);
+    let mut t = table(&[
+        "tensor", "type", "shape", "nan", "inf", "absmax", "fp16 use", "mean", "std", "max σ",
+        "health",
+    ]);
     let mut skipped = 0;
     for (e, h) in results {
         let Some(h) = h else {
@@ -150,15 +182,29 @@ fn print_text(results: &[(&TensorEntry, Option<Health>)], poisoned: usize) {
     }
     println!("{t}");
     let checked = results.len() - skipped;
-    println!("{checked} tensors dequantized, {poisoned} with NaN/Inf{}", if skipped > 0 { format!(", {skipped} skipped (no f32 form)") } else { String::new() });
+    println!(
+        "{checked} tensors dequantized, {poisoned} with NaN/Inf{}",
+        if skipped > 0 {
+            format!(", {skipped} skipped (no f32 form)")
+        } else {
+            String::new()
+        }
+    );
 }
 
-fn print_json(files: &ModelFiles, results: &[(&TensorEntry, Option<Health>)], dump: Option<&PathBuf>) -> anyhow::Result<()> {
+fn print_json(
+    files: &ModelFiles,
+    results: &[(&TensorEntry, Option<Health>)],
+    dump: Option<&PathBuf>,
+) -> anyhow::Result<()> {
     let tensors: Vec<_> = results
         .iter()
         .map(|(t, h)| json!({"name": t.name, "type": t.encoding.name(), "shape": t.shape, "health": h}))
         .collect();
-    let poisoned = results.iter().filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned)).count();
+    let poisoned = results
+        .iter()
+        .filter(|(_, h)| h.as_ref().is_some_and(Health::poisoned))
+        .count();
     let out = json!({
         "path": files.path,
         "format": files.format(),

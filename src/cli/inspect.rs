@@ -36,7 +36,9 @@ pub fn glm5_config(files: &ModelFiles) -> anyhow::Result<Option<(Glm5Config, Fam
         let cfg = Glm5Config::from_gguf(g).with_context(|| files.path.display().to_string())?;
         return Ok(Some((cfg, Family::Gguf)));
     }
-    let Some(path) = files.hf_config_path() else { return Ok(None) };
+    let Some(path) = files.hf_config_path() else {
+        return Ok(None);
+    };
     let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
     let is_glm5 = serde_json::from_str::<serde_json::Value>(&text)
         .map(|j| j.get("model_type").and_then(|m| m.as_str()) == Some("glm_moe_dsa"))
@@ -70,7 +72,10 @@ fn rank_bytes(files: &ModelFiles, family: Family) -> Vec<(u64, u64)> {
             (id, t.nbytes)
         })
         .collect();
-    TP_SIZES.iter().map(|&tp| (tp, bytes_per_rank(&roles, tp))).collect()
+    TP_SIZES
+        .iter()
+        .map(|&tp| (tp, bytes_per_rank(&roles, tp)))
+        .collect()
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<Outcome> {
@@ -79,14 +84,36 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Outcome> {
     let files = ModelFiles::open(&args.model.model)?;
     spinner.finish_and_clear();
     let config = glm5_config(&files)?;
-    let family = config.as_ref().map(|c| c.1).unwrap_or(if files.gguf().is_some() { Family::Gguf } else { Family::Hf });
-    let report = config.as_ref().map(|(cfg, fam)| schema::check(cfg, *fam, files.tensors()));
+    let family = config
+        .as_ref()
+        .map(|c| c.1)
+        .unwrap_or(if files.gguf().is_some() {
+            Family::Gguf
+        } else {
+            Family::Hf
+        });
+    let report = config
+        .as_ref()
+        .map(|(cfg, fam)| schema::check(cfg, *fam, files.tensors()));
     let hist = quant_histogram(&files);
     let ranks = rank_bytes(&files, family);
     if args.model.json {
-        print_json(&files, config.as_ref().map(|c| &c.0), report.as_ref(), &hist, &ranks)?;
+        print_json(
+            &files,
+            config.as_ref().map(|c| &c.0),
+            report.as_ref(),
+            &hist,
+            &ranks,
+        )?;
     } else {
-        print_text(&files, config.as_ref().map(|c| &c.0), report.as_ref(), &hist, &ranks, args.all);
+        print_text(
+            &files,
+            config.as_ref().map(|c| &c.0),
+            report.as_ref(),
+            &hist,
+            &ranks,
+            args.all,
+        );
     }
     Ok(match report {
         Some(r) if !r.ok() => Outcome::Fail,
@@ -96,7 +123,12 @@ pub fn run(args: InspectArgs) -> anyhow::Result<Outcome> {
 
 fn metadata_json(files: &ModelFiles) -> serde_json::Value {
     match files.gguf() {
-        Some(g) => g.metadata().iter().map(|(k, v)| (k.clone(), v.to_json(16))).collect::<serde_json::Map<_, _>>().into(),
+        Some(g) => g
+            .metadata()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_json(16)))
+            .collect::<serde_json::Map<_, _>>()
+            .into(),
         None => json!({}),
     }
 }
@@ -138,14 +170,27 @@ fn print_text(
     all: bool,
 ) {
     let total: u64 = files.tensors().iter().map(|t| t.nbytes).sum();
-    println!("{}: {}, {} tensors, {}", files.path.display(), files.format(), files.tensors().len(), bytes(total));
+    println!(
+        "{}: {}, {} tensors, {}",
+        files.path.display(),
+        files.format(),
+        files.tensors().len(),
+        bytes(total)
+    );
     if let Some(g) = files.gguf() {
         println!("\nmetadata ({} keys)", g.metadata().len());
-        for (k, v) in g.metadata().iter().take(if all { usize::MAX } else { LIST_LIMIT }) {
+        for (k, v) in g
+            .metadata()
+            .iter()
+            .take(if all { usize::MAX } else { LIST_LIMIT })
+        {
             println!("  {k} = {v}");
         }
         if !all && g.metadata().len() > LIST_LIMIT {
-            println!("  … {} more (--all lists them)", g.metadata().len() - LIST_LIMIT);
+            println!(
+                "  … {} more (--all lists them)",
+                g.metadata().len() - LIST_LIMIT
+            );
         }
     }
     match cfg {
@@ -161,19 +206,37 @@ fn print_text(
         None => println!("\nnot a GLM-5 checkpoint (no glm-dsa architecture or glm_moe_dsa config.json): schema check skipped"),
     }
     let mut t = table(&["tensor", "type", "shape", "bytes"]);
-    for e in files.tensors().iter().take(if all { usize::MAX } else { LIST_LIMIT }) {
-        t.add_row(vec![e.name.clone(), e.encoding.name().to_string(), shape(&e.shape), bytes(e.nbytes)]);
+    for e in files
+        .tensors()
+        .iter()
+        .take(if all { usize::MAX } else { LIST_LIMIT })
+    {
+        t.add_row(vec![
+            e.name.clone(),
+            e.encoding.name().to_string(),
+            shape(&e.shape),
+            bytes(e.nbytes),
+        ]);
     }
     println!("\ntensors\n{t}");
     if !all && files.tensors().len() > LIST_LIMIT {
-        println!("… {} more (--all lists them)", files.tensors().len() - LIST_LIMIT);
+        println!(
+            "… {} more (--all lists them)",
+            files.tensors().len() - LIST_LIMIT
+        );
     }
     if let Some(r) = report {
         print_schema(r);
     }
     let mut h = table(&["type", "tensors", "elements", "bytes", "share"]);
     for (ty, (n, el, b)) in hist {
-        h.add_row(vec![ty.clone(), n.to_string(), el.to_string(), bytes(*b), format!("{:.1}%", 100.0 * *b as f64 / total.max(1) as f64)]);
+        h.add_row(vec![
+            ty.clone(),
+            n.to_string(),
+            el.to_string(),
+            bytes(*b),
+            format!("{:.1}%", 100.0 * *b as f64 / total.max(1) as f64),
+        ]);
     }
     println!("\nstorage types\n{h}");
     let mut r = table(&["TP", "bytes per rank"]);
@@ -191,7 +254,14 @@ fn print_schema(r: &SchemaReport) {
         r.found,
         r.layout.kv_b,
         r.layout.experts,
-        if r.mtp_layers.is_empty() { String::new() } else { format!("; MTP layers {:?} recognised, left out of the forward", r.mtp_layers) }
+        if r.mtp_layers.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; MTP layers {:?} recognised, left out of the forward",
+                r.mtp_layers
+            )
+        }
     );
     let list = |title: &str, items: Vec<String>| {
         if !items.is_empty() {
@@ -206,5 +276,11 @@ fn print_schema(r: &SchemaReport) {
     };
     list("missing", r.missing.clone());
     list("unexpected", r.unexpected.clone());
-    list("wrong shape", r.wrong_shape.iter().map(|w| format!("{}: expected {:?}, found {:?}", w.name, w.expected, w.found)).collect());
+    list(
+        "wrong shape",
+        r.wrong_shape
+            .iter()
+            .map(|w| format!("{}: expected {:?}, found {:?}", w.name, w.expected, w.found))
+            .collect(),
+    );
 }

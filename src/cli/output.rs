@@ -30,7 +30,9 @@ pub fn shape(s: &[u64]) -> String {
 /// A table with the project's look.
 pub fn table(header: &[&str]) -> Table {
     let mut t = Table::new();
-    t.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic).set_header(header.iter().copied());
+    t.load_style(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(header.iter().copied());
     t
 }
 

@@ -76,7 +76,10 @@ pub struct ConfigError {
 }
 
 fn cfg_err(field: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError { field: field.into(), reason: reason.into() }
+    ConfigError {
+        field: field.into(),
+        reason: reason.into(),
+    }
 }
 
 impl Glm5Config {
@@ -140,25 +143,36 @@ impl Glm5Config {
         let u = |k: &str, default: u64| -> Result<u64, ConfigError> {
             match j.get(k) {
                 None | Some(Json::Null) => Ok(default),
-                Some(v) => v.as_u64().ok_or_else(|| cfg_err(k, format!("{v} is not a non-negative integer"))),
+                Some(v) => v
+                    .as_u64()
+                    .ok_or_else(|| cfg_err(k, format!("{v} is not a non-negative integer"))),
             }
         };
         let f = |k: &str, default: f64| -> Result<f64, ConfigError> {
             match j.get(k) {
                 None | Some(Json::Null) => Ok(default),
-                Some(v) => v.as_f64().ok_or_else(|| cfg_err(k, format!("{v} is not a number"))),
+                Some(v) => v
+                    .as_f64()
+                    .ok_or_else(|| cfg_err(k, format!("{v} is not a number"))),
             }
         };
         let b = |k: &str, default: bool| -> Result<bool, ConfigError> {
             match j.get(k) {
                 None | Some(Json::Null) => Ok(default),
-                Some(v) => v.as_bool().ok_or_else(|| cfg_err(k, format!("{v} is not a boolean"))),
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| cfg_err(k, format!("{v} is not a boolean"))),
             }
         };
         let layers = u("num_hidden_layers", d.num_hidden_layers)?;
-        let rope = j.get("rope_parameters").or_else(|| j.get("rope_scaling")).filter(|v| v.is_object());
+        let rope = j
+            .get("rope_parameters")
+            .or_else(|| j.get("rope_scaling"))
+            .filter(|v| v.is_object());
         let rope_theta = match rope.and_then(|r| r.get("rope_theta")) {
-            Some(v) => v.as_f64().ok_or_else(|| cfg_err("rope_parameters.rope_theta", format!("{v} is not a number")))?,
+            Some(v) => v.as_f64().ok_or_else(|| {
+                cfg_err("rope_parameters.rope_theta", format!("{v} is not a number"))
+            })?,
             None => f("rope_theta", 10000.0)?,
         };
         let cfg = Glm5Config {
@@ -182,7 +196,11 @@ impl Glm5Config {
             topk_group: u("topk_group", d.topk_group)?,
             routed_scaling_factor: f("routed_scaling_factor", d.routed_scaling_factor)?,
             norm_topk_prob: b("norm_topk_prob", d.norm_topk_prob)?,
-            scoring_func: j.get("scoring_func").and_then(Json::as_str).unwrap_or("sigmoid").to_string(),
+            scoring_func: j
+                .get("scoring_func")
+                .and_then(Json::as_str)
+                .unwrap_or("sigmoid")
+                .to_string(),
             rms_norm_eps: f("rms_norm_eps", d.rms_norm_eps)?,
             rope_theta,
             rope_interleave: b("rope_interleave", true)?,
@@ -205,38 +223,67 @@ impl Glm5Config {
         let key = |k: &str| format!("{arch}.{k}");
         let get = |k: &str| model.get(&key(k));
         let u = |k: &str| -> Result<Option<u64>, ConfigError> {
-            get(k).map(|v| v.as_u64().ok_or_else(|| cfg_err(&key(k), format!("{v} is not a count")))).transpose()
+            get(k)
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a count")))
+                })
+                .transpose()
         };
-        let req = |k: &str| -> Result<u64, ConfigError> { u(k)?.ok_or_else(|| cfg_err(&key(k), "missing from the GGUF metadata")) };
+        let req = |k: &str| -> Result<u64, ConfigError> {
+            u(k)?.ok_or_else(|| cfg_err(&key(k), "missing from the GGUF metadata"))
+        };
         let f = |k: &str| -> Result<Option<f64>, ConfigError> {
-            get(k).map(|v| v.as_f64().ok_or_else(|| cfg_err(&key(k), format!("{v} is not a number")))).transpose()
+            get(k)
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a number")))
+                })
+                .transpose()
         };
         let d = Glm5Config::glm5();
         let nextn = u("nextn_predict_layers")?.unwrap_or(0);
         let blocks = req("block_count")?;
-        let layers = blocks
-            .checked_sub(nextn)
-            .ok_or_else(|| cfg_err(&key("nextn_predict_layers"), format!("{nextn} exceeds block_count {blocks}")))?;
+        let layers = blocks.checked_sub(nextn).ok_or_else(|| {
+            cfg_err(
+                &key("nextn_predict_layers"),
+                format!("{nextn} exceeds block_count {blocks}"),
+            )
+        })?;
         let rope = req("rope.dimension_count")?;
         let key_mla = u("attention.key_length_mla")?.unwrap_or(d.qk_head_dim());
         let vocab = match u("vocab_size")? {
             Some(v) => v,
-            None => model.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|a| a.len() as u64).unwrap_or(0),
+            None => model
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+                .map(|a| a.len() as u64)
+                .unwrap_or(0),
         };
         let scoring = match u("expert_gating_func")? {
             None | Some(2) => "sigmoid",
             Some(1) => "softmax",
-            Some(other) => return Err(cfg_err(&key("expert_gating_func"), format!("unknown gating function {other}"))),
+            Some(other) => {
+                return Err(cfg_err(
+                    &key("expert_gating_func"),
+                    format!("unknown gating function {other}"),
+                ))
+            }
         };
         let indexer_types = match get("attention.indexer.types").and_then(Value::as_array) {
             Some(items) => items
                 .iter()
                 .take(layers as usize)
-                .map(|v| match v.as_bool().or_else(|| v.as_u64().map(|n| n != 0)) {
-                    Some(true) => Ok(IndexerKind::Full),
-                    Some(false) => Ok(IndexerKind::Shared),
-                    None => Err(cfg_err(&key("attention.indexer.types"), format!("{v} is not a bool"))),
-                })
+                .map(
+                    |v| match v.as_bool().or_else(|| v.as_u64().map(|n| n != 0)) {
+                        Some(true) => Ok(IndexerKind::Full),
+                        Some(false) => Ok(IndexerKind::Shared),
+                        None => Err(cfg_err(
+                            &key("attention.indexer.types"),
+                            format!("{v} is not a bool"),
+                        )),
+                    },
+                )
                 .collect::<Result<Vec<_>, _>>()?,
             None => vec![IndexerKind::Full; layers as usize],
         };
@@ -250,9 +297,12 @@ impl Glm5Config {
             num_attention_heads: req("attention.head_count")?,
             q_lora_rank: req("attention.q_lora_rank")?,
             kv_lora_rank: req("attention.kv_lora_rank")?,
-            qk_nope_head_dim: key_mla
-                .checked_sub(rope)
-                .ok_or_else(|| cfg_err(&key("attention.key_length_mla"), format!("{key_mla} is smaller than the rope dims {rope}")))?,
+            qk_nope_head_dim: key_mla.checked_sub(rope).ok_or_else(|| {
+                cfg_err(
+                    &key("attention.key_length_mla"),
+                    format!("{key_mla} is smaller than the rope dims {rope}"),
+                )
+            })?,
             qk_rope_head_dim: rope,
             v_head_dim: u("attention.value_length_mla")?.unwrap_or(d.v_head_dim),
             n_routed_experts: u("expert_count")?.unwrap_or(0),
@@ -262,7 +312,9 @@ impl Glm5Config {
             n_group: u("expert_group_count")?.unwrap_or(1),
             topk_group: u("expert_group_used_count")?.unwrap_or(1),
             routed_scaling_factor: f("expert_weights_scale")?.unwrap_or(1.0),
-            norm_topk_prob: get("expert_weights_norm").and_then(Value::as_bool).unwrap_or(false),
+            norm_topk_prob: get("expert_weights_norm")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             scoring_func: scoring.into(),
             rms_norm_eps: f("attention.layer_norm_rms_epsilon")?.unwrap_or(d.rms_norm_eps),
             rope_theta: f("rope.freq_base")?.unwrap_or(10000.0),
@@ -298,20 +350,46 @@ impl Glm5Config {
             }
         }
         if self.qk_rope_head_dim % 2 != 0 {
-            return Err(cfg_err("qk_rope_head_dim", format!("{} is odd; RoPE rotates pairs", self.qk_rope_head_dim)));
+            return Err(cfg_err(
+                "qk_rope_head_dim",
+                format!("{} is odd; RoPE rotates pairs", self.qk_rope_head_dim),
+            ));
         }
         if self.num_experts_per_tok > self.n_routed_experts {
-            return Err(cfg_err("num_experts_per_tok", format!("{} exceeds n_routed_experts {}", self.num_experts_per_tok, self.n_routed_experts)));
+            return Err(cfg_err(
+                "num_experts_per_tok",
+                format!(
+                    "{} exceeds n_routed_experts {}",
+                    self.num_experts_per_tok, self.n_routed_experts
+                ),
+            ));
         }
-        if self.n_group == 0 || self.topk_group > self.n_group || (self.n_routed_experts % self.n_group != 0) {
-            return Err(cfg_err("n_group", format!("{} groups / topk_group {} do not divide {} experts", self.n_group, self.topk_group, self.n_routed_experts)));
+        if self.n_group == 0
+            || self.topk_group > self.n_group
+            || (self.n_routed_experts % self.n_group != 0)
+        {
+            return Err(cfg_err(
+                "n_group",
+                format!(
+                    "{} groups / topk_group {} do not divide {} experts",
+                    self.n_group, self.topk_group, self.n_routed_experts
+                ),
+            ));
         }
         if !matches!(self.scoring_func.as_str(), "sigmoid" | "softmax") {
-            return Err(cfg_err("scoring_func", format!("`{}` is neither sigmoid nor softmax", self.scoring_func)));
+            return Err(cfg_err(
+                "scoring_func",
+                format!("`{}` is neither sigmoid nor softmax", self.scoring_func),
+            ));
         }
         // Absurd sizes would only come from a hostile file; bound them so shapes cannot overflow.
         let limit = 1u64 << 24;
-        for (name, v) in [("hidden_size", self.hidden_size), ("num_hidden_layers", self.num_hidden_layers), ("n_routed_experts", self.n_routed_experts), ("vocab_size", self.vocab_size)] {
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("n_routed_experts", self.n_routed_experts),
+            ("vocab_size", self.vocab_size),
+        ] {
             if v > limit {
                 return Err(cfg_err(name, format!("{v} is beyond any real model")));
             }
@@ -321,7 +399,11 @@ impl Glm5Config {
 }
 
 fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
-    let ty = r.get("rope_type").or_else(|| r.get("type")).and_then(Json::as_str).unwrap_or("default");
+    let ty = r
+        .get("rope_type")
+        .or_else(|| r.get("type"))
+        .and_then(Json::as_str)
+        .unwrap_or("default");
     if ty != "yarn" {
         return Ok(None);
     }
@@ -329,7 +411,12 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
     let orig = r
         .get("original_max_position_embeddings")
         .and_then(Json::as_u64)
-        .ok_or_else(|| cfg_err("rope_parameters.original_max_position_embeddings", "yarn needs it"))?;
+        .ok_or_else(|| {
+            cfg_err(
+                "rope_parameters.original_max_position_embeddings",
+                "yarn needs it",
+            )
+        })?;
     Ok(Some(Yarn {
         factor: num("factor", 1.0),
         original_max_position_embeddings: orig,
@@ -343,9 +430,13 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
 type NumGetter<'a, T> = dyn Fn(&str) -> Result<Option<T>, ConfigError> + 'a;
 
 fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, ConfigError> {
-    let Some(factor) = f("rope.scaling.factor")? else { return Ok(None) };
+    let Some(factor) = f("rope.scaling.factor")? else {
+        return Ok(None);
+    };
     // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier.
-    let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?.map(|m| m / 0.1).unwrap_or(0.0);
+    let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
+        .map(|m| m / 0.1)
+        .unwrap_or(0.0);
     Ok(Some(Yarn {
         factor,
         original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
@@ -362,17 +453,36 @@ fn hf_indexer_types(j: &Json, layers: u64) -> Result<Vec<IndexerKind>, ConfigErr
     let parse_kind = |s: &str| match s {
         "full" | "F" => Ok(IndexerKind::Full),
         "shared" | "S" => Ok(IndexerKind::Shared),
-        other => Err(cfg_err("indexer_types", format!("`{other}` is neither full nor shared"))),
+        other => Err(cfg_err(
+            "indexer_types",
+            format!("`{other}` is neither full nor shared"),
+        )),
     };
     if let Some(list) = j.get("indexer_types").and_then(Json::as_array) {
-        return list.iter().map(|v| parse_kind(v.as_str().unwrap_or("?"))).collect();
+        return list
+            .iter()
+            .map(|v| parse_kind(v.as_str().unwrap_or("?")))
+            .collect();
     }
     if let Some(p) = j.get("index_topk_pattern").and_then(Json::as_str) {
         return p.chars().map(|c| parse_kind(&c.to_string())).collect();
     }
-    let freq = j.get("index_topk_freq").and_then(Json::as_u64).unwrap_or(1).max(1);
-    let offset = j.get("index_skip_topk_offset").and_then(Json::as_u64).unwrap_or(2);
+    let freq = j
+        .get("index_topk_freq")
+        .and_then(Json::as_u64)
+        .unwrap_or(1)
+        .max(1);
+    let offset = j
+        .get("index_skip_topk_offset")
+        .and_then(Json::as_u64)
+        .unwrap_or(2);
     Ok((0..layers)
-        .map(|i| if ((i + 1).saturating_sub(offset)) % freq == 0 { IndexerKind::Full } else { IndexerKind::Shared })
+        .map(|i| {
+            if ((i + 1).saturating_sub(offset)) % freq == 0 {
+                IndexerKind::Full
+            } else {
+                IndexerKind::Shared
+            }
+        })
         .collect())
 }

@@ -43,11 +43,21 @@ pub struct KvBSizeError {
     pub dims: KvBDims,
 }
 
-fn check_len(part: &'static str, got: usize, expected: usize, dims: KvBDims) -> Result<(), KvBSizeError> {
+fn check_len(
+    part: &'static str,
+    got: usize,
+    expected: usize,
+    dims: KvBDims,
+) -> Result<(), KvBSizeError> {
     if got == expected {
         Ok(())
     } else {
-        Err(KvBSizeError { part, got, expected, dims })
+        Err(KvBSizeError {
+            part,
+            got,
+            expected,
+            dims,
+        })
     }
 }
 
@@ -57,7 +67,10 @@ pub fn assemble_kv_b(k_b: &[f32], v_b: &[f32], d: KvBDims) -> Result<Vec<f32>, K
     check_len("attn_k_b", k_b.len(), d.k_b_len(), d)?;
     check_len("attn_v_b", v_b.len(), d.v_b_len(), d)?;
     let mut out = vec![0f32; d.kv_b_len()];
-    for (h, head_out) in out.chunks_exact_mut(d.rows_per_head() * d.kv_lora).enumerate() {
+    for (h, head_out) in out
+        .chunks_exact_mut(d.rows_per_head() * d.kv_lora)
+        .enumerate()
+    {
         let k_head = &k_b[h * d.kv_lora * d.nope..][..d.kv_lora * d.nope];
         let (uk, uv) = head_out.split_at_mut(d.nope * d.kv_lora);
         // uk[i][c] = k_head[c][i]: undo the per-head transpose.
@@ -93,7 +106,12 @@ pub fn split_kv_b(kv_b: &[f32], d: KvBDims) -> Result<(Vec<f32>, Vec<f32>), KvBS
 mod tests {
     use super::*;
 
-    const D: KvBDims = KvBDims { heads: 3, kv_lora: 5, nope: 2, v: 4 };
+    const D: KvBDims = KvBDims {
+        heads: 3,
+        kv_lora: 5,
+        nope: 2,
+        v: 4,
+    };
 
     fn ramp(n: usize) -> Vec<f32> {
         (0..n).map(|i| i as f32).collect()
@@ -112,7 +130,10 @@ mod tests {
         let kv_b = ramp(D.kv_b_len());
         let (k, v) = split_kv_b(&kv_b, D).unwrap();
         let (h, r, c) = (1, 1, 3);
-        assert_eq!(k[h * D.kv_lora * D.nope + c * D.nope + r], kv_b[(h * (D.nope + D.v) + r) * D.kv_lora + c]);
+        assert_eq!(
+            k[h * D.kv_lora * D.nope + c * D.nope + r],
+            kv_b[(h * (D.nope + D.v) + r) * D.kv_lora + c]
+        );
         assert_eq!(v[0], kv_b[D.nope * D.kv_lora]);
     }
 

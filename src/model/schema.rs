@@ -90,7 +90,10 @@ impl SchemaReport {
 /// Decide the layout from the tensor names present.
 pub fn detect_layout(family: Family, tensors: &[TensorEntry]) -> Layout {
     let has = |pred: &dyn Fn(&str) -> bool| tensors.iter().any(|t| pred(&t.name));
-    let kv_b = match tensors.iter().find(|t| t.name.ends_with(".attn_k_b.weight")) {
+    let kv_b = match tensors
+        .iter()
+        .find(|t| t.name.ends_with(".attn_k_b.weight"))
+    {
         Some(t) if t.shape.len() == 2 => KvBForm::SplitFolded,
         Some(_) => KvBForm::Split,
         None => KvBForm::Whole,
@@ -100,7 +103,11 @@ pub fn detect_layout(family: Family, tensors: &[TensorEntry]) -> Layout {
         Family::Hf if has(&|n| n.ends_with(".mlp.experts.gate_up_proj")) => ExpertForm::FusedGateUp,
         Family::Hf => ExpertForm::PerExpert,
     };
-    Layout { family, kv_b, experts }
+    Layout {
+        family,
+        kv_b,
+        experts,
+    }
 }
 
 /// Every tensor a checkpoint of `cfg` in `layout` holds, with its row-major shape.
@@ -111,20 +118,42 @@ pub fn expected(cfg: &Glm5Config, layout: Layout) -> Vec<Expected> {
         Family::Hf => id.hf_name(),
     };
     let mut push = |id: WeightId, shape: Vec<u64>, optional: bool, mtp: bool| {
-        out.push(Expected { id, name: name(id), shape, optional, mtp });
+        out.push(Expected {
+            id,
+            name: name(id),
+            shape,
+            optional,
+            mtp,
+        });
     };
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     push(WeightId::Embed, vec![v, h], false, false);
     push(WeightId::FinalNorm, vec![h], false, false);
-    push(WeightId::LmHead, vec![v, h], cfg.tie_word_embeddings || layout.family == Family::Gguf, false);
+    push(
+        WeightId::LmHead,
+        vec![v, h],
+        cfg.tie_word_embeddings || layout.family == Family::Gguf,
+        false,
+    );
     let total = cfg.num_hidden_layers + cfg.num_nextn_predict_layers;
     for l in 0..total {
         let mtp = l >= cfg.num_hidden_layers;
         for (w, shape, optional) in layer_weights(cfg, layout, l, mtp) {
             match w {
-                ExpertsGate | ExpertsUp | ExpertsDown if layout.experts == ExpertForm::PerExpert => {
+                ExpertsGate | ExpertsUp | ExpertsDown
+                    if layout.experts == ExpertForm::PerExpert =>
+                {
                     for e in 0..cfg.n_routed_experts {
-                        push(WeightId::Expert { layer: l, expert: e, which: w }, shape[1..].to_vec(), optional, mtp);
+                        push(
+                            WeightId::Expert {
+                                layer: l,
+                                expert: e,
+                                which: w,
+                            },
+                            shape[1..].to_vec(),
+                            optional,
+                            mtp,
+                        );
                     }
                 }
                 _ => push(WeightId::Layer(l, w), shape, optional, mtp),
@@ -135,7 +164,12 @@ pub fn expected(cfg: &Glm5Config, layout: Layout) -> Vec<Expected> {
 }
 
 /// (role, shape, optional) of layer `l`'s weights; stacked expert shapes are `[E, out, in]`.
-fn layer_weights(cfg: &Glm5Config, layout: Layout, l: u64, mtp: bool) -> Vec<(LayerWeight, Vec<u64>, bool)> {
+fn layer_weights(
+    cfg: &Glm5Config,
+    layout: Layout,
+    l: u64,
+    mtp: bool,
+) -> Vec<(LayerWeight, Vec<u64>, bool)> {
     let h = cfg.hidden_size;
     let nh = cfg.num_attention_heads;
     let (nope, rope, vd) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
@@ -185,11 +219,19 @@ fn layer_weights(cfg: &Glm5Config, layout: Layout, l: u64, mtp: bool) -> Vec<(La
         w.push((ExpertsDown, vec![e, h, ie], false));
         if cfg.n_shared_experts > 0 {
             let si = ie * cfg.n_shared_experts;
-            w.extend([(SharedGate, vec![si, h], false), (SharedUp, vec![si, h], false), (SharedDown, vec![h, si], false)]);
+            w.extend([
+                (SharedGate, vec![si, h], false),
+                (SharedUp, vec![si, h], false),
+                (SharedDown, vec![h, si], false),
+            ]);
         }
     } else {
         let i = cfg.intermediate_size;
-        w.extend([(Gate, vec![i, h], false), (Up, vec![i, h], false), (Down, vec![h, i], false)]);
+        w.extend([
+            (Gate, vec![i, h], false),
+            (Up, vec![i, h], false),
+            (Down, vec![h, i], false),
+        ]);
     }
     if mtp {
         w.extend([
@@ -208,16 +250,19 @@ fn layer_weights(cfg: &Glm5Config, layout: Layout, l: u64, mtp: bool) -> Vec<(La
 pub fn check(cfg: &Glm5Config, family: Family, tensors: &[TensorEntry]) -> SchemaReport {
     let layout = detect_layout(family, tensors);
     let exp = expected(cfg, layout);
-    let found: BTreeMap<&str, &TensorEntry> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let found: BTreeMap<&str, &TensorEntry> =
+        tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let known: BTreeSet<&str> = exp.iter().map(|e| e.name.as_str()).collect();
     let mut missing = Vec::new();
     let mut wrong_shape = Vec::new();
     for e in &exp {
         match found.get(e.name.as_str()) {
             None if !e.optional => missing.push(e.name.clone()),
-            Some(t) if t.shape != e.shape => {
-                wrong_shape.push(WrongShape { name: e.name.clone(), expected: e.shape.clone(), found: t.shape.clone() })
-            }
+            Some(t) if t.shape != e.shape => wrong_shape.push(WrongShape {
+                name: e.name.clone(),
+                expected: e.shape.clone(),
+                found: t.shape.clone(),
+            }),
             _ => {}
         }
     }
@@ -227,8 +272,17 @@ pub fn check(cfg: &Glm5Config, family: Family, tensors: &[TensorEntry]) -> Schem
         .filter(|n| !known.contains(n) && !is_companion(n, &known))
         .map(String::from)
         .collect();
-    let mtp_layers = (cfg.num_hidden_layers..cfg.num_hidden_layers + cfg.num_nextn_predict_layers).collect();
-    SchemaReport { layout, expected: exp.len(), found: tensors.len(), missing, unexpected, wrong_shape, mtp_layers }
+    let mtp_layers =
+        (cfg.num_hidden_layers..cfg.num_hidden_layers + cfg.num_nextn_predict_layers).collect();
+    SchemaReport {
+        layout,
+        expected: exp.len(),
+        found: tensors.len(),
+        missing,
+        unexpected,
+        wrong_shape,
+        mtp_layers,
+    }
 }
 
 /// Tensors that travel with a known weight without being one: FP8 block scales, and llama.cpp's

@@ -12,7 +12,20 @@ pub fn is_tp_sharded(id: &WeightId) -> bool {
         WeightId::Expert { .. } => true,
         WeightId::Layer(_, w) => matches!(
             w,
-            QB | KvB | KB | VB | AttnOut | Gate | Up | Down | ExpertsGate | ExpertsUp | ExpertsDown | ExpertsGateUp | SharedGate | SharedUp | SharedDown
+            QB | KvB
+                | KB
+                | VB
+                | AttnOut
+                | Gate
+                | Up
+                | Down
+                | ExpertsGate
+                | ExpertsUp
+                | ExpertsDown
+                | ExpertsGateUp
+                | SharedGate
+                | SharedUp
+                | SharedDown
         ),
     }
 }
@@ -36,7 +49,11 @@ mod tests {
 
     #[test]
     fn attention_up_projections_shard_and_norms_replicate() {
-        let t = [(Some(WeightId::Layer(0, QB)), 800), (Some(WeightId::Layer(0, QA)), 100), (None, 10)];
+        let t = [
+            (Some(WeightId::Layer(0, QB)), 800),
+            (Some(WeightId::Layer(0, QA)), 100),
+            (None, 10),
+        ];
         assert_eq!(bytes_per_rank(&t, 1), 910);
         assert_eq!(bytes_per_rank(&t, 4), 200 + 100 + 10);
     }

@@ -10,7 +10,10 @@ use crate::weights::GgmlType;
 pub fn encode(ty: GgmlType, values: &[f32]) -> Vec<u8> {
     match ty {
         GgmlType::F32 => bytemuck::cast_slice(values).to_vec(),
-        GgmlType::F16 => values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+        GgmlType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
         GgmlType::Q8_0 => values.chunks_exact(32).flat_map(q8_0_block).collect(),
         other => panic!("no encoder for {other}"),
     }

@@ -50,17 +50,26 @@ pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
     let f = |v: f64| Value::F32(v as f32);
     let arch = |k: &str| format!("glm-dsa.{k}");
     let mut md = vec![
-        ("general.architecture".to_string(), Value::String("glm-dsa".into())),
+        (
+            "general.architecture".to_string(),
+            Value::String("glm-dsa".into()),
+        ),
         ("general.name".to_string(), Value::String(name.into())),
     ];
     let fields = [
-        ("block_count", u(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)),
+        (
+            "block_count",
+            u(cfg.num_hidden_layers + cfg.num_nextn_predict_layers),
+        ),
         ("context_length", u(cfg.max_position_embeddings)),
         ("embedding_length", u(cfg.hidden_size)),
         ("feed_forward_length", u(cfg.intermediate_size)),
         ("attention.head_count", u(cfg.num_attention_heads)),
         ("attention.head_count_kv", u(1)),
-        ("attention.key_length", u(cfg.kv_lora_rank + cfg.qk_rope_head_dim)),
+        (
+            "attention.key_length",
+            u(cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+        ),
         ("attention.value_length", u(cfg.kv_lora_rank)),
         ("attention.key_length_mla", u(cfg.qk_head_dim())),
         ("attention.value_length_mla", u(cfg.v_head_dim)),
@@ -76,7 +85,10 @@ pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
         ("expert_feed_forward_length", u(cfg.moe_intermediate_size)),
         ("expert_weights_scale", f(cfg.routed_scaling_factor)),
         ("expert_weights_norm", Value::Bool(cfg.norm_topk_prob)),
-        ("expert_gating_func", u(if cfg.scoring_func == "softmax" { 1 } else { 2 })),
+        (
+            "expert_gating_func",
+            u(if cfg.scoring_func == "softmax" { 1 } else { 2 }),
+        ),
         ("expert_group_count", u(cfg.n_group)),
         ("expert_group_used_count", u(cfg.topk_group)),
         ("nextn_predict_layers", u(cfg.num_nextn_predict_layers)),
@@ -86,9 +98,14 @@ pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
         ("vocab_size", u(cfg.vocab_size)),
     ];
     md.extend(fields.into_iter().map(|(k, v)| (arch(k), v)));
-    let tokens = (0..cfg.vocab_size).map(|i| Value::String(format!("<t{i}>"))).collect();
+    let tokens = (0..cfg.vocab_size)
+        .map(|i| Value::String(format!("<t{i}>")))
+        .collect();
     md.push(("tokenizer.ggml.model".into(), Value::String("gpt2".into())));
-    md.push(("tokenizer.ggml.tokens".into(), Value::Array(ValueType::String, tokens)));
+    md.push((
+        "tokenizer.ggml.tokens".into(),
+        Value::Array(ValueType::String, tokens),
+    ));
     md
 }
 
@@ -105,13 +122,20 @@ fn demo_type(w: Option<LayerWeight>, shape: &[u64]) -> GgmlType {
 
 /// Write a GGUF of `cfg` with random, well-scaled weights (deterministic from `seed`).
 pub fn write_gguf(cfg: &Glm5Config, path: &Path, seed: u64) -> std::io::Result<()> {
-    let layout = Layout { family: Family::Gguf, kv_b: KvBForm::Split, experts: ExpertForm::Stacked };
+    let layout = Layout {
+        family: Family::Gguf,
+        kv_b: KvBForm::Split,
+        experts: ExpertForm::Stacked,
+    };
     let mut w = GgufWriter::new();
     for (k, v) in gguf_metadata(cfg, "glmcheck-synth") {
         w.metadata(k, v);
     }
     let mut rng = SplitMix::new(seed);
-    for e in expected(cfg, layout).into_iter().filter(|e| !e.optional || e.name == "output.weight") {
+    for e in expected(cfg, layout)
+        .into_iter()
+        .filter(|e| !e.optional || e.name == "output.weight")
+    {
         let role = match e.id {
             crate::model::names::WeightId::Layer(_, r) => Some(r),
             _ => None,
@@ -128,6 +152,12 @@ fn random_weight(rng: &mut SplitMix, shape: &[u64], is_norm: bool) -> Vec<f32> {
     let n: u64 = shape.iter().product();
     let fan_in = *shape.last().unwrap_or(&1) as f32;
     (0..n)
-        .map(|_| if is_norm { 1.0 + 0.1 * rng.normal() } else { rng.normal() / fan_in.sqrt() })
+        .map(|_| {
+            if is_norm {
+                1.0 + 0.1 * rng.normal()
+            } else {
+                rng.normal() / fan_in.sqrt()
+            }
+        })
         .collect()
 }

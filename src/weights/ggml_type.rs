@@ -83,7 +83,10 @@ const TABLE: &[(GgmlType, u32, &str, usize, usize)] = &[
 impl GgmlType {
     fn row(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
         // Every variant has exactly one row; the test below keeps it so.
-        TABLE.iter().find(|r| r.0 == self).expect("every GgmlType is in TABLE")
+        TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .expect("every GgmlType is in TABLE")
     }
 
     /// Every known type, in id order.
@@ -98,7 +101,10 @@ impl GgmlType {
 
     /// The type with this name (`"Q4_K"`, case-insensitive).
     pub fn from_name(name: &str) -> Option<Self> {
-        TABLE.iter().find(|r| r.2.eq_ignore_ascii_case(name)).map(|r| r.0)
+        TABLE
+            .iter()
+            .find(|r| r.2.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
     }
 
     pub fn id(self) -> u32 {
@@ -133,7 +139,14 @@ impl GgmlType {
     pub fn can_dequantize(self) -> bool {
         !matches!(
             self,
-            GgmlType::Q8_1 | GgmlType::Q8_K | GgmlType::Q1_0 | GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
+            GgmlType::Q8_1
+                | GgmlType::Q8_K
+                | GgmlType::Q1_0
+                | GgmlType::I8
+                | GgmlType::I16
+                | GgmlType::I32
+                | GgmlType::I64
+                | GgmlType::F64
         )
     }
 }

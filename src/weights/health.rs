@@ -101,17 +101,22 @@ fn deviations(xs: &[f32], mean: f64, std: f64) -> (u64, f64) {
     if std == 0.0 {
         return (0, 0.0);
     }
-    xs.iter().filter(|x| x.is_finite()).fold((0, 0.0f64), |(n, worst), &x| {
-        let z = (f64::from(x) - mean).abs() / std;
-        (n + u64::from(z > OUTLIER_SIGMAS), worst.max(z))
-    })
+    xs.iter()
+        .filter(|x| x.is_finite())
+        .fold((0, 0.0f64), |(n, worst), &x| {
+            let z = (f64::from(x) - mean).abs() / std;
+            (n + u64::from(z > OUTLIER_SIGMAS), worst.max(z))
+        })
 }
 
 /// Dequantize `t` chunk by chunk and gather its health; a second pass finds outliers when the
 /// tensor did not fit in one chunk.
 pub fn tensor_health(files: &ModelFiles, t: &TensorEntry) -> Result<Health> {
     let rows_per_chunk = (CHUNK_ELEMS / t.row_len().max(1)).max(1);
-    let chunks: Vec<_> = (0..t.rows()).step_by(rows_per_chunk as usize).map(|r| r..(r + rows_per_chunk).min(t.rows())).collect();
+    let chunks: Vec<_> = (0..t.rows())
+        .step_by(rows_per_chunk as usize)
+        .map(|r| r..(r + rows_per_chunk).min(t.rows()))
+        .collect();
     let mut m = Moments::default();
     let mut last = Vec::new();
     for rows in &chunks {
@@ -129,7 +134,11 @@ pub fn tensor_health(files: &ModelFiles, t: &TensorEntry) -> Result<Health> {
         }
         acc
     };
-    let (min, max) = if m.finite == 0 { (0.0, 0.0) } else { (m.min, m.max) };
+    let (min, max) = if m.finite == 0 {
+        (0.0, 0.0)
+    } else {
+        (m.min, m.max)
+    };
     let absmax = min.abs().max(max.abs());
     Ok(Health {
         count: m.count,

@@ -30,14 +30,20 @@ impl ModelFiles {
     /// Open `path`: a `.gguf` (any shard of a split set), or a safetensors file, index or folder.
     pub fn open(path: &Path) -> Result<Self> {
         if !path.exists() {
-            return Err(WeightError::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")));
+            return Err(WeightError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
+            ));
         }
         let source = if path.is_file() && has_gguf_magic(path)? {
             Source::Gguf(GgufModel::open(path)?)
         } else {
             Source::Safetensors(SafetensorsSet::open(path)?)
         };
-        Ok(ModelFiles { path: path.to_path_buf(), source })
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// Human description of the format: `GGUF v3, 2 files` or `safetensors, 1 file`.
@@ -59,8 +65,14 @@ impl ModelFiles {
 
     /// The `config.json` beside a safetensors checkpoint, if there is one.
     pub fn hf_config_path(&self) -> Option<PathBuf> {
-        let Source::Safetensors(_) = &self.source else { return None };
-        let dir = if self.path.is_dir() { self.path.clone() } else { self.path.parent()?.to_path_buf() };
+        let Source::Safetensors(_) = &self.source else {
+            return None;
+        };
+        let dir = if self.path.is_dir() {
+            self.path.clone()
+        } else {
+            self.path.parent()?.to_path_buf()
+        };
         Some(dir.join("config.json")).filter(|p| p.is_file())
     }
 
@@ -87,7 +99,10 @@ impl ModelFiles {
 
     /// The tensor named `name`, or an error naming the model.
     pub fn require(&self, name: &str) -> Result<&TensorEntry> {
-        self.get(name).ok_or_else(|| WeightError::NoSuchTensor { file: self.path.clone(), tensor: name.into() })
+        self.get(name).ok_or_else(|| WeightError::NoSuchTensor {
+            file: self.path.clone(),
+            tensor: name.into(),
+        })
     }
 
     /// The file holding `t`.
@@ -123,17 +138,23 @@ impl ModelFiles {
     pub fn dequantize_rows(&self, t: &TensorEntry, rows: Range<u64>) -> Result<Vec<f32>> {
         let fail = |why: String| WeightError::tensor(self.file_of(t), &t.name, why);
         if rows.start > rows.end || rows.end > t.rows() {
-            return Err(fail(format!("rows {rows:?} are outside its {} rows", t.rows())));
+            return Err(fail(format!(
+                "rows {rows:?} are outside its {} rows",
+                t.rows()
+            )));
         }
         let row_len = t.row_len();
-        let n = usize::try_from((rows.end - rows.start) * row_len).map_err(|_| fail("too large for this machine".into()))?;
+        let n = usize::try_from((rows.end - rows.start) * row_len)
+            .map_err(|_| fail("too large for this machine".into()))?;
         match &t.encoding {
             Encoding::Ggml(ty) => {
                 let row_bytes = ty.bytes_for(row_len).ok_or_else(|| fail(format!("row of {row_len} elements is not whole {ty} blocks, or its byte size overflows")))?;
-                let src = &self.bytes(t)[(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
+                let src = &self.bytes(t)
+                    [(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
                 let mut out = vec![0f32; n];
                 if n > 0 {
-                    quant::dequantize_rows(*ty, src, &mut out, row_len as usize).map_err(|e| fail(e.to_string()))?;
+                    quant::dequantize_rows(*ty, src, &mut out, row_len as usize)
+                        .map_err(|e| fail(e.to_string()))?;
                 }
                 Ok(out)
             }
@@ -145,26 +166,45 @@ impl ModelFiles {
     /// Expert `e` of a stacked `[E, out, in]` expert tensor, reading only that expert's bytes.
     pub fn dequantize_expert(&self, t: &TensorEntry, e: u64) -> Result<Vec<f32>> {
         let [experts, out, _] = t.shape[..] else {
-            return Err(WeightError::tensor(self.file_of(t), &t.name, format!("shape {:?} is not [experts, out, in]", t.shape)));
+            return Err(WeightError::tensor(
+                self.file_of(t),
+                &t.name,
+                format!("shape {:?} is not [experts, out, in]", t.shape),
+            ));
         };
         if e >= experts {
-            return Err(WeightError::tensor(self.file_of(t), &t.name, format!("expert {e} is outside its {experts} experts")));
+            return Err(WeightError::tensor(
+                self.file_of(t),
+                &t.name,
+                format!("expert {e} is outside its {experts} experts"),
+            ));
         }
         self.dequantize_rows(t, e * out..(e + 1) * out)
     }
 
     fn dequantize_fp8(&self, t: &TensorEntry, rows: Range<u64>) -> Result<Vec<f32>> {
         let Source::Safetensors(set) = &self.source else {
-            return Err(WeightError::tensor(self.file_of(t), &t.name, "FP8 outside safetensors"));
+            return Err(WeightError::tensor(
+                self.file_of(t),
+                &t.name,
+                "FP8 outside safetensors",
+            ));
         };
         let rows = rows.start as usize..rows.end as usize;
         if let Some(scale) = set.get(&format!("{}_scale_inv", t.name)) {
             return fp8::dequant_block_scaled(set, t, scale, rows, FP8_BLOCK);
         }
         // No block scales: the bytes are the values.
-        let convert = if t.encoding == Encoding::F8E4M3 { fp8::f8e4m3_to_f32 } else { fp8::f8e5m2_to_f32 };
+        let convert = if t.encoding == Encoding::F8E4M3 {
+            fp8::f8e4m3_to_f32
+        } else {
+            fp8::f8e5m2_to_f32
+        };
         let row_len = t.row_len() as usize;
-        Ok(set.bytes(t)[rows.start * row_len..rows.end * row_len].iter().map(|&b| convert(b)).collect())
+        Ok(set.bytes(t)[rows.start * row_len..rows.end * row_len]
+            .iter()
+            .map(|&b| convert(b))
+            .collect())
     }
 }
 

@@ -37,7 +37,10 @@ impl<'a> Cursor<'a> {
         if n > self.remaining() {
             return Err(self.error(
                 field,
-                format!("needs {n} bytes, file has {} left (truncated?)", self.remaining()),
+                format!(
+                    "needs {n} bytes, file has {} left (truncated?)",
+                    self.remaining()
+                ),
             ));
         }
         let s = &self.buf[self.pos..self.pos + n];
@@ -88,9 +91,19 @@ impl<'a> Cursor<'a> {
     pub fn count(&mut self, field: &str, min_item: usize) -> Result<usize> {
         let at = self.pos as u64;
         let n = self.u64(field)?;
-        let fits = usize::try_from(n).ok().filter(|&n| n.saturating_mul(min_item.max(1)) <= self.remaining());
+        let fits = usize::try_from(n)
+            .ok()
+            .filter(|&n| n.saturating_mul(min_item.max(1)) <= self.remaining());
         fits.ok_or_else(|| {
-            WeightError::malformed(self.file, field, at, format!("{n} items cannot fit in the {} bytes left", self.remaining()))
+            WeightError::malformed(
+                self.file,
+                field,
+                at,
+                format!(
+                    "{n} items cannot fit in the {} bytes left",
+                    self.remaining()
+                ),
+            )
         })
     }
 
@@ -99,7 +112,8 @@ impl<'a> Cursor<'a> {
         let len = self.count(field, 1)?;
         let at = self.pos as u64;
         let bytes = self.take(len, field)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|e| WeightError::malformed(self.file, field, at, format!("invalid UTF-8 ({e})")))
+        String::from_utf8(bytes.to_vec()).map_err(|e| {
+            WeightError::malformed(self.file, field, at, format!("invalid UTF-8 ({e})"))
+        })
     }
 }

@@ -77,11 +77,21 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Header> {
     let mut c = Cursor::new(path, buf);
     let magic = c.take(4, "magic")?;
     if magic != MAGIC {
-        return Err(WeightError::malformed(path, "magic", 0, format!("{magic:02x?} is not \"GGUF\"")));
+        return Err(WeightError::malformed(
+            path,
+            "magic",
+            0,
+            format!("{magic:02x?} is not \"GGUF\""),
+        ));
     }
     let version = c.u32("version")?;
     if !(2..=3).contains(&version) {
-        return Err(WeightError::malformed(path, "version", 4, format!("version {version} (glmcheck reads GGUF 2 and 3)")));
+        return Err(WeightError::malformed(
+            path,
+            "version",
+            4,
+            format!("version {version} (glmcheck reads GGUF 2 and 3)"),
+        ));
     }
     // A tensor info is at least 8 (name len) + 4 (n_dims) + 4 (type) + 8 (offset) bytes;
     // a key/value pair at least 8 (key len) + 4 (type) + 1 byte.
@@ -92,10 +102,21 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Header> {
     let infos = read_tensor_infos(&mut c, n_tensors)?;
     let data_offset = c.pos().div_ceil(alignment) * alignment;
     if data_offset > buf.len() as u64 && !infos.is_empty() {
-        return Err(WeightError::malformed(path, "data section", data_offset, "starts past the end of the file"));
+        return Err(WeightError::malformed(
+            path,
+            "data section",
+            data_offset,
+            "starts past the end of the file",
+        ));
     }
     let tensors = place_tensors(path, infos, data_offset, alignment, buf.len() as u64)?;
-    Ok(Header { version, metadata, tensors, alignment, data_offset })
+    Ok(Header {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
 }
 
 fn read_metadata(c: &mut Cursor, n: usize) -> Result<Vec<(String, Value)>> {
@@ -105,11 +126,17 @@ fn read_metadata(c: &mut Cursor, n: usize) -> Result<Vec<(String, Value)>> {
         let at = c.pos();
         let key = c.string(&format!("metadata key #{i}"))?;
         if !seen.insert(key.clone()) {
-            return Err(WeightError::malformed(c.file(), format!("metadata key `{key}`"), at, "appears twice"));
+            return Err(WeightError::malformed(
+                c.file(),
+                format!("metadata key `{key}`"),
+                at,
+                "appears twice",
+            ));
         }
         let field = format!("metadata `{key}`");
         let id = c.u32(&field)?;
-        let ty = ValueType::from_id(id).ok_or_else(|| c.error(&field, format!("unknown value type {id}")))?;
+        let ty = ValueType::from_id(id)
+            .ok_or_else(|| c.error(&field, format!("unknown value type {id}")))?;
         let value = Value::read(c, ty, &field)?;
         out.push((key, value));
     }
@@ -122,7 +149,12 @@ fn alignment_of(path: &Path, metadata: &[(String, Value)]) -> Result<u64> {
     };
     match v.as_u64() {
         Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => Ok(a),
-        _ => Err(WeightError::malformed(path, "metadata `general.alignment`", 0, format!("{v} is not a power of two up to 1 MiB"))),
+        _ => Err(WeightError::malformed(
+            path,
+            "metadata `general.alignment`",
+            0,
+            format!("{v} is not a power of two up to 1 MiB"),
+        )),
     }
 }
 
@@ -144,40 +176,83 @@ fn read_tensor_infos(c: &mut Cursor, n: usize) -> Result<Vec<RawInfo>> {
         let field = |what: &str| format!("tensor `{name}` {what}");
         let n_dims = c.u32(&field("n_dims"))?;
         if n_dims > MAX_DIMS {
-            return Err(c.error(&field("n_dims"), format!("{n_dims} dimensions (ggml allows at most {MAX_DIMS})")));
+            return Err(c.error(
+                &field("n_dims"),
+                format!("{n_dims} dimensions (ggml allows at most {MAX_DIMS})"),
+            ));
         }
         let mut ne = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
             ne.push(c.u64(&field("dims"))?);
         }
         let id = c.u32(&field("type"))?;
-        let ty = GgmlType::from_id(id).ok_or_else(|| c.error(&field("type"), format!("unknown GGML type id {id}")))?;
+        let ty = GgmlType::from_id(id)
+            .ok_or_else(|| c.error(&field("type"), format!("unknown GGML type id {id}")))?;
         let rel_offset = c.u64(&field("offset"))?;
-        out.push(RawInfo { name, ty, ne, rel_offset, at });
+        out.push(RawInfo {
+            name,
+            ty,
+            ne,
+            rel_offset,
+            at,
+        });
     }
     Ok(out)
 }
 
-fn place_tensors(path: &Path, infos: Vec<RawInfo>, data_offset: u64, alignment: u64, file_len: u64) -> Result<Vec<TensorEntry>> {
+fn place_tensors(
+    path: &Path,
+    infos: Vec<RawInfo>,
+    data_offset: u64,
+    alignment: u64,
+    file_len: u64,
+) -> Result<Vec<TensorEntry>> {
     let mut names = HashSet::new();
     let mut out = Vec::with_capacity(infos.len());
     for info in infos {
-        let bad = |what: &str, reason: String| WeightError::malformed(path, format!("tensor `{}` {what}", info.name), info.at, reason);
+        let bad = |what: &str, reason: String| {
+            WeightError::malformed(
+                path,
+                format!("tensor `{}` {what}", info.name),
+                info.at,
+                reason,
+            )
+        };
         if !names.insert(info.name.clone()) {
             return Err(bad("name", "appears twice".into()));
         }
         // The product must fit whatever order it is taken in (the shape multiplies them outermost
         // first), so a zero dim does not excuse huge ones.
-        let nonzero = info.ne.iter().filter(|&&d| d != 0).try_fold(1u64, |acc, &d| acc.checked_mul(d));
+        let nonzero = info
+            .ne
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d));
         let numel = nonzero.map(|n| if info.ne.contains(&0) { 0 } else { n });
         let numel = numel.ok_or_else(|| bad("dims", format!("{:?} overflow", info.ne)))?;
         let row = info.ne.first().copied().unwrap_or(1);
         if row % info.ty.block_size() as u64 != 0 {
-            return Err(bad("dims", format!("row of {row} elements is not a whole number of {}-element {} blocks", info.ty.block_size(), info.ty)));
+            return Err(bad(
+                "dims",
+                format!(
+                    "row of {row} elements is not a whole number of {}-element {} blocks",
+                    info.ty.block_size(),
+                    info.ty
+                ),
+            ));
         }
-        let nbytes = info.ty.bytes_for(numel).ok_or_else(|| bad("dims", format!("{:?} overflow", info.ne)))?;
+        let nbytes = info
+            .ty
+            .bytes_for(numel)
+            .ok_or_else(|| bad("dims", format!("{:?} overflow", info.ne)))?;
         if info.rel_offset % alignment != 0 {
-            return Err(bad("offset", format!("{} is not a multiple of the alignment {alignment}", info.rel_offset)));
+            return Err(bad(
+                "offset",
+                format!(
+                    "{} is not a multiple of the alignment {alignment}",
+                    info.rel_offset
+                ),
+            ));
         }
         let start = data_offset.checked_add(info.rel_offset);
         let end = start.and_then(|s| s.checked_add(nbytes));

@@ -31,18 +31,35 @@ impl GgufModel {
         let first = GgufFile::open(path)?;
         let count = split_key(&first, "split.count")?.unwrap_or(1);
         if count > MAX_SHARDS {
-            return Err(WeightError::malformed(path, "metadata `split.count`", 0, format!("{count} shards (at most {MAX_SHARDS})")));
+            return Err(WeightError::malformed(
+                path,
+                "metadata `split.count`",
+                0,
+                format!("{count} shards (at most {MAX_SHARDS})"),
+            ));
         }
         if count <= 1 {
             let tensors = first.tensors.clone();
-            return Ok(GgufModel { shards: vec![first], tensors });
+            return Ok(GgufModel {
+                shards: vec![first],
+                tensors,
+            });
         }
         let paths = split_paths(path, count).ok_or_else(|| {
-            WeightError::malformed(path, "metadata `split.count`", 0, format!("says {count} shards, but the name is not NAME-0000k-of-{count:05}.gguf"))
+            WeightError::malformed(
+                path,
+                "metadata `split.count`",
+                0,
+                format!("says {count} shards, but the name is not NAME-0000k-of-{count:05}.gguf"),
+            )
         })?;
         let mut shards = Vec::with_capacity(paths.len());
         for (no, p) in paths.iter().enumerate() {
-            let shard = if *p == path { GgufFile::open(path)? } else { GgufFile::open(p)? };
+            let shard = if *p == path {
+                GgufFile::open(path)?
+            } else {
+                GgufFile::open(p)?
+            };
             check_shard(&shard, no as u64, count)?;
             shards.push(shard);
         }
@@ -76,10 +93,14 @@ impl GgufModel {
 fn split_key(f: &GgufFile, key: &str) -> Result<Option<u64>> {
     match f.get(key) {
         None => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| WeightError::malformed(&f.path, format!("metadata `{key}`"), 0, format!("{v} is not a count"))),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            WeightError::malformed(
+                &f.path,
+                format!("metadata `{key}`"),
+                0,
+                format!("{v} is not a count"),
+            )
+        }),
     }
 }
 
@@ -92,7 +113,11 @@ fn split_paths(path: &Path, count: u64) -> Option<Vec<PathBuf>> {
     if tail.parse::<u64>().ok()? != count {
         return None;
     }
-    Some((1..=count).map(|k| path.with_file_name(format!("{prefix}-{k:05}-of-{count:05}.gguf"))).collect())
+    Some(
+        (1..=count)
+            .map(|k| path.with_file_name(format!("{prefix}-{k:05}-of-{count:05}.gguf")))
+            .collect(),
+    )
 }
 
 fn check_shard(shard: &GgufFile, no: u64, count: u64) -> Result<()> {
@@ -115,9 +140,16 @@ fn merge_tensors(shards: &[GgufFile]) -> Result<Vec<TensorEntry>> {
     for (i, shard) in shards.iter().enumerate() {
         for t in &shard.tensors {
             if !seen.insert(t.name.as_str()) {
-                return Err(WeightError::tensor(&shard.path, &t.name, "also present in an earlier shard of the split set"));
+                return Err(WeightError::tensor(
+                    &shard.path,
+                    &t.name,
+                    "also present in an earlier shard of the split set",
+                ));
             }
-            out.push(TensorEntry { file: i, ..t.clone() });
+            out.push(TensorEntry {
+                file: i,
+                ..t.clone()
+            });
         }
     }
     if let Some(expected) = split_key(&shards[0], "split.tensors.count")? {

@@ -103,7 +103,10 @@ impl Value {
             ValueType::String => Value::String(c.string(field)?),
             ValueType::Array => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(c.error(field, format!("arrays nested deeper than {MAX_ARRAY_DEPTH}")));
+                    return Err(c.error(
+                        field,
+                        format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"),
+                    ));
                 }
                 let id = c.u32(field)?;
                 let elem = ValueType::from_id(id)
@@ -199,7 +202,12 @@ impl std::fmt::Display for Value {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Value::String(s) if s.chars().count() > 60 => {
-                write!(f, "{:?}… ({} chars)", s.chars().take(60).collect::<String>(), s.chars().count())
+                write!(
+                    f,
+                    "{:?}… ({} chars)",
+                    s.chars().take(60).collect::<String>(),
+                    s.chars().count()
+                )
             }
             Value::String(s) => write!(f, "{s:?}"),
             Value::Array(ty, items) => {

@@ -36,11 +36,26 @@ impl GgufWriter {
     /// Add a tensor; `shape` is row-major (PyTorch order) and `data` its encoded bytes.
     ///
     /// Panics if the byte length does not match the shape and type: callers build both.
-    pub fn tensor(&mut self, name: impl Into<String>, ty: GgmlType, shape: &[u64], data: Vec<u8>) -> &mut Self {
+    pub fn tensor(
+        &mut self,
+        name: impl Into<String>,
+        ty: GgmlType,
+        shape: &[u64],
+        data: Vec<u8>,
+    ) -> &mut Self {
         let name = name.into();
         let numel: u64 = shape.iter().product();
-        assert_eq!(ty.bytes_for(numel), Some(data.len() as u64), "tensor {name}: {ty} bytes do not match shape {shape:?}");
-        self.tensors.push(PendingTensor { name, ty, shape: shape.to_vec(), data });
+        assert_eq!(
+            ty.bytes_for(numel),
+            Some(data.len() as u64),
+            "tensor {name}: {ty} bytes do not match shape {shape:?}"
+        );
+        self.tensors.push(PendingTensor {
+            name,
+            ty,
+            shape: shape.to_vec(),
+            data,
+        });
         self
     }
 

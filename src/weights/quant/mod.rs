@@ -22,9 +22,18 @@ pub enum QuantError {
     #[error("type {0} has no dequantizer")]
     Unsupported(GgmlType),
     #[error("{ty}: {bytes} bytes is not a whole number of {type_size}-byte blocks")]
-    PartialBlock { ty: GgmlType, bytes: usize, type_size: usize },
+    PartialBlock {
+        ty: GgmlType,
+        bytes: usize,
+        type_size: usize,
+    },
     #[error("{ty}: {blocks} blocks give {expected} values, output holds {got}")]
-    OutputSize { ty: GgmlType, blocks: usize, expected: usize, got: usize },
+    OutputSize {
+        ty: GgmlType,
+        blocks: usize,
+        expected: usize,
+        got: usize,
+    },
 }
 
 /// Dequantize whole blocks of `ty` from `src` into `dst` (`dst.len()` = blocks × block size).
@@ -32,28 +41,51 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
     let decode = block_decoder(ty)?;
     let ts = ty.type_size();
     if src.len() % ts != 0 {
-        return Err(QuantError::PartialBlock { ty, bytes: src.len(), type_size: ts });
+        return Err(QuantError::PartialBlock {
+            ty,
+            bytes: src.len(),
+            type_size: ts,
+        });
     }
     let blocks = src.len() / ts;
     let expected = blocks * ty.block_size();
     if dst.len() != expected {
-        return Err(QuantError::OutputSize { ty, blocks, expected, got: dst.len() });
+        return Err(QuantError::OutputSize {
+            ty,
+            blocks,
+            expected,
+            got: dst.len(),
+        });
     }
     decode(src, dst);
     Ok(())
 }
 
 /// Dequantize `src` holding whole rows of `row_len` elements, in parallel over chunks of rows.
-pub fn dequantize_rows(ty: GgmlType, src: &[u8], dst: &mut [f32], row_len: usize) -> Result<(), QuantError> {
+pub fn dequantize_rows(
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [f32],
+    row_len: usize,
+) -> Result<(), QuantError> {
     let decode = block_decoder(ty)?;
     let ts = ty.type_size();
     let bs = ty.block_size();
     if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {
-        return Err(QuantError::PartialBlock { ty, bytes: src.len(), type_size: ts });
+        return Err(QuantError::PartialBlock {
+            ty,
+            bytes: src.len(),
+            type_size: ts,
+        });
     }
     let blocks = src.len() / ts;
     if dst.len() != blocks * bs {
-        return Err(QuantError::OutputSize { ty, blocks, expected: blocks * bs, got: dst.len() });
+        return Err(QuantError::OutputSize {
+            ty,
+            blocks,
+            expected: blocks * bs,
+            got: dst.len(),
+        });
     }
     let row_bytes = row_len / bs * ts;
     // Chunks of about 256 KiB of output keep rayon's overhead negligible and the cache warm.
