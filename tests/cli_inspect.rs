@@ -50,14 +50,7 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
     let dir = common::scratch();
     let model = dir.path().join("tiny.gguf");
     synth::write_gguf(&synth::tiny_config(), &model, 3).unwrap();
-    let out = glmcheck(&["inspect", "--json", model.to_str().unwrap()]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let report = common::glmcheck_json(["inspect", "--json", model.to_str().unwrap()], 0);
     assert_eq!(report["schema"]["ok"], true);
     assert_eq!(report["schema"]["report"]["layout"]["kv_b"], "split");
     assert_eq!(
@@ -99,9 +92,7 @@ fn a_missing_tensor_fails_the_schema_with_exit_1() {
     }
     let broken = dir.path().join("broken.gguf");
     w.write(&broken).unwrap();
-    let out = glmcheck(&["inspect", "--json", broken.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    let report: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let report = common::glmcheck_json(["inspect", "--json", broken.to_str().unwrap()], 1);
     assert_eq!(
         report["schema"]["report"]["missing"],
         serde_json::json!(["blk.1.attn_v_b.weight"])

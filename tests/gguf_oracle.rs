@@ -5,7 +5,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use glmcheck::weights::gguf::Value;
 use glmcheck::weights::{Encoding, ModelFiles};
@@ -129,17 +128,7 @@ fn dequant_dump_writes_what_gguf_py_computes() {
     let dir = common::scratch();
     let (_, _, expected) = written(dir.path());
     let out = dir.path().join("dump.safetensors");
-    let status = Command::new(common::glmcheck_bin())
-        .args(["dequant", "--json", "--dump"])
-        .arg(&out)
-        .arg(dir.path().join("model.gguf"))
-        .output()
-        .unwrap();
-    let dumped = std::fs::read(&out).unwrap();
-    let (got, want) = (
-        SafeTensors::deserialize(&dumped).unwrap(),
-        SafeTensors::deserialize(&expected).unwrap(),
-    );
+    let want = SafeTensors::deserialize(&expected).unwrap();
     // Random F32/F16/BF16 bytes hold NaN and Inf patterns: the health check must flag exactly those.
     let poisoned: Vec<String> = want
         .names()
@@ -148,13 +137,19 @@ fn dequant_dump_writes_what_gguf_py_computes() {
         .map(|n| n.to_string())
         .collect();
     assert!(!poisoned.is_empty());
-    assert_eq!(
-        status.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
+    let model = dir.path().join("model.gguf");
+    let report = common::glmcheck_json(
+        [
+            std::ffi::OsStr::new("dequant"),
+            "--json".as_ref(),
+            "--dump".as_ref(),
+            out.as_os_str(),
+            model.as_os_str(),
+        ],
+        1,
     );
-    let report: Json = serde_json::from_slice(&status.stdout).unwrap();
+    let dumped = std::fs::read(&out).unwrap();
+    let got = SafeTensors::deserialize(&dumped).unwrap();
     assert_eq!(report["verdict"], "fail");
     let mut flagged: Vec<String> = report["tensors"]
         .as_array()

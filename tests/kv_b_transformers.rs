@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use glmcheck::model::kv_b::{assemble_kv_b, KvBDims};
 use glmcheck::weights::ModelFiles;
 use serde_json::Value as Json;
@@ -51,18 +49,15 @@ fn split_kv_b_assembles_back_bit_for_bit_and_hf_folder_passes_schema() {
         }
     }
 
-    let out = Command::new(common::glmcheck_bin())
-        .args(["inspect", "--json"])
-        .arg(dir.path().join("hf"))
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let hf = dir.path().join("hf");
+    let report = common::glmcheck_json(
+        [
+            std::ffi::OsStr::new("inspect"),
+            "--json".as_ref(),
+            hf.as_os_str(),
+        ],
+        0,
     );
-    let report: Json = serde_json::from_slice(&out.stdout).unwrap();
     let schema = &report["schema"];
     assert_eq!(schema["ok"], true, "{schema:#}");
     assert_eq!(schema["report"]["layout"]["kv_b"], "whole");

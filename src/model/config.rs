@@ -140,30 +140,11 @@ impl Glm5Config {
     pub fn from_hf_json(text: &str) -> Result<Self, ConfigError> {
         let j: Json = serde_json::from_str(text).map_err(|e| cfg_err("(json)", e.to_string()))?;
         let d = Glm5Config::glm5();
-        let u = |k: &str, default: u64| -> Result<u64, ConfigError> {
-            match j.get(k) {
-                None | Some(Json::Null) => Ok(default),
-                Some(v) => v
-                    .as_u64()
-                    .ok_or_else(|| cfg_err(k, format!("{v} is not a non-negative integer"))),
-            }
+        let u = |k: &str, default: u64| {
+            json_field(&j, k, default, Json::as_u64, "a non-negative integer")
         };
-        let f = |k: &str, default: f64| -> Result<f64, ConfigError> {
-            match j.get(k) {
-                None | Some(Json::Null) => Ok(default),
-                Some(v) => v
-                    .as_f64()
-                    .ok_or_else(|| cfg_err(k, format!("{v} is not a number"))),
-            }
-        };
-        let b = |k: &str, default: bool| -> Result<bool, ConfigError> {
-            match j.get(k) {
-                None | Some(Json::Null) => Ok(default),
-                Some(v) => v
-                    .as_bool()
-                    .ok_or_else(|| cfg_err(k, format!("{v} is not a boolean"))),
-            }
-        };
+        let f = |k: &str, default: f64| json_field(&j, k, default, Json::as_f64, "a number");
+        let b = |k: &str, default: bool| json_field(&j, k, default, Json::as_bool, "a boolean");
         let layers = u("num_hidden_layers", d.num_hidden_layers)?;
         let rope = j
             .get("rope_parameters")
@@ -395,6 +376,20 @@ impl Glm5Config {
             }
         }
         Ok(())
+    }
+}
+
+/// `j[key]` converted by `conv`, `default` when absent or null, an error naming the key otherwise.
+fn json_field<T>(
+    j: &Json,
+    key: &str,
+    default: T,
+    conv: fn(&Json) -> Option<T>,
+    what: &str,
+) -> Result<T, ConfigError> {
+    match j.get(key) {
+        None | Some(Json::Null) => Ok(default),
+        Some(v) => conv(v).ok_or_else(|| cfg_err(key, format!("{v} is not {what}"))),
     }
 }
 

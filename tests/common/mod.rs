@@ -48,3 +48,22 @@ pub fn scratch() -> tempfile::TempDir {
 pub fn glmcheck_bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_glmcheck"))
 }
+
+/// Run `glmcheck ARGS…` (with `--json` among them), assert its exit code, and parse its stdout.
+pub fn glmcheck_json<I, S>(args: I, code: i32) -> serde_json::Value
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = Command::new(glmcheck_bin())
+        .args(args)
+        .output()
+        .expect("start glmcheck");
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("glmcheck --json prints JSON")
+}
