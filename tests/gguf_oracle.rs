@@ -123,21 +123,18 @@ fn reads_what_gguf_py_wrote_and_dequantizes_bit_for_bit() {
     assert_eq!(types_seen, 26, "every type gguf-py dequantizes is covered");
 }
 
+/// `a` and `b` agree to `rel` of their size (sums in another order differ in the last bits).
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-30)
+}
+
 #[test]
-fn dequant_dump_writes_what_gguf_py_computes() {
+fn dequant_health_and_dump_match_numpy_and_gguf_py() {
     let dir = common::scratch();
-    let (_, _, expected) = written(dir.path());
+    let (_, manifest, expected) = written(dir.path());
     let out = dir.path().join("dump.safetensors");
-    let want = SafeTensors::deserialize(&expected).unwrap();
-    // Random F32/F16/BF16 bytes hold NaN and Inf patterns: the health check must flag exactly those.
-    let poisoned: Vec<String> = want
-        .names()
-        .into_iter()
-        .filter(|n| expected_f32(&want, n).iter().any(|x| !x.is_finite()))
-        .map(|n| n.to_string())
-        .collect();
-    assert!(!poisoned.is_empty());
     let model = dir.path().join("model.gguf");
+    // Random F32/F16/BF16 bytes hold NaN and Inf patterns, so the verdict is a failure.
     let report = common::glmcheck_json(
         [
             std::ffi::OsStr::new("dequant"),
@@ -148,20 +145,35 @@ fn dequant_dump_writes_what_gguf_py_computes() {
         ],
         1,
     );
-    let dumped = std::fs::read(&out).unwrap();
-    let got = SafeTensors::deserialize(&dumped).unwrap();
     assert_eq!(report["verdict"], "fail");
-    let mut flagged: Vec<String> = report["tensors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|t| t["health"]["nan"].as_u64().unwrap() + t["health"]["inf"].as_u64().unwrap() > 0)
-        .map(|t| t["name"].as_str().unwrap().to_string())
-        .collect();
-    flagged.sort();
-    let mut poisoned = poisoned;
-    poisoned.sort();
-    assert_eq!(flagged, poisoned);
+    let numpy = manifest["health"].as_object().unwrap();
+    let tensors = report["tensors"].as_array().unwrap();
+    assert_eq!(tensors.len(), numpy.len());
+    for t in tensors {
+        let name = t["name"].as_str().unwrap();
+        let (got, want) = (&t["health"], &numpy[name]);
+        for count in ["count", "nan", "inf", "zeros", "beyond_f16", "outliers"] {
+            assert_eq!(got[count], want[count], "{name} {count}");
+        }
+        assert_eq!(
+            got["absmax"].as_f64(),
+            want["absmax"].as_f64(),
+            "{name} absmax"
+        );
+        for moment in ["mean", "std"] {
+            let (g, w) = (
+                got[moment].as_f64().unwrap(),
+                want[moment].as_f64().unwrap(),
+            );
+            assert!(close(g, w, 1e-9), "{name} {moment}: {g} vs numpy {w}");
+        }
+    }
+
+    let dumped = std::fs::read(&out).unwrap();
+    let (got, want) = (
+        SafeTensors::deserialize(&dumped).unwrap(),
+        SafeTensors::deserialize(&expected).unwrap(),
+    );
     assert_eq!(got.len(), want.len());
     for name in want.names() {
         assert_eq!(

@@ -1,7 +1,6 @@
 //! `glmcheck dequant MODEL`: every (selected) tensor dequantized to f32 and checked for health;
 //! `--dump` writes the f32 tensors to safetensors under their file names.
 
-use std::borrow::Cow;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -10,6 +9,7 @@ use serde_json::json;
 
 use super::output::{num, progress, shape, table};
 use super::{ModelArg, Outcome};
+use crate::weights::f32_writer::F32SafetensorsWriter;
 use crate::weights::health::{tensor_health, Health};
 use crate::weights::{ModelFiles, TensorEntry};
 
@@ -34,35 +34,6 @@ fn selector(globs: &[String]) -> anyhow::Result<Option<GlobSet>> {
         b.add(Glob::new(g).with_context(|| format!("--tensor `{g}`"))?);
     }
     Ok(Some(b.build()?))
-}
-
-/// One tensor's dequantized bytes, produced only when the safetensors writer asks for them, so
-/// that a dump holds one tensor in memory at a time.
-struct LazyF32<'a> {
-    files: &'a ModelFiles,
-    tensor: &'a TensorEntry,
-    shape: Vec<usize>,
-}
-
-impl safetensors::View for LazyF32<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        // Every dumped tensor was dequantized once already for its health, so this cannot fail
-        // short of the file changing under us; zeros would then be wrong silently, so stop.
-        let values = self
-            .files
-            .dequantize(self.tensor)
-            .unwrap_or_else(|e| panic!("{e}"));
-        Cow::Owned(bytemuck::cast_slice(&values).to_vec())
-    }
-    fn data_len(&self) -> usize {
-        self.tensor.numel() as usize * 4
-    }
 }
 
 pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
@@ -115,22 +86,27 @@ pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
     })
 }
 
+/// Write every dequantized tensor to `out`, chunk by chunk (one chunk in memory at a time).
 fn dump(
     files: &ModelFiles,
     results: &[(&TensorEntry, Option<Health>)],
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let views = results.iter().filter(|(_, h)| h.is_some()).map(|(t, _)| {
-        let view = LazyF32 {
-            files,
-            tensor: t,
-            shape: t.shape.iter().map(|&d| d as usize).collect(),
-        };
-        (t.name.clone(), view)
-    });
-    let tmp = out.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, None, &tmp).with_context(|| tmp.display().to_string())?;
-    std::fs::rename(&tmp, out).with_context(|| out.display().to_string())?;
+    let chosen: Vec<&TensorEntry> = results
+        .iter()
+        .filter(|(_, h)| h.is_some())
+        .map(|(t, _)| *t)
+        .collect();
+    let header: Vec<(String, Vec<u64>)> = chosen
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    let context = || out.display().to_string();
+    let mut w = F32SafetensorsWriter::create(out, &header).with_context(context)?;
+    for t in chosen {
+        files.for_each_chunk(t, |values| w.write(values).with_context(context))?;
+    }
+    w.finish().with_context(context)?;
     Ok(())
 }
 

@@ -12,5 +12,7 @@ pub use ggml_type::GgmlType;
 pub use tensor::{Encoding, TensorEntry};
 pub mod gguf;
 pub mod model_files;
+mod pages;
 pub use model_files::ModelFiles;
+pub mod f32_writer;
 pub mod health;

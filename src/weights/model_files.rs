@@ -11,6 +11,9 @@ use super::quant;
 use super::safetensors::SafetensorsSet;
 use super::{Encoding, Result, TensorEntry, WeightError};
 
+/// Values dequantized at a time by [`ModelFiles::for_each_chunk`] (64 MiB of f32).
+pub const CHUNK_ELEMS: u64 = 1 << 24;
+
 /// FP8 checkpoints (GLM-5-FP8, DeepSeek-V3) scale 128×128 tiles.
 const FP8_BLOCK: usize = 128;
 
@@ -120,6 +123,17 @@ impl ModelFiles {
         }
     }
 
+    /// Tell the kernel rows `rows` of `t` are done with: their mapped pages leave this process's
+    /// resident memory (a later read faults them back from the page cache or the file).
+    pub fn release_rows(&self, t: &TensorEntry, rows: Range<u64>) {
+        let row_bytes = t.nbytes / t.rows().max(1);
+        let range = rows.start * row_bytes..rows.end * row_bytes;
+        match &self.source {
+            Source::Gguf(g) => g.release(t, range),
+            Source::Safetensors(s) => s.release(t, range),
+        }
+    }
+
     /// Whether glmcheck can produce f32 values for `t`.
     pub fn can_dequantize(&self, t: &TensorEntry) -> bool {
         match &t.encoding {
@@ -136,6 +150,18 @@ impl ModelFiles {
 
     /// Rows `rows` of `t` (a row is the innermost dimension), reading only their bytes.
     pub fn dequantize_rows(&self, t: &TensorEntry, rows: Range<u64>) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.dequantize_rows_into(t, rows, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::dequantize_rows`] into `out`, reusing its allocation (no page faults per chunk).
+    pub fn dequantize_rows_into(
+        &self,
+        t: &TensorEntry,
+        rows: Range<u64>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let fail = |why: String| WeightError::tensor(self.file_of(t), &t.name, why);
         if rows.start > rows.end || rows.end > t.rows() {
             return Err(fail(format!(
@@ -148,19 +174,47 @@ impl ModelFiles {
             .map_err(|_| fail("too large for this machine".into()))?;
         match &t.encoding {
             Encoding::Ggml(ty) => {
-                let row_bytes = ty.bytes_for(row_len).ok_or_else(|| fail(format!("row of {row_len} elements is not whole {ty} blocks, or its byte size overflows")))?;
+                let row_bytes = ty.bytes_for(row_len).ok_or_else(|| {
+                    fail(format!("row of {row_len} elements is not whole {ty} blocks, or its byte size overflows"))
+                })?;
                 let src = &self.bytes(t)
                     [(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
-                let mut out = vec![0f32; n];
+                out.resize(n, 0.0);
                 if n > 0 {
-                    quant::dequantize_rows(*ty, src, &mut out, row_len as usize)
+                    quant::dequantize_rows(*ty, src, out, row_len as usize)
                         .map_err(|e| fail(e.to_string()))?;
                 }
-                Ok(out)
             }
-            Encoding::F8E4M3 | Encoding::F8E5M2 => self.dequantize_fp8(t, rows),
-            Encoding::Other(name) => Err(fail(format!("{name} tensors have no f32 form"))),
+            Encoding::F8E4M3 | Encoding::F8E5M2 => *out = self.dequantize_fp8(t, rows)?,
+            Encoding::Other(name) => return Err(fail(format!("{name} tensors have no f32 form"))),
         }
+        Ok(())
+    }
+
+    /// Dequantize `t` chunk by chunk (at most [`CHUNK_ELEMS`] values, whole rows), handing each
+    /// chunk to `f` in order and releasing its mapped pages after, so that memory stays at one
+    /// chunk whatever the tensor's size.
+    pub fn for_each_chunk<E: From<WeightError>>(
+        &self,
+        t: &TensorEntry,
+        mut f: impl FnMut(&[f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let rows_per_chunk = (CHUNK_ELEMS / t.row_len().max(1)).max(1);
+        let mut start = 0;
+        let mut buf = Vec::new();
+        while start < t.rows() {
+            let rows = start..(start + rows_per_chunk).min(t.rows());
+            self.dequantize_rows_into(t, rows.clone(), &mut buf)?;
+            f(&buf)?;
+            self.release_rows(t, rows.clone());
+            start = rows.end;
+        }
+        Ok(())
+    }
+
+    /// Number of chunks [`Self::for_each_chunk`] hands out for `t`.
+    pub fn chunk_count(&self, t: &TensorEntry) -> u64 {
+        t.rows().div_ceil((CHUNK_ELEMS / t.row_len().max(1)).max(1))
     }
 
     /// Expert `e` of a stacked `[E, out, in]` expert tensor, reading only that expert's bytes.

@@ -61,6 +61,15 @@ impl SafetensorsSet {
         &self.maps[t.file][t.offset as usize..(t.offset + t.nbytes) as usize]
     }
 
+    /// Let the kernel drop bytes `range` of tensor `t` from memory (they are re-read on demand).
+    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
+        let start = (t.offset + range.start) as usize;
+        crate::weights::pages::release(
+            &self.maps[t.file],
+            start..start + (range.end - range.start) as usize,
+        );
+    }
+
     /// The tensor of this name.
     pub fn get(&self, name: &str) -> Option<&TensorEntry> {
         let i = self

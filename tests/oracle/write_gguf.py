@@ -47,6 +47,27 @@ def tensors(rng: np.random.Generator):
         yield f"t2.{q.name}", q, random_blocks(q, 6 * row_blocks, rng).reshape(6, row_blocks * size)
         yield f"t3.{q.name}", q, random_blocks(q, 3 * 4 * row_blocks, rng).reshape(3, 4, row_blocks * size)
     yield "blk.0.indexer.attn_k.weight", GGMLQuantizationType.F32, rng.standard_normal((8, 64)).astype(np.float32).view(np.uint8)
+    # More than glmcheck's 16 Mi-value chunk, so statistics span chunks.
+    q8 = GGMLQuantizationType.Q8_0
+    yield "big.Q8_0", q8, random_blocks(q8, 4100 * 128, rng).reshape(4100, 128 * GGML_QUANT_SIZES[q8][1])
+
+
+def health(x: np.ndarray) -> dict:
+    """What `glmcheck dequant` reports, computed in float64 numpy."""
+    x = x.astype(np.float64).ravel()
+    fin = x[np.isfinite(x)]
+    mean, std = (float(fin.mean()), float(fin.std())) if fin.size else (0.0, 0.0)
+    return {
+        "count": int(x.size),
+        "nan": int(np.isnan(x).sum()),
+        "inf": int(np.isinf(x).sum()),
+        "zeros": int((fin == 0).sum()),
+        "mean": mean,
+        "std": std,
+        "absmax": float(np.abs(fin).max()) if fin.size else 0.0,
+        "beyond_f16": int((np.abs(fin) > 65504).sum()),
+        "outliers": int((np.abs(fin - mean) > 8 * std).sum()) if std > 0 else 0,
+    }
 
 
 def main(outdir: Path) -> None:
@@ -72,6 +93,7 @@ def main(outdir: Path) -> None:
             for t in r.tensors
         ],
     }
+    manifest["health"] = {name: health(x) for name, x in expected.items()}
     (outdir / "manifest.json").write_text(json.dumps(manifest))
 
 

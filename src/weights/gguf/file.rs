@@ -51,6 +51,15 @@ impl GgufFile {
         &self.map[t.offset as usize..(t.offset + t.nbytes) as usize]
     }
 
+    /// Let the kernel drop bytes `range` of tensor `t` from memory (they are re-read on demand).
+    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
+        let start = (t.offset + range.start) as usize;
+        crate::weights::pages::release(
+            &self.map,
+            start..start + (range.end - range.start) as usize,
+        );
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }

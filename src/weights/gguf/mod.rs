@@ -80,6 +80,10 @@ impl GgufModel {
         self.shards[t.file].bytes(t)
     }
 
+    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
+        self.shards[t.file].release(t, range)
+    }
+
     pub fn paths(&self) -> Vec<PathBuf> {
         self.shards.iter().map(|s| s.path.clone()).collect()
     }
