@@ -5,7 +5,7 @@ mod common;
 
 use std::process::{Command, Output};
 
-use glmcheck::synth;
+use glmcheck::synth::{Preset, SynthSpec};
 use glmcheck::weights::gguf::writer::GgufWriter;
 use glmcheck::weights::ModelFiles;
 use serde_json::Value as Json;
@@ -38,7 +38,9 @@ fn missing_and_unreadable_inputs_are_one_line_exit_2() {
     std::fs::write(&junk, b"GGUF\x03\x00\x00\x00\xff\xff").unwrap();
     one_line_error(&glmcheck(&["dequant", junk.to_str().unwrap()]), "junk.gguf");
     let model = dir.path().join("m.gguf");
-    synth::write_gguf(&synth::tiny_config(), &model, 1).unwrap();
+    SynthSpec::new(Preset::Tiny.config(), 1)
+        .write_gguf(&model)
+        .unwrap();
     one_line_error(
         &glmcheck(&["dequant", "--tensor", "nothing*", model.to_str().unwrap()]),
         "m.gguf",
@@ -49,13 +51,15 @@ fn missing_and_unreadable_inputs_are_one_line_exit_2() {
 fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
     let dir = common::scratch();
     let model = dir.path().join("tiny.gguf");
-    synth::write_gguf(&synth::tiny_config(), &model, 3).unwrap();
+    SynthSpec::new(Preset::Tiny.config(), 3)
+        .write_gguf(&model)
+        .unwrap();
     let report = common::glmcheck_json(["inspect", "--json", model.to_str().unwrap()], 0);
     assert_eq!(report["schema"]["ok"], true);
     assert_eq!(report["schema"]["report"]["layout"]["kv_b"], "split");
     assert_eq!(
         report["schema"]["report"]["mtp_layers"],
-        serde_json::json!([3])
+        serde_json::json!([Preset::Tiny.config().num_hidden_layers])
     );
     // gguf-py reads the same architecture, tensor names and shapes.
     let listing = common::run_oracle("list_gguf.py", &[model.to_str().unwrap()]);
@@ -74,7 +78,9 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
 fn a_missing_tensor_fails_the_schema_with_exit_1() {
     let dir = common::scratch();
     let full = dir.path().join("full.gguf");
-    synth::write_gguf(&synth::tiny_config(), &full, 3).unwrap();
+    SynthSpec::new(Preset::Tiny.config(), 3)
+        .write_gguf(&full)
+        .unwrap();
     let files = ModelFiles::open(&full).unwrap();
     let mut w = GgufWriter::new();
     for (k, v) in files.gguf().unwrap().metadata() {

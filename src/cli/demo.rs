@@ -4,7 +4,7 @@
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
-use crate::synth;
+use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
@@ -19,8 +19,10 @@ pub struct DemoArgs {
 pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("glm5-tiny.gguf");
-    let cfg = synth::tiny_config();
-    synth::write_gguf(&cfg, &path, args.seed)?;
+    let mut spec = SynthSpec::new(Preset::Tiny.config(), args.seed);
+    spec.mix = Mix::Q4KM;
+    spec.write_gguf(&path)?;
+    let cfg = &spec.cfg;
     let say = |s: &str| {
         if !args.json {
             println!("\n== {s}\n");

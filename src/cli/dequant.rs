@@ -9,8 +9,8 @@ use serde_json::json;
 
 use super::output::{num, progress, shape, table};
 use super::{ModelArg, Outcome};
-use crate::weights::f32_writer::F32SafetensorsWriter;
 use crate::weights::health::{tensor_health, Health};
+use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
 use crate::weights::{ModelFiles, TensorEntry};
 
 #[derive(clap::Args, Debug)]
@@ -97,12 +97,13 @@ fn dump(
         .filter(|(_, h)| h.is_some())
         .map(|(t, _)| *t)
         .collect();
-    let header: Vec<(String, Vec<u64>)> = chosen
+    let header: Vec<(String, StoreAs, Vec<u64>)> = chosen
         .iter()
-        .map(|t| (t.name.clone(), t.shape.clone()))
+        .map(|t| (t.name.clone(), StoreAs::F32, t.shape.clone()))
         .collect();
     let context = || out.display().to_string();
-    let mut w = F32SafetensorsWriter::create(out, &header).with_context(context)?;
+    let producer = [("producer".to_string(), "glmcheck dequant".to_string())].into();
+    let mut w = SafetensorsStreamWriter::create(out, &header, &producer).with_context(context)?;
     for t in chosen {
         files.for_each_chunk(t, |values| w.write(values).with_context(context))?;
     }

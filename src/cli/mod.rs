@@ -4,6 +4,7 @@ mod demo;
 mod dequant;
 mod inspect;
 mod output;
+mod synth;
 
 use std::path::PathBuf;
 
@@ -36,6 +37,8 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers).
     Dequant(dequant::DequantArgs),
+    /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
+    Synth(synth::SynthArgs),
 }
 
 /// The model argument shared by the commands that read weights.
@@ -54,5 +57,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Demo(a) => demo::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Dequant(a) => dequant::run(a),
+        Command::Synth(a) => synth::run(a),
     }
 }

@@ -198,6 +198,44 @@ impl Glm5Config {
         Ok(cfg)
     }
 
+    /// The `config.json` transformers' `GlmMoeDsaForCausalLM` loads for this config (the
+    /// inverse of [`Self::from_hf_json`]).
+    pub fn to_hf_json(&self) -> Json {
+        let rope = match &self.yarn {
+            None => serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta}),
+            Some(y) => serde_json::json!({
+                "rope_type": "yarn",
+                "rope_theta": self.rope_theta,
+                "factor": y.factor,
+                "original_max_position_embeddings": y.original_max_position_embeddings,
+                "mscale": y.mscale,
+                "mscale_all_dim": y.mscale_all_dim,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+            }),
+        };
+        let mut j = serde_json::to_value(self).unwrap_or_default();
+        let o = j.as_object_mut().expect("a struct serializes to an object");
+        o.remove("yarn");
+        o.remove("rope_theta");
+        o.insert("rope_parameters".into(), rope);
+        o.insert(
+            "architectures".into(),
+            serde_json::json!(["GlmMoeDsaForCausalLM"]),
+        );
+        o.insert("model_type".into(), "glm_moe_dsa".into());
+        o.insert(
+            "num_key_value_heads".into(),
+            self.num_attention_heads.into(),
+        );
+        o.insert("head_dim".into(), self.qk_rope_head_dim.into());
+        o.insert("qk_head_dim".into(), self.qk_head_dim().into());
+        o.insert("hidden_act".into(), "silu".into());
+        o.insert("topk_method".into(), "noaux_tc".into());
+        o.insert("attention_bias".into(), false.into());
+        j
+    }
+
     /// Read the `glm-dsa.*` metadata a llama.cpp conversion writes.
     pub fn from_gguf(model: &GgufModel) -> Result<Self, ConfigError> {
         let arch = model.architecture().unwrap_or("glm-dsa").to_string();

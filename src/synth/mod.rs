@@ -1,60 +1,121 @@
-//! Synthetic GLM-5-architecture models in llama.cpp's `glm-dsa` GGUF layout.
+//! Synthetic GLM-5-architecture models in the real file layouts: llama.cpp's `glm-dsa` GGUF and
+//! the Hugging Face checkpoint, any size from CI-tiny to GLM-5's real widths, deterministic from
+//! a seed, with weights that make a meaningful reference (see [`weights`]).
 
-mod encode;
-mod rng;
+mod plan;
+pub mod preset;
+pub mod quantize;
+pub mod rng;
+pub mod tokenizer;
+pub mod weights;
+mod write;
 
 use std::path::Path;
 
-use crate::model::config::Glm5Config;
-use crate::model::names::LayerWeight;
-use crate::model::schema::{expected, ExpertForm, Family, KvBForm, Layout};
-use crate::weights::gguf::writer::GgufWriter;
+use crate::model::config::{Glm5Config, IndexerKind};
+use crate::model::schema::ExpertForm;
 use crate::weights::gguf::{Value, ValueType};
+use crate::weights::safetensors_writer::StoreAs;
 use crate::weights::GgmlType;
 
+pub use plan::Planned;
+pub use preset::Preset;
+pub use quantize::{Mix, Override};
 pub use rng::SplitMix;
+pub use weights::Massive;
+pub use write::Written;
 
-/// A GLM-5 small enough to build and run in milliseconds: one dense and two MoE layers, an MTP
-/// layer, a DSA indexer whose top-k is below short sequence lengths.
-pub fn tiny_config() -> Glm5Config {
-    let layers = 3;
-    Glm5Config {
-        vocab_size: 256,
-        hidden_size: 64,
-        intermediate_size: 128,
-        moe_intermediate_size: 32,
-        num_hidden_layers: layers,
-        num_nextn_predict_layers: 1,
-        num_attention_heads: 4,
-        q_lora_rank: 32,
-        kv_lora_rank: 32,
-        qk_nope_head_dim: 16,
-        qk_rope_head_dim: 8,
-        v_head_dim: 16,
-        n_routed_experts: 8,
-        n_shared_experts: 1,
-        num_experts_per_tok: 2,
-        first_k_dense_replace: 1,
-        index_n_heads: 4,
-        index_head_dim: 32,
-        index_topk: 4,
-        indexer_types: vec![crate::model::config::IndexerKind::Full; layers as usize],
-        max_position_embeddings: 4096,
-        ..Glm5Config::glm5()
+/// HF shards hold at most this many bytes by default.
+pub const DEFAULT_SHARD_BYTES: u64 = 2 << 30;
+
+/// Everything that decides a synthetic model's bytes.
+#[derive(Clone, Debug)]
+pub struct SynthSpec {
+    pub cfg: Glm5Config,
+    pub seed: u64,
+    pub mix: Mix,
+    /// `--quant GLOB=TYPE`, first match wins.
+    pub overrides: Vec<Override>,
+    /// Write valid random blocks instead of quantizing generated weights (disk speed).
+    pub fast: bool,
+    pub massive: Option<Massive>,
+    pub shard_bytes: u64,
+}
+
+impl SynthSpec {
+    pub fn new(cfg: Glm5Config, seed: u64) -> Self {
+        SynthSpec {
+            cfg,
+            seed,
+            mix: Mix::F32,
+            overrides: Vec::new(),
+            fast: false,
+            massive: None,
+            shard_bytes: DEFAULT_SHARD_BYTES,
+        }
+    }
+
+    /// The GGML type a GGUF tensor is stored as: the first matching override, else the mix.
+    pub fn storage_type(&self, p: &Planned) -> GgmlType {
+        quantize::choose_type(self.mix, &self.overrides, &p.name, &p.shape, &self.cfg)
+    }
+
+    /// The element type of the HF form: f32 or bf16 (the forms real checkpoints come in).
+    pub fn hf_store(&self) -> Result<StoreAs, String> {
+        match self.mix {
+            Mix::F32 => Ok(StoreAs::F32),
+            Mix::Bf16 => Ok(StoreAs::Bf16),
+            other => Err(format!(
+                "the Hugging Face form is f32 or bf16, not {other:?}"
+            )),
+        }
+    }
+
+    /// The token each token is followed by in the built-in pattern.
+    pub fn next_token(&self) -> Vec<u32> {
+        let v = self.cfg.vocab_size as u32;
+        (0..v).map(|t| (t + 1) % v).collect()
+    }
+
+    pub fn weight_gen(&self) -> weights::WeightGen {
+        weights::WeightGen::new(&self.cfg, self.seed, self.massive, &self.next_token())
+    }
+
+    /// Tokenizer files of the HF form.
+    fn tokenizer_hf_files(
+        &self,
+        _dir: &Path,
+        _config: &mut serde_json::Value,
+    ) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    /// Write the GGUF form.
+    pub fn write_gguf(&self, path: &Path) -> std::io::Result<Written> {
+        write::write_gguf(self, path)
+    }
+
+    /// Write the Hugging Face form (a folder).
+    pub fn write_hf(&self, dir: &Path, experts: ExpertForm) -> std::io::Result<Written> {
+        write::write_hf(self, dir, experts)
     }
 }
 
-/// The `glm-dsa.*` metadata llama.cpp's converter writes for `cfg`.
-pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
+/// The `glm-dsa.*` metadata llama.cpp's converter writes for the model.
+pub fn gguf_metadata(spec: &SynthSpec) -> Vec<(String, Value)> {
+    let cfg = &spec.cfg;
     let u = |v: u64| Value::U32(v as u32);
     let f = |v: f64| Value::F32(v as f32);
-    let arch = |k: &str| format!("glm-dsa.{k}");
     let mut md = vec![
         (
             "general.architecture".to_string(),
             Value::String("glm-dsa".into()),
         ),
-        ("general.name".to_string(), Value::String(name.into())),
+        (
+            "general.name".to_string(),
+            Value::String(format!("glmcheck synthetic GLM-5 (seed {})", spec.seed)),
+        ),
+        ("general.quantization_version".to_string(), u(2)),
     ];
     let fields = [
         (
@@ -97,7 +158,18 @@ pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
         ("attention.indexer.top_k", u(cfg.index_topk)),
         ("vocab_size", u(cfg.vocab_size)),
     ];
-    md.extend(fields.into_iter().map(|(k, v)| (arch(k), v)));
+    md.extend(fields.into_iter().map(|(k, v)| (format!("glm-dsa.{k}"), v)));
+    if cfg.indexer_types.contains(&IndexerKind::Shared) {
+        let types = cfg
+            .indexer_types
+            .iter()
+            .map(|k| Value::Bool(*k == IndexerKind::Full))
+            .collect();
+        md.push((
+            "glm-dsa.attention.indexer.types".into(),
+            Value::Array(ValueType::Bool, types),
+        ));
+    }
     let tokens = (0..cfg.vocab_size)
         .map(|i| Value::String(format!("<t{i}>")))
         .collect();
@@ -107,57 +179,4 @@ pub fn gguf_metadata(cfg: &Glm5Config, name: &str) -> Vec<(String, Value)> {
         Value::Array(ValueType::String, tokens),
     ));
     md
-}
-
-/// Storage type for a weight in the demo mix: vectors F32, embeddings F16, matrices Q8_0 where
-/// rows hold whole 32-blocks, F16 otherwise (llama.cpp's fallback for odd row lengths).
-fn demo_type(w: Option<LayerWeight>, shape: &[u64]) -> GgmlType {
-    match (w, shape.len()) {
-        (_, 1) => GgmlType::F32,
-        (None, _) => GgmlType::F16,
-        _ if shape[shape.len() - 1] % 32 == 0 => GgmlType::Q8_0,
-        _ => GgmlType::F16,
-    }
-}
-
-/// Write a GGUF of `cfg` with random, well-scaled weights (deterministic from `seed`).
-pub fn write_gguf(cfg: &Glm5Config, path: &Path, seed: u64) -> std::io::Result<()> {
-    let layout = Layout {
-        family: Family::Gguf,
-        kv_b: KvBForm::Split,
-        experts: ExpertForm::Stacked,
-    };
-    let mut w = GgufWriter::new();
-    for (k, v) in gguf_metadata(cfg, "glmcheck-synth") {
-        w.metadata(k, v);
-    }
-    let mut rng = SplitMix::new(seed);
-    for e in expected(cfg, layout)
-        .into_iter()
-        .filter(|e| !e.optional || e.name == "output.weight")
-    {
-        let role = match e.id {
-            crate::model::names::WeightId::Layer(_, r) => Some(r),
-            _ => None,
-        };
-        let values = random_weight(&mut rng, &e.shape, e.name.ends_with("norm.weight"));
-        let ty = demo_type(role, &e.shape);
-        w.tensor(e.name, ty, &e.shape, encode::encode(ty, &values));
-    }
-    w.write(path)
-}
-
-/// Norm weights near 1; matrices with std 1/sqrt(fan_in) so activations keep their scale.
-fn random_weight(rng: &mut SplitMix, shape: &[u64], is_norm: bool) -> Vec<f32> {
-    let n: u64 = shape.iter().product();
-    let fan_in = *shape.last().unwrap_or(&1) as f32;
-    (0..n)
-        .map(|_| {
-            if is_norm {
-                1.0 + 0.1 * rng.normal()
-            } else {
-                rng.normal() / fan_in.sqrt()
-            }
-        })
-        .collect()
 }

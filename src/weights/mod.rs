@@ -14,5 +14,5 @@ pub mod gguf;
 pub mod model_files;
 mod pages;
 pub use model_files::ModelFiles;
-pub mod f32_writer;
 pub mod health;
+pub mod safetensors_writer;

@@ -1,4 +1,9 @@
 //! A GGUF (version 3) writer: metadata and tensors in the layout llama.cpp and gguf-py read.
+//!
+//! Tensors are declared first (name, type, shape) so the header can be written, then their bytes
+//! are either held in memory ([`GgufWriter::tensor`]) or produced while the file is written
+//! ([`GgufWriter::declare`] with [`GgufWriter::write_streaming`]) — the route for files larger
+//! than memory.
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -8,12 +13,13 @@ use crate::weights::GgmlType;
 
 const ALIGNMENT: u64 = 32;
 
-/// A tensor to write: row-major shape (outermost first) and its encoded bytes.
+/// A tensor to write: row-major shape (outermost first) and, if held in memory, its bytes.
 struct PendingTensor {
     name: String,
     ty: GgmlType,
     shape: Vec<u64>,
-    data: Vec<u8>,
+    nbytes: u64,
+    data: Option<Vec<u8>>,
 }
 
 /// Collects metadata and tensors, then writes one GGUF file.
@@ -21,6 +27,23 @@ struct PendingTensor {
 pub struct GgufWriter {
     metadata: Vec<(String, Value)>,
     tensors: Vec<PendingTensor>,
+}
+
+/// A writer that counts what passes through it, to check each tensor's byte count.
+struct Counting<'a, W: Write> {
+    inner: &'a mut W,
+    count: u64,
+}
+
+impl<W: Write> Write for Counting<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.count += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 impl GgufWriter {
@@ -33,7 +56,7 @@ impl GgufWriter {
         self
     }
 
-    /// Add a tensor; `shape` is row-major (PyTorch order) and `data` its encoded bytes.
+    /// Add a tensor held in memory; `shape` is row-major (PyTorch order), `data` its bytes.
     ///
     /// Panics if the byte length does not match the shape and type: callers build both.
     pub fn tensor(
@@ -43,70 +66,111 @@ impl GgufWriter {
         shape: &[u64],
         data: Vec<u8>,
     ) -> &mut Self {
-        let name = name.into();
-        let numel: u64 = shape.iter().product();
+        let index = self.tensors.len();
+        self.declare(name, ty, shape);
+        let t = &mut self.tensors[index];
         assert_eq!(
-            ty.bytes_for(numel),
-            Some(data.len() as u64),
-            "tensor {name}: {ty} bytes do not match shape {shape:?}"
+            t.nbytes,
+            data.len() as u64,
+            "tensor {}: {ty} bytes do not match shape {shape:?}",
+            t.name
         );
+        t.data = Some(data);
+        self
+    }
+
+    /// Declare a tensor whose bytes [`Self::write_streaming`] will ask for.
+    ///
+    /// Panics if the shape is not whole blocks of `ty`: callers choose both.
+    pub fn declare(&mut self, name: impl Into<String>, ty: GgmlType, shape: &[u64]) -> &mut Self {
+        let name = name.into();
+        let nbytes = ty
+            .bytes_for(shape.iter().product())
+            .unwrap_or_else(|| panic!("tensor {name}: shape {shape:?} is not whole {ty} blocks"));
         self.tensors.push(PendingTensor {
             name,
             ty,
             shape: shape.to_vec(),
-            data,
+            nbytes,
+            data: None,
         });
         self
     }
 
-    /// Write the file (to a temporary name first, renamed when complete).
+    /// Write the file; every tensor must hold its bytes.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        self.write_streaming(path, |i, _| {
+            Err(std::io::Error::other(format!(
+                "tensor {} was declared without bytes",
+                self.tensors[i].name
+            )))
+        })
+    }
+
+    /// Write the file, asking `fill(i, out)` for the bytes of each declared tensor `i` (in
+    /// declaration order) that does not hold its bytes. Written to a temporary name first and
+    /// renamed when complete, so a crash never leaves a truncated file under the real name.
+    pub fn write_streaming(
+        &self,
+        path: &Path,
+        mut fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         let tmp = path.with_extension("gguf.partial");
-        let mut w = BufWriter::new(std::fs::File::create(&tmp)?);
-        let written = self.write_to(&mut w);
-        written.and_then(|()| w.flush())?;
+        let mut w = BufWriter::with_capacity(1 << 22, std::fs::File::create(&tmp)?);
+        self.write_header(&mut w)?;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let mut counted = Counting {
+                inner: &mut w,
+                count: 0,
+            };
+            match &t.data {
+                Some(data) => counted.write_all(data)?,
+                None => fill(i, &mut counted)?,
+            }
+            if counted.count != t.nbytes {
+                return Err(std::io::Error::other(format!(
+                    "tensor {}: {} bytes written, {} declared",
+                    t.name, counted.count, t.nbytes
+                )));
+            }
+            pad(&mut w, t.nbytes)?;
+        }
+        w.flush()?;
         drop(w);
         std::fs::rename(&tmp, path)
     }
 
-    fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
-        let mut pos = 0u64;
-        let mut put = |w: &mut dyn Write, bytes: &[u8]| -> std::io::Result<()> {
-            pos += bytes.len() as u64;
-            w.write_all(bytes)
-        };
-        put(w, b"GGUF")?;
-        put(w, &3u32.to_le_bytes())?;
-        put(w, &(self.tensors.len() as u64).to_le_bytes())?;
-        put(w, &(self.metadata.len() as u64).to_le_bytes())?;
+    fn write_header(&self, w: &mut impl Write) -> std::io::Result<()> {
+        let mut head = Vec::new();
+        head.extend_from_slice(b"GGUF");
+        head.extend_from_slice(&3u32.to_le_bytes());
+        head.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
         for (key, value) in &self.metadata {
-            put(w, &encode_string(key))?;
-            put(w, &(value_type_id(value)).to_le_bytes())?;
-            put(w, &encode_value(value))?;
+            head.extend(encode_string(key));
+            head.extend_from_slice(&value_type_id(value).to_le_bytes());
+            head.extend(encode_value(value));
         }
         let mut rel = 0u64;
         for t in &self.tensors {
-            put(w, &encode_string(&t.name))?;
-            put(w, &(t.shape.len() as u32).to_le_bytes())?;
+            head.extend(encode_string(&t.name));
+            head.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
             for d in t.shape.iter().rev() {
-                put(w, &d.to_le_bytes())?;
+                head.extend_from_slice(&d.to_le_bytes());
             }
-            put(w, &t.ty.id().to_le_bytes())?;
-            put(w, &rel.to_le_bytes())?;
-            rel = (rel + t.data.len() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
+            head.extend_from_slice(&t.ty.id().to_le_bytes());
+            head.extend_from_slice(&rel.to_le_bytes());
+            rel = (rel + t.nbytes).div_ceil(ALIGNMENT) * ALIGNMENT;
         }
-        let fill_to_alignment = |w: &mut dyn Write, pos: u64| -> std::io::Result<u64> {
-            let pad = pos.div_ceil(ALIGNMENT) * ALIGNMENT - pos;
-            w.write_all(&vec![0u8; pad as usize])?;
-            Ok(pos + pad)
-        };
-        let mut pos = fill_to_alignment(w, pos)?;
-        for t in &self.tensors {
-            w.write_all(&t.data)?;
-            pos = fill_to_alignment(w, pos + t.data.len() as u64)?;
-        }
-        Ok(())
+        w.write_all(&head)?;
+        pad(w, head.len() as u64)
     }
+}
+
+/// Zero bytes after `len` bytes up to the next alignment boundary.
+fn pad(w: &mut impl Write, len: u64) -> std::io::Result<()> {
+    let fill = len.div_ceil(ALIGNMENT) * ALIGNMENT - len;
+    w.write_all(&[0u8; ALIGNMENT as usize][..fill as usize])
 }
 
 fn encode_string(s: &str) -> Vec<u8> {

@@ -1,0 +1,149 @@
+//! `glmcheck synth`: write a synthetic GLM-5-architecture model as GGUF or a Hugging Face folder.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+
+use super::output::bytes;
+use super::Outcome;
+use crate::model::schema::ExpertForm;
+use crate::synth::quantize::{parse_override, Mix};
+use crate::synth::weights::check_massive;
+use crate::synth::{preset::apply_overrides, Massive, Preset, SynthSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// llama.cpp's `glm-dsa` GGUF (split attn_k_b/attn_v_b, stacked experts, MTP layer).
+    Gguf,
+    /// A Hugging Face folder: config.json for GlmMoeDsaForCausalLM, safetensors, tokenizer.
+    Hf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HfExperts {
+    /// One tensor per expert and projection, as the published checkpoints store them.
+    PerExpert,
+    /// transformers' packed `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`.
+    Fused,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SynthArgs {
+    /// Starting size.
+    #[arg(long, value_enum, default_value = "tiny")]
+    pub preset: Preset,
+    /// Number of forward layers (the MTP layer comes on top).
+    #[arg(long)]
+    pub layers: Option<u64>,
+    /// Number of routed experts.
+    #[arg(long)]
+    pub experts: Option<u64>,
+    /// Override any config field, e.g. `--set n_group=8 --set rope_theta=8e6`; GLM-5.2's shared
+    /// indexer layers: `--set index_topk_freq=4 --set index_skip_topk_offset=3`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Seed of the weights: the same seed and options give byte-identical files.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Storage mix (`f32`, `bf16`, `q8_0`, `q4_k_m`, `ud-iq`), and `GLOB=TYPE` overrides
+    /// (repeatable, first match wins), e.g. `--quant q4_k_m --quant '*attn_k_b*=Q8_0'`.
+    #[arg(long = "quant", value_name = "MIX|GLOB=TYPE")]
+    pub quant: Vec<String>,
+    #[arg(long, value_enum, default_value = "gguf")]
+    pub format: Format,
+    /// Expert layout of the Hugging Face form.
+    #[arg(long, value_enum, default_value = "per-expert")]
+    pub hf_experts: HfExperts,
+    /// Write valid random blocks instead of quantizing generated weights: disk speed, for
+    /// size and speed tests (the model then means nothing).
+    #[arg(long)]
+    pub fast: bool,
+    /// Drive the residual stream past fp16's range at this layer (`L` or `L=VALUE`); in f32 the
+    /// model predicts as before.
+    #[arg(long, value_name = "LAYER[=VALUE]")]
+    pub fp16_overflow: Option<String>,
+    /// Output: a `.gguf` file, or a folder for `--format hf`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print what was written as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_massive(s: &str) -> anyhow::Result<Massive> {
+    let (layer, value) = s.split_once('=').unwrap_or((s, ""));
+    let layer = layer
+        .parse()
+        .with_context(|| format!("--fp16-overflow `{s}`: layer"))?;
+    let value = if value.is_empty() {
+        Massive::DEFAULT_VALUE
+    } else {
+        value
+            .parse()
+            .with_context(|| format!("--fp16-overflow `{s}`: value"))?
+    };
+    Ok(Massive { layer, value })
+}
+
+/// The spec the arguments describe.
+pub fn spec(args: &SynthArgs) -> anyhow::Result<SynthSpec> {
+    let mut sets = args.sets.clone();
+    if let Some(l) = args.layers {
+        sets.insert(0, format!("num_hidden_layers={l}"));
+    }
+    if let Some(e) = args.experts {
+        sets.insert(0, format!("n_routed_experts={e}"));
+    }
+    let cfg = apply_overrides(&args.preset.config(), &sets).context("--set")?;
+    let mut spec = SynthSpec::new(cfg, args.seed);
+    for q in &args.quant {
+        if q.contains('=') {
+            spec.overrides.push(parse_override(q)?);
+        } else {
+            spec.mix = q
+                .parse::<Mix>()
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("--quant `{q}`"))?;
+        }
+    }
+    spec.fast = args.fast;
+    if let Some(m) = &args.fp16_overflow {
+        let m = parse_massive(m)?;
+        check_massive(&spec.cfg, &m).map_err(anyhow::Error::msg)?;
+        spec.massive = Some(m);
+    }
+    Ok(spec)
+}
+
+pub fn run(args: SynthArgs) -> anyhow::Result<Outcome> {
+    let spec = spec(&args)?;
+    let start = Instant::now();
+    let written = match args.format {
+        Format::Gguf => spec.write_gguf(&args.out),
+        Format::Hf => {
+            let experts = if args.hf_experts == HfExperts::Fused {
+                ExpertForm::FusedGateUp
+            } else {
+                ExpertForm::PerExpert
+            };
+            spec.write_hf(&args.out, experts)
+        }
+    }
+    .with_context(|| args.out.display().to_string())?;
+    let secs = start.elapsed().as_secs_f64();
+    if args.json {
+        let out = serde_json::json!({"written": written, "seconds": secs, "config": spec.cfg});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "wrote {} ({} tensors, {}) in {secs:.2} s, {:.0} MB/s; types {:?}",
+            args.out.display(),
+            written.tensors,
+            bytes(written.bytes),
+            written.bytes as f64 / secs / 1e6,
+            written.types
+        );
+    }
+    Ok(Outcome::Pass)
+}

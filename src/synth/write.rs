@@ -1,0 +1,196 @@
+//! Writing a planned synthetic model: llama.cpp's `glm-dsa` GGUF, or a Hugging Face folder.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use super::plan::{plan, rows, Planned};
+use super::quantize::{self, random_blocks};
+use super::rng::SplitMix;
+use super::weights::WeightGen;
+use super::{gguf_metadata, SynthSpec};
+use crate::model::schema::{ExpertForm, Family, KvBForm, Layout};
+use crate::weights::gguf::writer::GgufWriter;
+use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
+use crate::weights::GgmlType;
+
+/// Values generated and encoded at a time (whole rows).
+const CHUNK_ELEMS: u64 = 1 << 22;
+/// Rows per parallel generation task.
+const TASK_ROWS: u64 = 64;
+
+/// What was written, for the summary line and `--json`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Written {
+    pub files: Vec<std::path::PathBuf>,
+    pub tensors: usize,
+    pub bytes: u64,
+    pub types: BTreeMap<String, usize>,
+}
+
+/// Row ranges of `p` in writing order, each at most [`CHUNK_ELEMS`] values.
+fn chunks(p: &Planned) -> impl Iterator<Item = std::ops::Range<u64>> {
+    let step = (CHUNK_ELEMS / p.row_len().max(1)).max(1);
+    let rows = p.rows();
+    (0..rows.div_ceil(step)).map(move |k| k * step..((k + 1) * step).min(rows))
+}
+
+/// Rows of `p`, generated in parallel (each row has its own random stream, so the result does
+/// not depend on the split).
+fn values(spec: &SynthSpec, gen: &WeightGen, p: &Planned, range: std::ops::Range<u64>) -> Vec<f32> {
+    let starts: Vec<u64> = (range.start..range.end)
+        .step_by(TASK_ROWS as usize)
+        .collect();
+    starts
+        .par_iter()
+        .map(|&s| rows(gen, &spec.cfg, p, s..(s + TASK_ROWS).min(range.end)))
+        .collect::<Vec<_>>()
+        .concat()
+}
+
+/// Write the GGUF form to `path`.
+pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
+    let layout = Layout {
+        family: Family::Gguf,
+        kv_b: KvBForm::Split,
+        experts: ExpertForm::Stacked,
+    };
+    let planned = plan(&spec.cfg, layout);
+    let types: Vec<GgmlType> = planned.iter().map(|p| spec.storage_type(p)).collect();
+    let mut w = GgufWriter::new();
+    for (k, v) in gguf_metadata(spec) {
+        w.metadata(k, v);
+    }
+    for (p, ty) in planned.iter().zip(&types) {
+        w.declare(&p.name, *ty, &p.shape);
+    }
+    let gen = spec.weight_gen();
+    w.write_streaming(path, |i, out: &mut dyn Write| {
+        let (p, ty) = (&planned[i], types[i]);
+        for (k, range) in chunks(p).enumerate() {
+            let bytes = if spec.fast && ty != GgmlType::F32 {
+                let blocks = (range.end - range.start) * p.row_len() / ty.block_size() as u64;
+                random_blocks(
+                    ty,
+                    blocks as usize,
+                    &mut SplitMix::for_row(spec.seed, &p.name, k as u64),
+                )
+            } else {
+                quantize::quantize(ty, &values(spec, &gen, p, range), p.row_len() as usize)
+                    .map_err(std::io::Error::other)?
+            };
+            out.write_all(&bytes)?;
+        }
+        Ok(())
+    })?;
+    let bytes = std::fs::metadata(path)?.len();
+    Ok(Written {
+        files: vec![path.to_path_buf()],
+        tensors: planned.len(),
+        bytes,
+        types: histogram(&types),
+    })
+}
+
+fn histogram(types: &[GgmlType]) -> BTreeMap<String, usize> {
+    let mut h = BTreeMap::new();
+    for t in types {
+        *h.entry(t.name().to_string()).or_insert(0) += 1;
+    }
+    h
+}
+
+/// Write the Hugging Face form into folder `dir`: `config.json`, safetensors shards of at most
+/// `spec.shard_bytes` (with `model.safetensors.index.json` when there are several), tokenizer.
+pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::Result<Written> {
+    let store = spec.hf_store().map_err(std::io::Error::other)?;
+    std::fs::create_dir_all(dir)?;
+    let layout = Layout {
+        family: Family::Hf,
+        kv_b: KvBForm::Whole,
+        experts,
+    };
+    let planned = plan(&spec.cfg, layout);
+    let shards = shard(&planned, store, spec.shard_bytes);
+    let names: Vec<String> = (0..shards.len())
+        .map(|k| {
+            if shards.len() == 1 {
+                "model.safetensors".into()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len())
+            }
+        })
+        .collect();
+    let gen = spec.weight_gen();
+    let metadata: BTreeMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let mut weight_map = serde_json::Map::new();
+    for (members, name) in shards.iter().zip(&names) {
+        let header: Vec<(String, StoreAs, Vec<u64>)> = members
+            .iter()
+            .map(|p| (p.name.clone(), store, p.shape.clone()))
+            .collect();
+        let mut w = SafetensorsStreamWriter::create(&dir.join(name), &header, &metadata)?;
+        for p in members {
+            for range in chunks(p) {
+                w.write(&values(spec, &gen, p, range))?;
+            }
+            weight_map.insert(p.name.clone(), name.clone().into());
+        }
+        w.finish()?;
+    }
+    let total: u64 = planned.iter().map(|p| p.numel() * store_size(store)).sum();
+    if shards.len() > 1 {
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)?,
+        )?;
+    }
+    let mut config = spec.cfg.to_hf_json();
+    config["dtype"] = if store == StoreAs::Bf16 {
+        "bfloat16"
+    } else {
+        "float32"
+    }
+    .into();
+    spec.tokenizer_hf_files(dir, &mut config)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    let files = names.iter().map(|n| dir.join(n)).collect();
+    let mut types = BTreeMap::new();
+    types.insert(format!("{store:?}").to_uppercase(), planned.len());
+    Ok(Written {
+        files,
+        tensors: planned.len(),
+        bytes: total,
+        types,
+    })
+}
+
+fn store_size(s: StoreAs) -> u64 {
+    match s {
+        StoreAs::F32 => 4,
+        StoreAs::Bf16 => 2,
+    }
+}
+
+/// Consecutive groups of tensors of at most `limit` bytes each (a larger tensor alone).
+fn shard(planned: &[Planned], store: StoreAs, limit: u64) -> Vec<Vec<&Planned>> {
+    let mut out: Vec<Vec<&Planned>> = vec![Vec::new()];
+    let mut size = 0;
+    for p in planned {
+        let bytes = p.numel() * store_size(store);
+        if size > 0 && size + bytes > limit {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        out.last_mut().expect("never empty").push(p);
+    }
+    out
+}

@@ -1,0 +1,256 @@
+//! Synthetic models against the oracles: transformers loads and runs every HF form, the model
+//! predicts its built-in pattern with low entropy, the fp16-overflow knob overflows fp16 without
+//! changing f32 predictions, the GGUF and HF forms of one seed hold the same weights, gguf-py
+//! reads the GGUF, and the same seed gives the same bytes.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use glmcheck::model::kv_b::{assemble_kv_b, KvBDims};
+use glmcheck::model::names::{LayerWeight, WeightId};
+use glmcheck::model::schema::ExpertForm;
+use glmcheck::synth::{Massive, Mix, Preset, SynthSpec};
+use glmcheck::weights::ModelFiles;
+use serde_json::Value as Json;
+
+fn tiny(seed: u64) -> SynthSpec {
+    SynthSpec::new(Preset::Tiny.config(), seed)
+}
+
+/// transformers' forward of `folder` on `tokens`.
+fn hf_forward(folder: &Path, tokens: &[u32]) -> Json {
+    let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    serde_json::from_str(&common::run_oracle(
+        "hf_forward.py",
+        &[folder.to_str().unwrap(), &ids.join(",")],
+    ))
+    .unwrap()
+}
+
+/// Tokens 5, 6, … of the pattern's own chain, so every position has a known next token.
+fn pattern_tokens(spec: &SynthSpec, n: usize) -> Vec<u32> {
+    let next = spec.next_token();
+    let mut t = vec![5u32];
+    while t.len() < n {
+        t.push(next[*t.last().unwrap() as usize]);
+    }
+    t
+}
+
+fn assert_predicts_pattern(spec: &SynthSpec, run: &Json, tokens: &[u32]) {
+    assert_eq!(run["class"], "GlmMoeDsaForCausalLM");
+    assert_eq!(run["finite"], true);
+    let next = spec.next_token();
+    let argmax: Vec<u32> = run["argmax"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let want: Vec<u32> = tokens.iter().map(|&t| next[t as usize]).collect();
+    assert_eq!(
+        argmax, want,
+        "transformers' top-1 follows the built-in pattern"
+    );
+    let ln_v = run["ln_vocab"].as_f64().unwrap();
+    for (i, e) in run["entropy"].as_array().unwrap().iter().enumerate() {
+        assert!(
+            e.as_f64().unwrap() < 0.1 * ln_v,
+            "position {i}: entropy {e} is not far below ln V = {ln_v}"
+        );
+    }
+}
+
+#[test]
+fn transformers_runs_both_hf_layouts_and_predicts_the_pattern() {
+    let dir = common::scratch();
+    let spec = tiny(11);
+    // Longer than index_topk, so the DSA indexer really selects.
+    let tokens = pattern_tokens(&spec, 12);
+    assert!(tokens.len() as u64 > spec.cfg.index_topk);
+    for (name, experts) in [
+        ("per-expert", ExpertForm::PerExpert),
+        ("fused", ExpertForm::FusedGateUp),
+    ] {
+        let folder = dir.path().join(name);
+        spec.write_hf(&folder, experts).unwrap();
+        assert_predicts_pattern(&spec, &hf_forward(&folder, &tokens), &tokens);
+        let report = common::glmcheck_json(
+            [
+                std::ffi::OsStr::new("inspect"),
+                "--json".as_ref(),
+                folder.as_os_str(),
+            ],
+            0,
+        );
+        assert_eq!(
+            report["schema"]["ok"], true,
+            "{name}: {:#}",
+            report["schema"]
+        );
+    }
+}
+
+#[test]
+fn fp16_overflow_knob_leaves_f32_predictions_alone() {
+    let dir = common::scratch();
+    let plain = tiny(12);
+    let mut massive = tiny(12);
+    let layer = 1;
+    massive.massive = Some(Massive {
+        layer,
+        value: Massive::DEFAULT_VALUE,
+    });
+    let tokens = pattern_tokens(&plain, 8);
+    let run = |spec: &SynthSpec, name: &str| {
+        let folder = dir.path().join(name);
+        spec.write_hf(&folder, ExpertForm::PerExpert).unwrap();
+        hf_forward(&folder, &tokens)
+    };
+    let (a, b) = (run(&plain, "plain"), run(&massive, "massive"));
+    assert_predicts_pattern(&massive, &b, &tokens);
+    assert_eq!(a["argmax"], b["argmax"]);
+    let absmax = |r: &Json, l: usize| r["absmax_after_layer"][l].as_f64().unwrap();
+    for l in 0..plain.cfg.num_hidden_layers as usize - 1 {
+        assert!(
+            absmax(&a, l) < 100.0,
+            "plain model, layer {l}: {}",
+            absmax(&a, l)
+        );
+        let over = absmax(&b, l) > 65504.0;
+        assert_eq!(
+            over,
+            l as u64 >= layer,
+            "massive model, layer {l}: |h| = {}",
+            absmax(&b, l)
+        );
+        // vLLM divides the residual stream by routed_scaling_factor (2.5) in fp16: that fits.
+        assert!(absmax(&b, l) / plain.cfg.routed_scaling_factor < 65504.0);
+    }
+}
+
+/// The GGUF (f32) and HF forms of one seed hold the same values, after name mapping and kv_b
+/// assembly; stacked GGUF experts equal the HF per-expert tensors.
+#[test]
+fn gguf_and_hf_forms_hold_the_same_weights() {
+    let dir = common::scratch();
+    let spec = tiny(13);
+    let (gguf_path, hf_path) = (dir.path().join("m.gguf"), dir.path().join("hf"));
+    spec.write_gguf(&gguf_path).unwrap();
+    spec.write_hf(&hf_path, ExpertForm::PerExpert).unwrap();
+    let (gguf, hf) = (
+        ModelFiles::open(&gguf_path).unwrap(),
+        ModelFiles::open(&hf_path).unwrap(),
+    );
+    let cfg = &spec.cfg;
+    let dims = KvBDims {
+        heads: cfg.num_attention_heads as usize,
+        kv_lora: cfg.kv_lora_rank as usize,
+        nope: cfg.qk_nope_head_dim as usize,
+        v: cfg.v_head_dim as usize,
+    };
+    let g = |name: String| gguf.dequantize(gguf.require(&name).unwrap()).unwrap();
+    for t in hf.tensors() {
+        let id =
+            WeightId::from_hf(&t.name).unwrap_or_else(|| panic!("{} has no GLM-5 role", t.name));
+        let from_gguf = match id {
+            WeightId::Layer(l, LayerWeight::KvB) => {
+                let part = |w| g(WeightId::Layer(l, w).gguf_name());
+                assemble_kv_b(&part(LayerWeight::KB), &part(LayerWeight::VB), dims).unwrap()
+            }
+            WeightId::Expert {
+                layer,
+                expert,
+                which,
+            } => {
+                let stacked = gguf
+                    .require(&WeightId::Layer(layer, which).gguf_name())
+                    .unwrap();
+                gguf.dequantize_expert(stacked, expert).unwrap()
+            }
+            id => g(id.gguf_name()),
+        };
+        let from_hf = hf.dequantize(t).unwrap();
+        assert!(
+            from_hf
+                .iter()
+                .zip(&from_gguf)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && from_hf.len() == from_gguf.len(),
+            "{}",
+            t.name
+        );
+    }
+}
+
+#[test]
+fn same_seed_same_bytes_whatever_the_thread_count() {
+    let dir = common::scratch();
+    let write = |threads: &str, name: &str, format: &str| {
+        let out = dir.path().join(name);
+        let status = Command::new(common::glmcheck_bin())
+            .env("RAYON_NUM_THREADS", threads)
+            .args([
+                "synth", "--preset", "tiny", "--seed", "4", "--quant", "q4_k_m", "--format",
+                format, "--out",
+            ])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        out
+    };
+    let a = std::fs::read(write("1", "a.gguf", "gguf")).unwrap();
+    let b = std::fs::read(write("2", "b.gguf", "gguf")).unwrap();
+    assert!(a == b, "GGUF bytes differ between 1 and 2 threads");
+    let mut spec = tiny(4);
+    spec.mix = Mix::Bf16;
+    let (x, y) = (dir.path().join("x"), dir.path().join("y"));
+    spec.write_hf(&x, ExpertForm::PerExpert).unwrap();
+    spec.write_hf(&y, ExpertForm::PerExpert).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        assert_eq!(
+            std::fs::read(x.join(f)).unwrap(),
+            std::fs::read(y.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
+/// gguf-py reads every quant mix; its dequantization of the quantized forms stays close to the
+/// f32 form (within each mix's quantization noise).
+#[test]
+fn gguf_py_reads_every_mix_close_to_f32() {
+    let dir = common::scratch();
+    let reference = dir.path().join("f32.gguf");
+    tiny(14).write_gguf(&reference).unwrap();
+    for (mix, bound) in [
+        (Mix::Bf16, 0.01),
+        (Mix::Q8_0, 0.02),
+        (Mix::Q4KM, 0.15),
+        (Mix::UdIq, 0.15),
+    ] {
+        let path = dir.path().join(format!("{mix:?}.gguf"));
+        let mut spec = tiny(14);
+        spec.mix = mix;
+        spec.write_gguf(&path).unwrap();
+        let out = common::run_oracle(
+            "compare_gguf.py",
+            &[reference.to_str().unwrap(), path.to_str().unwrap()],
+        );
+        let worst: Json = serde_json::from_str(&out).unwrap();
+        assert_eq!(worst["arch"], "glm-dsa");
+        let rel = worst["worst_rel_rms"].as_f64().unwrap();
+        assert!(
+            rel < bound,
+            "{mix:?}: worst tensor {} has relative RMS error {rel}",
+            worst["worst_tensor"]
+        );
+    }
+}
