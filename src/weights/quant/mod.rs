@@ -6,7 +6,7 @@
 mod block;
 mod float;
 mod fp4;
-mod grids;
+pub(crate) mod grids;
 mod iquants;
 mod kquants;
 mod legacy;

@@ -1,0 +1,145 @@
+//! From f32 weights to GGML blocks, for synthetic models in any storage type.
+//!
+//! The legacy types, the ternary types, MXFP4 and the float types follow gguf-py 0.19's
+//! `gguf.quants.quantize` bit for bit (it is our oracle, and it reproduces ggml's reference
+//! quantizers); the K-quants come from candle's ports of ggml's reference quantizers; IQ4_NL and
+//! IQ4_XS use a small scale search of our own. Types without a quantizer are written as
+//! [`random_blocks`] instead.
+
+mod block;
+mod float;
+mod iq4;
+mod kquants;
+mod legacy;
+mod mix;
+mod mxfp4;
+mod random;
+mod ternary;
+
+use rayon::prelude::*;
+
+use crate::weights::GgmlType;
+
+pub use mix::{choose_type, fallback, mix_type, parse_override, Mix, Override};
+pub use random::random_blocks;
+
+/// Why values could not be quantized or an override read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuantizeError {
+    #[error("no quantizer for {0}: write random blocks instead")]
+    NoQuantizer(GgmlType),
+    #[error(
+        "{ty}: row length {row_len} is not a positive multiple of the block size {block_size}"
+    )]
+    RowLength {
+        ty: GgmlType,
+        row_len: usize,
+        block_size: usize,
+    },
+    #[error("{len} values are not a whole number of rows of {row_len}")]
+    PartialRow { len: usize, row_len: usize },
+    #[error("bad --quant override {spec:?}: {why}")]
+    Override { spec: String, why: String },
+}
+
+/// Quantize `values`, whole rows of `row_len` elements, as `ty`: the bytes of a GGUF tensor.
+///
+/// Every quantizer here works block by block, so the blocks are spread over the rayon pool in
+/// fixed chunks: the bytes do not depend on the number of threads.
+pub fn quantize(ty: GgmlType, values: &[f32], row_len: usize) -> Result<Vec<u8>, QuantizeError> {
+    let encode = block_encoder(ty)?;
+    let bs = ty.block_size();
+    if row_len == 0 || row_len % bs != 0 {
+        return Err(QuantizeError::RowLength {
+            ty,
+            row_len,
+            block_size: bs,
+        });
+    }
+    if values.len() % row_len != 0 {
+        return Err(QuantizeError::PartialRow {
+            len: values.len(),
+            row_len,
+        });
+    }
+    let ts = ty.type_size();
+    let mut out = vec![0u8; values.len() / bs * ts];
+    // About 16 Ki values a chunk: enough work to amortize rayon, small enough to balance.
+    let blocks_per_chunk = (16384 / bs).max(1);
+    values
+        .par_chunks(blocks_per_chunk * bs)
+        .zip(out.par_chunks_mut(blocks_per_chunk * ts))
+        .for_each(|(src, dst)| encode(src, dst));
+    Ok(out)
+}
+
+/// An encoder of whole blocks: `src` holds whole blocks of values and `dst` their bytes.
+type BlockEncoder = fn(&[f32], &mut [u8]);
+
+fn block_encoder(ty: GgmlType) -> Result<BlockEncoder, QuantizeError> {
+    use GgmlType as T;
+    Ok(match ty {
+        T::F32 => float::to_f32,
+        T::F16 => float::to_f16,
+        T::BF16 => float::to_bf16,
+        T::Q4_0 => legacy::q4_0,
+        T::Q4_1 => legacy::q4_1,
+        T::Q5_0 => legacy::q5_0,
+        T::Q5_1 => legacy::q5_1,
+        T::Q8_0 => legacy::q8_0,
+        T::TQ1_0 => ternary::tq1_0,
+        T::TQ2_0 => ternary::tq2_0,
+        T::MXFP4 => mxfp4::mxfp4,
+        T::Q2_K => kquants::q2_k,
+        T::Q3_K => kquants::q3_k,
+        T::Q4_K => kquants::q4_k,
+        T::Q5_K => kquants::q5_k,
+        T::Q6_K => kquants::q6_k,
+        T::IQ4_NL => iq4::iq4_nl,
+        T::IQ4_XS => iq4::iq4_xs,
+        _ => return Err(QuantizeError::NoQuantizer(ty)),
+    })
+}
+
+/// Whether [`quantize`] handles `ty`.
+pub fn has_quantizer(ty: GgmlType) -> bool {
+    block_encoder(ty).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_must_hold_whole_blocks() {
+        let xs = vec![0.5f32; 512];
+        assert_eq!(
+            quantize(GgmlType::Q8_0, &xs, 256).map(|b| b.len()),
+            Ok(2 * 8 * 34)
+        );
+        assert_eq!(
+            quantize(GgmlType::Q4_K, &xs, 128),
+            Err(QuantizeError::RowLength {
+                ty: GgmlType::Q4_K,
+                row_len: 128,
+                block_size: 256
+            })
+        );
+        assert!(matches!(
+            quantize(GgmlType::Q8_0, &xs, 0),
+            Err(QuantizeError::RowLength { .. })
+        ));
+        assert!(quantize(GgmlType::Q8_0, &xs[..480], 96).is_ok());
+        assert_eq!(
+            quantize(GgmlType::Q8_0, &xs[..500], 64),
+            Err(QuantizeError::PartialRow {
+                len: 500,
+                row_len: 64
+            })
+        );
+        assert_eq!(
+            quantize(GgmlType::IQ2_XXS, &xs, 256),
+            Err(QuantizeError::NoQuantizer(GgmlType::IQ2_XXS))
+        );
+    }
+}
