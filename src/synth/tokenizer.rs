@@ -39,7 +39,7 @@ const TYPE_CONTROL: i32 = 3;
 const TYPE_UNUSED: i32 = 5;
 
 /// The English text merges are learned from: ASCII only, so every learned token is ASCII and
-/// non-ASCII bytes always stay single-byte tokens (see the module docs of `pre_tokenize`).
+/// non-ASCII bytes always stay single-byte tokens (why that matters: see [`Class`]).
 const CORPUS: &str = "\
 The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
 The capital of Spain is Madrid. The capital of Japan is Tokyo. The capital of Canada is Ottawa.
@@ -289,12 +289,11 @@ impl SynthTokenizer {
     /// The specials sit in the BPE vocabulary too: `tokenizers` keeps an added token's id only
     /// when the model knows it, and renumbers it after the model's last id otherwise.
     pub fn tokenizer_json(&self) -> String {
-        let normal = self.pieces.iter().map(|p| byte_level(p));
-        let specials = SPECIALS.iter().map(|s| s.to_string());
-        let ids = (0..self.n_normal()).chain(self.special_base()..self.vocab_size);
-        let vocab: serde_json::Map<String, serde_json::Value> = normal
-            .chain(specials)
-            .zip(ids)
+        let vocab: serde_json::Map<String, serde_json::Value> = self
+            .tokens()
+            .into_iter()
+            .zip(0u32..)
+            .filter(|&(_, id)| self.kind(id) != Some(TokenKind::Filler))
             .map(|(text, id)| (text, json!(id)))
             .collect();
         let added: Vec<_> = SPECIALS
