@@ -29,14 +29,28 @@ fn hf_forward(folder: &Path, tokens: &[u32]) -> Json {
     .unwrap()
 }
 
-/// Tokens 5, 6, … of the pattern's own chain, so every position has a known next token.
+/// "The capital of France is", then the pattern's own continuation up to `n` tokens, so every
+/// position has a known next token.
 fn pattern_tokens(spec: &SynthSpec, n: usize) -> Vec<u32> {
     let next = spec.next_token();
-    let mut t = vec![5u32];
+    let mut t = spec.tokenizer().unwrap().encode("The capital of France is");
     while t.len() < n {
         t.push(next[*t.last().unwrap() as usize]);
     }
     t
+}
+
+#[test]
+fn the_pattern_continues_the_corpus() {
+    let spec = tiny(0);
+    let tok = spec.tokenizer().unwrap();
+    let prompt = tok.encode("The capital of France is");
+    let next = spec.next_token();
+    let mut text = prompt.clone();
+    while text.len() < prompt.len() + 5 {
+        text.push(next[*text.last().unwrap() as usize]);
+    }
+    assert_eq!(tok.decode(&text), "The capital of France is Paris. The");
 }
 
 fn assert_predicts_pattern(spec: &SynthSpec, run: &Json, tokens: &[u32]) {

@@ -22,6 +22,7 @@ pub use plan::Planned;
 pub use preset::Preset;
 pub use quantize::{Mix, Override};
 pub use rng::SplitMix;
+pub use tokenizer::SynthTokenizer;
 pub use weights::Massive;
 pub use write::Written;
 
@@ -71,10 +72,29 @@ impl SynthSpec {
         }
     }
 
-    /// The token each token is followed by in the built-in pattern.
+    /// The model's tokenizer (byte-level BPE of the config's vocabulary size).
+    pub fn tokenizer(&self) -> Result<SynthTokenizer, String> {
+        SynthTokenizer::new(self.cfg.vocab_size as usize)
+    }
+
+    /// The token each token is followed by in the built-in pattern: its first successor in the
+    /// tokenizer's corpus (so "The capital of France is" continues " Paris", and greedy
+    /// generation repeats the corpus' first sentence); tokens the corpus never continues go to
+    /// the next id.
     pub fn next_token(&self) -> Vec<u32> {
         let v = self.cfg.vocab_size as u32;
-        (0..v).map(|t| (t + 1) % v).collect()
+        let mut next: Vec<Option<u32>> = vec![None; v as usize];
+        for pair in self
+            .tokenizer()
+            .map(|t| t.corpus_ids())
+            .unwrap_or_default()
+            .windows(2)
+        {
+            next[pair[0] as usize].get_or_insert(pair[1]);
+        }
+        (0..v)
+            .map(|t| next[t as usize].unwrap_or((t + 1) % v))
+            .collect()
     }
 
     pub fn weight_gen(&self) -> weights::WeightGen {
@@ -102,7 +122,7 @@ impl SynthSpec {
 }
 
 /// The `glm-dsa.*` metadata llama.cpp's converter writes for the model.
-pub fn gguf_metadata(spec: &SynthSpec) -> Vec<(String, Value)> {
+pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(String, Value)> {
     let cfg = &spec.cfg;
     let u = |v: u64| Value::U32(v as u32);
     let f = |v: f64| Value::F32(v as f32);
@@ -170,13 +190,6 @@ pub fn gguf_metadata(spec: &SynthSpec) -> Vec<(String, Value)> {
             Value::Array(ValueType::Bool, types),
         ));
     }
-    let tokens = (0..cfg.vocab_size)
-        .map(|i| Value::String(format!("<t{i}>")))
-        .collect();
-    md.push(("tokenizer.ggml.model".into(), Value::String("gpt2".into())));
-    md.push((
-        "tokenizer.ggml.tokens".into(),
-        Value::Array(ValueType::String, tokens),
-    ));
+    md.extend(tokenizer.gguf_metadata());
     md
 }

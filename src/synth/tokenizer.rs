@@ -189,6 +189,11 @@ impl SynthTokenizer {
             .collect()
     }
 
+    /// The built-in corpus as ids: what synthetic models learn their next-token pattern from.
+    pub fn corpus_ids(&self) -> Vec<u32> {
+        self.encode(CORPUS)
+    }
+
     /// Text to ids: specials matched verbatim (leftmost, then longest), the rest pre-tokenized
     /// GPT-2 style and BPE-merged by rank. Adds no bos/eos.
     pub fn encode(&self, text: &str) -> Vec<u32> {

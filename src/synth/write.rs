@@ -50,6 +50,34 @@ fn values(spec: &SynthSpec, gen: &WeightGen, p: &Planned, range: std::ops::Range
         .concat()
 }
 
+/// Valid random blocks for chunk `k` (rows `range`) of `p`, made in parallel: each task of
+/// [`TASK_ROWS`] rows has its own stream, so the bytes do not depend on the thread count.
+fn fast_blocks(
+    spec: &SynthSpec,
+    p: &Planned,
+    ty: GgmlType,
+    k: usize,
+    range: std::ops::Range<u64>,
+) -> Vec<u8> {
+    let blocks_per_row = p.row_len() / ty.block_size() as u64;
+    let starts: Vec<u64> = (range.start..range.end)
+        .step_by(TASK_ROWS as usize)
+        .collect();
+    starts
+        .par_iter()
+        .map(|&s| {
+            let rows = (s + TASK_ROWS).min(range.end) - s;
+            let key = format!("{}#{k}", p.name);
+            random_blocks(
+                ty,
+                (rows * blocks_per_row) as usize,
+                &mut SplitMix::for_row(spec.seed, &key, s),
+            )
+        })
+        .collect::<Vec<_>>()
+        .concat()
+}
+
 /// Write the GGUF form to `path`.
 pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
     let layout = Layout {
@@ -60,30 +88,42 @@ pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
     let planned = plan(&spec.cfg, layout);
     let types: Vec<GgmlType> = planned.iter().map(|p| spec.storage_type(p)).collect();
     let mut w = GgufWriter::new();
-    for (k, v) in gguf_metadata(spec) {
+    let tokenizer = spec.tokenizer().map_err(std::io::Error::other)?;
+    for (k, v) in gguf_metadata(spec, &tokenizer) {
         w.metadata(k, v);
     }
     for (p, ty) in planned.iter().zip(&types) {
         w.declare(&p.name, *ty, &p.shape);
     }
     let gen = spec.weight_gen();
-    w.write_streaming(path, |i, out: &mut dyn Write| {
+    w.write_streaming(path, |i, out: &mut (dyn Write + Send)| {
         let (p, ty) = (&planned[i], types[i]);
-        for (k, range) in chunks(p).enumerate() {
-            let bytes = if spec.fast && ty != GgmlType::F32 {
-                let blocks = (range.end - range.start) * p.row_len() / ty.block_size() as u64;
-                random_blocks(
-                    ty,
-                    blocks as usize,
-                    &mut SplitMix::for_row(spec.seed, &p.name, k as u64),
-                )
+        let encode = |k: usize, range: std::ops::Range<u64>| -> std::io::Result<Vec<u8>> {
+            if spec.fast && ty != GgmlType::F32 {
+                Ok(fast_blocks(spec, p, ty, k, range))
             } else {
                 quantize::quantize(ty, &values(spec, &gen, p, range), p.row_len() as usize)
-                    .map_err(std::io::Error::other)?
-            };
-            out.write_all(&bytes)?;
+                    .map_err(std::io::Error::other)
+            }
+        };
+        // Encode chunk k+1 while chunk k is being written.
+        let mut pending = chunks(p).enumerate().peekable();
+        let mut current = match pending.next() {
+            Some((k, range)) => encode(k, range)?,
+            None => return Ok(()),
+        };
+        loop {
+            let next = pending.next();
+            let (written, encoded) = rayon::join(
+                || out.write_all(&current),
+                || next.map(|(k, r)| encode(k, r)),
+            );
+            written?;
+            match encoded {
+                Some(bytes) => current = bytes?,
+                None => return Ok(()),
+            }
         }
-        Ok(())
     })?;
     let bytes = std::fs::metadata(path)?.len();
     Ok(Written {

@@ -113,7 +113,7 @@ impl GgufWriter {
     pub fn write_streaming(
         &self,
         path: &Path,
-        mut fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+        mut fill: impl FnMut(usize, &mut (dyn Write + Send)) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
         let tmp = path.with_extension("gguf.partial");
         let mut w = BufWriter::with_capacity(1 << 22, std::fs::File::create(&tmp)?);
