@@ -68,23 +68,26 @@ pub(super) fn min_max(x: &[f32]) -> (f32, f32) {
 /// subnormal scales) reach the out-of-range cases, but gguf-py's bytes are the reference there too.
 #[inline(always)]
 pub(super) fn np_byte(v: f32) -> u8 {
-    const LIMIT: f32 = 2_147_483_648.0;
-    let i = if v.is_nan() || !(-LIMIT..LIMIT).contains(&v) {
-        i32::MIN
-    } else {
-        v as i32
-    };
-    i as u8
+    truncated(v).unwrap_or(i32::MIN) as u8
 }
 
-/// gguf-py's `np_roundf`: round half away from zero, computed its way so that infinities give
-/// NaN as there.
+/// gguf-py's `np_roundf` (round half away from zero; NaN for infinities) followed by numpy's cast
+/// to a byte, without the `roundf`/`floorf` library calls that baseline x86-64 needs.
 #[inline(always)]
-pub(super) fn np_roundf(n: f32) -> f32 {
-    let a = n.abs();
-    let floored = a.floor();
-    let b = floored + (2.0 * (a - floored)).floor();
-    n.signum() * b
+pub(super) fn np_round_byte(v: f32) -> u8 {
+    let Some(t) = truncated(v) else {
+        return i32::MIN as u8;
+    };
+    // Exact: below 2^23 the fraction is representable, above it `v` is a whole number.
+    let frac = v - t as f32;
+    (t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)) as u8
+}
+
+/// `v` truncated toward zero when it is in i32's range.
+#[inline(always)]
+fn truncated(v: f32) -> Option<i32> {
+    const LIMIT: f32 = 2_147_483_648.0;
+    (-LIMIT..LIMIT).contains(&v).then_some(v as i32)
 }
 
 /// ggml's 4-bit layout of 32 codes: code j in the low nibble of byte j, code j + 16 in the high
@@ -93,5 +96,37 @@ pub(super) fn np_roundf(n: f32) -> f32 {
 pub(super) fn pack_nibbles(q: &[u8; 32], out: &mut [u8]) {
     for (j, o) in out[..16].iter_mut().enumerate() {
         *o = (q[j] & 0x0f) | (q[j + 16] << 4);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gguf-py's `np_roundf` step for step.
+    fn np_roundf(n: f32) -> f32 {
+        let a = n.abs();
+        let floored = a.floor();
+        n.signum() * (floored + (2.0 * (a - floored)).floor())
+    }
+
+    #[test]
+    fn round_byte_is_np_roundf_then_cast() {
+        let special = [
+            0.5, 1.5, 2.5, 126.5, 127.49999, 0.49999997, 8388607.5, 8388609.0, 3e9,
+        ];
+        let mut xs: Vec<f32> = special.iter().flat_map(|&v| [v, -v]).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+        ]);
+        xs.extend((0..100_000).map(|i| (i as f32 - 50_000.0) * 0.0131));
+        for x in xs {
+            assert_eq!(np_round_byte(x), np_byte(np_roundf(x)), "{x}");
+        }
     }
 }

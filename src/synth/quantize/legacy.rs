@@ -2,14 +2,15 @@
 //! truncation after adding an offset of one half, and numpy's casts.
 
 use super::block::{
-    absmax, each_block, inverse, min_max, np_byte, np_roundf, pack_nibbles, put_f16, signed_absmax,
+    absmax, each_block, inverse, min_max, np_byte, np_round_byte, pack_nibbles, put_f16,
+    signed_absmax,
 };
 
 /// Codes `trunc(x * id + offset)` clipped to `max`, as gguf-py's
-/// `np.trunc(...).astype(np.uint8).clip(0, max)`.
+/// `np.trunc(...).astype(np.uint8).clip(0, max)` (the cast truncates, so no `trunc` is needed).
 #[inline(always)]
 fn codes(x: &[f32; 32], sub: f32, id: f32, offset: f32, max: u8) -> [u8; 32] {
-    x.map(|v| np_byte(((v - sub) * id + offset).trunc()).min(max))
+    x.map(|v| np_byte((v - sub) * id + offset).min(max))
 }
 
 /// The fifth bits of 32 five-bit codes, code j at bit j.
@@ -76,7 +77,7 @@ pub(super) fn q8_0(src: &[f32], dst: &mut [u8]) {
         let id = inverse(d);
         put_f16(b, 0, d);
         for (o, &v) in b[2..].iter_mut().zip(x) {
-            *o = np_byte(np_roundf(v * id));
+            *o = np_round_byte(v * id);
         }
     });
 }

@@ -4,6 +4,8 @@
 //! The per-type scale fields are those of `tests/oracle/quant_blocks.py`; the dequantization of
 //! the result is finite everywhere (largest |value| about 2^6 · 2^8 · 2^7 for IQ4_XS).
 
+use rayon::prelude::*;
+
 use crate::synth::SplitMix;
 use crate::weights::GgmlType;
 
@@ -14,13 +16,28 @@ use crate::weights::GgmlType;
 pub fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix) -> Vec<u8> {
     let ts = ty.type_size();
     let mut buf = vec![0u8; n_blocks * ts];
-    fill(&mut buf, rng);
+    // About 1 MiB of whole blocks a chunk, each chunk from its own generator seeded from `rng` in
+    // order: filled in parallel, yet the same bytes on any number of threads.
+    let chunk = ((1 << 20) / ts).max(1) * ts;
+    let seeds: Vec<u64> = (0..buf.len().div_ceil(chunk))
+        .map(|_| rng.next_u64())
+        .collect();
+    buf.par_chunks_mut(chunk).zip(seeds).for_each(|(c, seed)| {
+        fill(c, &mut SplitMix::new(seed));
+        tame(ty, c);
+    });
+    buf
+}
+
+/// Overwrite the scale fields of the whole blocks in `buf` with finite, moderate values.
+fn tame(ty: GgmlType, buf: &mut [u8]) {
+    let ts = ty.type_size();
     use GgmlType as T;
     match ty {
         _ if !ty.can_dequantize() => {}
-        T::F32 => tame_floats(&mut buf, 4, 23, 0xff, 127),
-        T::F16 => tame_floats(&mut buf, 2, 10, 0x1f, 15),
-        T::BF16 => tame_floats(&mut buf, 2, 7, 0xff, 127),
+        T::F32 => tame_floats::<4>(buf, 23, 0xff, 127),
+        T::F16 => tame_floats::<2>(buf, 10, 0x1f, 15),
+        T::BF16 => tame_floats::<2>(buf, 7, 0xff, 127),
         // Every UE4M3 scale byte decodes to a finite value.
         T::NVFP4 => {}
         // E8M0 exponents up to 250 keep 12 · 2^(e - 128) finite.
@@ -39,7 +56,6 @@ pub fn random_blocks(ty: GgmlType, n_blocks: usize, rng: &mut SplitMix) -> Vec<u
             }
         }
     }
-    buf
 }
 
 /// Byte offsets of the f16 scale fields (`d`, and `dmin` or `m`) in a block of `ty`.
@@ -78,16 +94,16 @@ fn tame_f16(h: u16) -> u16 {
     (h & 0x83ff) | ((1 + e % 21) << 10)
 }
 
-/// Random `width`-byte floats with the exponent field at `shift` (`mask` wide, bias `bias`) set
-/// to a random power in 2^-8..2^8: finite, and far from overflow when multiplied.
-fn tame_floats(buf: &mut [u8], width: usize, shift: u32, mask: u32, bias: u32) {
-    for lane in buf.chunks_exact_mut(width) {
+/// Random `W`-byte floats with the exponent field at `shift` (`mask` wide, bias `bias`) set to a
+/// random power in 2^-8..2^8: finite, and far from overflow when multiplied.
+fn tame_floats<const W: usize>(buf: &mut [u8], shift: u32, mask: u32, bias: u32) {
+    for lane in buf.chunks_exact_mut(W) {
         let mut le = [0u8; 4];
-        le[..width].copy_from_slice(lane);
+        le[..W].copy_from_slice(lane);
         let v = u32::from_le_bytes(le);
         let e = bias - 8 + ((v >> shift) & 15);
         let v = (v & !(mask << shift)) | (e << shift);
-        lane.copy_from_slice(&v.to_le_bytes()[..width]);
+        lane.copy_from_slice(&v.to_le_bytes()[..W]);
     }
 }
 
@@ -129,6 +145,19 @@ mod tests {
             );
             assert!(out.iter().any(|&v| v != 0.0), "{ty} is all zero");
         }
+    }
+
+    #[test]
+    fn same_blocks_on_one_and_two_threads() {
+        // 3.4 MB: several chunks.
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("thread pool")
+                .install(|| random_blocks(GgmlType::Q8_0, 100_000, &mut SplitMix::new(9)))
+        };
+        assert!(on(1) == on(2));
     }
 
     #[test]

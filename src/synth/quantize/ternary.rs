@@ -1,13 +1,13 @@
 //! TQ1_0 and TQ2_0: ternary codes {-1, 0, 1} of x / absmax, as gguf-py packs them.
 
-use super::block::{absmax, each_block, inverse, np_byte, np_roundf, put_f16};
+use super::block::{absmax, each_block, inverse, np_round_byte, put_f16};
 
 /// The 256 codes `roundf(x / absmax) + 1` in {0, 1, 2}, and the absmax that is `d`.
 #[inline(always)]
 fn ternary_codes(x: &[f32; 256]) -> ([u8; 256], f32) {
     let d = absmax(x);
     let id = inverse(d);
-    (x.map(|v| np_byte(np_roundf(v * id)).wrapping_add(1)), d)
+    (x.map(|v| np_round_byte(v * id).wrapping_add(1)), d)
 }
 
 /// TQ1_0: five codes a byte in base 3 (160 codes in 32 bytes, 80 in 16), then four a byte (16
