@@ -65,6 +65,8 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
     let listing = common::run_oracle("list_gguf.py", &[model.to_str().unwrap()]);
     let theirs: Json = serde_json::from_str(&listing).unwrap();
     assert_eq!(theirs["arch"], "glm-dsa");
+    // Every tensor is one of the names gguf-py (llama.cpp's tensor table) gives glm-dsa.
+    assert_eq!(theirs["unknown"], serde_json::json!([]));
     let ours: Vec<Json> = report["tensors"]
         .as_array()
         .unwrap()

@@ -1,10 +1,20 @@
-"""Print a GGUF's architecture and (name, row-major shape) of every tensor, as gguf-py reads them."""
+"""Print a GGUF's architecture, (name, row-major shape) of every tensor as gguf-py reads them, and
+the tensors whose names are not among gguf-py's tensor names for that architecture."""
 
 import json
 import sys
 
 from gguf import GGUFReader
+from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
 r = GGUFReader(sys.argv[1])
 arch = r.fields["general.architecture"].contents()
-print(json.dumps({"arch": arch, "tensors": [[t.name, [int(d) for d in reversed(t.shape)]] for t in r.tensors]}))
+blocks = int(r.fields[f"{arch}.block_count"].contents())
+model_arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+known = {TENSOR_NAMES[t].format(bid=b) for t in MODEL_TENSORS[model_arch] for b in range(blocks)}
+unknown = [t.name for t in r.tensors if t.name.rsplit(".", 1)[0] not in known]
+print(json.dumps({
+    "arch": arch,
+    "tensors": [[t.name, [int(d) for d in reversed(t.shape)]] for t in r.tensors],
+    "unknown": unknown,
+}))
