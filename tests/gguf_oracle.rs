@@ -184,3 +184,42 @@ fn dequant_health_and_dump_match_numpy_and_gguf_py() {
         assert_bits(name, &expected_f32(&got, name), &expected_f32(&want, name));
     }
 }
+
+/// A split set written by gguf-py opens as one model from any of its shards, with the same
+/// metadata and the same values as the single file.
+#[test]
+fn split_sets_open_as_one_model_from_any_shard() {
+    let dir = common::scratch();
+    let (whole, _, _) = written(dir.path());
+    for shard in ["model-00001-of-00003.gguf", "model-00002-of-00003.gguf"] {
+        let split = ModelFiles::open(&dir.path().join("split").join(shard)).unwrap();
+        assert_eq!(split.files().len(), 3, "{shard}");
+        assert_eq!(split.tensors().len(), whole.tensors().len());
+        let meta = split.gguf().unwrap();
+        assert_eq!(
+            meta.get("test.string"),
+            whole.gguf().unwrap().get("test.string")
+        );
+        for t in whole.tensors() {
+            let s = split.require(&t.name).unwrap();
+            assert_eq!(
+                (&s.encoding, &s.shape),
+                (&t.encoding, &t.shape),
+                "{}",
+                t.name
+            );
+            assert_bits(
+                &t.name,
+                &split.dequantize(s).unwrap(),
+                &whole.dequantize(t).unwrap(),
+            );
+        }
+    }
+    let lone = dir.path().join("split/model-00002-of-00003.gguf");
+    std::fs::remove_file(dir.path().join("split/model-00003-of-00003.gguf")).unwrap();
+    let err = ModelFiles::open(&lone)
+        .err()
+        .expect("a missing shard is an error")
+        .to_string();
+    assert!(err.contains("model-00003-of-00003.gguf"), "{err}");
+}

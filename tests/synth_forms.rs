@@ -84,11 +84,17 @@ fn transformers_runs_both_hf_layouts_and_predicts_the_pattern() {
     // Longer than index_topk, so the DSA indexer really selects.
     let tokens = pattern_tokens(&spec, 12);
     assert!(tokens.len() as u64 > spec.cfg.index_topk);
-    for (name, experts) in [
-        ("per-expert", ExpertForm::PerExpert),
-        ("fused", ExpertForm::FusedGateUp),
-    ] {
+    let forms = [
+        ("per-expert", ExpertForm::PerExpert, Mix::F32),
+        ("fused", ExpertForm::FusedGateUp, Mix::F32),
+        ("bf16", ExpertForm::PerExpert, Mix::Bf16),
+    ];
+    for (name, experts, mix) in forms {
         let folder = dir.path().join(name);
+        let spec = SynthSpec {
+            mix,
+            ..spec.clone()
+        };
         spec.write_hf(&folder, experts).unwrap();
         assert_predicts_pattern(&spec, &hf_forward(&folder, &tokens), &tokens);
         let report = common::glmcheck_json(
@@ -193,6 +199,53 @@ fn gguf_and_hf_forms_hold_the_same_weights() {
                 .zip(&from_gguf)
                 .all(|(a, b)| a.to_bits() == b.to_bits())
                 && from_hf.len() == from_gguf.len(),
+            "{}",
+            t.name
+        );
+    }
+}
+
+#[test]
+fn quant_overrides_win_over_the_mix() {
+    let dir = common::scratch();
+    let out = dir.path().join("o.gguf");
+    let args = [
+        "synth",
+        "--quant",
+        "q4_k_m",
+        "--quant",
+        "*attn_k_b*=Q8_0",
+        "--quant",
+        "blk.1.*exps*=IQ2_XXS",
+        "--out",
+    ];
+    let status = Command::new(common::glmcheck_bin())
+        .args(args)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let files = ModelFiles::open(&out).unwrap();
+    for t in files.tensors() {
+        if t.name.contains("attn_k_b") {
+            assert_eq!(t.encoding.name(), "Q8_0", "{}", t.name);
+        }
+        if t.name.starts_with("blk.1.") && t.name.contains("_exps") {
+            // IQ2_XXS needs whole 256-blocks; 128-long down_exps rows fall back as llama.cpp does.
+            let want = if t.row_len() % 256 == 0 {
+                "IQ2_XXS"
+            } else {
+                "IQ4_NL"
+            };
+            assert_eq!(t.encoding.name(), want, "{}", t.name);
+        }
+        // Every tensor, the random IQ2_XXS blocks included, dequantizes to finite values.
+        assert!(
+            files.dequantize(t).unwrap().iter().all(|x| x.is_finite()),
             "{}",
             t.name
         );

@@ -144,6 +144,12 @@ pub fn run(args: SynthArgs) -> anyhow::Result<Outcome> {
             written.bytes as f64 / secs / 1e6,
             written.types
         );
+        if !written.random_blocks.is_empty() {
+            println!(
+                "{} tensors hold random valid blocks, not the model's weights (no quantizer for their type, or --fast)",
+                written.random_blocks.len()
+            );
+        }
     }
     Ok(Outcome::Pass)
 }

@@ -28,6 +28,8 @@ pub struct Written {
     pub tensors: usize,
     pub bytes: u64,
     pub types: BTreeMap<String, usize>,
+    /// Tensors written as random valid blocks rather than quantized weights.
+    pub random_blocks: Vec<String>,
 }
 
 /// Row ranges of `p` in writing order, each at most [`CHUNK_ELEMS`] values.
@@ -95,11 +97,16 @@ pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
     for (p, ty) in planned.iter().zip(&types) {
         w.declare(&p.name, *ty, &p.shape);
     }
+    // Random blocks in --fast mode, and for types nobody has a quantizer for (IQ2/IQ3/IQ1…).
+    let random: Vec<bool> = types
+        .iter()
+        .map(|&ty| (spec.fast && ty != GgmlType::F32) || !quantize::has_quantizer(ty))
+        .collect();
     let gen = spec.weight_gen();
     w.write_streaming(path, |i, out: &mut (dyn Write + Send)| {
         let (p, ty) = (&planned[i], types[i]);
         let encode = |k: usize, range: std::ops::Range<u64>| -> std::io::Result<Vec<u8>> {
-            if spec.fast && ty != GgmlType::F32 {
+            if random[i] {
                 Ok(fast_blocks(spec, p, ty, k, range))
             } else {
                 quantize::quantize(ty, &values(spec, &gen, p, range), p.row_len() as usize)
@@ -126,11 +133,18 @@ pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
         }
     })?;
     let bytes = std::fs::metadata(path)?.len();
+    let random_blocks = planned
+        .iter()
+        .zip(&random)
+        .filter(|(_, r)| **r)
+        .map(|(p, _)| p.name.clone())
+        .collect();
     Ok(Written {
         files: vec![path.to_path_buf()],
         tensors: planned.len(),
         bytes,
         types: histogram(&types),
+        random_blocks,
     })
 }
 
@@ -209,6 +223,7 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
         tensors: planned.len(),
         bytes: total,
         types,
+        random_blocks: Vec::new(),
     })
 }
 

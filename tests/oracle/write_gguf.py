@@ -6,6 +6,8 @@ OUTDIR/model.gguf      metadata of every value type (nested arrays too) and, for
 OUTDIR/expected.safetensors   gguf.quants.dequantize of every tensor (f32, logical shape)
 OUTDIR/manifest.json   metadata as JSON and, per tensor, type id, shape and absolute data offset
                        as gguf-py's GGUFReader reads them back
+OUTDIR/split/model-0000k-of-0000n.gguf   the same tensors as a split set (gguf-py's
+                       split_max_tensors, as `convert_hf_to_gguf.py --split-max-tensors` writes)
 """
 
 import json
@@ -73,16 +75,21 @@ def health(x: np.ndarray) -> dict:
 def main(outdir: Path) -> None:
     rng = np.random.default_rng(7)
     path = outdir / "model.gguf"
+    (outdir / "split").mkdir()
     w = GGUFWriter(path, arch="glm-dsa")
+    split = GGUFWriter(outdir / "split" / "model.gguf", arch="glm-dsa", split_max_tensors=20)
     add_metadata(w)
+    add_metadata(split)
     expected = {}
     for name, q, data in tensors(rng):
         w.add_tensor(name, data, raw_dtype=q)
+        split.add_tensor(name, data, raw_dtype=q)
         expected[name] = np.ascontiguousarray(dequantize(data, q), dtype=np.float32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    for writer in (w, split):
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     save_file(expected, str(outdir / "expected.safetensors"))
     r = GGUFReader(path)
     manifest = {
