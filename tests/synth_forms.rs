@@ -15,6 +15,16 @@ use glmcheck::synth::{Massive, Mix, Preset, SynthSpec};
 use glmcheck::weights::ModelFiles;
 use serde_json::Value as Json;
 
+/// Run a glmcheck command that must succeed.
+fn glmcheck_ok(cmd: &mut Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn tiny(seed: u64) -> SynthSpec {
     SynthSpec::new(Preset::Tiny.config(), seed)
 }
@@ -219,16 +229,7 @@ fn quant_overrides_win_over_the_mix() {
         "blk.1.*exps*=IQ2_XXS",
         "--out",
     ];
-    let status = Command::new(common::glmcheck_bin())
-        .args(args)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    glmcheck_ok(Command::new(common::glmcheck_bin()).args(args).arg(&out));
     let files = ModelFiles::open(&out).unwrap();
     for t in files.tensors() {
         if t.name.contains("attn_k_b") {
@@ -257,19 +258,13 @@ fn same_seed_same_bytes_whatever_the_thread_count() {
     let dir = common::scratch();
     let write = |threads: &str, name: &str, format: &str| {
         let out = dir.path().join(name);
-        let status = Command::new(common::glmcheck_bin())
-            .env("RAYON_NUM_THREADS", threads)
-            .args([
-                "synth", "--preset", "tiny", "--seed", "4", "--quant", "q4_k_m", "--format",
-                format, "--out",
-            ])
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(
-            status.status.success(),
-            "{}",
-            String::from_utf8_lossy(&status.stderr)
+        glmcheck_ok(
+            Command::new(common::glmcheck_bin())
+                .env("RAYON_NUM_THREADS", threads)
+                .args([
+                    "synth", "--seed", "4", "--quant", "q4_k_m", "--format", format, "--out",
+                ])
+                .arg(&out),
         );
         out
     };

@@ -154,10 +154,10 @@ impl WeightGen {
         row: &mut [f32],
     ) {
         match w {
-            AttnNorm | NextnHnorm => {
+            // The norms that read the residual stream.
+            AttnNorm | FfnNorm | NextnHnorm => {
                 self.norm_row(rng, row, self.massive.is_some_and(|m| l > m.layer))
             }
-            FfnNorm => self.norm_row(rng, row, self.massive.is_some_and(|m| l > m.layer)),
             QANorm | KvANorm | IndexerKNorm | NextnEnorm | NextnSharedHeadNorm => {
                 self.norm_row(rng, row, false)
             }
