@@ -7,4 +7,5 @@ pub mod cli;
 pub mod model;
 pub mod shard;
 pub mod synth;
+pub mod trace;
 pub mod weights;

@@ -1,0 +1,17 @@
+//! Traces (DESIGN §5): a folder `NAME.trace/` holding `manifest.json` (the run and, for every
+//! stage, its statistics) and safetensors files with the full tensors of the selected stages.
+//! Anything that writes JSON and safetensors can produce one, so engine probes need no Rust.
+
+pub mod error;
+pub mod manifest;
+pub mod reader;
+pub mod select;
+pub mod stats;
+pub mod writer;
+
+pub use error::{Result, TraceError};
+pub use manifest::{ElemType, Manifest, ModelInfo, StageRecord};
+pub use reader::Trace;
+pub use select::{FullSelector, DEFAULT_FULL};
+pub use stats::TensorStats;
+pub use writer::{Stage, TraceHeader, TraceWriter};

@@ -1,0 +1,282 @@
+//! Writes a trace as the run goes: statistics for every stage, full tensors for the selected
+//! ones, one safetensors file per layer.
+//!
+//! Stages are grouped by layer (`L{n}.…`; every other stage, such as `embed` or `logits`, is a
+//! group of its own). A group is written when the next one starts, or at [`TraceWriter::finish`]:
+//! its tensors to `GROUP.safetensors` and then `manifest.json` with every finished group, each
+//! under a temporary name renamed into place. A crashed run thus leaves a readable trace of the
+//! groups it finished and loses at most the one in progress.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::{Map, Value};
+
+use super::error::{Result, TraceError};
+use super::manifest::{ElemType, Manifest, ModelInfo, StageRecord, FORMAT, MANIFEST_NAME, VERSION};
+use super::select::FullSelector;
+use super::stats::TensorStats;
+
+/// The run-wide fields of a manifest.
+#[derive(Clone, Debug, Default)]
+pub struct TraceHeader {
+    pub producer: Map<String, Value>,
+    pub model: ModelInfo,
+    pub tokens: Vec<u32>,
+    pub backend: String,
+    pub dtype: String,
+    pub tp: u32,
+}
+
+/// The values of one stage as the caller holds them.
+#[derive(Clone, Copy, Debug)]
+pub enum Stage<'a> {
+    F32(&'a [f32]),
+    I32(&'a [i32]),
+}
+
+impl Stage<'_> {
+    fn len(self) -> usize {
+        match self {
+            Stage::F32(v) => v.len(),
+            Stage::I32(v) => v.len(),
+        }
+    }
+
+    fn elem_type(self) -> ElemType {
+        match self {
+            Stage::F32(_) => ElemType::F32,
+            Stage::I32(_) => ElemType::I32,
+        }
+    }
+
+    fn stats(self) -> TensorStats {
+        match self {
+            Stage::F32(v) => TensorStats::of(v),
+            Stage::I32(v) => TensorStats::of(v),
+        }
+    }
+
+    /// The values as safetensors stores them: little-endian bytes.
+    fn le_bytes(self) -> Vec<u8> {
+        match self {
+            Stage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Stage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// A full tensor waiting for its group's file.
+struct Held {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+/// The stages of the group in progress.
+#[derive(Default)]
+struct Group {
+    name: String,
+    stages: Vec<StageRecord>,
+    held: Vec<Held>,
+}
+
+/// An open trace being written.
+pub struct TraceWriter {
+    dir: PathBuf,
+    full: FullSelector,
+    /// Every stage of the finished groups.
+    manifest: Manifest,
+    open: Group,
+    finished: HashSet<String>,
+}
+
+impl TraceWriter {
+    /// Start a trace in folder `dir`, which must not exist or be empty (stale tensor files of an
+    /// earlier run must not sit beside the new manifest). The empty manifest is written at once.
+    pub fn create(dir: &Path, header: TraceHeader, full: FullSelector) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| TraceError::io(dir, e))?;
+        let mut items = std::fs::read_dir(dir).map_err(|e| TraceError::io(dir, e))?;
+        if items.next().is_some() {
+            let why = "already holds files; give the trace a new name or remove it";
+            return Err(TraceError::field(dir, "folder", why));
+        }
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            producer: header.producer,
+            model: header.model,
+            tokens: header.tokens,
+            backend: header.backend,
+            dtype: header.dtype,
+            tp: header.tp,
+            stages: Vec::new(),
+            extra: Map::new(),
+        };
+        let writer = TraceWriter {
+            dir: dir.to_path_buf(),
+            full,
+            manifest,
+            open: Group::default(),
+            finished: HashSet::new(),
+        };
+        writer.write_manifest()?;
+        Ok(writer)
+    }
+
+    /// Record stage `name` (DESIGN §4) of row-major `shape` with dims spec `dims`, whole
+    /// (`rank` None) or one rank's part. Its stats are kept; its values too when `--full`
+    /// selects it. Starting a new layer writes the previous one.
+    pub fn record(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: Stage<'_>,
+    ) -> Result<()> {
+        let bad = |field: &str, reason: String| {
+            TraceError::field(&self.dir, format!("stage \"{name}\" {field}"), reason)
+        };
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(bad(
+                "name",
+                "must be ASCII letters, digits, `.`, `_` or `-`".into(),
+            ));
+        }
+        let numel = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        if numel != Some(values.len() as u64) {
+            return Err(bad(
+                "shape",
+                format!("{shape:?} does not hold {} values", values.len()),
+            ));
+        }
+        if let Some(r) = rank.filter(|&r| r >= self.manifest.tp) {
+            return Err(bad(
+                "rank",
+                format!("{r} is not below tp = {}", self.manifest.tp),
+            ));
+        }
+        let group = group_of(name);
+        if self.finished.contains(group) {
+            return Err(bad("name", format!("group `{group}` was already written")));
+        }
+        if self
+            .open
+            .stages
+            .iter()
+            .any(|s| s.name == name && s.rank == rank)
+        {
+            return Err(bad("name", "recorded twice".into()));
+        }
+        if group != self.open.name {
+            self.close_group()?;
+            self.open.name = group.to_string();
+        }
+        let mut record = StageRecord {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype: values.elem_type(),
+            dims: dims.to_string(),
+            rank,
+            stats: values.stats(),
+            file: None,
+            tensor: None,
+            extra: Map::new(),
+        };
+        if self.full.matches(name) {
+            let tensor = match rank {
+                Some(r) => format!("{name}@rank{r}"),
+                None => name.to_string(),
+            };
+            self.open.held.push(Held {
+                name: tensor.clone(),
+                dtype: match values {
+                    Stage::F32(_) => Dtype::F32,
+                    Stage::I32(_) => Dtype::I32,
+                },
+                shape: shape.iter().map(|&d| d as usize).collect(),
+                bytes: values.le_bytes(),
+            });
+            record.file = Some(format!("{group}.safetensors"));
+            record.tensor = Some(tensor);
+        }
+        self.open.stages.push(record);
+        Ok(())
+    }
+
+    /// Write the group in progress and the final manifest; the trace as written.
+    pub fn finish(mut self) -> Result<Manifest> {
+        self.close_group()?;
+        Ok(self.manifest)
+    }
+
+    /// Write the open group's file (if it holds full tensors), add its stages to the manifest
+    /// and rewrite the manifest.
+    fn close_group(&mut self) -> Result<()> {
+        let group = std::mem::take(&mut self.open);
+        if group.stages.is_empty() {
+            return Ok(());
+        }
+        if !group.held.is_empty() {
+            self.write_tensors(&group)?;
+        }
+        self.manifest.stages.extend(group.stages);
+        self.finished.insert(group.name);
+        self.write_manifest()
+    }
+
+    fn write_tensors(&self, group: &Group) -> Result<()> {
+        let path = self.dir.join(format!("{}.safetensors", group.name));
+        let views = group
+            .held
+            .iter()
+            .map(|h| {
+                let view = TensorView::new(h.dtype, h.shape.clone(), &h.bytes);
+                view.map(|v| (h.name.as_str(), v))
+            })
+            .collect::<Result<Vec<_>, _>>();
+        write_renamed(&path, |tmp| {
+            views
+                .and_then(|v| safetensors::serialize_to_file(v, None, tmp))
+                .map_err(|e| TraceError::field(tmp, "tensors", e.to_string()))
+        })
+    }
+
+    fn write_manifest(&self) -> Result<()> {
+        let text = self.manifest.to_json();
+        write_renamed(&self.dir.join(MANIFEST_NAME), |tmp| {
+            std::fs::write(tmp, &text).map_err(|e| TraceError::io(tmp, e))
+        })
+    }
+}
+
+/// The group a stage belongs to: its `L{n}` prefix, or the whole name outside the layers.
+fn group_of(name: &str) -> &str {
+    let end = name.find('.').unwrap_or(name.len());
+    let head = &name[..end];
+    let layer =
+        head.len() > 1 && head.starts_with('L') && head[1..].bytes().all(|b| b.is_ascii_digit());
+    if layer {
+        head
+    } else {
+        name
+    }
+}
+
+/// Have `write` fill a temporary name beside `path`, then rename it: `path` is either absent,
+/// the old version, or complete.
+fn write_renamed(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
+    write(&tmp)?;
+    std::fs::rename(&tmp, path).map_err(|e| TraceError::io(path, e))
+}
