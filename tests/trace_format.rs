@@ -1,0 +1,484 @@
+//! Traces: the writer, the reader and the Python oracle (`tests/oracle/trace_check.py`) agree on
+//! every statistic, hash and stored bit; broken manifests fail naming the field.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use glmcheck::trace::{
+    FullSelector, ModelInfo, Stage, TensorStats, Trace, TraceHeader, TraceWriter,
+};
+use serde_json::{json, Value};
+
+/// Deterministic pseudo-random f32 in [-scale, scale).
+fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// One stage the sample run records.
+struct Sample {
+    name: &'static str,
+    shape: Vec<u64>,
+    dims: &'static str,
+    rank: Option<u32>,
+    f32s: Vec<f32>,
+    i32s: Vec<i32>,
+}
+
+impl Sample {
+    fn f32(
+        name: &'static str,
+        shape: &[u64],
+        dims: &'static str,
+        rank: Option<u32>,
+        v: Vec<f32>,
+    ) -> Self {
+        Sample {
+            name,
+            shape: shape.to_vec(),
+            dims,
+            rank,
+            f32s: v,
+            i32s: Vec::new(),
+        }
+    }
+    fn i32(name: &'static str, shape: &[u64], dims: &'static str, v: Vec<i32>) -> Self {
+        Sample {
+            name,
+            shape: shape.to_vec(),
+            dims,
+            rank: None,
+            f32s: Vec::new(),
+            i32s: v,
+        }
+    }
+    fn values(&self) -> Stage<'_> {
+        if self.i32s.is_empty() {
+            Stage::F32(&self.f32s)
+        } else {
+            Stage::I32(&self.i32s)
+        }
+    }
+}
+
+/// A small two-layer run with tp = 2: f32 and i32, whole and per-rank, NaN/Inf/±0, a tensor
+/// larger than one statistics chunk, and one with no finite value.
+fn samples() -> Vec<Sample> {
+    let mut out = noise(32, 5, 3.0);
+    out[1] = f32::NAN;
+    out[2] = f32::INFINITY;
+    out[3] = f32::NEG_INFINITY;
+    out[4] = 0.0;
+    out[5] = -0.0;
+    vec![
+        Sample::f32("embed", &[4, 8], "t d", None, noise(32, 1, 0.5)),
+        Sample::f32("L0.attn_norm", &[4, 8], "t d", None, noise(32, 2, 1.0)),
+        Sample::f32(
+            "L0.attn.q",
+            &[4, 2, 6],
+            "t h(tp) d",
+            Some(0),
+            noise(48, 3, 2.0),
+        ),
+        Sample::f32(
+            "L0.attn.q",
+            &[4, 2, 6],
+            "t h(tp) d",
+            Some(1),
+            noise(48, 4, 2.0),
+        ),
+        Sample::i32(
+            "L0.attn.index_topk",
+            &[4, 3],
+            "t k",
+            vec![0, -1, -1, 0, 1, -1, 2, 1, 0, 3, 2, 1],
+        ),
+        Sample::i32(
+            "L0.moe.topk_ids",
+            &[4, 2],
+            "t k",
+            vec![7, 3, 250, 9, 0, 1, 255, 128],
+        ),
+        Sample::f32("L0.out", &[4, 8], "t d", None, out),
+        Sample::f32(
+            "L1.attn.out",
+            &[4, 8],
+            "t d partial(tp)",
+            Some(0),
+            noise(32, 6, 1.0),
+        ),
+        Sample::f32(
+            "L1.attn.out",
+            &[4, 8],
+            "t d partial(tp)",
+            Some(1),
+            noise(32, 7, 1.0),
+        ),
+        Sample::f32("L1.out", &[3, 70_000], "t d", None, noise(210_000, 8, 40.0)),
+        Sample::f32("final_norm", &[2, 2], "t d", None, vec![f32::NAN; 4]),
+        Sample::f32("logits", &[4, 50], "t v(tp)", None, noise(200, 9, 12.0)),
+    ]
+}
+
+/// Stages stored in full in the sample trace (the others keep stats only).
+const FULL: [&str; 6] = [
+    "logits",
+    "L*.out",
+    "embed",
+    "final_norm",
+    "L*.attn.q",
+    "L*.attn.index_topk",
+];
+
+fn header() -> TraceHeader {
+    TraceHeader {
+        producer: json!({"tool": "trace_format test"})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+        model: ModelInfo {
+            source: "synthetic".into(),
+            fingerprint: "00ff".into(),
+            ..Default::default()
+        },
+        tokens: vec![1, 2, 3, 4],
+        backend: "glmcheck".into(),
+        dtype: "f32".into(),
+        tp: 2,
+    }
+}
+
+/// Write the sample run into `dir` with `full` patterns.
+fn write_trace(dir: &Path, full: &[&str]) {
+    let selector = FullSelector::new(full).expect("valid globs");
+    let mut w = TraceWriter::create(dir, header(), selector).expect("create trace");
+    for s in samples() {
+        w.record(s.name, &s.shape, s.dims, s.rank, s.values())
+            .expect("record");
+    }
+    w.finish().expect("finish");
+}
+
+fn sample_trace(root: &Path) -> PathBuf {
+    let dir = root.join("run.trace");
+    write_trace(&dir, &FULL);
+    dir
+}
+
+#[test]
+fn oracle_recomputes_every_stat_and_hash() {
+    let tmp = common::scratch();
+    for (name, full) in [("mixed.trace", &FULL[..]), ("all.trace", &["**"][..])] {
+        let dir = tmp.path().join(name);
+        write_trace(&dir, full);
+        let report: Value = serde_json::from_str(&common::run_oracle(
+            "trace_check.py",
+            &[dir.to_str().expect("UTF-8")],
+        ))
+        .expect("oracle prints JSON");
+        let stored = if name == "all.trace" { 12 } else { 8 };
+        assert_eq!(
+            report,
+            json!({"checked": stored, "stats_only": 12 - stored}),
+            "{name}"
+        );
+    }
+}
+
+/// Equal but for the last bit of the floats: serde_json's default number parser (without its
+/// `float_roundtrip` feature) may land one ulp off the value it wrote. Python reads them exactly.
+fn assert_same_stats(got: &TensorStats, want: &TensorStats, stage: &str) {
+    let ulps = |a: f64, b: f64| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs();
+    let floats = |s: &TensorStats| [s.mean, s.std, s.min, s.max, s.absmax, s.l2];
+    for (a, b) in floats(got).into_iter().zip(floats(want)) {
+        assert!(ulps(a, b) <= 1, "{stage}: {got:?} vs {want:?}");
+    }
+    let exact = |s: &TensorStats| [s.count, s.nan, s.inf, s.zeros, s.hash];
+    assert_eq!(exact(got), exact(want), "{stage}");
+}
+
+#[test]
+fn round_trip_keeps_every_bit() {
+    let tmp = common::scratch();
+    let trace = Trace::open(&sample_trace(tmp.path())).expect("open");
+    let names: Vec<&str> = trace.stages().iter().map(|s| s.name.as_str()).collect();
+    let written: Vec<&str> = samples().iter().map(|s| s.name).collect();
+    assert_eq!(names, written, "stages in recording order");
+    let selector = FullSelector::new(&FULL).expect("globs");
+    for s in samples() {
+        let record = trace.stage(s.name, s.rank).expect("stage recorded");
+        let expected = match s.values() {
+            Stage::F32(v) => TensorStats::of(v),
+            Stage::I32(v) => TensorStats::of(v),
+        };
+        assert_same_stats(&record.stats, &expected, s.name);
+        let f32s = trace.tensor(s.name, s.rank).expect("read");
+        if !selector.matches(s.name) {
+            assert_eq!(f32s, None, "{} keeps stats only", s.name);
+            continue;
+        }
+        let f32s = f32s.expect("full tensor");
+        if s.i32s.is_empty() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&f32s), bits(&s.f32s), "{}", s.name);
+        } else {
+            assert_eq!(
+                trace.tensor_i32(s.name, s.rank).expect("read"),
+                Some(s.i32s.clone())
+            );
+            let as_f32: Vec<f32> = s.i32s.iter().map(|&v| v as f32).collect();
+            assert_eq!(f32s, as_f32);
+        }
+    }
+    let err = trace
+        .tensor("L9.out", None)
+        .expect_err("no such stage")
+        .to_string();
+    assert!(
+        err.contains("\"L9.out\"") && err.contains("not in the trace"),
+        "{err}"
+    );
+}
+
+#[test]
+fn writing_is_deterministic() {
+    let tmp = common::scratch();
+    let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
+    write_trace(&a, &FULL);
+    write_trace(&b, &FULL);
+    let listing = |d: &Path| {
+        let mut names: Vec<_> = fs::read_dir(d)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listing(&a), listing(&b));
+    for name in listing(&a) {
+        assert!(
+            fs::read(a.join(&name)).expect("read") == fs::read(b.join(&name)).expect("read"),
+            "{name:?} differs"
+        );
+    }
+    let files: Vec<_> = listing(&a)
+        .into_iter()
+        .map(|n| n.into_string().expect("UTF-8"))
+        .collect();
+    assert_eq!(
+        files,
+        [
+            "L0.safetensors",
+            "L1.safetensors",
+            "embed.safetensors",
+            "final_norm.safetensors",
+            "logits.safetensors",
+            "manifest.json"
+        ]
+    );
+}
+
+#[test]
+fn stats_do_not_depend_on_thread_count() {
+    let xs = noise(1 << 20, 11, 100.0);
+    let on = |threads| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        pool.install(|| TensorStats::of(&xs))
+    };
+    let one = on(1);
+    assert_eq!(one, on(2));
+    assert_eq!(one, on(7));
+    let json = serde_json::to_value(&one).expect("serialize");
+    let hash = json["hash"].as_str().expect("hash is a string");
+    assert_eq!(hash.len(), 16);
+    assert_eq!(
+        serde_json::from_value::<TensorStats>(json).expect("deserialize"),
+        one
+    );
+}
+
+/// The error opening the sample trace after `edit` changed its manifest; it names the trace.
+fn open_edited(edit: impl FnOnce(&mut Value)) -> String {
+    let tmp = common::scratch();
+    let dir = sample_trace(tmp.path());
+    let path = dir.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&fs::read(&path).expect("read")).expect("JSON");
+    edit(&mut m);
+    fs::write(&path, serde_json::to_vec(&m).expect("JSON")).expect("write");
+    let err = Trace::open(&dir).expect_err("must be refused").to_string();
+    assert!(
+        err.contains(&dir.display().to_string()),
+        "does not name the trace: {err}"
+    );
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    err
+}
+
+/// The index of the `L0.out` record in the sample manifest.
+const L0_OUT: usize = 6;
+
+#[test]
+fn broken_manifests_are_refused_naming_the_field() {
+    for file in [
+        "../outside.safetensors",
+        "/etc/passwd",
+        "L0/../../x.safetensors",
+    ] {
+        let err = open_edited(|m| m["stages"][L0_OUT]["file"] = json!(file));
+        assert!(
+            err.contains("stages[6] \"L0.out\" file") && err.contains(file),
+            "{err}"
+        );
+    }
+    let err = open_edited(|m| m["version"] = json!(2));
+    assert!(err.contains("version: 2"), "{err}");
+    let err = open_edited(|m| m["format"] = json!("other"));
+    assert!(err.contains("format"), "{err}");
+    let err = open_edited(|m| m["stages"][L0_OUT]["shape"] = json!([4, 9]));
+    assert!(err.contains("\"L0.out\" shape"), "{err}");
+    let err = open_edited(|m| m["stages"][2]["name"] = json!(""));
+    assert!(err.contains("stages[2] name"), "{err}");
+    let err = open_edited(|m| m["stages"][2]["rank"] = json!(2));
+    assert!(err.contains("rank: 2 is not below tp = 2"), "{err}");
+    let err = open_edited(|m| m["stages"][3]["rank"] = json!(0));
+    assert!(err.contains("recorded twice"), "{err}");
+    let err = open_edited(|m| m["stages"][L0_OUT]["stats"]["hash"] = json!(12));
+    assert!(err.contains("stages[6]") && err.contains("string"), "{err}");
+    let err = open_edited(|m| {
+        m.as_object_mut().expect("object").remove("backend");
+    });
+    assert!(err.contains("backend"), "{err}");
+
+    let tmp = common::scratch();
+    let dir = sample_trace(tmp.path());
+    fs::write(
+        dir.join("manifest.json"),
+        b"{\"format\": \"glmcheck-trace\",",
+    )
+    .expect("write");
+    let err = Trace::open(&dir).expect_err("broken JSON").to_string();
+    assert!(
+        err.contains("manifest.json: broken JSON at line 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_fields_are_kept() {
+    let tmp = common::scratch();
+    let dir = sample_trace(tmp.path());
+    let path = dir.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&fs::read(&path).expect("read")).expect("JSON");
+    m["engine"] = json!({"name": "vllm", "graph": "cuda"});
+    m["stages"][L0_OUT]["probe_hook"] = json!("model.layers.0");
+    fs::write(&path, serde_json::to_vec(&m).expect("JSON")).expect("write");
+    let trace = Trace::open(&dir).expect("extra fields are fine");
+    assert_eq!(trace.manifest().extra["engine"]["name"], "vllm");
+    assert_eq!(trace.stages()[L0_OUT].extra["probe_hook"], "model.layers.0");
+    let again: Value = serde_json::from_slice(&trace.manifest().to_json()).expect("JSON");
+    assert_eq!(again, m, "written back unchanged");
+}
+
+#[test]
+fn a_crashed_run_leaves_its_finished_layers() {
+    let tmp = common::scratch();
+    let dir = tmp.path().join("crash.trace");
+    let mut w = TraceWriter::create(&dir, header(), FullSelector::default()).expect("create");
+    for s in samples().iter().take_while(|s| s.name != "L1.out") {
+        w.record(s.name, &s.shape, s.dims, s.rank, s.values())
+            .expect("record");
+    }
+    drop(w);
+    let trace = Trace::open(&dir).expect("readable after a crash");
+    assert_eq!(
+        trace.stage_names(),
+        [
+            "embed",
+            "L0.attn_norm",
+            "L0.attn.q",
+            "L0.attn.index_topk",
+            "L0.moe.topk_ids",
+            "L0.out"
+        ]
+    );
+    assert!(trace.tensor("L0.out", None).expect("read").is_some());
+    assert_eq!(
+        trace.tensor("embed", None).expect("read"),
+        None,
+        "not selected by default"
+    );
+    assert!(!dir.join("L1.safetensors").exists());
+}
+
+#[test]
+fn the_writer_refuses_misuse() {
+    let tmp = common::scratch();
+    let dir = tmp.path().join("w.trace");
+    let mut w = TraceWriter::create(&dir, header(), FullSelector::default()).expect("create");
+    let v = [0f32; 8];
+    let mut err = |name: &str, shape: &[u64], rank| {
+        w.record(name, shape, "t d", rank, Stage::F32(&v))
+            .err()
+            .map(|e| e.to_string())
+    };
+    assert_eq!(err("L0.out", &[2, 4], None), None);
+    assert!(err("L0.x", &[3, 4], None)
+        .expect("refused")
+        .contains("\"L0.x\" shape"));
+    assert!(err("L0.x", &[2, 4], Some(2))
+        .expect("refused")
+        .contains("rank"));
+    assert!(err("L0.out", &[2, 4], None)
+        .expect("refused")
+        .contains("recorded twice"));
+    assert!(err("", &[2, 4], None).expect("refused").contains("name"));
+    assert!(err("../L0", &[2, 4], None)
+        .expect("refused")
+        .contains("name"));
+    assert_eq!(err("L1.out", &[2, 4], None), None);
+    assert!(err("L0.late", &[2, 4], None)
+        .expect("refused")
+        .contains("already written"));
+    let again = TraceWriter::create(&dir, header(), FullSelector::default());
+    assert!(again
+        .err()
+        .expect("folder in use")
+        .to_string()
+        .contains("already holds files"));
+}
+
+#[test]
+fn full_patterns_match_name_parts() {
+    let default = FullSelector::default();
+    for (name, want) in [
+        ("L3.out", true),
+        ("L77.out", true),
+        ("logits", true),
+        ("L3.attn.out", false),
+        ("L3.ffn_norm", false),
+        ("embed", false),
+    ] {
+        assert_eq!(default.matches(name), want, "{name}");
+    }
+    let all = FullSelector::new(&["**"]).expect("glob");
+    assert!(all.matches("L3.attn.out") && all.matches("embed"));
+    let attn = FullSelector::new(&["L*.attn.*"]).expect("glob");
+    assert!(attn.matches("L3.attn.q") && !attn.matches("L3.out"));
+    assert!(FullSelector::new(&["L[3"])
+        .err()
+        .expect("bad glob")
+        .to_string()
+        .contains("`L[3`"));
+}
