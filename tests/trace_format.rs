@@ -476,9 +476,6 @@ fn full_patterns_match_name_parts() {
     assert!(all.matches("L3.attn.out") && all.matches("embed"));
     let attn = FullSelector::new(&["L*.attn.*"]).expect("glob");
     assert!(attn.matches("L3.attn.q") && !attn.matches("L3.out"));
-    assert!(FullSelector::new(&["L[3"])
-        .err()
-        .expect("bad glob")
-        .to_string()
-        .contains("`L[3`"));
+    let err = FullSelector::new(&["L[3"]).expect_err("bad glob");
+    assert!(err.to_string().contains("`L[3`"), "{err}");
 }
