@@ -194,14 +194,11 @@ fn oracle_recomputes_every_stat_and_hash() {
     }
 }
 
-/// Equal but for the last bit of the floats: serde_json's default number parser (without its
-/// `float_roundtrip` feature) may land one ulp off the value it wrote. Python reads them exactly.
+/// Every statistic read back equals the one written, bit for bit (serde_json parses floats
+/// exactly with its `float_roundtrip` feature).
 fn assert_same_stats(got: &TensorStats, want: &TensorStats, stage: &str) {
-    let ulps = |a: f64, b: f64| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs();
-    let floats = |s: &TensorStats| [s.mean, s.std, s.min, s.max, s.absmax, s.l2];
-    for (a, b) in floats(got).into_iter().zip(floats(want)) {
-        assert!(ulps(a, b) <= 1, "{stage}: {got:?} vs {want:?}");
-    }
+    let floats = |s: &TensorStats| [s.mean, s.std, s.min, s.max, s.absmax, s.l2].map(f64::to_bits);
+    assert_eq!(floats(got), floats(want), "{stage}: {got:?} vs {want:?}");
     let exact = |s: &TensorStats| [s.count, s.nan, s.inf, s.zeros, s.hash];
     assert_eq!(exact(got), exact(want), "{stage}");
 }
