@@ -66,9 +66,7 @@ impl SynthSpec {
         match self.mix {
             Mix::F32 => Ok(StoreAs::F32),
             Mix::Bf16 => Ok(StoreAs::Bf16),
-            other => Err(format!(
-                "the Hugging Face form is f32 or bf16, not {other:?}"
-            )),
+            other => Err(format!("the Hugging Face form is f32 or bf16, not {other}")),
         }
     }
 
