@@ -1,0 +1,170 @@
+"""Write a glmcheck trace (DESIGN §5) from Python, in exactly the format `src/trace/` reads.
+
+Stages are grouped by layer (`L{n}.…`; any other stage is a group of its own). A group is written
+when the next one starts and at `finish()`: its full tensors to `GROUP.safetensors`, then the
+manifest with every finished group, each under a temporary name renamed into place, so a crashed
+run leaves a readable trace that lacks at most the group in progress.
+
+The statistics reproduce `TensorStats::of` bit for bit: sums run left to right in float64 over
+fixed 64 Ki-element chunks whose partial results are added in chunk order (`np.cumsum` sums
+sequentially, unlike `np.sum`), so a Rust reader recomputing them gets the same numbers.
+"""
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+from safetensors.numpy import save_file
+
+FORMAT = "glmcheck-trace"
+VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_FULL = ("logits", "L*.out")
+# Elements per chunk of the fixed summation order (the Rust `TASK`).
+CHUNK = 1 << 16
+
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+MASK64 = (1 << 64) - 1
+ELEM_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32"}
+STAGE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+LAYER = re.compile(r"^L[0-9]+$")
+
+
+def fnv1a(data: bytes) -> int:
+    """FNV-1a 64 over `data`: the content hash both sides compare bit for bit."""
+    h = FNV_OFFSET
+    for b in data:
+        h = ((h ^ b) * FNV_PRIME) & MASK64
+    return h
+
+
+def _sequential_sum(xs: np.ndarray) -> float:
+    """Left-to-right float64 sum, the order Rust's fold uses."""
+    return float(np.cumsum(xs)[-1]) if xs.size else 0.0
+
+
+def tensor_stats(x: np.ndarray) -> dict:
+    """The stats record of `x` (f32 or i32): moments over the finite values, and the hash."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    chunks = [flat[i:i + CHUNK].astype(np.float64) for i in range(0, flat.size, CHUNK)]
+    finite = [c[np.isfinite(c)] for c in chunks]
+    n = sum(f.size for f in finite)
+    stats = {
+        "count": int(flat.size),
+        "nan": int(sum(np.isnan(c).sum() for c in chunks)),
+        "inf": int(sum(np.isinf(c).sum() for c in chunks)),
+        "zeros": int(sum((f == 0).sum() for f in finite)),
+    }
+    if n == 0:
+        stats.update(mean=0.0, std=0.0, min=0.0, max=0.0, absmax=0.0, l2=0.0)
+    else:
+        total = _sequential_sum(np.array([_sequential_sum(f) for f in finite]))
+        squares = _sequential_sum(np.array([_sequential_sum(f * f) for f in finite]))
+        mean = total / n
+        deviation = _sequential_sum(np.array([_sequential_sum((f - mean) * (f - mean)) for f in finite]))
+        lo = min(float(f.min()) for f in finite if f.size)
+        hi = max(float(f.max()) for f in finite if f.size)
+        stats.update(mean=mean, std=math.sqrt(deviation / n), min=lo, max=hi,
+                     absmax=max(abs(lo), abs(hi)), l2=math.sqrt(squares))
+    stats["hash"] = f"{fnv1a(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
+    return stats
+
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """`--full` glob over dot-separated stage names: `*` stays in one part, `**` spans parts."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("^" + "".join(out) + "$")
+
+
+def group_of(name: str) -> str:
+    """The file group of a stage: its `L{n}` prefix, or the whole name outside the layers."""
+    head = name.split(".", 1)[0]
+    return head if LAYER.match(head) else name
+
+
+def _write_renamed(path: str, write) -> None:
+    """Have `write` fill `path.partial`, then rename it: `path` is absent, old, or complete."""
+    tmp = path + ".partial"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class TraceWriter:
+    """An open trace being written: `record` stages in execution order, then `finish`."""
+
+    def __init__(self, directory: str, header: dict, full=DEFAULT_FULL):
+        """Start a trace in `directory`, which must be absent or empty (no stale tensor files).
+
+        `header` holds producer, model, tokens, backend, dtype and tp.
+        """
+        os.makedirs(directory, exist_ok=True)
+        if os.listdir(directory):
+            raise FileExistsError(f"{directory} already holds files; give the trace a new name")
+        self.dir = directory
+        self.full = [glob_regex(p) for p in full]
+        self.manifest = {"format": FORMAT, "version": VERSION, **header, "stages": []}
+        self.group, self.stages, self.held = None, [], {}
+        self.finished = set()
+        self._write_manifest()
+
+    def record(self, name: str, values: np.ndarray, dims: str) -> None:
+        """Record whole stage `name` (DESIGN §4) with dims spec `dims`; f32 or i32 values."""
+        if not STAGE_NAME.match(name):
+            raise ValueError(f"stage name {name!r}: ASCII letters, digits, `.`, `_` or `-` only")
+        values = np.ascontiguousarray(values)
+        if values.dtype not in ELEM_TYPES:
+            raise TypeError(f"stage {name}: {values.dtype} values, expected float32 or int32")
+        group = group_of(name)
+        if group in self.finished:
+            raise ValueError(f"stage {name}: group {group} was already written")
+        if any(s["name"] == name for s in self.stages):
+            raise ValueError(f"stage {name} recorded twice")
+        if group != self.group:
+            self._close_group()
+            self.group = group
+        stage = {"name": name, "shape": list(values.shape), "dtype": ELEM_TYPES[values.dtype],
+                 "dims": dims, "stats": tensor_stats(values)}
+        if any(p.match(name) for p in self.full):
+            self.held[name] = values
+            stage.update(file=f"{group}.safetensors", tensor=name)
+        self.stages.append(stage)
+
+    def finish(self) -> dict:
+        """Write the group in progress and the final manifest; the manifest as written."""
+        self._close_group()
+        return self.manifest
+
+    def _close_group(self) -> None:
+        if not self.stages:
+            return
+        if self.held:
+            path = os.path.join(self.dir, f"{self.group}.safetensors")
+            _write_renamed(path, lambda tmp: save_file(self.held, tmp))
+        self.manifest["stages"].extend(self.stages)
+        self.finished.add(self.group)
+        self.stages, self.held = [], {}
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump(self.manifest, f, indent=2)
+                f.write("\n")
+        _write_renamed(os.path.join(self.dir, MANIFEST), write)
