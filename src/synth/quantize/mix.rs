@@ -39,7 +39,10 @@ impl Mix {
 impl std::fmt::Display for Mix {
     /// The `--quant` name.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = Mix::NAMES.iter().find(|(m, _)| m == self).map_or("?", |&(_, n)| n);
+        let name = Mix::NAMES
+            .iter()
+            .find(|(m, _)| m == self)
+            .map_or("?", |&(_, n)| n);
         f.write_str(name)
     }
 }
