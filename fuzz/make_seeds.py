@@ -20,27 +20,15 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))
 from quant_blocks import random_blocks  # noqa: E402
+from write_gguf import add_metadata  # noqa: E402
 
 
 def gguf_seed(path: Path, types: list[Q], alignment: int | None, rng: np.random.Generator) -> None:
-    """One GGUF of metadata of every value type and one two-row tensor per type."""
+    """One GGUF of the oracle tests' metadata (every value type) and one two-row tensor per type."""
     w = GGUFWriter(path, arch="seed")
     if alignment is not None:
         w.add_custom_alignment(alignment)
-    w.add_uint8("seed.u8", 7)
-    w.add_int8("seed.i8", -7)
-    w.add_uint16("seed.u16", 700)
-    w.add_int16("seed.i16", -700)
-    w.add_uint32("seed.u32", 70_000)
-    w.add_int32("seed.i32", -70_000)
-    w.add_float32("seed.f32", 0.5)
-    w.add_bool("seed.bool", True)
-    w.add_string("seed.string", "Grüße")
-    w.add_uint64("seed.u64", 2**40)
-    w.add_int64("seed.i64", -(2**40))
-    w.add_float64("seed.f64", 1e-300)
-    w.add_array("seed.strings", ["a", "", "ß"])
-    w.add_array("seed.nested", [[1, 2], [3]])
+    add_metadata(w)
     for q in types:
         block, size = GGML_QUANT_SIZES[q]
         row_blocks = max(1, 32 // block)
