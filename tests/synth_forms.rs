@@ -316,3 +316,39 @@ fn gguf_py_reads_every_mix_close_to_f32() {
         );
     }
 }
+
+/// GLM-5.2's shared-indexer schedule from `--set` agrees with transformers' own reading of the
+/// same keys.
+#[test]
+fn indexer_schedule_overrides_match_transformers() {
+    use glmcheck::model::config::IndexerKind;
+    use glmcheck::synth::preset::apply_overrides;
+    let cases = [(4, 3, 12), (2, 0, 7), (1, 2, 5), (3, 1, 10)];
+    let kwargs: Vec<Json> = cases
+        .iter()
+        .map(|(f, o, l)| serde_json::json!({"num_hidden_layers": l, "index_topk_freq": f, "index_skip_topk_offset": o}))
+        .collect();
+    let out = common::run_oracle("indexer_types.py", &[&Json::from(kwargs).to_string()]);
+    let theirs: Vec<Vec<String>> = serde_json::from_str(&out).unwrap();
+    for ((freq, offset, layers), theirs) in cases.into_iter().zip(theirs) {
+        let sets = [
+            format!("num_hidden_layers={layers}"),
+            format!("index_topk_freq={freq}"),
+            format!("index_skip_topk_offset={offset}"),
+        ];
+        let ours = apply_overrides(&Preset::Tiny.config(), &sets)
+            .unwrap()
+            .indexer_types;
+        let ours: Vec<&str> = ours
+            .iter()
+            .map(|k| {
+                if *k == IndexerKind::Full {
+                    "full"
+                } else {
+                    "shared"
+                }
+            })
+            .collect();
+        assert_eq!(ours, theirs, "freq {freq} offset {offset} layers {layers}");
+    }
+}
