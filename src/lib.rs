@@ -4,6 +4,7 @@
 //! codes.
 
 pub mod cli;
+pub mod exec;
 pub mod model;
 pub mod shard;
 pub mod synth;

@@ -4,6 +4,7 @@ mod demo;
 mod dequant;
 mod inspect;
 mod output;
+mod run;
 mod synth;
 
 use std::path::PathBuf;
@@ -37,6 +38,8 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers).
     Dequant(dequant::DequantArgs),
+    /// Run the CPU reference forward on a prompt and record every stage as a trace.
+    Run(run::RunArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
 }
@@ -58,5 +61,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Inspect(a) => inspect::run(a),
         Command::Dequant(a) => dequant::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Run(a) => run::run(a),
     }
 }

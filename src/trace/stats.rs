@@ -96,9 +96,16 @@ impl TensorStats {
 pub fn fnv1a<T: Element>(xs: &[T]) -> u64 {
     xs.iter()
         .flat_map(|x| x.le_bytes())
-        .fold(FNV_OFFSET, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
-        })
+        .fold(FNV_OFFSET, fnv_step)
+}
+
+/// FNV-1a 64 over raw bytes.
+pub fn fnv1a_bytes(bytes: &[u8]) -> u64 {
+    bytes.iter().copied().fold(FNV_OFFSET, fnv_step)
+}
+
+fn fnv_step(h: u64, b: u8) -> u64 {
+    (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
 }
 
 /// First-pass sums of one chunk.

@@ -1,0 +1,99 @@
+//! `glmcheck run MODEL --tokens IDS --out TRACE`: the CPU reference forward, recorded as a trace.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+
+use super::inspect::glm5_config;
+use super::Outcome;
+use crate::exec::forward::{forward, ForwardOptions, HF_LATENT_NORM_EPS};
+use crate::exec::source::WeightSource;
+use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
+use crate::weights::ModelFiles;
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// A GLM-5 GGUF or Hugging Face folder.
+    pub model: PathBuf,
+    /// Prompt token ids, comma-separated (`--tokens 1,5,9`).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub tokens: Vec<u32>,
+    /// The trace folder to write (`NAME.trace`).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Stages stored as full tensors (repeatable globs; `*` stays within a dotted part, `**`
+    /// crosses them). Default: `logits` and `L*.out`; every stage keeps its statistics.
+    #[arg(long = "full", value_name = "GLOB")]
+    pub full: Vec<String>,
+    /// Eps of the q_a/kv_a RMSNorms: transformers builds them with 1e-6, vLLM and llama.cpp use
+    /// the config's `rms_norm_eps`.
+    #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
+    pub latent_norm_eps: f64,
+    /// Print the top-1 token of every position as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A digest of the weights' names, types and shapes (not their bytes: reading 402 GB to name a
+/// trace would defeat the point).
+fn fingerprint(files: &ModelFiles) -> String {
+    let listing: Vec<u8> = files
+        .tensors()
+        .iter()
+        .flat_map(|t| format!("{}|{}|{:?};", t.name, t.encoding.name(), t.shape).into_bytes())
+        .collect();
+    format!("{:016x}", fnv1a_bytes(&listing))
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
+    let files = ModelFiles::open(&args.model)?;
+    let Some((cfg, family)) = glm5_config(&files)? else {
+        bail!(
+            "{}: not a GLM-5 checkpoint (no glm-dsa architecture or glm_moe_dsa config.json)",
+            args.model.display()
+        );
+    };
+    let full = if args.full.is_empty() {
+        FullSelector::default()
+    } else {
+        FullSelector::new(&args.full)?
+    };
+    let header = TraceHeader {
+        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": args.latent_norm_eps})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+        model: ModelInfo {
+            source: args.model.display().to_string(),
+            config: serde_json::to_value(&cfg)?,
+            fingerprint: fingerprint(&files),
+            extra: Default::default(),
+        },
+        tokens: args.tokens.clone(),
+        backend: "cpu".into(),
+        dtype: "f32".into(),
+        tp: 1,
+    };
+    let mut writer = TraceWriter::create(&args.out, header, full)
+        .with_context(|| args.out.display().to_string())?;
+    let source = WeightSource::new(files, cfg, family);
+    let opts = ForwardOptions {
+        latent_norm_eps: args.latent_norm_eps,
+    };
+    let logits = forward(&source, &args.tokens, opts, &mut writer)?;
+    writer.finish()?;
+    let top1: Vec<usize> = (0..logits.rows)
+        .map(|r| crate::exec::ops::topk(logits.row(r), 1)[0])
+        .collect();
+    if args.json {
+        println!("{}", json!({"trace": args.out, "top1": top1}));
+    } else {
+        println!(
+            "wrote {} ({} positions); top-1 per position: {top1:?}",
+            args.out.display(),
+            logits.rows
+        );
+    }
+    Ok(Outcome::Pass)
+}

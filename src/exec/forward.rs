@@ -1,0 +1,420 @@
+//! The GLM-5 forward over all prompt positions at once, in f32, recording every DESIGN §4 stage.
+//!
+//! It follows transformers' `GlmMoeDsaForCausalLM`: RMSNorms in f32 (`q_a`/`kv_a` norms with eps
+//! 1e-6 by default, as transformers builds them), MLA with interleaved (or NeoX) RoPE on the
+//! trailing rope dims, the DSA indexer (LayerNorm'd key, ReLU scores weighted per head, causal
+//! top-k; shared layers reuse the previous selection), sigmoid routing with the correction bias
+//! used for the choice only, group limits, normalisation and the routed scaling factor, a shared
+//! expert, dense MLP layers, the final norm and an untied `lm_head`. Only the experts the tokens
+//! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
+
+use anyhow::{bail, Result};
+
+use super::mat::Mat;
+use super::ops::{inv_freq, layer_norm, rms_norm, rope, sigmoid, silu_mul, softmax, topk};
+use super::source::WeightSource;
+use crate::model::config::IndexerKind;
+use crate::model::names::{LayerWeight::*, WeightId};
+use crate::trace::writer::Stage;
+
+/// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
+/// vLLM and llama.cpp use `rms_norm_eps` instead).
+pub const HF_LATENT_NORM_EPS: f64 = 1e-6;
+/// The eps of the indexer's `k_norm` LayerNorm.
+const INDEXER_NORM_EPS: f64 = 1e-6;
+
+/// Receives each stage as it is computed: name, row-major shape, dims spec, values.
+pub trait Recorder {
+    fn record(&mut self, name: &str, shape: &[u64], dims: &str, values: Stage<'_>) -> Result<()>;
+}
+
+/// Settings where implementations differ.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardOptions {
+    /// Eps of the q_a/kv_a RMSNorms (transformers: 1e-6; vLLM, llama.cpp: `rms_norm_eps`).
+    pub latent_norm_eps: f64,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        ForwardOptions {
+            latent_norm_eps: HF_LATENT_NORM_EPS,
+        }
+    }
+}
+
+fn f32s(m: &Mat) -> Stage<'_> {
+    Stage::F32(&m.data)
+}
+
+/// Run the prompt `tokens` through the model; returns the logits `[T, V]`.
+pub fn forward(
+    src: &WeightSource,
+    tokens: &[u32],
+    opts: ForwardOptions,
+    rec: &mut dyn Recorder,
+) -> Result<Mat> {
+    let cfg = &src.cfg;
+    if cfg.yarn.is_some() {
+        bail!("YaRN rope scaling is not supported by the reference executor yet");
+    }
+    let (t, h) = (tokens.len(), cfg.hidden_size as usize);
+    let embed = src.matrix(WeightId::Embed)?;
+    let mut rows = Vec::with_capacity(t * h);
+    for &tok in tokens {
+        if tok as usize >= embed.rows {
+            bail!("token id {tok} is outside the vocabulary of {}", embed.rows);
+        }
+        rows.extend_from_slice(embed.row(tok as usize));
+    }
+    drop(embed);
+    let mut x = Mat::new(t, h, rows);
+    rec.record("embed", &[t as u64, h as u64], "t d", f32s(&x))?;
+    let mut prev_topk: Option<Vec<Vec<i32>>> = None;
+    for l in 0..cfg.num_hidden_layers {
+        let layer = Layer {
+            src,
+            l,
+            t,
+            rec: &mut *rec,
+            opts,
+        };
+        let (out, selection) = layer.run(&x, prev_topk.take())?;
+        x = out;
+        prev_topk = Some(selection);
+    }
+    let norm = rms_norm(&x, &src.vector(WeightId::FinalNorm)?, cfg.rms_norm_eps);
+    rec.record("final_norm", &[t as u64, h as u64], "t d", f32s(&norm))?;
+    let lm_head = if src.files.get(&lm_head_name(src)).is_some() {
+        WeightId::LmHead
+    } else {
+        WeightId::Embed
+    };
+    let logits = norm.linear(&src.matrix(lm_head)?)?;
+    rec.record(
+        "logits",
+        &[t as u64, logits.cols as u64],
+        "t v(tp)",
+        f32s(&logits),
+    )?;
+    Ok(logits)
+}
+
+fn lm_head_name(src: &WeightSource) -> String {
+    if src.files.gguf().is_some() {
+        WeightId::LmHead.gguf_name()
+    } else {
+        WeightId::LmHead.hf_name()
+    }
+}
+
+/// One decoder layer's run.
+struct Layer<'a> {
+    src: &'a WeightSource,
+    l: u64,
+    t: usize,
+    rec: &'a mut dyn Recorder,
+    opts: ForwardOptions,
+}
+
+impl Layer<'_> {
+    fn rec(&mut self, stage: &str, shape: &[usize], dims: &str, values: Stage<'_>) -> Result<()> {
+        let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        self.rec
+            .record(&format!("L{}.{stage}", self.l), &shape, dims, values)
+    }
+
+    fn w(&self, w: crate::model::names::LayerWeight) -> WeightId {
+        WeightId::Layer(self.l, w)
+    }
+
+    /// The layer's output and its DSA selection (for shared layers after it).
+    fn run(mut self, x: &Mat, prev_topk: Option<Vec<Vec<i32>>>) -> Result<(Mat, Vec<Vec<i32>>)> {
+        let cfg = &self.src.cfg;
+        let (t, h) = (self.t, cfg.hidden_size as usize);
+        let hn = rms_norm(x, &self.src.vector(self.w(AttnNorm))?, cfg.rms_norm_eps);
+        self.rec("attn_norm", &[t, h], "t d", f32s(&hn))?;
+        let (attn, selection) = self.attention(&hn, prev_topk)?;
+        let x = x.add(&attn);
+        self.rec("attn_resid", &[t, h], "t d", f32s(&x))?;
+        let fin = rms_norm(&x, &self.src.vector(self.w(FfnNorm))?, cfg.rms_norm_eps);
+        self.rec("ffn_norm", &[t, h], "t d", f32s(&fin))?;
+        let ffn = if cfg.is_moe_layer(self.l) {
+            self.moe(&fin)?
+        } else {
+            self.mlp(&fin, Gate, Up, Down)?
+        };
+        self.rec("ffn.out", &[t, h], "t d", f32s(&ffn))?;
+        let out = x.add(&ffn);
+        self.rec("out", &[t, h], "t d", f32s(&out))?;
+        Ok((out, selection))
+    }
+
+    fn mlp(
+        &self,
+        x: &Mat,
+        gate: crate::model::names::LayerWeight,
+        up: crate::model::names::LayerWeight,
+        down: crate::model::names::LayerWeight,
+    ) -> Result<Mat> {
+        let g = x.linear(&self.src.matrix(self.w(gate))?)?;
+        let u = x.linear(&self.src.matrix(self.w(up))?)?;
+        silu_mul(&g, &u).linear(&self.src.matrix(self.w(down))?)
+    }
+
+    fn attention(
+        &mut self,
+        hn: &Mat,
+        prev_topk: Option<Vec<Vec<i32>>>,
+    ) -> Result<(Mat, Vec<Vec<i32>>)> {
+        let cfg = &self.src.cfg;
+        let t = self.t;
+        let (nh, nope, rope_d, vd) = (
+            cfg.num_attention_heads as usize,
+            cfg.qk_nope_head_dim as usize,
+            cfg.qk_rope_head_dim as usize,
+            cfg.v_head_dim as usize,
+        );
+        let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
+        let q_a = hn.linear(&self.src.matrix(self.w(QA))?)?;
+        self.rec("attn.q_a", &[t, q_a.cols], "t d", f32s(&q_a))?;
+        let q_a_norm = rms_norm(
+            &q_a,
+            &self.src.vector(self.w(QANorm))?,
+            self.opts.latent_norm_eps,
+        );
+        self.rec("attn.q_a_norm", &[t, q_a.cols], "t d", f32s(&q_a_norm))?;
+        let mut q = q_a_norm.linear(&self.src.matrix(self.w(QB))?)?;
+        self.rec("attn.q", &[t, nh, qk], "t h(tp) d", f32s(&q))?;
+        let kv_a = hn.linear(&self.src.matrix(self.w(KvA))?)?;
+        self.rec("attn.kv_a", &[t, kvl + rope_d], "t d", f32s(&kv_a))?;
+        let kv_a_norm = rms_norm(
+            &kv_a.columns(0, kvl),
+            &self.src.vector(self.w(KvANorm))?,
+            self.opts.latent_norm_eps,
+        );
+        self.rec("attn.kv_a_norm", &[t, kvl], "t d", f32s(&kv_a_norm))?;
+        let kv = kv_a_norm.linear(&self.src.matrix(self.w(KvB))?)?;
+        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", f32s(&kv))?;
+
+        let freqs = inv_freq(cfg.rope_theta, rope_d);
+        let mut k_rope = kv_a.columns(kvl, rope_d);
+        for p in 0..t {
+            rope(k_rope.row_mut(p), p, &freqs, cfg.rope_interleave);
+            for head in q.row_mut(p).chunks_exact_mut(qk) {
+                rope(&mut head[nope..], p, &freqs, cfg.rope_interleave);
+            }
+        }
+        let q_rope: Vec<f32> = (0..t)
+            .flat_map(|p| {
+                q.row(p)
+                    .chunks_exact(qk)
+                    .flat_map(|hd| hd[nope..].to_vec())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.rec(
+            "attn.q_rope",
+            &[t, nh, rope_d],
+            "t h(tp) d",
+            Stage::F32(&q_rope),
+        )?;
+        self.rec("attn.k_rope", &[t, rope_d], "t d", f32s(&k_rope))?;
+
+        let selection = match (cfg.indexer_types.get(self.l as usize), prev_topk) {
+            (Some(IndexerKind::Shared), Some(prev)) => prev,
+            (Some(IndexerKind::Shared), None) => bail!(
+                "layer {} shares the DSA selection but no earlier layer made one",
+                self.l
+            ),
+            _ => self.indexer(hn, &q_a_norm, &freqs)?,
+        };
+        let k = selection.first().map_or(0, Vec::len);
+        let flat: Vec<i32> = selection.iter().flatten().copied().collect();
+        self.rec("attn.index_topk", &[t, k], "t k", Stage::I32(&flat))?;
+
+        let scale = (qk as f32).powf(-0.5);
+        let mut ctx = vec![0f32; t * nh * vd];
+        let mut probs = vec![0f32; t];
+        for head in 0..nh {
+            for s in 0..t {
+                let qh = &q.row(s)[head * qk..(head + 1) * qk];
+                probs.iter_mut().for_each(|p| *p = f32::NEG_INFINITY);
+                for &j in selection[s].iter().filter(|&&j| j >= 0) {
+                    let j = j as usize;
+                    let kvj = &kv.row(j)[head * (nope + vd)..];
+                    let dot_nope: f32 = qh[..nope]
+                        .iter()
+                        .zip(&kvj[..nope])
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    let dot_rope: f32 = qh[nope..]
+                        .iter()
+                        .zip(k_rope.row(j))
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    probs[j] = (dot_nope + dot_rope) * scale;
+                }
+                softmax(&mut probs[..=s]);
+                let out = &mut ctx[(s * nh + head) * vd..][..vd];
+                for (j, &p) in probs[..=s].iter().enumerate().filter(|(_, p)| **p != 0.0) {
+                    let v = &kv.row(j)[head * (nope + vd) + nope..][..vd];
+                    out.iter_mut().zip(v).for_each(|(o, vv)| *o += p * vv);
+                }
+            }
+        }
+        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", Stage::F32(&ctx))?;
+        let out = Mat::new(t, nh * vd, ctx).linear(&self.src.matrix(self.w(AttnOut))?)?;
+        self.rec("attn.out", &[t, out.cols], "t d", f32s(&out))?;
+        Ok((out, selection))
+    }
+
+    /// DSA lightning indexer: per query, the causal top-`index_topk` key positions (−1 where
+    /// fewer keys exist).
+    fn indexer(&self, hn: &Mat, q_a_norm: &Mat, freqs: &[f32]) -> Result<Vec<Vec<i32>>> {
+        let cfg = &self.src.cfg;
+        let t = self.t;
+        let (ih, ihd, rope_d) = (
+            cfg.index_n_heads as usize,
+            cfg.index_head_dim as usize,
+            cfg.qk_rope_head_dim as usize,
+        );
+        let mut q = q_a_norm.linear(&self.src.matrix(self.w(IndexerQB))?)?;
+        let k_lin = hn.linear(&self.src.matrix(self.w(IndexerK))?)?;
+        let mut k = layer_norm(
+            &k_lin,
+            &self.src.vector(self.w(IndexerKNorm))?,
+            &self.src.vector(self.w(IndexerKNormBias))?,
+            INDEXER_NORM_EPS,
+        );
+        let weights = hn.linear(&self.src.matrix(self.w(IndexerProj))?)?;
+        for p in 0..t {
+            rope(
+                &mut k.row_mut(p)[..rope_d],
+                p,
+                freqs,
+                cfg.indexer_rope_interleave,
+            );
+            for head in q.row_mut(p).chunks_exact_mut(ihd) {
+                rope(&mut head[..rope_d], p, freqs, cfg.indexer_rope_interleave);
+            }
+        }
+        let (scale, head_scale) = ((ihd as f32).powf(-0.5), (ih as f32).powf(-0.5));
+        let k_sel = (cfg.index_topk as usize).min(t);
+        let mut selection = Vec::with_capacity(t);
+        for s in 0..t {
+            let mut score = vec![f32::NEG_INFINITY; t];
+            for (j, sc) in score.iter_mut().enumerate().take(s + 1) {
+                *sc = (0..ih)
+                    .map(|head| {
+                        let qh = &q.row(s)[head * ihd..(head + 1) * ihd];
+                        let dot: f32 = qh.iter().zip(k.row(j)).map(|(a, b)| a * b).sum();
+                        weights.row(s)[head] * head_scale * (dot * scale).max(0.0)
+                    })
+                    .sum();
+            }
+            let chosen = topk(&score, k_sel);
+            selection.push(
+                chosen
+                    .into_iter()
+                    .map(|j| if j <= s { j as i32 } else { -1 })
+                    .collect(),
+            );
+        }
+        Ok(selection)
+    }
+
+    fn moe(&mut self, x: &Mat) -> Result<Mat> {
+        let cfg = &self.src.cfg;
+        let (t, h) = (self.t, cfg.hidden_size as usize);
+        let e = cfg.n_routed_experts as usize;
+        let logits = x.linear(&self.src.matrix(self.w(Router))?)?;
+        self.rec("moe.router_logits", &[t, e], "t e", f32s(&logits))?;
+        let bias = self.src.vector(self.w(RouterBias))?;
+        let (mut ids, mut weights) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        for s in 0..t {
+            let (i, w) = route(cfg, logits.row(s), &bias);
+            ids.push(i);
+            weights.push(w);
+        }
+        let k = cfg.num_experts_per_tok as usize;
+        let flat_ids: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
+        self.rec("moe.topk_ids", &[t, k], "t k", Stage::I32(&flat_ids))?;
+        let flat_w: Vec<f32> = weights.iter().flatten().copied().collect();
+        self.rec("moe.topk_weights", &[t, k], "t k", Stage::F32(&flat_w))?;
+        let mut routed = Mat::new(t, h, vec![0.0; t * h]);
+        let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
+        used.sort_unstable();
+        used.dedup();
+        for expert in used {
+            let [gate, up, down] = self.src.expert(self.l, expert as u64)?;
+            let rows: Vec<(usize, f32)> = (0..t)
+                .filter_map(|s| {
+                    ids[s]
+                        .iter()
+                        .position(|&i| i == expert)
+                        .map(|k| (s, weights[s][k]))
+                })
+                .collect();
+            let xs = Mat::new(
+                rows.len(),
+                h,
+                rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
+            );
+            let y = silu_mul(&xs.linear(&gate)?, &xs.linear(&up)?).linear(&down)?;
+            for (r, &(s, w)) in rows.iter().enumerate() {
+                routed
+                    .row_mut(s)
+                    .iter_mut()
+                    .zip(y.row(r))
+                    .for_each(|(o, v)| *o += w * v);
+            }
+        }
+        self.rec("moe.routed", &[t, h], "t d partial(tp)", f32s(&routed))?;
+        let shared = if cfg.n_shared_experts > 0 {
+            self.mlp(x, SharedGate, SharedUp, SharedDown)?
+        } else {
+            Mat::new(t, h, vec![0.0; t * h])
+        };
+        self.rec("moe.shared", &[t, h], "t d partial(tp)", f32s(&shared))?;
+        Ok(routed.add(&shared))
+    }
+}
+
+/// One token's expert choice from its router logits: (expert ids, weights).
+fn route(cfg: &crate::model::Glm5Config, logits: &[f32], bias: &[f32]) -> (Vec<usize>, Vec<f32>) {
+    let scores: Vec<f32> = if cfg.scoring_func == "softmax" {
+        let mut s = logits.to_vec();
+        softmax(&mut s);
+        s
+    } else {
+        logits.iter().map(|&v| sigmoid(v)).collect()
+    };
+    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let (groups, per) = (
+        cfg.n_group as usize,
+        cfg.n_routed_experts as usize / cfg.n_group as usize,
+    );
+    if groups > 1 {
+        // A group's score is the sum of its two best; only the best `topk_group` groups compete.
+        let group_score: Vec<f32> = choice
+            .chunks(per)
+            .map(|g| topk(g, 2).iter().map(|&i| g[i]).sum())
+            .collect();
+        let keep = topk(&group_score, cfg.topk_group as usize);
+        for (g, chunk) in choice.chunks_mut(per).enumerate() {
+            if !keep.contains(&g) {
+                chunk.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            }
+        }
+    }
+    let ids = topk(&choice, cfg.num_experts_per_tok as usize);
+    let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+    if cfg.norm_topk_prob {
+        let denom = w.iter().sum::<f32>() + 1e-20;
+        w.iter_mut().for_each(|v| *v /= denom);
+    }
+    w.iter_mut()
+        .for_each(|v| *v *= cfg.routed_scaling_factor as f32);
+    (ids, w)
+}

@@ -1,0 +1,16 @@
+//! The CPU reference executor: GLM-5's forward, stage by stage, recorded into a trace.
+
+pub mod forward;
+pub mod mat;
+pub mod ops;
+pub mod source;
+
+use anyhow::Result;
+
+use crate::trace::{Stage, TraceWriter};
+
+impl forward::Recorder for TraceWriter {
+    fn record(&mut self, name: &str, shape: &[u64], dims: &str, values: Stage<'_>) -> Result<()> {
+        Ok(TraceWriter::record(self, name, shape, dims, None, values)?)
+    }
+}

@@ -1,0 +1,116 @@
+//! The model's weights as the forward asks for them: canonical roles (whole `kv_b_proj`, one
+//! expert at a time), dequantized to f32 from whatever layout the file has, only when asked.
+
+use anyhow::{bail, Context, Result};
+
+use super::mat::Mat;
+use crate::model::kv_b::{assemble_kv_b, KvBDims};
+use crate::model::names::{LayerWeight, WeightId};
+use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
+use crate::model::Glm5Config;
+use crate::weights::ModelFiles;
+
+/// Weights of one model file set with its config.
+pub struct WeightSource {
+    pub files: ModelFiles,
+    pub cfg: Glm5Config,
+    layout: Layout,
+}
+
+impl WeightSource {
+    pub fn new(files: ModelFiles, cfg: Glm5Config, family: Family) -> Self {
+        let layout = detect_layout(family, files.tensors());
+        WeightSource { files, cfg, layout }
+    }
+
+    fn name(&self, id: WeightId) -> String {
+        match self.layout.family {
+            Family::Gguf => id.gguf_name(),
+            Family::Hf => id.hf_name(),
+        }
+    }
+
+    fn load(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
+        let t = self.files.require(name)?;
+        Ok((self.files.dequantize(t)?, t.shape.clone()))
+    }
+
+    /// A vector weight (norm, bias).
+    pub fn vector(&self, id: WeightId) -> Result<Vec<f32>> {
+        Ok(self.load(&self.name(id))?.0)
+    }
+
+    /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be.
+    pub fn matrix(&self, id: WeightId) -> Result<Mat> {
+        if let (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded) =
+            (id, self.layout.kv_b)
+        {
+            return self.assembled_kv_b(l);
+        }
+        let name = self.name(id);
+        let (data, shape) = self.load(&name)?;
+        Mat::from_shape(data, &shape).with_context(|| name)
+    }
+
+    fn assembled_kv_b(&self, l: u64) -> Result<Mat> {
+        let c = &self.cfg;
+        let dims = KvBDims {
+            heads: c.num_attention_heads as usize,
+            kv_lora: c.kv_lora_rank as usize,
+            nope: c.qk_nope_head_dim as usize,
+            v: c.v_head_dim as usize,
+        };
+        let part = |w| self.load(&self.name(WeightId::Layer(l, w))).map(|(d, _)| d);
+        let kv_b = assemble_kv_b(&part(LayerWeight::KB)?, &part(LayerWeight::VB)?, dims)
+            .with_context(|| format!("layer {l} kv_b assembly"))?;
+        Ok(Mat::new(
+            dims.heads * (dims.nope + dims.v),
+            dims.kv_lora,
+            kv_b,
+        ))
+    }
+
+    /// Routed expert `e` of layer `l`: its (gate, up, down) matrices, reading only that expert.
+    pub fn expert(&self, l: u64, e: u64) -> Result<[Mat; 3]> {
+        let inter = self.cfg.moe_intermediate_size as usize;
+        let h = self.cfg.hidden_size as usize;
+        let stacked = |w: LayerWeight| -> Result<Vec<f32>> {
+            let t = self.files.require(&self.name(WeightId::Layer(l, w)))?;
+            Ok(self.files.dequantize_expert(t, e)?)
+        };
+        let (gate, up, down) = match self.layout.experts {
+            ExpertForm::Stacked => (
+                stacked(LayerWeight::ExpertsGate)?,
+                stacked(LayerWeight::ExpertsUp)?,
+                stacked(LayerWeight::ExpertsDown)?,
+            ),
+            ExpertForm::FusedGateUp => {
+                let mut gate_up = stacked(LayerWeight::ExpertsGateUp)?;
+                let up = gate_up.split_off(inter * h);
+                (gate_up, up, stacked(LayerWeight::ExpertsDown)?)
+            }
+            ExpertForm::PerExpert => {
+                let one = |which| {
+                    self.vector(WeightId::Expert {
+                        layer: l,
+                        expert: e,
+                        which,
+                    })
+                };
+                (
+                    one(LayerWeight::ExpertsGate)?,
+                    one(LayerWeight::ExpertsUp)?,
+                    one(LayerWeight::ExpertsDown)?,
+                )
+            }
+        };
+        if gate.len() != inter * h || up.len() != inter * h || down.len() != h * inter {
+            bail!("layer {l} expert {e}: sizes do not match moe_intermediate_size {inter} × hidden {h}");
+        }
+        Ok([
+            Mat::new(inter, h, gate),
+            Mat::new(inter, h, up),
+            Mat::new(h, inter, down),
+        ])
+    }
+}
