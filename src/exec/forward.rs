@@ -59,15 +59,17 @@ pub fn forward(
         bail!("YaRN rope scaling is not supported by the reference executor yet");
     }
     let (t, h) = (tokens.len(), cfg.hidden_size as usize);
-    let embed = src.matrix(WeightId::Embed)?;
+    let vocab = cfg.vocab_size;
     let mut rows = Vec::with_capacity(t * h);
     for &tok in tokens {
-        if tok as usize >= embed.rows {
-            bail!("token id {tok} is outside the vocabulary of {}", embed.rows);
+        if u64::from(tok) >= vocab {
+            bail!("token id {tok} is outside the vocabulary of {vocab}");
         }
-        rows.extend_from_slice(embed.row(tok as usize));
+        rows.extend(
+            src.matrix_rows(WeightId::Embed, u64::from(tok)..u64::from(tok) + 1)?
+                .data,
+        );
     }
-    drop(embed);
     let mut x = Mat::new(t, h, rows);
     rec.record("embed", &[t as u64, h as u64], "t d", f32s(&x))?;
     let mut prev_topk: Option<Vec<Vec<i32>>> = None;
@@ -85,12 +87,7 @@ pub fn forward(
     }
     let norm = rms_norm(&x, &src.vector(WeightId::FinalNorm)?, cfg.rms_norm_eps);
     rec.record("final_norm", &[t as u64, h as u64], "t d", f32s(&norm))?;
-    let lm_head = if src.files.get(&lm_head_name(src)).is_some() {
-        WeightId::LmHead
-    } else {
-        WeightId::Embed
-    };
-    let logits = norm.linear(&src.matrix(lm_head)?)?;
+    let logits = lm_head(src, &norm)?;
     rec.record(
         "logits",
         &[t as u64, logits.cols as u64],
@@ -100,12 +97,32 @@ pub fn forward(
     Ok(logits)
 }
 
-fn lm_head_name(src: &WeightSource) -> String {
-    if src.files.gguf().is_some() {
-        WeightId::LmHead.gguf_name()
+/// Vocabulary rows of `lm_head` dequantized at a time: its f32 form (3.8 GB for GLM-5) is never
+/// held whole.
+const LM_HEAD_ROWS: u64 = 8192;
+
+/// `norm · lm_headᵀ`, in slices of the vocabulary; GGUFs without `output.weight` tie it to the
+/// embedding, as llama.cpp does.
+fn lm_head(src: &WeightSource, norm: &Mat) -> Result<Mat> {
+    let id = if src.has(WeightId::LmHead) {
+        WeightId::LmHead
     } else {
-        WeightId::LmHead.hf_name()
+        WeightId::Embed
+    };
+    let vocab = src.cfg.vocab_size;
+    let mut logits = Mat::new(
+        norm.rows,
+        vocab as usize,
+        vec![0.0; norm.rows * vocab as usize],
+    );
+    for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
+        let end = (start + LM_HEAD_ROWS).min(vocab);
+        let part = norm.linear(&src.matrix_rows(id, start..end)?)?;
+        for r in 0..norm.rows {
+            logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
+        }
     }
+    Ok(logits)
 }
 
 /// One decoder layer's run.

@@ -35,6 +35,23 @@ impl WeightSource {
         Ok((self.files.dequantize(t)?, t.shape.clone()))
     }
 
+    /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
+    pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
+        let name = self.name(id);
+        let t = self.files.require(&name)?;
+        let data = self.files.dequantize_rows(t, rows.clone())?;
+        Ok(Mat::new(
+            (rows.end - rows.start) as usize,
+            t.row_len() as usize,
+            data,
+        ))
+    }
+
+    /// Whether the file holds this weight (GGUF's `output.weight` is optional).
+    pub fn has(&self, id: WeightId) -> bool {
+        self.files.get(&self.name(id)).is_some()
+    }
+
     /// A vector weight (norm, bias).
     pub fn vector(&self, id: WeightId) -> Result<Vec<f32>> {
         Ok(self.load(&self.name(id))?.0)
