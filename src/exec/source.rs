@@ -30,21 +30,29 @@ impl WeightSource {
         }
     }
 
-    fn load(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
+    /// Dequantize rows of `name`, then give their mapped pages back: resident memory stays at
+    /// the layer being computed, not at everything read so far.
+    fn load_rows(
+        &self,
+        name: &str,
+        rows: Option<std::ops::Range<u64>>,
+    ) -> Result<(Vec<f32>, Vec<u64>)> {
         let t = self.files.require(name)?;
-        Ok((self.files.dequantize(t)?, t.shape.clone()))
+        let rows = rows.unwrap_or(0..t.rows());
+        let data = self.files.dequantize_rows(t, rows.clone())?;
+        self.files.release_rows(t, rows);
+        Ok((data, t.shape.clone()))
+    }
+
+    fn load(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
+        self.load_rows(name, None)
     }
 
     /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
     pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
-        let name = self.name(id);
-        let t = self.files.require(&name)?;
-        let data = self.files.dequantize_rows(t, rows.clone())?;
-        Ok(Mat::new(
-            (rows.end - rows.start) as usize,
-            t.row_len() as usize,
-            data,
-        ))
+        let n = (rows.end - rows.start) as usize;
+        let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
+        Ok(Mat::new(n, *shape.last().unwrap_or(&1) as usize, data))
     }
 
     /// Whether the file holds this weight (GGUF's `output.weight` is optional).
@@ -92,8 +100,17 @@ impl WeightSource {
         let inter = self.cfg.moe_intermediate_size as usize;
         let h = self.cfg.hidden_size as usize;
         let stacked = |w: LayerWeight| -> Result<Vec<f32>> {
-            let t = self.files.require(&self.name(WeightId::Layer(l, w)))?;
-            Ok(self.files.dequantize_expert(t, e)?)
+            let name = self.name(WeightId::Layer(l, w));
+            let per_expert = self
+                .files
+                .require(&name)?
+                .shape
+                .get(1)
+                .copied()
+                .unwrap_or(0);
+            Ok(self
+                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert))?
+                .0)
         };
         let (gate, up, down) = match self.layout.experts {
             ExpertForm::Stacked => (
