@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::inspect::glm5_config;
 use super::Outcome;
-use crate::exec::forward::{forward, ForwardOptions, HF_LATENT_NORM_EPS};
+use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
 use crate::exec::source::WeightSource;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
 use crate::weights::ModelFiles;
@@ -30,6 +30,10 @@ pub struct RunArgs {
     /// the config's `rms_norm_eps`.
     #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
     pub latent_norm_eps: f64,
+    /// Greedy-generate this many tokens after the prompt (through a KV cache; only the prompt is
+    /// traced).
+    #[arg(long, default_value_t = 0)]
+    pub generate: usize,
     /// Print the top-1 token of every position as JSON.
     #[arg(long)]
     pub json: bool,
@@ -81,19 +85,28 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
     };
-    let logits = forward(&source, &args.tokens, opts, &mut writer)?;
+    if args.tokens.is_empty() {
+        bail!("--tokens: the prompt is empty");
+    }
+    let (logits, generated) = generate(&source, &args.tokens, args.generate, opts, &mut writer)?;
     writer.finish()?;
     let top1: Vec<usize> = (0..logits.rows)
         .map(|r| crate::exec::ops::topk(logits.row(r), 1)[0])
         .collect();
     if args.json {
-        println!("{}", json!({"trace": args.out, "top1": top1}));
+        println!(
+            "{}",
+            json!({"trace": args.out, "top1": top1, "generated": generated})
+        );
     } else {
         println!(
             "wrote {} ({} positions); top-1 per position: {top1:?}",
             args.out.display(),
             logits.rows
         );
+        if !generated.is_empty() {
+            println!("generated: {generated:?}");
+        }
     }
     Ok(Outcome::Pass)
 }

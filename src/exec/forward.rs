@@ -10,22 +10,29 @@
 
 use anyhow::{bail, Result};
 
+use super::attention::{attention, KvCache, NO_BOUNDARY};
 use super::mat::Mat;
-use super::ops::{inv_freq, layer_norm, rms_norm, rope, sigmoid, silu_mul, softmax, topk};
+use super::ops::{rms_norm, sigmoid, silu_mul, softmax, topk};
 use super::source::WeightSource;
-use crate::model::config::IndexerKind;
-use crate::model::names::{LayerWeight::*, WeightId};
+use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::trace::writer::Stage;
 
 /// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
 /// vLLM and llama.cpp use `rms_norm_eps` instead).
 pub const HF_LATENT_NORM_EPS: f64 = 1e-6;
-/// The eps of the indexer's `k_norm` LayerNorm.
-const INDEXER_NORM_EPS: f64 = 1e-6;
 
 /// Receives each stage as it is computed: name, row-major shape, dims spec, values.
 pub trait Recorder {
     fn record(&mut self, name: &str, shape: &[u64], dims: &str, values: Stage<'_>) -> Result<()>;
+}
+
+/// Records nothing: generation steps after the traced prompt.
+pub struct Discard;
+
+impl Recorder for Discard {
+    fn record(&mut self, _: &str, _: &[u64], _: &str, _: Stage<'_>) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Settings where implementations differ.
@@ -47,10 +54,12 @@ fn f32s(m: &Mat) -> Stage<'_> {
     Stage::F32(&m.data)
 }
 
-/// Run the prompt `tokens` through the model; returns the logits `[T, V]`.
+/// Run `tokens` through the model at the positions after those in `cache` (all of them for a
+/// prompt, one at a time when generating); returns their logits `[T, V]`.
 pub fn forward(
     src: &WeightSource,
     tokens: &[u32],
+    cache: &mut KvCache,
     opts: ForwardOptions,
     rec: &mut dyn Recorder,
 ) -> Result<Mat> {
@@ -72,12 +81,15 @@ pub fn forward(
     }
     let mut x = Mat::new(t, h, rows);
     rec.record("embed", &[t as u64, h as u64], "t d", f32s(&x))?;
+    let start = cache.len();
     let mut prev_topk: Option<Vec<Vec<i32>>> = None;
     for l in 0..cfg.num_hidden_layers {
         let layer = Layer {
             src,
             l,
             t,
+            start,
+            cache: cache.layer(l as usize),
             rec: &mut *rec,
             opts,
         };
@@ -95,6 +107,27 @@ pub fn forward(
         f32s(&logits),
     )?;
     Ok(logits)
+}
+
+/// Greedy generation: the prompt through `rec`, then `n` tokens, each the argmax of the last
+/// logits, fed one at a time through the KV cache. Returns the prompt's logits and the tokens.
+pub fn generate(
+    src: &WeightSource,
+    prompt: &[u32],
+    n: usize,
+    opts: ForwardOptions,
+    rec: &mut dyn Recorder,
+) -> Result<(Mat, Vec<u32>)> {
+    let mut cache = KvCache::default();
+    let logits = forward(src, prompt, &mut cache, opts, rec)?;
+    let mut out = Vec::with_capacity(n);
+    let mut last = logits.row(logits.rows - 1).to_vec();
+    for _ in 0..n {
+        let next = topk(&last, 1)[0] as u32;
+        out.push(next);
+        last = forward(src, &[next], &mut cache, opts, &mut Discard)?.data;
+    }
+    Ok((logits, out))
 }
 
 /// Vocabulary rows of `lm_head` dequantized at a time: its f32 form (3.8 GB for GLM-5) is never
@@ -130,6 +163,9 @@ struct Layer<'a> {
     src: &'a WeightSource,
     l: u64,
     t: usize,
+    /// Position of the first new token.
+    start: usize,
+    cache: &'a mut super::attention::LayerCache,
     rec: &'a mut dyn Recorder,
     opts: ForwardOptions,
 }
@@ -141,7 +177,7 @@ impl Layer<'_> {
             .record(&format!("L{}.{stage}", self.l), &shape, dims, values)
     }
 
-    fn w(&self, w: crate::model::names::LayerWeight) -> WeightId {
+    fn w(&self, w: LayerWeight) -> WeightId {
         WeightId::Layer(self.l, w)
     }
 
@@ -167,23 +203,14 @@ impl Layer<'_> {
         Ok((out, selection))
     }
 
-    fn mlp(
-        &self,
-        x: &Mat,
-        gate: crate::model::names::LayerWeight,
-        up: crate::model::names::LayerWeight,
-        down: crate::model::names::LayerWeight,
-    ) -> Result<Mat> {
+    fn mlp(&self, x: &Mat, gate: LayerWeight, up: LayerWeight, down: LayerWeight) -> Result<Mat> {
         let g = x.linear(&self.src.matrix(self.w(gate))?)?;
         let u = x.linear(&self.src.matrix(self.w(up))?)?;
         silu_mul(&g, &u).linear(&self.src.matrix(self.w(down))?)
     }
 
-    fn attention(
-        &mut self,
-        hn: &Mat,
-        prev_topk: Option<Vec<Vec<i32>>>,
-    ) -> Result<(Mat, Vec<Vec<i32>>)> {
+    /// Attention over the cache, recording its stages.
+    fn attention(&mut self, hn: &Mat, prev: Option<Vec<Vec<i32>>>) -> Result<(Mat, Vec<Vec<i32>>)> {
         let cfg = &self.src.cfg;
         let t = self.t;
         let (nh, nope, rope_d, vd) = (
@@ -192,153 +219,47 @@ impl Layer<'_> {
             cfg.qk_rope_head_dim as usize,
             cfg.v_head_dim as usize,
         );
-        let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
-        let q_a = hn.linear(&self.src.matrix(self.w(QA))?)?;
-        self.rec("attn.q_a", &[t, q_a.cols], "t d", f32s(&q_a))?;
-        let q_a_norm = rms_norm(
-            &q_a,
-            &self.src.vector(self.w(QANorm))?,
+        let a = attention(
+            self.src,
+            self.l,
+            hn,
+            self.start,
+            self.cache,
+            prev,
             self.opts.latent_norm_eps,
-        );
-        self.rec("attn.q_a_norm", &[t, q_a.cols], "t d", f32s(&q_a_norm))?;
-        let mut q = q_a_norm.linear(&self.src.matrix(self.w(QB))?)?;
-        self.rec("attn.q", &[t, nh, qk], "t h(tp) d", f32s(&q))?;
-        let kv_a = hn.linear(&self.src.matrix(self.w(KvA))?)?;
-        self.rec("attn.kv_a", &[t, kvl + rope_d], "t d", f32s(&kv_a))?;
-        let kv_a_norm = rms_norm(
-            &kv_a.columns(0, kvl),
-            &self.src.vector(self.w(KvANorm))?,
-            self.opts.latent_norm_eps,
-        );
-        self.rec("attn.kv_a_norm", &[t, kvl], "t d", f32s(&kv_a_norm))?;
-        let kv = kv_a_norm.linear(&self.src.matrix(self.w(KvB))?)?;
-        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", f32s(&kv))?;
-
-        let freqs = inv_freq(cfg.rope_theta, rope_d);
-        let mut k_rope = kv_a.columns(kvl, rope_d);
-        for p in 0..t {
-            rope(k_rope.row_mut(p), p, &freqs, cfg.rope_interleave);
-            for head in q.row_mut(p).chunks_exact_mut(qk) {
-                rope(&mut head[nope..], p, &freqs, cfg.rope_interleave);
-            }
-        }
-        let q_rope: Vec<f32> = (0..t)
-            .flat_map(|p| {
-                q.row(p)
-                    .chunks_exact(qk)
-                    .flat_map(|hd| hd[nope..].to_vec())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        )?;
+        self.rec("attn.q_a", &[t, a.q_a.cols], "t d", f32s(&a.q_a))?;
+        self.rec(
+            "attn.q_a_norm",
+            &[t, a.q_a_norm.cols],
+            "t d",
+            f32s(&a.q_a_norm),
+        )?;
+        self.rec("attn.q", &[t, nh, nope + rope_d], "t h(tp) d", f32s(&a.q))?;
+        self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", f32s(&a.kv_a))?;
+        self.rec(
+            "attn.kv_a_norm",
+            &[t, a.kv_a_norm.cols],
+            "t d",
+            f32s(&a.kv_a_norm),
+        )?;
+        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", f32s(&a.kv))?;
         self.rec(
             "attn.q_rope",
             &[t, nh, rope_d],
             "t h(tp) d",
-            Stage::F32(&q_rope),
+            Stage::F32(&a.q_rope),
         )?;
-        self.rec("attn.k_rope", &[t, rope_d], "t d", f32s(&k_rope))?;
-
-        let selection = match (cfg.indexer_types.get(self.l as usize), prev_topk) {
-            (Some(IndexerKind::Shared), Some(prev)) => prev,
-            (Some(IndexerKind::Shared), None) => bail!(
-                "layer {} shares the DSA selection but no earlier layer made one",
-                self.l
-            ),
-            _ => self.indexer(hn, &q_a_norm, &freqs)?,
-        };
-        let k = selection.first().map_or(0, Vec::len);
-        let flat: Vec<i32> = selection.iter().flatten().copied().collect();
+        self.rec("attn.k_rope", &[t, rope_d], "t d", f32s(&a.k_rope))?;
+        let k = a.selection.first().map_or(0, Vec::len);
+        let flat: Vec<i32> = a.selection.iter().flatten().copied().collect();
         self.rec("attn.index_topk", &[t, k], "t k", Stage::I32(&flat))?;
-
-        let scale = (qk as f32).powf(-0.5);
-        let mut ctx = vec![0f32; t * nh * vd];
-        let mut probs = vec![0f32; t];
-        for head in 0..nh {
-            for s in 0..t {
-                let qh = &q.row(s)[head * qk..(head + 1) * qk];
-                probs.iter_mut().for_each(|p| *p = f32::NEG_INFINITY);
-                for &j in selection[s].iter().filter(|&&j| j >= 0) {
-                    let j = j as usize;
-                    let kvj = &kv.row(j)[head * (nope + vd)..];
-                    let dot_nope: f32 = qh[..nope]
-                        .iter()
-                        .zip(&kvj[..nope])
-                        .map(|(a, b)| a * b)
-                        .sum();
-                    let dot_rope: f32 = qh[nope..]
-                        .iter()
-                        .zip(k_rope.row(j))
-                        .map(|(a, b)| a * b)
-                        .sum();
-                    probs[j] = (dot_nope + dot_rope) * scale;
-                }
-                softmax(&mut probs[..=s]);
-                let out = &mut ctx[(s * nh + head) * vd..][..vd];
-                for (j, &p) in probs[..=s].iter().enumerate().filter(|(_, p)| **p != 0.0) {
-                    let v = &kv.row(j)[head * (nope + vd) + nope..][..vd];
-                    out.iter_mut().zip(v).for_each(|(o, vv)| *o += p * vv);
-                }
-            }
+        if let Some(gap) = &a.selection_gap {
+            self.rec("attn.index_gap", &[t], "t", Stage::F32(gap))?;
         }
-        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", Stage::F32(&ctx))?;
-        let out = Mat::new(t, nh * vd, ctx).linear(&self.src.matrix(self.w(AttnOut))?)?;
-        self.rec("attn.out", &[t, out.cols], "t d", f32s(&out))?;
-        Ok((out, selection))
-    }
-
-    /// DSA lightning indexer: per query, the causal top-`index_topk` key positions (−1 where
-    /// fewer keys exist).
-    fn indexer(&self, hn: &Mat, q_a_norm: &Mat, freqs: &[f32]) -> Result<Vec<Vec<i32>>> {
-        let cfg = &self.src.cfg;
-        let t = self.t;
-        let (ih, ihd, rope_d) = (
-            cfg.index_n_heads as usize,
-            cfg.index_head_dim as usize,
-            cfg.qk_rope_head_dim as usize,
-        );
-        let mut q = q_a_norm.linear(&self.src.matrix(self.w(IndexerQB))?)?;
-        let k_lin = hn.linear(&self.src.matrix(self.w(IndexerK))?)?;
-        let mut k = layer_norm(
-            &k_lin,
-            &self.src.vector(self.w(IndexerKNorm))?,
-            &self.src.vector(self.w(IndexerKNormBias))?,
-            INDEXER_NORM_EPS,
-        );
-        let weights = hn.linear(&self.src.matrix(self.w(IndexerProj))?)?;
-        for p in 0..t {
-            rope(
-                &mut k.row_mut(p)[..rope_d],
-                p,
-                freqs,
-                cfg.indexer_rope_interleave,
-            );
-            for head in q.row_mut(p).chunks_exact_mut(ihd) {
-                rope(&mut head[..rope_d], p, freqs, cfg.indexer_rope_interleave);
-            }
-        }
-        let (scale, head_scale) = ((ihd as f32).powf(-0.5), (ih as f32).powf(-0.5));
-        let k_sel = (cfg.index_topk as usize).min(t);
-        let mut selection = Vec::with_capacity(t);
-        for s in 0..t {
-            let mut score = vec![f32::NEG_INFINITY; t];
-            for (j, sc) in score.iter_mut().enumerate().take(s + 1) {
-                *sc = (0..ih)
-                    .map(|head| {
-                        let qh = &q.row(s)[head * ihd..(head + 1) * ihd];
-                        let dot: f32 = qh.iter().zip(k.row(j)).map(|(a, b)| a * b).sum();
-                        weights.row(s)[head] * head_scale * (dot * scale).max(0.0)
-                    })
-                    .sum();
-            }
-            let chosen = topk(&score, k_sel);
-            selection.push(
-                chosen
-                    .into_iter()
-                    .map(|j| if j <= s { j as i32 } else { -1 })
-                    .collect(),
-            );
-        }
-        Ok(selection)
+        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", Stage::F32(&a.ctx))?;
+        self.rec("attn.out", &[t, a.out.cols], "t d", f32s(&a.out))?;
+        Ok((a.out, a.selection))
     }
 
     fn moe(&mut self, x: &Mat) -> Result<Mat> {
@@ -348,17 +269,23 @@ impl Layer<'_> {
         let logits = x.linear(&self.src.matrix(self.w(Router))?)?;
         self.rec("moe.router_logits", &[t, e], "t e", f32s(&logits))?;
         let bias = self.src.vector(self.w(RouterBias))?;
-        let (mut ids, mut weights) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        let (mut ids, mut weights, mut gaps) = (
+            Vec::with_capacity(t),
+            Vec::with_capacity(t),
+            Vec::with_capacity(t),
+        );
         for s in 0..t {
-            let (i, w) = route(cfg, logits.row(s), &bias);
+            let (i, w, gap) = route(cfg, logits.row(s), &bias);
             ids.push(i);
             weights.push(w);
+            gaps.push(gap);
         }
         let k = cfg.num_experts_per_tok as usize;
         let flat_ids: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
         self.rec("moe.topk_ids", &[t, k], "t k", Stage::I32(&flat_ids))?;
         let flat_w: Vec<f32> = weights.iter().flatten().copied().collect();
         self.rec("moe.topk_weights", &[t, k], "t k", Stage::F32(&flat_w))?;
+        self.rec("moe.topk_gap", &[t], "t", Stage::F32(&gaps))?;
         let mut routed = Mat::new(t, h, vec![0.0; t * h]);
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
@@ -398,8 +325,13 @@ impl Layer<'_> {
     }
 }
 
-/// One token's expert choice from its router logits: (expert ids, weights).
-fn route(cfg: &crate::model::Glm5Config, logits: &[f32], bias: &[f32]) -> (Vec<usize>, Vec<f32>) {
+/// One token's expert choice from its router logits: expert ids, their weights, and the choice
+/// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
+fn route(
+    cfg: &crate::model::Glm5Config,
+    logits: &[f32],
+    bias: &[f32],
+) -> (Vec<usize>, Vec<f32>, f32) {
     let scores: Vec<f32> = if cfg.scoring_func == "softmax" {
         let mut s = logits.to_vec();
         softmax(&mut s);
@@ -425,7 +357,13 @@ fn route(cfg: &crate::model::Glm5Config, logits: &[f32], bias: &[f32]) -> (Vec<u
             }
         }
     }
-    let ids = topk(&choice, cfg.num_experts_per_tok as usize);
+    let k = cfg.num_experts_per_tok as usize;
+    let mut ids = topk(&choice, k + 1);
+    let gap = match (ids.get(k - 1), ids.get(k)) {
+        (Some(&a), Some(&b)) if choice[b].is_finite() => choice[a] - choice[b],
+        _ => NO_BOUNDARY,
+    };
+    ids.truncate(k);
     let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
     if cfg.norm_topk_prob {
         let denom = w.iter().sum::<f32>() + 1e-20;
@@ -433,5 +371,5 @@ fn route(cfg: &crate::model::Glm5Config, logits: &[f32], bias: &[f32]) -> (Vec<u
     }
     w.iter_mut()
         .for_each(|v| *v *= cfg.routed_scaling_factor as f32);
-    (ids, w)
+    (ids, w, gap)
 }
