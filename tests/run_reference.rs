@@ -294,3 +294,54 @@ fn token_ids_past_the_vocabulary_are_one_line_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.lines().count() == 1 && err.contains("99999"), "{err}");
 }
+
+/// `--prompt` tokenizes as transformers' tokenizer does, on the GGUF (its `tokenizer.ggml.*`)
+/// and the HF folder (its `tokenizer.json`), and the generated tokens decode as it decodes them.
+#[test]
+fn prompts_tokenize_and_generations_decode_as_transformers_does() {
+    let dir = common::scratch();
+    let (hf, gguf) = (dir.path().join("hf"), dir.path().join("m.gguf"));
+    glmcheck(&["synth", "--format", "hf", "--out"], &hf);
+    glmcheck(&["synth", "--out"], &gguf);
+    let prompt = "The capital of France is";
+    for (i, model) in [&hf, &gguf].into_iter().enumerate() {
+        let run = Command::new(common::glmcheck_bin())
+            .args([
+                "run",
+                model.to_str().unwrap(),
+                "--prompt",
+                prompt,
+                "--generate",
+                "8",
+                "--json",
+                "--out",
+            ])
+            .arg(dir.path().join(format!("{i}.trace")))
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let ours: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        let generated: Vec<String> = ours["generated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        let out = common::run_oracle(
+            "hf_tokenize.py",
+            &[hf.to_str().unwrap(), prompt, &generated.join(",")],
+        );
+        let theirs: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(ours["tokens"], theirs["ids"], "{}", model.display());
+        assert_eq!(ours["text"], theirs["text"], "{}", model.display());
+        assert!(
+            ours["text"].as_str().unwrap().starts_with(" Paris."),
+            "{}",
+            ours["text"]
+        );
+    }
+}

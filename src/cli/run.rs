@@ -9,6 +9,7 @@ use super::inspect::glm5_config;
 use super::Outcome;
 use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
 use crate::exec::source::WeightSource;
+use crate::exec::tokenize;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
 use crate::weights::ModelFiles;
 
@@ -17,8 +18,17 @@ pub struct RunArgs {
     /// A GLM-5 GGUF or Hugging Face folder.
     pub model: PathBuf,
     /// Prompt token ids, comma-separated (`--tokens 1,5,9`).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
     pub tokens: Vec<u32>,
+    /// Prompt text, tokenized with the model's tokenizer (GGUF `tokenizer.ggml.*` or
+    /// `tokenizer.json`); generated tokens are decoded back to text.
+    #[arg(long)]
+    pub prompt: Option<String>,
     /// The trace folder to write (`NAME.trace`).
     #[arg(long)]
     pub out: PathBuf,
@@ -58,6 +68,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
             args.model.display()
         );
     };
+    let tokenizer = match &args.prompt {
+        Some(_) => Some(tokenize::load(&files)?),
+        None => None,
+    };
+    let tokens = match (&args.prompt, &tokenizer) {
+        (Some(text), Some(tok)) => tokenize::encode(tok, text)?,
+        _ => args.tokens.clone(),
+    };
+    if tokens.is_empty() {
+        bail!("the prompt is empty");
+    }
     let full = if args.full.is_empty() {
         FullSelector::default()
     } else {
@@ -74,7 +95,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
             fingerprint: fingerprint(&files),
             extra: Default::default(),
         },
-        tokens: args.tokens.clone(),
+        tokens: tokens.clone(),
         backend: "cpu".into(),
         dtype: "f32".into(),
         tp: 1,
@@ -85,18 +106,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
     };
-    if args.tokens.is_empty() {
-        bail!("--tokens: the prompt is empty");
-    }
-    let (logits, generated) = generate(&source, &args.tokens, args.generate, opts, &mut writer)?;
+    let (logits, generated) = generate(&source, &tokens, args.generate, opts, &mut writer)?;
     writer.finish()?;
     let top1: Vec<usize> = (0..logits.rows)
         .map(|r| crate::exec::ops::topk(logits.row(r), 1)[0])
         .collect();
+    let text = match &tokenizer {
+        Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),
+        _ => None,
+    };
     if args.json {
         println!(
             "{}",
-            json!({"trace": args.out, "top1": top1, "generated": generated})
+            json!({"trace": args.out, "tokens": tokens, "top1": top1, "generated": generated, "text": text})
         );
     } else {
         println!(
@@ -106,6 +128,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         );
         if !generated.is_empty() {
             println!("generated: {generated:?}");
+        }
+        if let (Some(prompt), Some(text)) = (&args.prompt, &text) {
+            println!("{prompt}{text}");
         }
     }
     Ok(Outcome::Pass)

@@ -5,6 +5,7 @@ pub mod forward;
 pub mod mat;
 pub mod ops;
 pub mod source;
+pub mod tokenize;
 
 use anyhow::Result;
 

@@ -99,12 +99,21 @@ impl SynthSpec {
         weights::WeightGen::new(&self.cfg, self.seed, self.massive, &self.next_token())
     }
 
-    /// Tokenizer files of the HF form.
+    /// `tokenizer.json` and `tokenizer_config.json` into `dir`, and the special ids into `config`.
     fn tokenizer_hf_files(
         &self,
-        _dir: &Path,
-        _config: &mut serde_json::Value,
+        dir: &Path,
+        config: &mut serde_json::Value,
     ) -> std::io::Result<()> {
+        let tok = self.tokenizer().map_err(std::io::Error::other)?;
+        std::fs::write(dir.join("tokenizer.json"), tok.tokenizer_json())?;
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            tok.tokenizer_config_json(),
+        )?;
+        config["bos_token_id"] = tok.bos_id().into();
+        config["eos_token_id"] = tok.eos_id().into();
+        config["pad_token_id"] = tok.eos_id().into();
         Ok(())
     }
 
