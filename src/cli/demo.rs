@@ -1,8 +1,11 @@
-//! `glmcheck demo`: the embedded default. Until the reference executor exists it builds a tiny
-//! GLM-5 GGUF in a temporary folder and shows `inspect` and `dequant` on it.
+//! `glmcheck demo`: the embedded default. It builds a tiny Q4_K_M GLM-5 GGUF in a temporary
+//! folder, shows `inspect` and `dequant` on it, and runs the CPU reference on a prompt. (The TP
+//! candidate with an injected fault and `bisect` join it as they land.)
 
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
+use super::run::{self, RunArgs};
+use crate::exec::forward::HF_LATENT_NORM_EPS;
 use super::{ModelArg, Outcome};
 use crate::synth::{Mix, Preset, SynthSpec};
 
@@ -49,7 +52,18 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         tensors: vec!["blk.1.*".into()],
         dump: None,
     })?;
-    Ok(if inspected == Outcome::Pass && checked == Outcome::Pass {
+    say("glmcheck run glm5-tiny.gguf --prompt 'The capital of France is' --generate 8 --out reference.trace");
+    let ran = run::run(RunArgs {
+        model: path.clone(),
+        tokens: Vec::new(),
+        prompt: Some("The capital of France is".into()),
+        out: dir.path().join("reference.trace"),
+        full: Vec::new(),
+        latent_norm_eps: HF_LATENT_NORM_EPS,
+        generate: 8,
+        json: args.json,
+    })?;
+    Ok(if [inspected, checked, ran].iter().all(|o| *o == Outcome::Pass) {
         Outcome::Pass
     } else {
         Outcome::Fail
