@@ -345,3 +345,108 @@ fn prompts_tokenize_and_generations_decode_as_transformers_does() {
         );
     }
 }
+
+fn logits_of(trace: &Trace) -> Vec<f64> {
+    trace
+        .tensor("logits", None)
+        .unwrap()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+fn rms_diff(a: &[f64], b: &[f64]) -> f64 {
+    (a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f64>() / a.len() as f64).sqrt()
+}
+
+/// The bf16 emulation is a noise envelope of the right size: its logits depart from the f32
+/// reference by about as much as transformers' own bf16 run departs from f32.
+#[test]
+fn bf16_emulation_departs_from_f32_as_much_as_transformers_in_bf16() {
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    glmcheck(&["synth", "--format", "hf", "--seed", "11", "--out"], &hf);
+    let run = |dtype: &str| {
+        let out = dir.path().join(format!("{dtype}.trace"));
+        glmcheck(
+            &[
+                "run",
+                hf.to_str().unwrap(),
+                "--tokens",
+                TOKENS,
+                "--dtype",
+                dtype,
+                "--out",
+            ],
+            &out,
+        );
+        logits_of(&Trace::open(&out).unwrap())
+    };
+    let (f32_logits, bf16_logits) = (run("f32"), run("bf16"));
+    let npy = dir.path().join("hf_bf16.npy");
+    common::run_oracle(
+        "hf_logits_dtype.py",
+        &[
+            hf.to_str().unwrap(),
+            TOKENS,
+            "bfloat16",
+            npy.to_str().unwrap(),
+        ],
+    );
+    let bytes = std::fs::read(&npy).unwrap();
+    // A float32 .npy: the header's length sits at bytes 8..10, the data follows it.
+    let start = 10 + u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let hf_bf16: Vec<f64> = bytes[start..]
+        .chunks_exact(4)
+        .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        .collect();
+    assert_eq!(hf_bf16.len(), f32_logits.len());
+    let (ours, theirs) = (
+        rms_diff(&bf16_logits, &f32_logits),
+        rms_diff(&hf_bf16, &f32_logits),
+    );
+    assert!(
+        ours > 0.0 && (0.5..=2.0).contains(&(ours / theirs)),
+        "bf16 − f32: ours {ours}, transformers {theirs}"
+    );
+}
+
+/// On a model made to leave fp16's range at layer 1, the f16 emulation overflows exactly there,
+/// while f32 and bf16 stay finite.
+#[test]
+fn f16_emulation_overflows_where_the_residual_leaves_the_fp16_range() {
+    let dir = common::scratch();
+    let gguf = dir.path().join("m.gguf");
+    glmcheck(&["synth", "--fp16-overflow", "1", "--out"], &gguf);
+    let inf_at = |dtype: &str| -> Vec<(String, u64)> {
+        let out = dir.path().join(format!("{dtype}.trace"));
+        glmcheck(
+            &[
+                "run",
+                gguf.to_str().unwrap(),
+                "--tokens",
+                TOKENS,
+                "--dtype",
+                dtype,
+                "--out",
+            ],
+            &out,
+        );
+        let trace = Trace::open(&out).unwrap();
+        trace
+            .stages()
+            .iter()
+            .filter(|s| s.stats.inf > 0)
+            .map(|s| (s.name.clone(), s.stats.inf))
+            .collect()
+    };
+    assert_eq!(inf_at("f32"), vec![]);
+    assert_eq!(inf_at("bf16"), vec![]);
+    let f16 = inf_at("f16");
+    let first = &f16.first().expect("f16 overflows").0;
+    assert!(
+        first.starts_with("L1."),
+        "first Inf at {first}, expected in layer 1: {f16:?}"
+    );
+}

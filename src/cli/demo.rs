@@ -5,8 +5,9 @@
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::run::{self, RunArgs};
-use crate::exec::forward::HF_LATENT_NORM_EPS;
 use super::{ModelArg, Outcome};
+use crate::exec::backend::Precision;
+use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
@@ -61,11 +62,17 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         full: Vec::new(),
         latent_norm_eps: HF_LATENT_NORM_EPS,
         generate: 8,
+        dtype: Precision::F32,
         json: args.json,
     })?;
-    Ok(if [inspected, checked, ran].iter().all(|o| *o == Outcome::Pass) {
-        Outcome::Pass
-    } else {
-        Outcome::Fail
-    })
+    Ok(
+        if [inspected, checked, ran]
+            .iter()
+            .all(|o| *o == Outcome::Pass)
+        {
+            Outcome::Pass
+        } else {
+            Outcome::Fail
+        },
+    )
 }

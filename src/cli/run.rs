@@ -7,6 +7,7 @@ use serde_json::json;
 
 use super::inspect::glm5_config;
 use super::Outcome;
+use crate::exec::backend::Precision;
 use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
 use crate::exec::source::WeightSource;
 use crate::exec::tokenize;
@@ -40,6 +41,10 @@ pub struct RunArgs {
     /// the config's `rms_norm_eps`.
     #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
     pub latent_norm_eps: f64,
+    /// Precision: f32 (the reference), or bf16/f16 emulating a GPU engine (weights and every op's
+    /// output rounded to the dtype, f32 accumulation, f32 router).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: Precision,
     /// Greedy-generate this many tokens after the prompt (through a KV cache; only the prompt is
     /// traced).
     #[arg(long, default_value_t = 0)]
@@ -97,14 +102,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         },
         tokens: tokens.clone(),
         backend: "cpu".into(),
-        dtype: "f32".into(),
+        dtype: args.dtype.name().into(),
         tp: 1,
     };
     let mut writer = TraceWriter::create(&args.out, header, full)
         .with_context(|| args.out.display().to_string())?;
-    let source = WeightSource::new(files, cfg, family);
+    let source = WeightSource::new(files, cfg, family).held_in(args.dtype);
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
+        precision: args.dtype,
     };
     let (logits, generated) = generate(&source, &tokens, args.generate, opts, &mut writer)?;
     writer.finish()?;

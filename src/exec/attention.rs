@@ -7,8 +7,9 @@
 
 use anyhow::{bail, Result};
 
+use super::backend::Cpu;
 use super::mat::Mat;
-use super::ops::{layer_norm, rms_norm, rope, softmax, topk};
+use super::ops::{rope, softmax, topk};
 use super::source::WeightSource;
 use crate::model::config::IndexerKind;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
@@ -74,17 +75,34 @@ pub struct AttentionOut {
     pub out: Mat,
 }
 
+/// Where and how a layer's attention runs.
+#[derive(Clone, Copy)]
+pub struct Step<'a> {
+    pub src: &'a WeightSource,
+    /// The layer.
+    pub l: u64,
+    /// Position of the first new token.
+    pub start: usize,
+    pub be: Cpu,
+    /// Eps of the q_a/kv_a RMSNorms.
+    pub latent_norm_eps: f64,
+}
+
 /// Attention of layer `l` for the new rows `hn` (already `attn_norm`ed) at positions
 /// `start..start+t`; `prev_selection` is the previous full layer's, for shared layers.
 pub fn attention(
-    src: &WeightSource,
-    l: u64,
+    step: Step<'_>,
     hn: &Mat,
-    start: usize,
     cache: &mut LayerCache,
     prev_selection: Option<Vec<Vec<i32>>>,
-    latent_norm_eps: f64,
 ) -> Result<AttentionOut> {
+    let Step {
+        src,
+        l,
+        start,
+        be,
+        latent_norm_eps,
+    } = step;
     let cfg = &src.cfg;
     let w = |role: LayerWeight| WeightId::Layer(l, role);
     let t = hn.rows;
@@ -95,16 +113,16 @@ pub fn attention(
         cfg.v_head_dim as usize,
     );
     let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
-    let q_a = hn.linear(&src.matrix(w(QA))?)?;
-    let q_a_norm = rms_norm(&q_a, &src.vector(w(QANorm))?, latent_norm_eps);
-    let q = q_a_norm.linear(&src.matrix(w(QB))?)?;
-    let kv_a = hn.linear(&src.matrix(w(KvA))?)?;
-    let kv_a_norm = rms_norm(
+    let q_a = be.linear(hn, &src.matrix(w(QA))?)?;
+    let q_a_norm = be.rms_norm(&q_a, &src.vector(w(QANorm))?, latent_norm_eps);
+    let q = be.linear(&q_a_norm, &src.matrix(w(QB))?)?;
+    let kv_a = be.linear(hn, &src.matrix(w(KvA))?)?;
+    let kv_a_norm = be.rms_norm(
         &kv_a.columns(0, kvl),
         &src.vector(w(KvANorm))?,
         latent_norm_eps,
     );
-    let kv = kv_a_norm.linear(&src.matrix(w(KvB))?)?;
+    let kv = be.linear(&kv_a_norm, &src.matrix(w(KvB))?)?;
 
     let freqs = super::ops::inv_freq(cfg.rope_theta, rope_d);
     let mut q_rot = q.clone();
@@ -120,6 +138,8 @@ pub fn attention(
         .chunks_exact(qk)
         .flat_map(|hd| hd[nope..].to_vec())
         .collect();
+    be.round(&mut q_rot.data);
+    be.round(&mut k_rope.data);
     cache.kv.extend_from_slice(&kv.data);
     cache.k_rope.extend_from_slice(&k_rope.data);
 
@@ -129,7 +149,7 @@ pub fn attention(
             bail!("layer {l} shares the DSA selection but no earlier layer made one")
         }
         _ => {
-            let (sel, gap) = indexer(src, l, hn, &q_a_norm, start, cache, &freqs)?;
+            let (sel, gap) = indexer(step, hn, &q_a_norm, cache, &freqs)?;
             (sel, Some(gap))
         }
     };
@@ -164,7 +184,8 @@ pub fn attention(
             }
         }
     }
-    let out = Mat::new(t, nh * vd, ctx.clone()).linear(&src.matrix(w(AttnOut))?)?;
+    be.round(&mut ctx);
+    let out = be.linear(&Mat::new(t, nh * vd, ctx.clone()), &src.matrix(w(AttnOut))?)?;
     Ok(AttentionOut {
         q_a,
         q_a_norm,
@@ -184,14 +205,15 @@ pub fn attention(
 /// DSA lightning indexer for the new positions: per query, the causal top-`index_topk` key
 /// positions (−1 where fewer keys exist), and the score gap at the top-k boundary.
 fn indexer(
-    src: &WeightSource,
-    l: u64,
+    step: Step<'_>,
     hn: &Mat,
     q_a_norm: &Mat,
-    start: usize,
     cache: &mut LayerCache,
     freqs: &[f32],
 ) -> Result<(Vec<Vec<i32>>, Vec<f32>)> {
+    let Step {
+        src, l, start, be, ..
+    } = step;
     let cfg = &src.cfg;
     let w = |role: LayerWeight| WeightId::Layer(l, role);
     let t = hn.rows;
@@ -200,15 +222,15 @@ fn indexer(
         cfg.index_head_dim as usize,
         cfg.qk_rope_head_dim as usize,
     );
-    let mut q = q_a_norm.linear(&src.matrix(w(IndexerQB))?)?;
-    let k_lin = hn.linear(&src.matrix(w(IndexerK))?)?;
-    let mut k = layer_norm(
+    let mut q = be.linear(q_a_norm, &src.matrix(w(IndexerQB))?)?;
+    let k_lin = be.linear(hn, &src.matrix(w(IndexerK))?)?;
+    let mut k = be.layer_norm(
         &k_lin,
         &src.vector(w(IndexerKNorm))?,
         &src.vector(w(IndexerKNormBias))?,
         INDEXER_NORM_EPS,
     );
-    let weights = hn.linear(&src.matrix(w(IndexerProj))?)?;
+    let weights = be.linear(hn, &src.matrix(w(IndexerProj))?)?;
     for i in 0..t {
         rope(
             &mut k.row_mut(i)[..rope_d],
@@ -225,6 +247,8 @@ fn indexer(
             );
         }
     }
+    be.round(&mut k.data);
+    be.round(&mut q.data);
     cache.index_k.extend_from_slice(&k.data);
     let total = start + t;
     let (scale, head_scale) = ((ihd as f32).powf(-0.5), (ih as f32).powf(-0.5));

@@ -10,9 +10,10 @@
 
 use anyhow::{bail, Result};
 
-use super::attention::{attention, KvCache, NO_BOUNDARY};
+use super::attention::{attention, KvCache, Step, NO_BOUNDARY};
+use super::backend::{Cpu, Precision};
 use super::mat::Mat;
-use super::ops::{rms_norm, sigmoid, silu_mul, softmax, topk};
+use super::ops::{sigmoid, softmax, topk};
 use super::source::WeightSource;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::trace::writer::Stage;
@@ -40,12 +41,23 @@ impl Recorder for Discard {
 pub struct ForwardOptions {
     /// Eps of the q_a/kv_a RMSNorms (transformers: 1e-6; vLLM, llama.cpp: `rms_norm_eps`).
     pub latent_norm_eps: f64,
+    /// f32, or bf16/f16 emulation (see [`super::backend`]).
+    pub precision: Precision,
+}
+
+impl ForwardOptions {
+    fn backend(&self) -> Cpu {
+        Cpu {
+            precision: self.precision,
+        }
+    }
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
         ForwardOptions {
             latent_norm_eps: HF_LATENT_NORM_EPS,
+            precision: Precision::F32,
         }
     }
 }
@@ -79,6 +91,8 @@ pub fn forward(
                 .data,
         );
     }
+    let be = opts.backend();
+    be.round(&mut rows);
     let mut x = Mat::new(t, h, rows);
     rec.record("embed", &[t as u64, h as u64], "t d", f32s(&x))?;
     let start = cache.len();
@@ -97,9 +111,9 @@ pub fn forward(
         x = out;
         prev_topk = Some(selection);
     }
-    let norm = rms_norm(&x, &src.vector(WeightId::FinalNorm)?, cfg.rms_norm_eps);
+    let norm = be.rms_norm(&x, &src.vector(WeightId::FinalNorm)?, cfg.rms_norm_eps);
     rec.record("final_norm", &[t as u64, h as u64], "t d", f32s(&norm))?;
-    let logits = lm_head(src, &norm)?;
+    let logits = lm_head(src, &norm, be)?;
     rec.record(
         "logits",
         &[t as u64, logits.cols as u64],
@@ -136,7 +150,7 @@ const LM_HEAD_ROWS: u64 = 8192;
 
 /// `norm · lm_headᵀ`, in slices of the vocabulary; GGUFs without `output.weight` tie it to the
 /// embedding, as llama.cpp does.
-fn lm_head(src: &WeightSource, norm: &Mat) -> Result<Mat> {
+fn lm_head(src: &WeightSource, norm: &Mat, be: Cpu) -> Result<Mat> {
     let id = if src.has(WeightId::LmHead) {
         WeightId::LmHead
     } else {
@@ -150,7 +164,7 @@ fn lm_head(src: &WeightSource, norm: &Mat) -> Result<Mat> {
     );
     for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
         let end = (start + LM_HEAD_ROWS).min(vocab);
-        let part = norm.linear(&src.matrix_rows(id, start..end)?)?;
+        let part = be.linear(norm, &src.matrix_rows(id, start..end)?)?;
         for r in 0..norm.rows {
             logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
         }
@@ -185,12 +199,13 @@ impl Layer<'_> {
     fn run(mut self, x: &Mat, prev_topk: Option<Vec<Vec<i32>>>) -> Result<(Mat, Vec<Vec<i32>>)> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
-        let hn = rms_norm(x, &self.src.vector(self.w(AttnNorm))?, cfg.rms_norm_eps);
+        let be = self.opts.backend();
+        let hn = be.rms_norm(x, &self.src.vector(self.w(AttnNorm))?, cfg.rms_norm_eps);
         self.rec("attn_norm", &[t, h], "t d", f32s(&hn))?;
         let (attn, selection) = self.attention(&hn, prev_topk)?;
-        let x = x.add(&attn);
+        let x = be.add(x, &attn);
         self.rec("attn_resid", &[t, h], "t d", f32s(&x))?;
-        let fin = rms_norm(&x, &self.src.vector(self.w(FfnNorm))?, cfg.rms_norm_eps);
+        let fin = be.rms_norm(&x, &self.src.vector(self.w(FfnNorm))?, cfg.rms_norm_eps);
         self.rec("ffn_norm", &[t, h], "t d", f32s(&fin))?;
         let ffn = if cfg.is_moe_layer(self.l) {
             self.moe(&fin)?
@@ -198,15 +213,16 @@ impl Layer<'_> {
             self.mlp(&fin, Gate, Up, Down)?
         };
         self.rec("ffn.out", &[t, h], "t d", f32s(&ffn))?;
-        let out = x.add(&ffn);
+        let out = be.add(&x, &ffn);
         self.rec("out", &[t, h], "t d", f32s(&out))?;
         Ok((out, selection))
     }
 
     fn mlp(&self, x: &Mat, gate: LayerWeight, up: LayerWeight, down: LayerWeight) -> Result<Mat> {
-        let g = x.linear(&self.src.matrix(self.w(gate))?)?;
-        let u = x.linear(&self.src.matrix(self.w(up))?)?;
-        silu_mul(&g, &u).linear(&self.src.matrix(self.w(down))?)
+        let be = self.opts.backend();
+        let g = be.linear(x, &self.src.matrix(self.w(gate))?)?;
+        let u = be.linear(x, &self.src.matrix(self.w(up))?)?;
+        be.linear(&be.silu_mul(&g, &u), &self.src.matrix(self.w(down))?)
     }
 
     /// Attention over the cache, recording its stages.
@@ -219,15 +235,14 @@ impl Layer<'_> {
             cfg.qk_rope_head_dim as usize,
             cfg.v_head_dim as usize,
         );
-        let a = attention(
-            self.src,
-            self.l,
-            hn,
-            self.start,
-            self.cache,
-            prev,
-            self.opts.latent_norm_eps,
-        )?;
+        let step = Step {
+            src: self.src,
+            l: self.l,
+            start: self.start,
+            be: self.opts.backend(),
+            latent_norm_eps: self.opts.latent_norm_eps,
+        };
+        let a = attention(step, hn, self.cache, prev)?;
         self.rec("attn.q_a", &[t, a.q_a.cols], "t d", f32s(&a.q_a))?;
         self.rec(
             "attn.q_a_norm",
@@ -266,7 +281,8 @@ impl Layer<'_> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let e = cfg.n_routed_experts as usize;
-        let logits = x.linear(&self.src.matrix(self.w(Router))?)?;
+        let be = self.opts.backend();
+        let logits = be.linear_f32(x, &self.src.matrix(self.w(Router))?)?;
         self.rec("moe.router_logits", &[t, e], "t e", f32s(&logits))?;
         let bias = self.src.vector(self.w(RouterBias))?;
         let (mut ids, mut weights, mut gaps) = (
@@ -305,7 +321,10 @@ impl Layer<'_> {
                 h,
                 rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
             );
-            let y = silu_mul(&xs.linear(&gate)?, &xs.linear(&up)?).linear(&down)?;
+            let y = be.linear(
+                &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
+                &down,
+            )?;
             for (r, &(s, w)) in rows.iter().enumerate() {
                 routed
                     .row_mut(s)
@@ -314,6 +333,7 @@ impl Layer<'_> {
                     .for_each(|(o, v)| *o += w * v);
             }
         }
+        be.round(&mut routed.data);
         self.rec("moe.routed", &[t, h], "t d partial(tp)", f32s(&routed))?;
         let shared = if cfg.n_shared_experts > 0 {
             self.mlp(x, SharedGate, SharedUp, SharedDown)?
@@ -321,7 +341,7 @@ impl Layer<'_> {
             Mat::new(t, h, vec![0.0; t * h])
         };
         self.rec("moe.shared", &[t, h], "t d partial(tp)", f32s(&shared))?;
-        Ok(routed.add(&shared))
+        Ok(be.add(&routed, &shared))
     }
 }
 

@@ -1,6 +1,7 @@
 //! The CPU reference executor: GLM-5's forward, stage by stage, recorded into a trace.
 
 pub mod attention;
+pub mod backend;
 pub mod forward;
 pub mod mat;
 pub mod ops;

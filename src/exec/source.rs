@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 
+use super::backend::Precision;
 use super::mat::Mat;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
@@ -15,12 +16,24 @@ pub struct WeightSource {
     pub files: ModelFiles,
     pub cfg: Glm5Config,
     layout: Layout,
+    /// The dtype weights are held in (rounded to it when loaded).
+    precision: Precision,
 }
 
 impl WeightSource {
     pub fn new(files: ModelFiles, cfg: Glm5Config, family: Family) -> Self {
         let layout = detect_layout(family, files.tensors());
-        WeightSource { files, cfg, layout }
+        WeightSource {
+            files,
+            cfg,
+            layout,
+            precision: Precision::F32,
+        }
+    }
+
+    /// Hold the weights in `precision`, as an engine at that dtype does.
+    pub fn held_in(self, precision: Precision) -> Self {
+        WeightSource { precision, ..self }
     }
 
     fn name(&self, id: WeightId) -> String {
@@ -30,28 +43,33 @@ impl WeightSource {
         }
     }
 
-    /// Dequantize rows of `name`, then give their mapped pages back: resident memory stays at
-    /// the layer being computed, not at everything read so far.
+    /// Dequantize rows of `name` (all when `None`), held in the precision when `round`, then give
+    /// their mapped pages back: resident memory stays at the layer being computed, not at
+    /// everything read so far.
     fn load_rows(
         &self,
         name: &str,
         rows: Option<std::ops::Range<u64>>,
+        round: bool,
     ) -> Result<(Vec<f32>, Vec<u64>)> {
         let t = self.files.require(name)?;
         let rows = rows.unwrap_or(0..t.rows());
-        let data = self.files.dequantize_rows(t, rows.clone())?;
+        let mut data = self.files.dequantize_rows(t, rows.clone())?;
+        if round {
+            self.precision.round_all(&mut data);
+        }
         self.files.release_rows(t, rows);
         Ok((data, t.shape.clone()))
     }
 
     fn load(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
-        self.load_rows(name, None)
+        self.load_rows(name, None, true)
     }
 
     /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
     pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
         let n = (rows.end - rows.start) as usize;
-        let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
+        let (data, shape) = self.load_rows(&self.name(id), Some(rows), true)?;
         Ok(Mat::new(n, *shape.last().unwrap_or(&1) as usize, data))
     }
 
@@ -62,7 +80,9 @@ impl WeightSource {
 
     /// A vector weight (norm, bias).
     pub fn vector(&self, id: WeightId) -> Result<Vec<f32>> {
-        Ok(self.load(&self.name(id))?.0)
+        // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
+        let exact = matches!(id, WeightId::Layer(_, LayerWeight::RouterBias));
+        Ok(self.load_rows(&self.name(id), None, !exact)?.0)
     }
 
     /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be.
@@ -109,7 +129,7 @@ impl WeightSource {
                 .copied()
                 .unwrap_or(0);
             Ok(self
-                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert))?
+                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert), true)?
                 .0)
         };
         let (gate, up, down) = match self.layout.experts {
