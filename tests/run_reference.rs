@@ -346,6 +346,23 @@ fn prompts_tokenize_and_generations_decode_as_transformers_does() {
     }
 }
 
+/// `glmcheck run` of `model` at `dtype` into `out`.
+fn run_at(model: &Path, dtype: &str, out: &Path) -> Trace {
+    glmcheck(
+        &[
+            "run",
+            model.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--dtype",
+            dtype,
+            "--out",
+        ],
+        out,
+    );
+    Trace::open(out).unwrap()
+}
+
 fn logits_of(trace: &Trace) -> Vec<f64> {
     trace
         .tensor("logits", None)
@@ -368,20 +385,11 @@ fn bf16_emulation_departs_from_f32_as_much_as_transformers_in_bf16() {
     let hf = dir.path().join("hf");
     glmcheck(&["synth", "--format", "hf", "--seed", "11", "--out"], &hf);
     let run = |dtype: &str| {
-        let out = dir.path().join(format!("{dtype}.trace"));
-        glmcheck(
-            &[
-                "run",
-                hf.to_str().unwrap(),
-                "--tokens",
-                TOKENS,
-                "--dtype",
-                dtype,
-                "--out",
-            ],
-            &out,
-        );
-        logits_of(&Trace::open(&out).unwrap())
+        logits_of(&run_at(
+            &hf,
+            dtype,
+            &dir.path().join(format!("{dtype}.trace")),
+        ))
     };
     let (f32_logits, bf16_logits) = (run("f32"), run("bf16"));
     let npy = dir.path().join("hf_bf16.npy");
@@ -420,20 +428,7 @@ fn f16_emulation_overflows_where_the_residual_leaves_the_fp16_range() {
     let gguf = dir.path().join("m.gguf");
     glmcheck(&["synth", "--fp16-overflow", "1", "--out"], &gguf);
     let inf_at = |dtype: &str| -> Vec<(String, u64)> {
-        let out = dir.path().join(format!("{dtype}.trace"));
-        glmcheck(
-            &[
-                "run",
-                gguf.to_str().unwrap(),
-                "--tokens",
-                TOKENS,
-                "--dtype",
-                dtype,
-                "--out",
-            ],
-            &out,
-        );
-        let trace = Trace::open(&out).unwrap();
+        let trace = run_at(&gguf, dtype, &dir.path().join(format!("{dtype}.trace")));
         trace
             .stages()
             .iter()
