@@ -4,6 +4,16 @@
 test *ARGS:
     scripts/test {{ARGS}}
 
+# Build the llama.cpp oracle into .oracles/llama.cpp (`just test` does it too).
+setup-llamacpp:
+    scripts/setup-llamacpp
+
+# glmcheck against llama.cpp and transformers on a converter-made F32 GGUF, with the numbers.
+llamacpp-oracle:
+    scripts/setup-venv
+    scripts/setup-llamacpp
+    GLMCHECK_PYTHON="$PWD/.venv/bin/python" cargo test --test llamacpp_oracle -- --nocapture
+
 # Dequantization throughput of glmcheck, candle and gguf-py; also writes bench-results/dequant.md.
 bench:
     scripts/setup-venv
