@@ -14,15 +14,21 @@ pub enum IndexerKind {
     Shared,
 }
 
-/// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does).
+/// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does), with
+/// transformers' meaning of each field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Yarn {
     pub factor: f64,
     pub original_max_position_embeddings: u64,
-    pub mscale: f64,
-    pub mscale_all_dim: f64,
+    /// Scales cos/sin; derived from the mscales when absent.
+    pub attention_factor: Option<f64>,
+    pub mscale: Option<f64>,
+    /// Also scales the softmax: `× (0.1·mscale_all_dim·ln factor + 1)²`.
+    pub mscale_all_dim: Option<f64>,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Round the correction range outward to whole dims.
+    pub truncate: bool,
 }
 
 /// Everything the GLM-5 forward needs to know about a checkpoint.
@@ -131,9 +137,14 @@ impl Glm5Config {
         l >= self.first_k_dense_replace && self.n_routed_experts > 0
     }
 
+    /// Whether attention is DSA-sparse (GLM-5, DeepSeek-V3.2) rather than dense (DeepSeek-V3).
+    pub fn has_dsa(&self) -> bool {
+        self.index_n_heads > 0 && self.index_topk > 0
+    }
+
     /// Whether layer `l` runs its own indexer (and so stores indexer weights).
     pub fn has_indexer(&self, l: u64) -> bool {
-        self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
+        self.has_dsa() && self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
     }
 
     /// Parse a Hugging Face `config.json` (`GlmMoeDsaForCausalLM`).
@@ -208,10 +219,12 @@ impl Glm5Config {
                 "rope_theta": self.rope_theta,
                 "factor": y.factor,
                 "original_max_position_embeddings": y.original_max_position_embeddings,
+                "attention_factor": y.attention_factor,
                 "mscale": y.mscale,
                 "mscale_all_dim": y.mscale_all_dim,
                 "beta_fast": y.beta_fast,
                 "beta_slow": y.beta_slow,
+                "truncate": y.truncate,
             }),
         };
         let mut j = serde_json::to_value(self).unwrap_or_default();
@@ -450,13 +463,17 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
                 "yarn needs it",
             )
         })?;
+    // transformers treats 0 and null alike for these.
+    let opt = |k: &str| r.get(k).and_then(Json::as_f64).filter(|&v| v != 0.0);
     Ok(Some(Yarn {
         factor: num("factor", 1.0),
         original_max_position_embeddings: orig,
-        mscale: num("mscale", 1.0),
-        mscale_all_dim: num("mscale_all_dim", 0.0),
-        beta_fast: num("beta_fast", 32.0),
-        beta_slow: num("beta_slow", 1.0),
+        attention_factor: opt("attention_factor"),
+        mscale: opt("mscale"),
+        mscale_all_dim: opt("mscale_all_dim"),
+        beta_fast: opt("beta_fast").unwrap_or(32.0),
+        beta_slow: opt("beta_slow").unwrap_or(1.0),
+        truncate: r.get("truncate").and_then(Json::as_bool).unwrap_or(true),
     }))
 }
 
@@ -466,17 +483,20 @@ fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, Con
     let Some(factor) = f("rope.scaling.factor")? else {
         return Ok(None);
     };
-    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier.
+    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier and no mscale;
+    // DeepSeek's checkpoints set both equal, which leaves cos/sin unscaled.
     let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
         .map(|m| m / 0.1)
-        .unwrap_or(0.0);
+        .filter(|&m| m != 0.0);
     Ok(Some(Yarn {
         factor,
         original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
-        mscale: 1.0,
+        attention_factor: None,
+        mscale: mscale_all_dim,
         mscale_all_dim,
         beta_fast: f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
         beta_slow: f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        truncate: true,
     }))
 }
 
