@@ -71,7 +71,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     let files = ModelFiles::open(&args.model)?;
     let Some((cfg, family)) = glm5_config(&files)? else {
         bail!(
-            "{}: not a GLM-5 checkpoint (no glm-dsa architecture or glm_moe_dsa config.json)",
+            "{}: not a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json)",
             args.model.display()
         );
     };

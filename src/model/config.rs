@@ -14,6 +14,10 @@ pub enum IndexerKind {
     Shared,
 }
 
+/// The `model_type`s of config.json the executor runs: GLM-5 and the DeepSeek MLA models whose
+/// transformers classes exercise its NeoX RoPE, YaRN and dense-attention paths.
+pub const HF_MODEL_TYPES: [&str; 3] = ["glm_moe_dsa", "deepseek_v3", "deepseek_v32"];
+
 /// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does), with
 /// transformers' meaning of each field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -147,15 +151,47 @@ impl Glm5Config {
         self.has_dsa() && self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
     }
 
-    /// Parse a Hugging Face `config.json` (`GlmMoeDsaForCausalLM`).
+    /// Parse a Hugging Face `config.json`: `GlmMoeDsaForCausalLM`, or the DeepSeek MLA
+    /// models transformers implements beside it, read as transformers' classes run them —
+    /// `deepseek_v3` has no DSA indexer; `deepseek_v32`'s indexer rotates NeoX halves and never
+    /// shares its selection.
     pub fn from_hf_json(text: &str) -> Result<Self, ConfigError> {
         let j: Json = serde_json::from_str(text).map_err(|e| cfg_err("(json)", e.to_string()))?;
+        let model_type = j
+            .get("model_type")
+            .and_then(Json::as_str)
+            .unwrap_or("glm_moe_dsa");
+        let mut cfg = Self::from_glm_json(&j)?;
+        match model_type {
+            "glm_moe_dsa" => {}
+            "deepseek_v3" => {
+                cfg.index_n_heads = 0;
+                cfg.index_topk = 0;
+                cfg.indexer_types.clear();
+            }
+            "deepseek_v32" => {
+                cfg.indexer_rope_interleave = false;
+                cfg.indexer_types = vec![IndexerKind::Full; cfg.num_hidden_layers as usize];
+            }
+            other => {
+                return Err(cfg_err(
+                    "model_type",
+                    format!("`{other}` is not glm_moe_dsa, deepseek_v3 or deepseek_v32"),
+                ))
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The fields of a `GlmMoeDsaForCausalLM` config.json, GLM-5's values where absent.
+    fn from_glm_json(j: &Json) -> Result<Self, ConfigError> {
         let d = Glm5Config::glm5();
         let u = |k: &str, default: u64| {
-            json_field(&j, k, default, Json::as_u64, "a non-negative integer")
+            json_field(j, k, default, Json::as_u64, "a non-negative integer")
         };
-        let f = |k: &str, default: f64| json_field(&j, k, default, Json::as_f64, "a number");
-        let b = |k: &str, default: bool| json_field(&j, k, default, Json::as_bool, "a boolean");
+        let f = |k: &str, default: f64| json_field(j, k, default, Json::as_f64, "a number");
+        let b = |k: &str, default: bool| json_field(j, k, default, Json::as_bool, "a boolean");
         let layers = u("num_hidden_layers", d.num_hidden_layers)?;
         let rope = j
             .get("rope_parameters")
@@ -167,7 +203,7 @@ impl Glm5Config {
             })?,
             None => f("rope_theta", 10000.0)?,
         };
-        let cfg = Glm5Config {
+        Ok(Glm5Config {
             vocab_size: u("vocab_size", d.vocab_size)?,
             hidden_size: u("hidden_size", d.hidden_size)?,
             intermediate_size: u("intermediate_size", d.intermediate_size)?,
@@ -204,9 +240,7 @@ impl Glm5Config {
             indexer_types: hf_indexer_types(&j, layers)?,
             max_position_embeddings: u("max_position_embeddings", d.max_position_embeddings)?,
             tie_word_embeddings: b("tie_word_embeddings", false)?,
-        };
-        cfg.validate()?;
-        Ok(cfg)
+        })
     }
 
     /// The `config.json` transformers' `GlmMoeDsaForCausalLM` loads for this config (the
