@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::path::Path;
-
 use glmcheck::trace::Trace;
 use serde_json::Value;
 

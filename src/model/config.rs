@@ -237,7 +237,7 @@ impl Glm5Config {
             index_n_heads: u("index_n_heads", d.index_n_heads)?,
             index_head_dim: u("index_head_dim", d.index_head_dim)?,
             index_topk: u("index_topk", d.index_topk)?,
-            indexer_types: hf_indexer_types(&j, layers)?,
+            indexer_types: hf_indexer_types(j, layers)?,
             max_position_embeddings: u("max_position_embeddings", d.max_position_embeddings)?,
             tie_word_embeddings: b("tie_word_embeddings", false)?,
         })
