@@ -6,6 +6,7 @@
 //! Positions are absolute; a forward over new tokens starts at the cache's length.
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use super::backend::Backend;
 use super::mat::Mat;
@@ -190,40 +191,39 @@ pub fn attention<B: Backend>(
     let scale = B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(yarn_softmax_factor(cfg));
     let row = |width: usize, j: usize| j * width..(j + 1) * width;
     let mut ctx = vec![B::E::zero(); t * nh * vd];
-    let mut probs = vec![B::E::zero(); total];
     let dense: Vec<i32> = (0..total as i32).collect();
-    for head in 0..nh {
-        for i in 0..t {
+    let cache = &*cache;
+    // Positions in parallel; each position's sums run in one fixed order.
+    ctx.par_chunks_mut(nh * vd)
+        .enumerate()
+        .for_each(|(i, ctx_i)| {
             let p = start + i;
             let chosen = match &selection {
                 Some(sel) => &sel[i][..],
                 None => &dense[..=p],
             };
-            let qh = &q_rot.row(i)[head * qk..(head + 1) * qk];
-            probs.iter_mut().for_each(|v| *v = B::E::neg_infinity());
-            for j in chosen.iter().filter(|&&j| j >= 0).map(|&j| j as usize) {
-                let kvj = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd)..];
-                let kr = &cache.k_rope[row(rope_d, j)];
-                let dot_nope: B::E = qh[..nope]
-                    .iter()
-                    .zip(&kvj[..nope])
-                    .map(|(&a, &b)| a * b)
-                    .sum();
-                let dot_rope: B::E = qh[nope..].iter().zip(kr).map(|(&a, &b)| a * b).sum();
-                probs[j] = (dot_nope + dot_rope) * scale;
+            let mut probs = vec![B::E::zero(); p + 1];
+            for (head, out) in ctx_i.chunks_exact_mut(vd).enumerate() {
+                let qh = &q_rot.row(i)[head * qk..(head + 1) * qk];
+                probs.iter_mut().for_each(|v| *v = B::E::neg_infinity());
+                for j in chosen.iter().filter(|&&j| j >= 0).map(|&j| j as usize) {
+                    let kvj = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd)..];
+                    let kr = &cache.k_rope[row(rope_d, j)];
+                    let dot_nope: B::E = qh[..nope]
+                        .iter()
+                        .zip(&kvj[..nope])
+                        .map(|(&a, &b)| a * b)
+                        .sum();
+                    let dot_rope: B::E = qh[nope..].iter().zip(kr).map(|(&a, &b)| a * b).sum();
+                    probs[j] = (dot_nope + dot_rope) * scale;
+                }
+                softmax(&mut probs);
+                for (j, &pr) in probs.iter().enumerate().filter(|(_, pr)| !pr.is_zero()) {
+                    let v = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd) + nope..][..vd];
+                    out.iter_mut().zip(v).for_each(|(o, &vv)| *o += pr * vv);
+                }
             }
-            softmax(&mut probs[..=p]);
-            let out = &mut ctx[(i * nh + head) * vd..][..vd];
-            for (j, &pr) in probs[..=p]
-                .iter()
-                .enumerate()
-                .filter(|(_, pr)| !pr.is_zero())
-            {
-                let v = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd) + nope..][..vd];
-                out.iter_mut().zip(v).for_each(|(o, &vv)| *o += pr * vv);
-            }
-        }
-    }
+        });
     be.round(&mut ctx);
     let out = be.linear(&Mat::new(t, nh * vd, ctx.clone()), &matrix(AttnOut)?)?;
     Ok(AttentionOut {

@@ -9,12 +9,17 @@
 
 use std::marker::PhantomData;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
 use super::mat::Mat;
 use super::ops;
 
 use super::real::Real;
+
+/// Weight rows per parallel GEMM task.
+const WEIGHT_ROWS_PER_TASK: usize = 256;
 
 /// The dtype activations and weights are held in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -37,21 +42,26 @@ impl Precision {
 }
 
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
-/// weights arrive dequantized to f32 and the backend holds them as it computes.
+/// weights arrive dequantized to f32 and the backend holds them its own way (in its dtype, where
+/// it computes).
 pub trait Backend: Sync {
     type E: Real;
+    /// A matrix weight `[out, in]` as the backend holds it.
+    type Weight;
 
     /// The name traces record (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
     fn precision(&self) -> Precision;
-    /// A weight (or embedding rows) as the backend holds it: in its dtype.
-    fn hold(&self, w: Mat<f32>) -> Mat<Self::E>;
-    /// A vector kept exactly (the expert-choice bias engines keep in f32).
+    /// A matrix weight, rounded to the dtype.
+    fn hold(&self, w: Mat<f32>) -> Result<Self::Weight>;
+    /// Values rounded to the dtype (norm weights, embedding rows).
+    fn hold_values(&self, v: Vec<f32>) -> Vec<Self::E>;
+    /// Values kept exactly (the expert-choice bias engines keep in f32).
     fn hold_exact(&self, v: Vec<f32>) -> Vec<Self::E>;
     /// `x · wᵀ`, rounded to the dtype.
-    fn linear(&self, x: &Mat<Self::E>, w: &Mat<Self::E>) -> Result<Mat<Self::E>>;
+    fn linear(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
     /// `x · wᵀ` left unrounded (the router, which engines run in f32).
-    fn linear_exact(&self, x: &Mat<Self::E>, w: &Mat<Self::E>) -> Result<Mat<Self::E>>;
+    fn linear_exact(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
     fn rms_norm(&self, x: &Mat<Self::E>, w: &[Self::E], eps: f64) -> Mat<Self::E>;
     fn layer_norm(&self, x: &Mat<Self::E>, w: &[Self::E], b: &[Self::E], eps: f64) -> Mat<Self::E>;
     fn silu_mul(&self, gate: &Mat<Self::E>, up: &Mat<Self::E>) -> Mat<Self::E>;
@@ -96,6 +106,8 @@ impl<E: Real> Cpu<E> {
 
 impl<E: Real> Backend for Cpu<E> {
     type E = E;
+    /// Taken over without a copy; the product reads it transposed in place.
+    type Weight = Tensor;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -105,20 +117,62 @@ impl<E: Real> Backend for Cpu<E> {
         self.precision
     }
 
-    fn hold(&self, w: Mat<f32>) -> Mat<E> {
-        self.rounded(Mat::new(w.rows, w.cols, E::widen_all(w.data)))
+    fn hold(&self, w: Mat<f32>) -> Result<Tensor> {
+        let (rows, cols) = (w.rows, w.cols);
+        Ok(Tensor::from_vec(
+            self.hold_values(w.data),
+            (rows, cols),
+            &Device::Cpu,
+        )?)
+    }
+
+    fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
+        let mut v = E::widen_all(v);
+        self.round(&mut v);
+        v
     }
 
     fn hold_exact(&self, v: Vec<f32>) -> Vec<E> {
         E::widen_all(v)
     }
 
-    fn linear(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
-        Ok(self.rounded(x.linear(w)?))
+    fn linear(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
+        Ok(self.rounded(self.linear_exact(x, w)?))
     }
 
-    fn linear_exact(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
-        x.linear(w)
+    /// Through candle's CPU GEMM, accumulating in `E`, as `w · xᵀ` in blocks of weight rows
+    /// computed in parallel. The blocks have a fixed size, so every output is the same sum
+    /// whatever the thread count.
+    fn linear_exact(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
+        let (out, features) = w.dims2()?;
+        if x.cols != features {
+            bail!(
+                "linear: input has {} features, weight expects {features}",
+                x.cols
+            );
+        }
+        let xt = Tensor::from_slice(&x.data, (x.rows, x.cols), &Device::Cpu)?.t()?;
+        let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
+        let blocks = starts
+            .par_iter()
+            .map(|&start| {
+                let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
+                w.narrow(0, start, rows)?
+                    .matmul(&xt)?
+                    .flatten_all()?
+                    .to_vec1::<E>()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let t = x.rows;
+        let mut y = Mat::zeros(t, out);
+        for (start, block) in starts.into_iter().zip(blocks) {
+            for (j, column) in block.chunks_exact(t).enumerate() {
+                for (r, &v) in column.iter().enumerate() {
+                    y.data[r * out + start + j] = v;
+                }
+            }
+        }
+        Ok(y)
     }
 
     fn rms_norm(&self, x: &Mat<E>, w: &[E], eps: f64) -> Mat<E> {

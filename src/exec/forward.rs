@@ -10,6 +10,7 @@
 //! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use super::attention::{attention, KvCache, LayerCache, Selection, Step, NO_BOUNDARY};
 use super::backend::Backend;
@@ -81,7 +82,7 @@ pub fn forward<B: Backend>(
                 .data,
         );
     }
-    let mut x = be.hold(Mat::new(t, h, rows));
+    let mut x = Mat::new(t, h, be.hold_values(rows));
     rec.record("embed", &[t as u64, h as u64], "t d", values(&x))?;
     let start = cache.len();
     let mut prev_topk: Option<Selection> = None;
@@ -154,13 +155,17 @@ fn lm_head<B: Backend>(src: &WeightSource, norm: &Mat<B::E>, be: &B) -> Result<M
     let mut logits = Mat::zeros(norm.rows, vocab as usize);
     for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
         let end = (start + LM_HEAD_ROWS).min(vocab);
-        let part = be.linear(norm, &be.hold(src.matrix_rows(id, start..end)?))?;
+        let part = be.linear(norm, &be.hold(src.matrix_rows(id, start..end)?)?)?;
         for r in 0..norm.rows {
             logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
         }
     }
     Ok(logits)
 }
+
+/// Routed experts dequantized and computed at once: enough to keep the cores busy on small
+/// experts, few enough that memory stays at a handful of experts whatever the core count.
+const EXPERTS_IN_FLIGHT: usize = 4;
 
 /// One decoder layer's run.
 struct Layer<'a, B: Backend> {
@@ -186,7 +191,7 @@ impl<B: Backend> Layer<'_, B> {
         WeightId::Layer(self.l, w)
     }
 
-    fn matrix(&self, w: LayerWeight) -> Result<Mat<B::E>> {
+    fn matrix(&self, w: LayerWeight) -> Result<B::Weight> {
         self.src.matrix_in(self.be, self.w(w))
     }
 
@@ -322,31 +327,21 @@ impl<B: Backend> Layer<'_, B> {
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
-        for expert in used {
-            let [gate, up, down] = self.src.expert(self.l, expert as u64)?.map(|w| be.hold(w));
-            let rows: Vec<(usize, B::E)> = (0..t)
-                .filter_map(|s| {
-                    ids[s]
-                        .iter()
-                        .position(|&i| i == expert)
-                        .map(|k| (s, weights[s][k]))
-                })
-                .collect();
-            let xs = Mat::new(
-                rows.len(),
-                h,
-                rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
-            );
-            let y = be.linear(
-                &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
-                &down,
-            )?;
-            for (r, &(s, w)) in rows.iter().enumerate() {
-                routed
-                    .row_mut(s)
-                    .iter_mut()
-                    .zip(y.row(r))
-                    .for_each(|(o, &v)| *o += w * v);
+        // A few experts computed at once; their outputs are added in expert order, so the sum
+        // does not depend on the thread count.
+        for group in used.chunks(EXPERTS_IN_FLIGHT) {
+            let outputs = group
+                .par_iter()
+                .map(|&e| routed_expert(self.src, be, self.l, e, x, &ids, &weights))
+                .collect::<Result<Vec<_>>>()?;
+            for ExpertOutput { rows, y } in outputs {
+                for (r, &(s, w)) in rows.iter().enumerate() {
+                    routed
+                        .row_mut(s)
+                        .iter_mut()
+                        .zip(y.row(r))
+                        .for_each(|(o, &v)| *o += w * v);
+                }
             }
         }
         be.round(&mut routed.data);
@@ -359,6 +354,45 @@ impl<B: Backend> Layer<'_, B> {
         self.rec("moe.shared", &[t, h], "t d partial(tp)", values(&shared))?;
         Ok(be.add(&routed, &shared))
     }
+}
+
+/// One routed expert's work: the tokens that chose it with their routing weights, and its
+/// output row for each.
+struct ExpertOutput<E> {
+    rows: Vec<(usize, E)>,
+    y: Mat<E>,
+}
+
+/// Routed expert `expert` on the tokens that chose it.
+fn routed_expert<B: Backend>(
+    src: &WeightSource,
+    be: &B,
+    l: u64,
+    expert: usize,
+    x: &Mat<B::E>,
+    ids: &[Vec<usize>],
+    weights: &[Vec<B::E>],
+) -> Result<ExpertOutput<B::E>> {
+    let [gate, up, down] = src.expert(l, expert as u64)?;
+    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
+    let rows: Vec<(usize, B::E)> = (0..x.rows)
+        .filter_map(|s| {
+            ids[s]
+                .iter()
+                .position(|&i| i == expert)
+                .map(|k| (s, weights[s][k]))
+        })
+        .collect();
+    let xs = Mat::new(
+        rows.len(),
+        x.cols,
+        rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
+    );
+    let y = be.linear(
+        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
+        &down,
+    )?;
+    Ok(ExpertOutput { rows, y })
 }
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice

@@ -1,8 +1,6 @@
-//! A row-major matrix, the activation and weight type of the CPU reference; products go through
-//! candle's CPU GEMM, everything else is plain loops that read like the model's math.
+//! A row-major matrix: activations, and weights as dequantized before a backend holds them.
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
 
 use super::real::Real;
 
@@ -59,21 +57,6 @@ impl<E: Real> Mat<E> {
             self.cols,
             self.data.iter().map(|&v| f(v)).collect(),
         )
-    }
-
-    /// `self · wᵀ` for a weight `w` of `[out, in]` (PyTorch's `F.linear`).
-    pub fn linear(&self, w: &Mat<E>) -> Result<Mat<E>> {
-        if self.cols != w.cols {
-            bail!(
-                "linear: input has {} features, weight expects {}",
-                self.cols,
-                w.cols
-            );
-        }
-        let x = Tensor::from_slice(&self.data, (self.rows, self.cols), &Device::Cpu)?;
-        let wt = Tensor::from_slice(&w.data, (w.rows, w.cols), &Device::Cpu)?.t()?;
-        let y = x.matmul(&wt)?;
-        Ok(Mat::new(self.rows, w.rows, y.flatten_all()?.to_vec1()?))
     }
 
     /// Element-wise sum.

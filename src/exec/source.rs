@@ -69,13 +69,12 @@ impl WeightSource {
 
     /// A vector weight as `be` holds it.
     pub fn vector_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<Vec<B::E>> {
-        let v = self.vector(id)?;
-        Ok(be.hold(Mat::new(1, v.len(), v)).data)
+        Ok(be.hold_values(self.vector(id)?))
     }
 
     /// A matrix weight as `be` holds it.
-    pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<Mat<B::E>> {
-        Ok(be.hold(self.matrix(id)?))
+    pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<B::Weight> {
+        be.hold(self.matrix(id)?)
     }
 
     /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be.
