@@ -128,6 +128,7 @@ fn probe_trace_matches_transformers_and_itself() {
         let stats = match s.dtype {
             ElemType::F32 => TensorStats::of(&f32s(&trace, &s.name)),
             ElemType::I32 => TensorStats::of(&trace.tensor_i32(&s.name, None).unwrap().unwrap()),
+            ElemType::F64 => panic!("{}: the probe records f32, not f64", s.name),
         };
         assert_eq!(
             stats, s.stats,

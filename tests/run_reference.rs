@@ -445,3 +445,54 @@ fn f16_emulation_overflows_where_the_residual_leaves_the_fp16_range() {
         "first Inf at {first}, expected in layer 1: {f16:?}"
     );
 }
+
+/// `--dtype f64` computes in f64: it agrees with transformers' f32 logits as the f32 reference
+/// does, departs from the f32 run only by f32 rounding (yet does depart), and records f64.
+#[test]
+fn f64_reference_agrees_with_f32_to_f32_rounding() {
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    glmcheck(
+        &[
+            "synth",
+            "--format",
+            "hf",
+            "--seed",
+            "11",
+            "--set",
+            "index_n_heads=16",
+            "--out",
+        ],
+        &hf,
+    );
+    let (f32_trace, f64_trace) = (
+        run_at(&hf, "f32", &dir.path().join("f32.trace")),
+        run_at(&hf, "f64", &dir.path().join("f64.trace")),
+    );
+    assert_eq!(f64_trace.manifest().dtype, "f64");
+    assert!(f64_trace.stages().iter().all(|s| s.dtype != ElemType::F32));
+    let (a, b) = (logits_of(&f32_trace), logits_of(&f64_trace));
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = a
+        .iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(err > 0.0, "the f64 run computes in f64, not f32");
+    assert!(err <= 1e-5 * scale, "f32 − f64: {err} of {scale}");
+    let theirs: serde_json::Value = serde_json::from_str(&common::run_oracle(
+        "hf_logits.py",
+        &[hf.to_str().unwrap(), TOKENS],
+    ))
+    .unwrap();
+    let hf_logits: Vec<f64> = theirs["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let err = b
+        .iter()
+        .zip(&hf_logits)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(err <= 1e-4 * scale, "f64 − transformers: {err} of {scale}");
+}

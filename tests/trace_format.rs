@@ -31,6 +31,7 @@ struct Sample {
     dims: &'static str,
     rank: Option<u32>,
     f32s: Vec<f32>,
+    f64s: Vec<f64>,
     i32s: Vec<i32>,
 }
 
@@ -48,7 +49,16 @@ impl Sample {
             dims,
             rank,
             f32s: v,
+            f64s: Vec::new(),
             i32s: Vec::new(),
+        }
+    }
+    /// An f64 stage (a `--dtype f64` run), from f32 noise plus a part f32 cannot hold.
+    fn f64(name: &'static str, shape: &[u64], v: Vec<f32>) -> Self {
+        Sample {
+            f64s: v.iter().map(|&x| f64::from(x) + 1e-12).collect(),
+            f32s: Vec::new(),
+            ..Sample::f32(name, shape, "t d", None, Vec::new())
         }
     }
     fn i32(name: &'static str, shape: &[u64], dims: &'static str, v: Vec<i32>) -> Self {
@@ -58,20 +68,23 @@ impl Sample {
             dims,
             rank: None,
             f32s: Vec::new(),
+            f64s: Vec::new(),
             i32s: v,
         }
     }
     fn values(&self) -> Stage<'_> {
-        if self.i32s.is_empty() {
-            Stage::F32(&self.f32s)
-        } else {
+        if !self.i32s.is_empty() {
             Stage::I32(&self.i32s)
+        } else if !self.f64s.is_empty() {
+            Stage::F64(&self.f64s)
+        } else {
+            Stage::F32(&self.f32s)
         }
     }
 }
 
-/// A small two-layer run with tp = 2: f32 and i32, whole and per-rank, NaN/Inf/±0, a tensor
-/// larger than one statistics chunk, and one with no finite value.
+/// A small two-layer run with tp = 2: f32, f64 and i32, whole and per-rank, NaN/Inf/±0, a
+/// tensor larger than one statistics chunk, and one with no finite value.
 fn samples() -> Vec<Sample> {
     let mut out = noise(32, 5, 3.0);
     out[1] = f32::NAN;
@@ -123,6 +136,7 @@ fn samples() -> Vec<Sample> {
             Some(1),
             noise(32, 7, 1.0),
         ),
+        Sample::f64("L1.attn_resid", &[4, 8], noise(32, 10, 2.0)),
         Sample::f32("L1.out", &[3, 70_000], "t d", None, noise(210_000, 8, 40.0)),
         Sample::f32("final_norm", &[2, 2], "t d", None, vec![f32::NAN; 4]),
         Sample::f32("logits", &[4, 50], "t v(tp)", None, noise(200, 9, 12.0)),
@@ -130,9 +144,10 @@ fn samples() -> Vec<Sample> {
 }
 
 /// Stages stored in full in the sample trace (the others keep stats only).
-const FULL: [&str; 6] = [
+const FULL: [&str; 7] = [
     "logits",
     "L*.out",
+    "L*.attn_resid",
     "embed",
     "final_norm",
     "L*.attn.q",
@@ -185,10 +200,10 @@ fn oracle_recomputes_every_stat_and_hash() {
             &[dir.to_str().expect("UTF-8")],
         ))
         .expect("oracle prints JSON");
-        let stored = if name == "all.trace" { 12 } else { 8 };
+        let stored = if name == "all.trace" { 13 } else { 9 };
         assert_eq!(
             report,
-            json!({"checked": stored, "stats_only": 12 - stored}),
+            json!({"checked": stored, "stats_only": 13 - stored}),
             "{name}"
         );
     }
@@ -215,6 +230,7 @@ fn round_trip_keeps_every_bit() {
         let record = trace.stage(s.name, s.rank).expect("stage recorded");
         let expected = match s.values() {
             Stage::F32(v) => TensorStats::of(v),
+            Stage::F64(v) => TensorStats::of(v),
             Stage::I32(v) => TensorStats::of(v),
         };
         assert_same_stats(&record.stats, &expected, s.name);
@@ -224,7 +240,10 @@ fn round_trip_keeps_every_bit() {
             continue;
         }
         let f32s = f32s.expect("full tensor");
-        if s.i32s.is_empty() {
+        if !s.f64s.is_empty() {
+            let narrowed: Vec<f32> = s.f64s.iter().map(|&v| v as f32).collect();
+            assert_eq!(f32s, narrowed, "{} read back narrowed to f32", s.name);
+        } else if s.i32s.is_empty() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&f32s), bits(&s.f32s), "{}", s.name);
         } else {

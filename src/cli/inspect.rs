@@ -7,6 +7,7 @@ use serde_json::json;
 
 use super::output::{bytes, progress, shape, table};
 use super::{ModelArg, Outcome};
+use crate::model::config::HF_MODEL_TYPES;
 use crate::model::names::WeightId;
 use crate::model::schema::{self, Family, SchemaReport};
 use crate::model::Glm5Config;
@@ -41,7 +42,11 @@ pub fn glm5_config(files: &ModelFiles) -> anyhow::Result<Option<(Glm5Config, Fam
     };
     let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
     let is_glm5 = serde_json::from_str::<serde_json::Value>(&text)
-        .map(|j| j.get("model_type").and_then(|m| m.as_str()) == Some("glm_moe_dsa"))
+        .map(|j| {
+            j.get("model_type")
+                .and_then(|m| m.as_str())
+                .is_some_and(|m| HF_MODEL_TYPES.contains(&m))
+        })
         .unwrap_or(false);
     if !is_glm5 {
         return Ok(None);
@@ -203,7 +208,7 @@ fn print_text(
             let shared = c.indexer_types.iter().filter(|k| **k == crate::model::config::IndexerKind::Shared).count();
             println!("  indexer layers = {} full, {shared} shared", c.indexer_types.len() - shared);
         }
-        None => println!("\nnot a GLM-5 checkpoint (no glm-dsa architecture or glm_moe_dsa config.json): schema check skipped"),
+        None => println!("\nnot a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json): schema check skipped"),
     }
     let mut t = table(&["tensor", "type", "shape", "bytes"]);
     for e in files

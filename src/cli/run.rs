@@ -7,8 +7,9 @@ use serde_json::json;
 
 use super::inspect::glm5_config;
 use super::Outcome;
-use crate::exec::backend::Precision;
+use crate::exec::backend::{Backend, Cpu, Precision};
 use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
+use crate::exec::ops::topk;
 use crate::exec::source::WeightSource;
 use crate::exec::tokenize;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
@@ -41,8 +42,9 @@ pub struct RunArgs {
     /// the config's `rms_norm_eps`.
     #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
     pub latent_norm_eps: f64,
-    /// Precision: f32 (the reference), or bf16/f16 emulating a GPU engine (weights and every op's
-    /// output rounded to the dtype, f32 accumulation, f32 router).
+    /// Precision: f32 (the reference), f64 (how much of a difference is the reference's own
+    /// rounding), or bf16/f16 emulating a GPU engine (weights and every op's output rounded to
+    /// the dtype, f32 accumulation, f32 router).
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
     /// Greedy-generate this many tokens after the prompt (through a KV cache; only the prompt is
@@ -69,7 +71,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     let files = ModelFiles::open(&args.model)?;
     let Some((cfg, family)) = glm5_config(&files)? else {
         bail!(
-            "{}: not a GLM-5 checkpoint (no glm-dsa architecture or glm_moe_dsa config.json)",
+            "{}: not a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json)",
             args.model.display()
         );
     };
@@ -107,16 +109,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     };
     let mut writer = TraceWriter::create(&args.out, header, full)
         .with_context(|| args.out.display().to_string())?;
-    let source = WeightSource::new(files, cfg, family).held_in(args.dtype);
+    let source = WeightSource::new(files, cfg, family);
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
-        precision: args.dtype,
     };
-    let (logits, generated) = generate(&source, &tokens, args.generate, opts, &mut writer)?;
+    let (n, g) = (&tokens, args.generate);
+    let (top1, generated) = match args.dtype {
+        Precision::F64 => greedy(&source, n, g, &Cpu::f64(), opts, &mut writer)?,
+        p => greedy(&source, n, g, &Cpu::new(p), opts, &mut writer)?,
+    };
     writer.finish()?;
-    let top1: Vec<usize> = (0..logits.rows)
-        .map(|r| crate::exec::ops::topk(logits.row(r), 1)[0])
-        .collect();
     let text = match &tokenizer {
         Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),
         _ => None,
@@ -130,7 +132,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         println!(
             "wrote {} ({} positions); top-1 per position: {top1:?}",
             args.out.display(),
-            logits.rows
+            top1.len()
         );
         if !generated.is_empty() {
             println!("generated: {generated:?}");
@@ -140,4 +142,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         }
     }
     Ok(Outcome::Pass)
+}
+
+/// The prompt through `be` into `rec`, then `n` greedy tokens: the top-1 token of every prompt
+/// position and the generated tokens.
+fn greedy<B: Backend>(
+    src: &WeightSource,
+    prompt: &[u32],
+    n: usize,
+    be: &B,
+    opts: ForwardOptions,
+    rec: &mut TraceWriter,
+) -> anyhow::Result<(Vec<usize>, Vec<u32>)> {
+    let (logits, generated) = generate(src, prompt, n, be, opts, rec)?;
+    let top1 = (0..logits.rows)
+        .map(|r| topk(logits.row(r), 1)[0])
+        .collect();
+    Ok((top1, generated))
 }

@@ -1,20 +1,30 @@
-//! The ops of the forward, and the precision they run at.
+//! The ops of the forward behind one trait, so that the same forward runs on every backend, and
+//! the CPU backend at each precision.
 //!
-//! The CPU reference runs every op in f32. Its bf16 and f16 modes emulate a GPU engine: weights
-//! are held in the dtype, each op accumulates in f32 and rounds its output to the dtype (what
-//! cuBLAS GEMMs with f32 accumulation and fused norm kernels do), while the router stays in f32
-//! as GLM-5 engines keep it. The difference between the f32 and the emulated runs is the noise
-//! envelope a candidate at that dtype is judged against.
+//! The CPU reference runs every op in f32 (or f64). Its bf16 and f16 modes emulate a GPU engine:
+//! weights are held in the dtype, each op accumulates in f32 and rounds its output to the dtype
+//! (what cuBLAS GEMMs with f32 accumulation and fused norm kernels do), while the router stays in
+//! f32 as GLM-5 engines keep it. The difference between the f32 and the emulated runs is the
+//! noise envelope a candidate at that dtype is judged against.
 
-use anyhow::Result;
-use half::{bf16, f16};
+use std::marker::PhantomData;
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
 use super::mat::Mat;
 use super::ops;
 
+use super::real::Real;
+
+/// Weight rows per parallel GEMM task.
+const WEIGHT_ROWS_PER_TASK: usize = 256;
+
 /// The dtype activations and weights are held in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precision {
+    F64,
     F32,
     Bf16,
     F16,
@@ -23,69 +33,167 @@ pub enum Precision {
 impl Precision {
     pub fn name(self) -> &'static str {
         match self {
+            Precision::F64 => "f64",
             Precision::F32 => "f32",
             Precision::Bf16 => "bf16",
             Precision::F16 => "f16",
         }
     }
+}
 
-    /// `x` as the nearest value of the dtype (round to nearest even; ±Inf past f16's range).
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            Precision::F32 => x,
-            Precision::Bf16 => bf16::from_f32(x).to_f32(),
-            Precision::F16 => f16::from_f32(x).to_f32(),
+/// The ops the forward calls. Activations are host matrices in the backend's number type;
+/// weights arrive dequantized to f32 and the backend holds them its own way (in its dtype, where
+/// it computes).
+pub trait Backend: Sync {
+    type E: Real;
+    /// A matrix weight `[out, in]` as the backend holds it.
+    type Weight;
+
+    /// The name traces record (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    fn precision(&self) -> Precision;
+    /// A matrix weight, rounded to the dtype.
+    fn hold(&self, w: Mat<f32>) -> Result<Self::Weight>;
+    /// Values rounded to the dtype (norm weights, embedding rows).
+    fn hold_values(&self, v: Vec<f32>) -> Vec<Self::E>;
+    /// Values kept exactly (the expert-choice bias engines keep in f32).
+    fn hold_exact(&self, v: Vec<f32>) -> Vec<Self::E>;
+    /// `x · wᵀ`, rounded to the dtype.
+    fn linear(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
+    /// `x · wᵀ` left unrounded (the router, which engines run in f32).
+    fn linear_exact(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
+    fn rms_norm(&self, x: &Mat<Self::E>, w: &[Self::E], eps: f64) -> Mat<Self::E>;
+    fn layer_norm(&self, x: &Mat<Self::E>, w: &[Self::E], b: &[Self::E], eps: f64) -> Mat<Self::E>;
+    fn silu_mul(&self, gate: &Mat<Self::E>, up: &Mat<Self::E>) -> Mat<Self::E>;
+    /// A residual add, the sum held in the dtype.
+    fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Mat<Self::E>;
+    /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
+    fn round(&self, xs: &mut [Self::E]);
+}
+
+/// The CPU backend: candle's GEMM and the loops of [`ops`], in `E` at a precision.
+#[derive(Clone, Copy, Debug)]
+pub struct Cpu<E> {
+    precision: Precision,
+    number: PhantomData<E>,
+}
+
+impl Cpu<f32> {
+    /// f32, or bf16/f16 emulated with f32 accumulation.
+    pub fn new(precision: Precision) -> Self {
+        Cpu {
+            precision,
+            number: PhantomData,
         }
     }
+}
 
-    pub fn round_all(self, xs: &mut [f32]) {
-        if self != Precision::F32 {
-            xs.iter_mut().for_each(|x| *x = self.round(*x));
+impl Cpu<f64> {
+    pub fn f64() -> Self {
+        Cpu {
+            precision: Precision::F64,
+            number: PhantomData,
         }
     }
+}
 
-    fn mat(self, mut m: Mat) -> Mat {
-        self.round_all(&mut m.data);
+impl<E: Real> Cpu<E> {
+    fn rounded(&self, mut m: Mat<E>) -> Mat<E> {
+        self.round(&mut m.data);
         m
     }
 }
 
-/// The CPU backend at a precision.
-#[derive(Clone, Copy, Debug)]
-pub struct Cpu {
-    pub precision: Precision,
-}
+impl<E: Real> Backend for Cpu<E> {
+    type E = E;
+    /// Taken over without a copy; the product reads it transposed in place.
+    type Weight = Tensor;
 
-impl Cpu {
-    /// `x · wᵀ`, accumulated in f32, rounded to the precision.
-    pub fn linear(&self, x: &Mat, w: &Mat) -> Result<Mat> {
-        Ok(self.precision.mat(x.linear(w)?))
+    fn name(&self) -> &'static str {
+        "cpu"
     }
 
-    /// `x · wᵀ` kept in f32 (the router).
-    pub fn linear_f32(&self, x: &Mat, w: &Mat) -> Result<Mat> {
-        x.linear(w)
+    fn precision(&self) -> Precision {
+        self.precision
     }
 
-    pub fn rms_norm(&self, x: &Mat, w: &[f32], eps: f64) -> Mat {
-        self.precision.mat(ops::rms_norm(x, w, eps))
+    fn hold(&self, w: Mat<f32>) -> Result<Tensor> {
+        let (rows, cols) = (w.rows, w.cols);
+        Ok(Tensor::from_vec(
+            self.hold_values(w.data),
+            (rows, cols),
+            &Device::Cpu,
+        )?)
     }
 
-    pub fn layer_norm(&self, x: &Mat, w: &[f32], b: &[f32], eps: f64) -> Mat {
-        self.precision.mat(ops::layer_norm(x, w, b, eps))
+    fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
+        let mut v = E::widen_all(v);
+        self.round(&mut v);
+        v
     }
 
-    pub fn silu_mul(&self, gate: &Mat, up: &Mat) -> Mat {
-        self.precision.mat(ops::silu_mul(gate, up))
+    fn hold_exact(&self, v: Vec<f32>) -> Vec<E> {
+        E::widen_all(v)
     }
 
-    /// A residual add, the sum held in the precision.
-    pub fn add(&self, a: &Mat, b: &Mat) -> Mat {
-        self.precision.mat(a.add(b))
+    fn linear(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
+        Ok(self.rounded(self.linear_exact(x, w)?))
     }
 
-    /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
-    pub fn round(&self, xs: &mut [f32]) {
-        self.precision.round_all(xs);
+    /// Through candle's CPU GEMM, accumulating in `E`, as `w · xᵀ` in blocks of weight rows
+    /// computed in parallel. The blocks have a fixed size, so every output is the same sum
+    /// whatever the thread count.
+    fn linear_exact(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
+        let (out, features) = w.dims2()?;
+        if x.cols != features {
+            bail!(
+                "linear: input has {} features, weight expects {features}",
+                x.cols
+            );
+        }
+        let xt = Tensor::from_slice(&x.data, (x.rows, x.cols), &Device::Cpu)?.t()?;
+        let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
+        let blocks = starts
+            .par_iter()
+            .map(|&start| {
+                let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
+                w.narrow(0, start, rows)?
+                    .matmul(&xt)?
+                    .flatten_all()?
+                    .to_vec1::<E>()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let t = x.rows;
+        let mut y = Mat::zeros(t, out);
+        for (start, block) in starts.into_iter().zip(blocks) {
+            for (j, column) in block.chunks_exact(t).enumerate() {
+                for (r, &v) in column.iter().enumerate() {
+                    y.data[r * out + start + j] = v;
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    fn rms_norm(&self, x: &Mat<E>, w: &[E], eps: f64) -> Mat<E> {
+        self.rounded(ops::rms_norm(x, w, eps))
+    }
+
+    fn layer_norm(&self, x: &Mat<E>, w: &[E], b: &[E], eps: f64) -> Mat<E> {
+        self.rounded(ops::layer_norm(x, w, b, eps))
+    }
+
+    fn silu_mul(&self, gate: &Mat<E>, up: &Mat<E>) -> Mat<E> {
+        self.rounded(ops::silu_mul(gate, up))
+    }
+
+    fn add(&self, a: &Mat<E>, b: &Mat<E>) -> Mat<E> {
+        self.rounded(a.add(b))
+    }
+
+    fn round(&self, xs: &mut [E]) {
+        if !matches!(self.precision, Precision::F32 | Precision::F64) {
+            xs.iter_mut().for_each(|x| *x = x.round_to(self.precision));
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! The GLM-5 forward over all prompt positions at once, in f32, recording every DESIGN §4 stage.
+//! The GLM-5 forward over all prompt positions at once, on any [`Backend`], recording every
+//! DESIGN §4 stage.
 //!
 //! It follows transformers' `GlmMoeDsaForCausalLM`: RMSNorms in f32 (`q_a`/`kv_a` norms with eps
 //! 1e-6 by default, as transformers builds them), MLA with interleaved (or NeoX) RoPE on the
@@ -9,11 +10,14 @@
 //! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
-use super::attention::{attention, KvCache, Step, NO_BOUNDARY};
-use super::backend::{Cpu, Precision};
+use super::attention::{attention, KvCache, LayerCache, Selection, Step, NO_BOUNDARY};
+use super::backend::Backend;
 use super::mat::Mat;
 use super::ops::{sigmoid, softmax, topk};
+
+use super::real::Real;
 use super::source::WeightSource;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::trace::writer::Stage;
@@ -41,44 +45,31 @@ impl Recorder for Discard {
 pub struct ForwardOptions {
     /// Eps of the q_a/kv_a RMSNorms (transformers: 1e-6; vLLM, llama.cpp: `rms_norm_eps`).
     pub latent_norm_eps: f64,
-    /// f32, or bf16/f16 emulation (see [`super::backend`]).
-    pub precision: Precision,
-}
-
-impl ForwardOptions {
-    fn backend(&self) -> Cpu {
-        Cpu {
-            precision: self.precision,
-        }
-    }
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
         ForwardOptions {
             latent_norm_eps: HF_LATENT_NORM_EPS,
-            precision: Precision::F32,
         }
     }
 }
 
-fn f32s(m: &Mat) -> Stage<'_> {
-    Stage::F32(&m.data)
+fn values<E: Real>(m: &Mat<E>) -> Stage<'_> {
+    E::stage(&m.data)
 }
 
 /// Run `tokens` through the model at the positions after those in `cache` (all of them for a
 /// prompt, one at a time when generating); returns their logits `[T, V]`.
-pub fn forward(
+pub fn forward<B: Backend>(
     src: &WeightSource,
     tokens: &[u32],
-    cache: &mut KvCache,
+    cache: &mut KvCache<B::E>,
+    be: &B,
     opts: ForwardOptions,
     rec: &mut dyn Recorder,
-) -> Result<Mat> {
+) -> Result<Mat<B::E>> {
     let cfg = &src.cfg;
-    if cfg.yarn.is_some() {
-        bail!("YaRN rope scaling is not supported by the reference executor yet");
-    }
     let (t, h) = (tokens.len(), cfg.hidden_size as usize);
     let vocab = cfg.vocab_size;
     let mut rows = Vec::with_capacity(t * h);
@@ -91,12 +82,10 @@ pub fn forward(
                 .data,
         );
     }
-    let be = opts.backend();
-    be.round(&mut rows);
-    let mut x = Mat::new(t, h, rows);
-    rec.record("embed", &[t as u64, h as u64], "t d", f32s(&x))?;
+    let mut x = Mat::new(t, h, be.hold_values(rows));
+    rec.record("embed", &[t as u64, h as u64], "t d", values(&x))?;
     let start = cache.len();
-    let mut prev_topk: Option<Vec<Vec<i32>>> = None;
+    let mut prev_topk: Option<Selection> = None;
     for l in 0..cfg.num_hidden_layers {
         let layer = Layer {
             src,
@@ -105,41 +94,47 @@ pub fn forward(
             start,
             cache: cache.layer(l as usize),
             rec: &mut *rec,
+            be,
             opts,
         };
         let (out, selection) = layer.run(&x, prev_topk.take())?;
         x = out;
-        prev_topk = Some(selection);
+        prev_topk = selection;
     }
-    let norm = be.rms_norm(&x, &src.vector(WeightId::FinalNorm)?, cfg.rms_norm_eps);
-    rec.record("final_norm", &[t as u64, h as u64], "t d", f32s(&norm))?;
+    let norm = be.rms_norm(
+        &x,
+        &src.vector_in(be, WeightId::FinalNorm)?,
+        cfg.rms_norm_eps,
+    );
+    rec.record("final_norm", &[t as u64, h as u64], "t d", values(&norm))?;
     let logits = lm_head(src, &norm, be)?;
     rec.record(
         "logits",
         &[t as u64, logits.cols as u64],
         "t v(tp)",
-        f32s(&logits),
+        values(&logits),
     )?;
     Ok(logits)
 }
 
 /// Greedy generation: the prompt through `rec`, then `n` tokens, each the argmax of the last
 /// logits, fed one at a time through the KV cache. Returns the prompt's logits and the tokens.
-pub fn generate(
+pub fn generate<B: Backend>(
     src: &WeightSource,
     prompt: &[u32],
     n: usize,
+    be: &B,
     opts: ForwardOptions,
     rec: &mut dyn Recorder,
-) -> Result<(Mat, Vec<u32>)> {
+) -> Result<(Mat<B::E>, Vec<u32>)> {
     let mut cache = KvCache::default();
-    let logits = forward(src, prompt, &mut cache, opts, rec)?;
+    let logits = forward(src, prompt, &mut cache, be, opts, rec)?;
     let mut out = Vec::with_capacity(n);
     let mut last = logits.row(logits.rows - 1).to_vec();
     for _ in 0..n {
         let next = topk(&last, 1)[0] as u32;
         out.push(next);
-        last = forward(src, &[next], &mut cache, opts, &mut Discard)?.data;
+        last = forward(src, &[next], &mut cache, be, opts, &mut Discard)?.data;
     }
     Ok((logits, out))
 }
@@ -150,21 +145,17 @@ const LM_HEAD_ROWS: u64 = 8192;
 
 /// `norm · lm_headᵀ`, in slices of the vocabulary; GGUFs without `output.weight` tie it to the
 /// embedding, as llama.cpp does.
-fn lm_head(src: &WeightSource, norm: &Mat, be: Cpu) -> Result<Mat> {
+fn lm_head<B: Backend>(src: &WeightSource, norm: &Mat<B::E>, be: &B) -> Result<Mat<B::E>> {
     let id = if src.has(WeightId::LmHead) {
         WeightId::LmHead
     } else {
         WeightId::Embed
     };
     let vocab = src.cfg.vocab_size;
-    let mut logits = Mat::new(
-        norm.rows,
-        vocab as usize,
-        vec![0.0; norm.rows * vocab as usize],
-    );
+    let mut logits = Mat::zeros(norm.rows, vocab as usize);
     for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
         let end = (start + LM_HEAD_ROWS).min(vocab);
-        let part = be.linear(norm, &src.matrix_rows(id, start..end)?)?;
+        let part = be.linear(norm, &be.hold(src.matrix_rows(id, start..end)?)?)?;
         for r in 0..norm.rows {
             logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
         }
@@ -172,19 +163,24 @@ fn lm_head(src: &WeightSource, norm: &Mat, be: Cpu) -> Result<Mat> {
     Ok(logits)
 }
 
+/// Routed experts dequantized and computed at once: enough to keep the cores busy on small
+/// experts, few enough that memory stays at a handful of experts whatever the core count.
+const EXPERTS_IN_FLIGHT: usize = 4;
+
 /// One decoder layer's run.
-struct Layer<'a> {
+struct Layer<'a, B: Backend> {
     src: &'a WeightSource,
     l: u64,
     t: usize,
     /// Position of the first new token.
     start: usize,
-    cache: &'a mut super::attention::LayerCache,
+    cache: &'a mut LayerCache<B::E>,
     rec: &'a mut dyn Recorder,
+    be: &'a B,
     opts: ForwardOptions,
 }
 
-impl Layer<'_> {
+impl<B: Backend> Layer<'_, B> {
     fn rec(&mut self, stage: &str, shape: &[usize], dims: &str, values: Stage<'_>) -> Result<()> {
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         self.rec
@@ -195,38 +191,60 @@ impl Layer<'_> {
         WeightId::Layer(self.l, w)
     }
 
+    fn matrix(&self, w: LayerWeight) -> Result<B::Weight> {
+        self.src.matrix_in(self.be, self.w(w))
+    }
+
+    fn vector(&self, w: LayerWeight) -> Result<Vec<B::E>> {
+        self.src.vector_in(self.be, self.w(w))
+    }
+
     /// The layer's output and its DSA selection (for shared layers after it).
-    fn run(mut self, x: &Mat, prev_topk: Option<Vec<Vec<i32>>>) -> Result<(Mat, Vec<Vec<i32>>)> {
+    fn run(
+        mut self,
+        x: &Mat<B::E>,
+        prev_topk: Option<Selection>,
+    ) -> Result<(Mat<B::E>, Option<Selection>)> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
-        let be = self.opts.backend();
-        let hn = be.rms_norm(x, &self.src.vector(self.w(AttnNorm))?, cfg.rms_norm_eps);
-        self.rec("attn_norm", &[t, h], "t d", f32s(&hn))?;
+        let be = self.be;
+        let hn = be.rms_norm(x, &self.vector(AttnNorm)?, cfg.rms_norm_eps);
+        self.rec("attn_norm", &[t, h], "t d", values(&hn))?;
         let (attn, selection) = self.attention(&hn, prev_topk)?;
         let x = be.add(x, &attn);
-        self.rec("attn_resid", &[t, h], "t d", f32s(&x))?;
-        let fin = be.rms_norm(&x, &self.src.vector(self.w(FfnNorm))?, cfg.rms_norm_eps);
-        self.rec("ffn_norm", &[t, h], "t d", f32s(&fin))?;
+        self.rec("attn_resid", &[t, h], "t d", values(&x))?;
+        let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps);
+        self.rec("ffn_norm", &[t, h], "t d", values(&fin))?;
         let ffn = if cfg.is_moe_layer(self.l) {
             self.moe(&fin)?
         } else {
             self.mlp(&fin, Gate, Up, Down)?
         };
-        self.rec("ffn.out", &[t, h], "t d", f32s(&ffn))?;
+        self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
         let out = be.add(&x, &ffn);
-        self.rec("out", &[t, h], "t d", f32s(&out))?;
+        self.rec("out", &[t, h], "t d", values(&out))?;
         Ok((out, selection))
     }
 
-    fn mlp(&self, x: &Mat, gate: LayerWeight, up: LayerWeight, down: LayerWeight) -> Result<Mat> {
-        let be = self.opts.backend();
-        let g = be.linear(x, &self.src.matrix(self.w(gate))?)?;
-        let u = be.linear(x, &self.src.matrix(self.w(up))?)?;
-        be.linear(&be.silu_mul(&g, &u), &self.src.matrix(self.w(down))?)
+    fn mlp(
+        &self,
+        x: &Mat<B::E>,
+        gate: LayerWeight,
+        up: LayerWeight,
+        down: LayerWeight,
+    ) -> Result<Mat<B::E>> {
+        let be = self.be;
+        let g = be.linear(x, &self.matrix(gate)?)?;
+        let u = be.linear(x, &self.matrix(up)?)?;
+        be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)
     }
 
     /// Attention over the cache, recording its stages.
-    fn attention(&mut self, hn: &Mat, prev: Option<Vec<Vec<i32>>>) -> Result<(Mat, Vec<Vec<i32>>)> {
+    fn attention(
+        &mut self,
+        hn: &Mat<B::E>,
+        prev: Option<Selection>,
+    ) -> Result<(Mat<B::E>, Option<Selection>)> {
         let cfg = &self.src.cfg;
         let t = self.t;
         let (nh, nope, rope_d, vd) = (
@@ -239,52 +257,55 @@ impl Layer<'_> {
             src: self.src,
             l: self.l,
             start: self.start,
-            be: self.opts.backend(),
+            be: self.be,
             latent_norm_eps: self.opts.latent_norm_eps,
         };
         let a = attention(step, hn, self.cache, prev)?;
-        self.rec("attn.q_a", &[t, a.q_a.cols], "t d", f32s(&a.q_a))?;
+        self.rec("attn.q_a", &[t, a.q_a.cols], "t d", values(&a.q_a))?;
         self.rec(
             "attn.q_a_norm",
             &[t, a.q_a_norm.cols],
             "t d",
-            f32s(&a.q_a_norm),
+            values(&a.q_a_norm),
         )?;
-        self.rec("attn.q", &[t, nh, nope + rope_d], "t h(tp) d", f32s(&a.q))?;
-        self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", f32s(&a.kv_a))?;
+        self.rec("attn.q", &[t, nh, nope + rope_d], "t h(tp) d", values(&a.q))?;
+        self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", values(&a.kv_a))?;
         self.rec(
             "attn.kv_a_norm",
             &[t, a.kv_a_norm.cols],
             "t d",
-            f32s(&a.kv_a_norm),
+            values(&a.kv_a_norm),
         )?;
-        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", f32s(&a.kv))?;
+        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", values(&a.kv))?;
         self.rec(
             "attn.q_rope",
             &[t, nh, rope_d],
             "t h(tp) d",
-            Stage::F32(&a.q_rope),
+            B::E::stage(&a.q_rope),
         )?;
-        self.rec("attn.k_rope", &[t, rope_d], "t d", f32s(&a.k_rope))?;
-        let k = a.selection.first().map_or(0, Vec::len);
-        let flat: Vec<i32> = a.selection.iter().flatten().copied().collect();
-        self.rec("attn.index_topk", &[t, k], "t k", Stage::I32(&flat))?;
-        if let Some(gap) = &a.selection_gap {
-            self.rec("attn.index_gap", &[t], "t", Stage::F32(gap))?;
+        self.rec("attn.k_rope", &[t, rope_d], "t d", values(&a.k_rope))?;
+        if let Some(selection) = &a.selection {
+            let k = selection.first().map_or(0, Vec::len);
+            let flat: Vec<i32> = selection.iter().flatten().copied().collect();
+            self.rec("attn.index_topk", &[t, k], "t k", Stage::I32(&flat))?;
         }
-        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", Stage::F32(&a.ctx))?;
-        self.rec("attn.out", &[t, a.out.cols], "t d", f32s(&a.out))?;
+        if let Some(gap) = &a.selection_gap {
+            self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
+        }
+        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", B::E::stage(&a.ctx))?;
+        self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
         Ok((a.out, a.selection))
     }
 
-    fn moe(&mut self, x: &Mat) -> Result<Mat> {
+    fn moe(&mut self, x: &Mat<B::E>) -> Result<Mat<B::E>> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let e = cfg.n_routed_experts as usize;
-        let be = self.opts.backend();
-        let logits = be.linear_f32(x, &self.src.matrix(self.w(Router))?)?;
-        self.rec("moe.router_logits", &[t, e], "t e", f32s(&logits))?;
-        let bias = self.src.vector(self.w(RouterBias))?;
+        let be = self.be;
+        let logits = be.linear_exact(x, &self.matrix(Router)?)?;
+        self.rec("moe.router_logits", &[t, e], "t e", values(&logits))?;
+        // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
+        let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
         let (mut ids, mut weights, mut gaps) = (
             Vec::with_capacity(t),
             Vec::with_capacity(t),
@@ -299,81 +320,110 @@ impl Layer<'_> {
         let k = cfg.num_experts_per_tok as usize;
         let flat_ids: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
         self.rec("moe.topk_ids", &[t, k], "t k", Stage::I32(&flat_ids))?;
-        let flat_w: Vec<f32> = weights.iter().flatten().copied().collect();
-        self.rec("moe.topk_weights", &[t, k], "t k", Stage::F32(&flat_w))?;
-        self.rec("moe.topk_gap", &[t], "t", Stage::F32(&gaps))?;
-        let mut routed = Mat::new(t, h, vec![0.0; t * h]);
+        let flat_w: Vec<B::E> = weights.iter().flatten().copied().collect();
+        self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
+        self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
+        let mut routed = Mat::zeros(t, h);
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
-        for expert in used {
-            let [gate, up, down] = self.src.expert(self.l, expert as u64)?;
-            let rows: Vec<(usize, f32)> = (0..t)
-                .filter_map(|s| {
-                    ids[s]
-                        .iter()
-                        .position(|&i| i == expert)
-                        .map(|k| (s, weights[s][k]))
-                })
-                .collect();
-            let xs = Mat::new(
-                rows.len(),
-                h,
-                rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
-            );
-            let y = be.linear(
-                &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
-                &down,
-            )?;
-            for (r, &(s, w)) in rows.iter().enumerate() {
-                routed
-                    .row_mut(s)
-                    .iter_mut()
-                    .zip(y.row(r))
-                    .for_each(|(o, v)| *o += w * v);
+        // A few experts computed at once; their outputs are added in expert order, so the sum
+        // does not depend on the thread count.
+        for group in used.chunks(EXPERTS_IN_FLIGHT) {
+            let outputs = group
+                .par_iter()
+                .map(|&e| routed_expert(self.src, be, self.l, e, x, &ids, &weights))
+                .collect::<Result<Vec<_>>>()?;
+            for ExpertOutput { rows, y } in outputs {
+                for (r, &(s, w)) in rows.iter().enumerate() {
+                    routed
+                        .row_mut(s)
+                        .iter_mut()
+                        .zip(y.row(r))
+                        .for_each(|(o, &v)| *o += w * v);
+                }
             }
         }
         be.round(&mut routed.data);
-        self.rec("moe.routed", &[t, h], "t d partial(tp)", f32s(&routed))?;
+        self.rec("moe.routed", &[t, h], "t d partial(tp)", values(&routed))?;
         let shared = if cfg.n_shared_experts > 0 {
             self.mlp(x, SharedGate, SharedUp, SharedDown)?
         } else {
-            Mat::new(t, h, vec![0.0; t * h])
+            Mat::zeros(t, h)
         };
-        self.rec("moe.shared", &[t, h], "t d partial(tp)", f32s(&shared))?;
+        self.rec("moe.shared", &[t, h], "t d partial(tp)", values(&shared))?;
         Ok(be.add(&routed, &shared))
     }
 }
 
+/// One routed expert's work: the tokens that chose it with their routing weights, and its
+/// output row for each.
+struct ExpertOutput<E> {
+    rows: Vec<(usize, E)>,
+    y: Mat<E>,
+}
+
+/// Routed expert `expert` on the tokens that chose it.
+fn routed_expert<B: Backend>(
+    src: &WeightSource,
+    be: &B,
+    l: u64,
+    expert: usize,
+    x: &Mat<B::E>,
+    ids: &[Vec<usize>],
+    weights: &[Vec<B::E>],
+) -> Result<ExpertOutput<B::E>> {
+    let [gate, up, down] = src.expert(l, expert as u64)?;
+    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
+    let rows: Vec<(usize, B::E)> = (0..x.rows)
+        .filter_map(|s| {
+            ids[s]
+                .iter()
+                .position(|&i| i == expert)
+                .map(|k| (s, weights[s][k]))
+        })
+        .collect();
+    let xs = Mat::new(
+        rows.len(),
+        x.cols,
+        rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
+    );
+    let y = be.linear(
+        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
+        &down,
+    )?;
+    Ok(ExpertOutput { rows, y })
+}
+
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice
 /// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
-fn route(
+fn route<E: Real>(
     cfg: &crate::model::Glm5Config,
-    logits: &[f32],
-    bias: &[f32],
-) -> (Vec<usize>, Vec<f32>, f32) {
-    let scores: Vec<f32> = if cfg.scoring_func == "softmax" {
+    logits: &[E],
+    bias: &[E],
+) -> (Vec<usize>, Vec<E>, E) {
+    let scores: Vec<E> = if cfg.scoring_func == "softmax" {
         let mut s = logits.to_vec();
         softmax(&mut s);
         s
     } else {
         logits.iter().map(|&v| sigmoid(v)).collect()
     };
-    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let mut choice: Vec<E> = scores.iter().zip(bias).map(|(&s, &b)| s + b).collect();
     let (groups, per) = (
         cfg.n_group as usize,
         cfg.n_routed_experts as usize / cfg.n_group as usize,
     );
     if groups > 1 {
         // A group's score is the sum of its two best; only the best `topk_group` groups compete.
-        let group_score: Vec<f32> = choice
+        let group_score: Vec<E> = choice
             .chunks(per)
             .map(|g| topk(g, 2).iter().map(|&i| g[i]).sum())
             .collect();
         let keep = topk(&group_score, cfg.topk_group as usize);
         for (g, chunk) in choice.chunks_mut(per).enumerate() {
             if !keep.contains(&g) {
-                chunk.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                chunk.iter_mut().for_each(|v| *v = E::neg_infinity());
             }
         }
     }
@@ -381,15 +431,15 @@ fn route(
     let mut ids = topk(&choice, k + 1);
     let gap = match (ids.get(k - 1), ids.get(k)) {
         (Some(&a), Some(&b)) if choice[b].is_finite() => choice[a] - choice[b],
-        _ => NO_BOUNDARY,
+        _ => E::lit(NO_BOUNDARY),
     };
     ids.truncate(k);
-    let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+    let mut w: Vec<E> = ids.iter().map(|&i| scores[i]).collect();
     if cfg.norm_topk_prob {
-        let denom = w.iter().sum::<f32>() + 1e-20;
+        let denom = w.iter().copied().sum::<E>() + E::lit(1e-20);
         w.iter_mut().for_each(|v| *v /= denom);
     }
-    w.iter_mut()
-        .for_each(|v| *v *= cfg.routed_scaling_factor as f32);
+    let factor = E::lit(cfg.routed_scaling_factor);
+    w.iter_mut().for_each(|v| *v *= factor);
     (ids, w, gap)
 }

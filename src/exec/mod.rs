@@ -5,6 +5,8 @@ pub mod backend;
 pub mod forward;
 pub mod mat;
 pub mod ops;
+pub mod real;
+pub mod rope;
 pub mod source;
 pub mod tokenize;
 

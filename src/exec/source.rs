@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::backend::Precision;
+use super::backend::Backend;
 use super::mat::Mat;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
@@ -16,24 +16,12 @@ pub struct WeightSource {
     pub files: ModelFiles,
     pub cfg: Glm5Config,
     layout: Layout,
-    /// The dtype weights are held in (rounded to it when loaded).
-    precision: Precision,
 }
 
 impl WeightSource {
     pub fn new(files: ModelFiles, cfg: Glm5Config, family: Family) -> Self {
         let layout = detect_layout(family, files.tensors());
-        WeightSource {
-            files,
-            cfg,
-            layout,
-            precision: Precision::F32,
-        }
-    }
-
-    /// Hold the weights in `precision`, as an engine at that dtype does.
-    pub fn held_in(self, precision: Precision) -> Self {
-        WeightSource { precision, ..self }
+        WeightSource { files, cfg, layout }
     }
 
     fn name(&self, id: WeightId) -> String {
@@ -43,33 +31,29 @@ impl WeightSource {
         }
     }
 
-    /// Dequantize rows of `name` (all when `None`), held in the precision when `round`, then give
+    /// Dequantize rows of `name` (all when `None`) to f32, then give
     /// their mapped pages back: resident memory stays at the layer being computed, not at
     /// everything read so far.
     fn load_rows(
         &self,
         name: &str,
         rows: Option<std::ops::Range<u64>>,
-        round: bool,
     ) -> Result<(Vec<f32>, Vec<u64>)> {
         let t = self.files.require(name)?;
         let rows = rows.unwrap_or(0..t.rows());
-        let mut data = self.files.dequantize_rows(t, rows.clone())?;
-        if round {
-            self.precision.round_all(&mut data);
-        }
+        let data = self.files.dequantize_rows(t, rows.clone())?;
         self.files.release_rows(t, rows);
         Ok((data, t.shape.clone()))
     }
 
     fn load(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
-        self.load_rows(name, None, true)
+        self.load_rows(name, None)
     }
 
     /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
     pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
         let n = (rows.end - rows.start) as usize;
-        let (data, shape) = self.load_rows(&self.name(id), Some(rows), true)?;
+        let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
         Ok(Mat::new(n, *shape.last().unwrap_or(&1) as usize, data))
     }
 
@@ -80,9 +64,17 @@ impl WeightSource {
 
     /// A vector weight (norm, bias).
     pub fn vector(&self, id: WeightId) -> Result<Vec<f32>> {
-        // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
-        let exact = matches!(id, WeightId::Layer(_, LayerWeight::RouterBias));
-        Ok(self.load_rows(&self.name(id), None, !exact)?.0)
+        Ok(self.load(&self.name(id))?.0)
+    }
+
+    /// A vector weight as `be` holds it.
+    pub fn vector_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<Vec<B::E>> {
+        Ok(be.hold_values(self.vector(id)?))
+    }
+
+    /// A matrix weight as `be` holds it.
+    pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<B::Weight> {
+        be.hold(self.matrix(id)?)
     }
 
     /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be.
@@ -129,7 +121,7 @@ impl WeightSource {
                 .copied()
                 .unwrap_or(0);
             Ok(self
-                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert), true)?
+                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert))?
                 .0)
         };
         let (gate, up, down) = match self.layout.experts {

@@ -14,15 +14,25 @@ pub enum IndexerKind {
     Shared,
 }
 
-/// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does).
+/// The `model_type`s of config.json the executor runs: GLM-5 and the DeepSeek MLA models whose
+/// transformers classes exercise its NeoX RoPE, YaRN and dense-attention paths.
+pub const HF_MODEL_TYPES: [&str; 3] = ["glm_moe_dsa", "deepseek_v3", "deepseek_v32"];
+
+/// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does), with
+/// transformers' meaning of each field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Yarn {
     pub factor: f64,
     pub original_max_position_embeddings: u64,
-    pub mscale: f64,
-    pub mscale_all_dim: f64,
+    /// Scales cos/sin; derived from the mscales when absent.
+    pub attention_factor: Option<f64>,
+    pub mscale: Option<f64>,
+    /// Also scales the softmax: `× (0.1·mscale_all_dim·ln factor + 1)²`.
+    pub mscale_all_dim: Option<f64>,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Round the correction range outward to whole dims.
+    pub truncate: bool,
 }
 
 /// Everything the GLM-5 forward needs to know about a checkpoint.
@@ -131,20 +141,57 @@ impl Glm5Config {
         l >= self.first_k_dense_replace && self.n_routed_experts > 0
     }
 
-    /// Whether layer `l` runs its own indexer (and so stores indexer weights).
-    pub fn has_indexer(&self, l: u64) -> bool {
-        self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
+    /// Whether attention is DSA-sparse (GLM-5, DeepSeek-V3.2) rather than dense (DeepSeek-V3).
+    pub fn has_dsa(&self) -> bool {
+        self.index_n_heads > 0 && self.index_topk > 0
     }
 
-    /// Parse a Hugging Face `config.json` (`GlmMoeDsaForCausalLM`).
+    /// Whether layer `l` runs its own indexer (and so stores indexer weights).
+    pub fn has_indexer(&self, l: u64) -> bool {
+        self.has_dsa() && self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
+    }
+
+    /// Parse a Hugging Face `config.json`: `GlmMoeDsaForCausalLM`, or the DeepSeek MLA
+    /// models transformers implements beside it, read as transformers' classes run them —
+    /// `deepseek_v3` has no DSA indexer; `deepseek_v32`'s indexer rotates NeoX halves and never
+    /// shares its selection.
     pub fn from_hf_json(text: &str) -> Result<Self, ConfigError> {
         let j: Json = serde_json::from_str(text).map_err(|e| cfg_err("(json)", e.to_string()))?;
+        let model_type = j
+            .get("model_type")
+            .and_then(Json::as_str)
+            .unwrap_or("glm_moe_dsa");
+        let mut cfg = Self::from_glm_json(&j)?;
+        match model_type {
+            "glm_moe_dsa" => {}
+            "deepseek_v3" => {
+                cfg.index_n_heads = 0;
+                cfg.index_topk = 0;
+                cfg.indexer_types.clear();
+            }
+            "deepseek_v32" => {
+                cfg.indexer_rope_interleave = false;
+                cfg.indexer_types = vec![IndexerKind::Full; cfg.num_hidden_layers as usize];
+            }
+            other => {
+                return Err(cfg_err(
+                    "model_type",
+                    format!("`{other}` is not glm_moe_dsa, deepseek_v3 or deepseek_v32"),
+                ))
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The fields of a `GlmMoeDsaForCausalLM` config.json, GLM-5's values where absent.
+    fn from_glm_json(j: &Json) -> Result<Self, ConfigError> {
         let d = Glm5Config::glm5();
         let u = |k: &str, default: u64| {
-            json_field(&j, k, default, Json::as_u64, "a non-negative integer")
+            json_field(j, k, default, Json::as_u64, "a non-negative integer")
         };
-        let f = |k: &str, default: f64| json_field(&j, k, default, Json::as_f64, "a number");
-        let b = |k: &str, default: bool| json_field(&j, k, default, Json::as_bool, "a boolean");
+        let f = |k: &str, default: f64| json_field(j, k, default, Json::as_f64, "a number");
+        let b = |k: &str, default: bool| json_field(j, k, default, Json::as_bool, "a boolean");
         let layers = u("num_hidden_layers", d.num_hidden_layers)?;
         let rope = j
             .get("rope_parameters")
@@ -156,7 +203,7 @@ impl Glm5Config {
             })?,
             None => f("rope_theta", 10000.0)?,
         };
-        let cfg = Glm5Config {
+        Ok(Glm5Config {
             vocab_size: u("vocab_size", d.vocab_size)?,
             hidden_size: u("hidden_size", d.hidden_size)?,
             intermediate_size: u("intermediate_size", d.intermediate_size)?,
@@ -190,12 +237,10 @@ impl Glm5Config {
             index_n_heads: u("index_n_heads", d.index_n_heads)?,
             index_head_dim: u("index_head_dim", d.index_head_dim)?,
             index_topk: u("index_topk", d.index_topk)?,
-            indexer_types: hf_indexer_types(&j, layers)?,
+            indexer_types: hf_indexer_types(j, layers)?,
             max_position_embeddings: u("max_position_embeddings", d.max_position_embeddings)?,
             tie_word_embeddings: b("tie_word_embeddings", false)?,
-        };
-        cfg.validate()?;
-        Ok(cfg)
+        })
     }
 
     /// The `config.json` transformers' `GlmMoeDsaForCausalLM` loads for this config (the
@@ -208,10 +253,12 @@ impl Glm5Config {
                 "rope_theta": self.rope_theta,
                 "factor": y.factor,
                 "original_max_position_embeddings": y.original_max_position_embeddings,
+                "attention_factor": y.attention_factor,
                 "mscale": y.mscale,
                 "mscale_all_dim": y.mscale_all_dim,
                 "beta_fast": y.beta_fast,
                 "beta_slow": y.beta_slow,
+                "truncate": y.truncate,
             }),
         };
         let mut j = serde_json::to_value(self).unwrap_or_default();
@@ -450,13 +497,17 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
                 "yarn needs it",
             )
         })?;
+    // transformers treats 0 and null alike for these.
+    let opt = |k: &str| r.get(k).and_then(Json::as_f64).filter(|&v| v != 0.0);
     Ok(Some(Yarn {
         factor: num("factor", 1.0),
         original_max_position_embeddings: orig,
-        mscale: num("mscale", 1.0),
-        mscale_all_dim: num("mscale_all_dim", 0.0),
-        beta_fast: num("beta_fast", 32.0),
-        beta_slow: num("beta_slow", 1.0),
+        attention_factor: opt("attention_factor"),
+        mscale: opt("mscale"),
+        mscale_all_dim: opt("mscale_all_dim"),
+        beta_fast: opt("beta_fast").unwrap_or(32.0),
+        beta_slow: opt("beta_slow").unwrap_or(1.0),
+        truncate: r.get("truncate").and_then(Json::as_bool).unwrap_or(true),
     }))
 }
 
@@ -466,17 +517,20 @@ fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, Con
     let Some(factor) = f("rope.scaling.factor")? else {
         return Ok(None);
     };
-    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier.
+    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier and no mscale;
+    // DeepSeek's checkpoints set both equal, which leaves cos/sin unscaled.
     let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
         .map(|m| m / 0.1)
-        .unwrap_or(0.0);
+        .filter(|&m| m != 0.0);
     Ok(Some(Yarn {
         factor,
         original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
-        mscale: 1.0,
+        attention_factor: None,
+        mscale: mscale_all_dim,
         mscale_all_dim,
         beta_fast: f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
         beta_slow: f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        truncate: true,
     }))
 }
 

@@ -66,6 +66,8 @@ pub struct ModelInfo {
 #[serde(rename_all = "lowercase")]
 pub enum ElemType {
     F32,
+    /// A reference run at `--dtype f64`.
+    F64,
     /// Ids and positions (top-k experts, DSA key positions).
     I32,
 }

@@ -60,11 +60,17 @@ impl Trace {
             .find(|s| s.name == name && s.rank == rank)
     }
 
-    /// The stage's values as f32 (i32 stages converted), or None when only its stats were
+    /// The stage's values as f32 (i32 and f64 stages converted), or None when only its stats were
     /// recorded. A stage the trace does not hold is an error.
     pub fn tensor(&self, name: &str, rank: Option<u32>) -> Result<Option<Vec<f32>>> {
         self.read(name, rank, |set, t| match &t.encoding {
             Encoding::Ggml(GgmlType::I32) => Ok(i32s(set.bytes(t)).map(|v| v as f32).collect()),
+            // An f64 reference run, narrowed: comparisons work at f32 resolution.
+            Encoding::Ggml(GgmlType::F64) => Ok(set
+                .bytes(t)
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8-byte chunk")) as f32)
+                .collect()),
             Encoding::Ggml(ty) => {
                 let mut out = vec![0f32; t.numel() as usize];
                 dequantize(*ty, set.bytes(t), &mut out).map_err(|e| e.to_string())?;

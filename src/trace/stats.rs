@@ -35,7 +35,7 @@ pub struct TensorStats {
     pub inf: u64,
     /// Elements equal to zero (either sign).
     pub zeros: u64,
-    /// FNV-1a 64 over the elements' little-endian bytes in order (f32 bit patterns, or i32),
+    /// FNV-1a 64 over the elements' little-endian bytes in order (f32 or f64 bit patterns, or i32),
     /// written as 16 hex digits: JSON readers keep only 53 bits of a number.
     #[serde(with = "hex64")]
     pub hash: u64,
@@ -46,14 +46,26 @@ pub trait Element: Copy + Send + Sync {
     /// The value as f64; NaN and ±Inf stay so.
     fn value(self) -> f64;
     /// The bytes the hash reads.
-    fn le_bytes(self) -> [u8; 4];
+    type Bytes: IntoIterator<Item = u8>;
+    fn le_bytes(self) -> Self::Bytes;
 }
 
 impl Element for f32 {
     fn value(self) -> f64 {
         f64::from(self)
     }
+    type Bytes = [u8; 4];
     fn le_bytes(self) -> [u8; 4] {
+        self.to_le_bytes()
+    }
+}
+
+impl Element for f64 {
+    fn value(self) -> f64 {
+        self
+    }
+    type Bytes = [u8; 8];
+    fn le_bytes(self) -> [u8; 8] {
         self.to_le_bytes()
     }
 }
@@ -62,6 +74,7 @@ impl Element for i32 {
     fn value(self) -> f64 {
         f64::from(self)
     }
+    type Bytes = [u8; 4];
     fn le_bytes(self) -> [u8; 4] {
         self.to_le_bytes()
     }

@@ -34,6 +34,7 @@ pub struct TraceHeader {
 #[derive(Clone, Copy, Debug)]
 pub enum Stage<'a> {
     F32(&'a [f32]),
+    F64(&'a [f64]),
     I32(&'a [i32]),
 }
 
@@ -41,6 +42,7 @@ impl Stage<'_> {
     fn len(self) -> usize {
         match self {
             Stage::F32(v) => v.len(),
+            Stage::F64(v) => v.len(),
             Stage::I32(v) => v.len(),
         }
     }
@@ -48,6 +50,7 @@ impl Stage<'_> {
     fn elem_type(self) -> ElemType {
         match self {
             Stage::F32(_) => ElemType::F32,
+            Stage::F64(_) => ElemType::F64,
             Stage::I32(_) => ElemType::I32,
         }
     }
@@ -55,6 +58,7 @@ impl Stage<'_> {
     fn stats(self) -> TensorStats {
         match self {
             Stage::F32(v) => TensorStats::of(v),
+            Stage::F64(v) => TensorStats::of(v),
             Stage::I32(v) => TensorStats::of(v),
         }
     }
@@ -63,6 +67,7 @@ impl Stage<'_> {
     fn le_bytes(self) -> Vec<u8> {
         match self {
             Stage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Stage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Stage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
@@ -200,6 +205,7 @@ impl TraceWriter {
                 name: tensor.clone(),
                 dtype: match values {
                     Stage::F32(_) => Dtype::F32,
+                    Stage::F64(_) => Dtype::F64,
                     Stage::I32(_) => Dtype::I32,
                 },
                 shape: shape.iter().map(|&d| d as usize).collect(),

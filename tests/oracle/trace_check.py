@@ -67,7 +67,7 @@ def main() -> None:
             files[s["file"]] = load_file(os.path.join(trace, s["file"]))
         x = files[s["file"]][s["tensor"]]
         assert list(x.shape) == s["shape"], (label, x.shape, s["shape"])
-        want = {"f32": np.float32, "i32": np.int32}[s["dtype"]]
+        want = {"f32": np.float32, "f64": np.float64, "i32": np.int32}[s["dtype"]]
         assert x.dtype == want, (label, x.dtype)
         got, ours = stats(x), s["stats"]
         for key in ("count", "nan", "inf", "zeros", "min", "max", "absmax", "hash"):

@@ -1,0 +1,73 @@
+//! The number type a run computes in: f32 for the reference and the emulated GPU dtypes, f64 for
+//! a run that shows how much of a difference is the f32 reference's own rounding.
+
+use std::fmt::Debug;
+use std::iter::Sum;
+
+use candle_core::WithDType;
+use half::{bf16, f16};
+
+use super::backend::Precision;
+use crate::trace::Stage;
+
+pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
+    /// `x` exactly (every f32 is an f64).
+    fn widen(x: f32) -> Self;
+    /// Every value widened; f32 data is taken as it is, without a copy.
+    fn widen_all(xs: Vec<f32>) -> Vec<Self>;
+    /// A constant of the math, as this type holds it.
+    fn lit(x: f64) -> Self {
+        <Self as WithDType>::from_f64(x)
+    }
+    /// `x` as the nearest value of `p` (round to nearest even; ±Inf past f16's range).
+    fn round_to(self, p: Precision) -> Self;
+    /// Largest first, NaN above +∞, as `f32::total_cmp`.
+    fn total_cmp(&self, other: &Self) -> std::cmp::Ordering;
+    /// The values as a trace stores them.
+    fn stage(xs: &[Self]) -> Stage<'_>;
+}
+
+impl Real for f32 {
+    fn widen(x: f32) -> Self {
+        x
+    }
+    fn widen_all(xs: Vec<f32>) -> Vec<Self> {
+        xs
+    }
+    fn round_to(self, p: Precision) -> Self {
+        match p {
+            Precision::F64 | Precision::F32 => self,
+            Precision::Bf16 => bf16::from_f32(self).to_f32(),
+            Precision::F16 => f16::from_f32(self).to_f32(),
+        }
+    }
+    fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
+        f32::total_cmp(self, other)
+    }
+    fn stage(xs: &[Self]) -> Stage<'_> {
+        Stage::F32(xs)
+    }
+}
+
+impl Real for f64 {
+    fn widen(x: f32) -> Self {
+        f64::from(x)
+    }
+    fn widen_all(xs: Vec<f32>) -> Vec<Self> {
+        xs.into_iter().map(f64::from).collect()
+    }
+    fn round_to(self, p: Precision) -> Self {
+        match p {
+            Precision::F64 => self,
+            Precision::F32 => f64::from(self as f32),
+            Precision::Bf16 => bf16::from_f64(self).to_f64(),
+            Precision::F16 => f16::from_f64(self).to_f64(),
+        }
+    }
+    fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
+        f64::total_cmp(self, other)
+    }
+    fn stage(xs: &[Self]) -> Stage<'_> {
+        Stage::F64(xs)
+    }
+}

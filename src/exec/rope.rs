@@ -1,0 +1,138 @@
+//! Rotary position embedding of the rope dims: the frequencies (plain, or YaRN-scaled as
+//! transformers computes them), the cos/sin scale, and the rotation in either pair layout.
+
+use super::real::Real;
+use crate::model::config::{Glm5Config, Yarn};
+
+/// The frequencies and cos/sin scale a model's RoPE uses, shared by MLA and the indexer.
+pub struct Rope<E> {
+    inv_freq: Vec<E>,
+    /// YaRN's attention factor (1 without YaRN), applied to cos and sin.
+    scale: E,
+}
+
+impl<E: Real> Rope<E> {
+    pub fn new(cfg: &Glm5Config) -> Self {
+        let dim = cfg.qk_rope_head_dim as usize;
+        let plain = inv_freq(cfg.rope_theta, dim);
+        match &cfg.yarn {
+            None => Rope {
+                inv_freq: plain.iter().map(|&f| E::lit(f)).collect(),
+                scale: E::one(),
+            },
+            Some(y) => Rope {
+                inv_freq: yarn_inv_freq(y, &plain, cfg.rope_theta, dim)
+                    .into_iter()
+                    .map(E::lit)
+                    .collect(),
+                scale: E::lit(yarn_attention_factor(y)),
+            },
+        }
+    }
+
+    /// Rotate `x` (the rope slice of one head at position `pos`) in place: interleaved pairs
+    /// `(x₂ᵢ, x₂ᵢ₊₁)` (GLM-5, llama.cpp NORM, vLLM `is_neox_style=False`), or NeoX halves
+    /// `(xᵢ, xᵢ₊d/2)`. Output stays in the input's pair layout.
+    pub fn rotate(&self, x: &mut [E], pos: usize, interleaved: bool) {
+        let half = x.len() / 2;
+        for (i, &f) in self.inv_freq.iter().enumerate().take(half) {
+            let angle = E::lit(pos as f64) * f;
+            let (s, c) = angle.sin_cos();
+            let (s, c) = (s * self.scale, c * self.scale);
+            let (a, b) = if interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            };
+            let (x0, x1) = (x[a], x[b]);
+            x[a] = x0 * c - x1 * s;
+            x[b] = x1 * c + x0 * s;
+        }
+    }
+}
+
+/// The per-pair angles of plain RoPE: `θ^(−2i/dim)`, i < dim/2, rounded through f32 as
+/// transformers computes them.
+fn inv_freq(theta: f64, dim: usize) -> Vec<f64> {
+    (0..dim / 2)
+        .map(|i| f64::from((1.0 / theta.powf(2.0 * i as f64 / dim as f64)) as f32))
+        .collect()
+}
+
+/// YaRN's `0.1·m·ln(scale) + 1` (1 for scale ≤ 1).
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+/// The cos/sin scale: explicit, else the ratio of the two mscales, else from the factor alone.
+fn yarn_attention_factor(y: &Yarn) -> f64 {
+    match (y.attention_factor, y.mscale, y.mscale_all_dim) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) => yarn_mscale(y.factor, m) / yarn_mscale(y.factor, all),
+        _ => yarn_mscale(y.factor, 1.0),
+    }
+}
+
+/// The softmax scale's multiplier (DeepSeek-V3's `mscale²` from `mscale_all_dim`).
+pub fn yarn_softmax_factor(cfg: &Glm5Config) -> f64 {
+    match cfg
+        .yarn
+        .as_ref()
+        .and_then(|y| y.mscale_all_dim.map(|m| (y.factor, m)))
+    {
+        Some((factor, m)) => yarn_mscale(factor, m).powi(2),
+        None => 1.0,
+    }
+}
+
+/// Frequencies blended between extrapolation (fast dims) and interpolation by `factor` (slow
+/// dims) along a linear ramp over the correction range.
+fn yarn_inv_freq(y: &Yarn, plain: &[f64], theta: f64, dim: usize) -> Vec<f64> {
+    let correction_dim = |rotations: f64| {
+        dim as f64
+            * (y.original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI))
+                .ln()
+            / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
+    if y.truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    plain
+        .iter()
+        .enumerate()
+        .map(|(i, &extrapolated)| {
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            let interpolated = extrapolated / y.factor;
+            interpolated * (1.0 - keep) + extrapolated * keep
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rotates_pairs_by_position_times_frequency() {
+        let rope = Rope::<f32> {
+            inv_freq: inv_freq(10000.0, 4).into_iter().map(|f| f as f32).collect(),
+            scale: 1.0,
+        };
+        assert_eq!(rope.inv_freq[0], 1.0);
+        let mut x = [1.0, 0.0, 1.0, 0.0];
+        rope.rotate(&mut x, 2, true);
+        assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[1] - 2f32.sin()).abs() < 1e-6);
+        let angle = 2.0 * rope.inv_freq[1];
+        assert!((x[2] - angle.cos()).abs() < 1e-6 && (x[3] - angle.sin()).abs() < 1e-6);
+    }
+}
