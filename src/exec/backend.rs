@@ -10,7 +10,6 @@
 use std::marker::PhantomData;
 
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::mat::Mat;
@@ -71,7 +70,47 @@ pub trait Backend: Sync {
     fn round(&self, xs: &mut [Self::E]);
 }
 
-/// The CPU backend: candle's GEMM and the loops of [`ops`], in `E` at a precision.
+/// `w[..rows] · xᵀ` for the first `rows` rows of a row-major weight `w` with `x.cols`
+/// features, laid out `[x.rows, rows]`.
+fn weight_rows_times_x<E: Real>(w: &[E], rows: usize, x: &Mat<E>) -> Vec<E> {
+    let (t, k) = (x.rows, x.cols);
+    let mut dst = vec![E::zero(); t * rows];
+    if t == 0 || rows == 0 {
+        return dst;
+    }
+    assert!(
+        w.len() >= rows * k && x.data.len() == t * k,
+        "gemm operands too short"
+    );
+    // SAFETY: dst is rows × t, column-major (column r is token r); lhs is `rows` weight rows of
+    // k values; rhs is xᵀ (k × t, column r is x's row r). The assert bounds every read.
+    unsafe {
+        gemm::gemm(
+            rows,
+            t,
+            k,
+            dst.as_mut_ptr(),
+            rows as isize,
+            1,
+            false,
+            w.as_ptr(),
+            1,
+            k as isize,
+            x.data.as_ptr(),
+            k as isize,
+            1,
+            E::zero(),
+            E::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    dst
+}
+
+/// The CPU backend: `gemm` and the loops of [`ops`], in `E` at a precision.
 #[derive(Clone, Copy, Debug)]
 pub struct Cpu<E> {
     precision: Precision,
@@ -106,8 +145,7 @@ impl<E: Real> Cpu<E> {
 
 impl<E: Real> Backend for Cpu<E> {
     type E = E;
-    /// Taken over without a copy; the product reads it transposed in place.
-    type Weight = Tensor;
+    type Weight = Mat<E>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -117,13 +155,8 @@ impl<E: Real> Backend for Cpu<E> {
         self.precision
     }
 
-    fn hold(&self, w: Mat<f32>) -> Result<Tensor> {
-        let (rows, cols) = (w.rows, w.cols);
-        Ok(Tensor::from_vec(
-            self.hold_values(w.data),
-            (rows, cols),
-            &Device::Cpu,
-        )?)
+    fn hold(&self, w: Mat<f32>) -> Result<Mat<E>> {
+        Ok(Mat::new(w.rows, w.cols, self.hold_values(w.data)))
     }
 
     fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
@@ -136,40 +169,34 @@ impl<E: Real> Backend for Cpu<E> {
         E::widen_all(v)
     }
 
-    fn linear(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
+    fn linear(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
         Ok(self.rounded(self.linear_exact(x, w)?))
     }
 
-    /// Through candle's CPU GEMM, accumulating in `E`, as `w · xᵀ` in blocks of weight rows
-    /// computed in parallel. The blocks have a fixed size, so every output is the same sum
-    /// whatever the thread count.
-    fn linear_exact(&self, x: &Mat<E>, w: &Tensor) -> Result<Mat<E>> {
-        let (out, features) = w.dims2()?;
-        if x.cols != features {
+    /// `w · xᵀ` in blocks of weight rows, the blocks in parallel, each through the `gemm`
+    /// crate (the kernel under candle's CPU matmul) on one thread: the blocks have a fixed
+    /// size, so every output is the same sum whatever the thread count. Accumulates in `E`.
+    fn linear_exact(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
+        let (t, features, out) = (x.rows, x.cols, w.rows);
+        if features != w.cols {
             bail!(
-                "linear: input has {} features, weight expects {features}",
-                x.cols
+                "linear: input has {features} features, weight expects {}",
+                w.cols
             );
         }
-        let xt = Tensor::from_slice(&x.data, (x.rows, x.cols), &Device::Cpu)?.t()?;
         let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
-        let blocks = starts
+        let blocks: Vec<Vec<E>> = starts
             .par_iter()
             .map(|&start| {
                 let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                w.narrow(0, start, rows)?
-                    .matmul(&xt)?
-                    .flatten_all()?
-                    .to_vec1::<E>()
+                weight_rows_times_x(&w.data[start * features..], rows, x)
             })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let t = x.rows;
+            .collect();
         let mut y = Mat::zeros(t, out);
         for (start, block) in starts.into_iter().zip(blocks) {
-            for (j, column) in block.chunks_exact(t).enumerate() {
-                for (r, &v) in column.iter().enumerate() {
-                    y.data[r * out + start + j] = v;
-                }
+            let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
+            for r in 0..t {
+                y.row_mut(r)[start..start + rows].copy_from_slice(&block[r * rows..][..rows]);
             }
         }
         Ok(y)
