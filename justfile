@@ -14,10 +14,14 @@ llamacpp-oracle:
     scripts/setup-llamacpp
     GLMCHECK_PYTHON="$PWD/.venv/bin/python" cargo test --test llamacpp_oracle -- --nocapture
 
-# Dequantization throughput of glmcheck, candle and gguf-py; also writes bench-results/dequant.md.
+# Dequantization throughput of glmcheck, candle and gguf-py (bench-results/dequant.md); then the
+# reference executor against transformers on `small`, and its peak memory on glm5-dims with 2 and 6
+# layers (bench-results/reference.md; writes and deletes multi-GB files in the temp dir).
 bench:
     scripts/setup-venv
     cargo bench --bench dequant
+    cargo build --release
+    .venv/bin/python benches/reference.py
 
 # The demo: a tiny synthetic GLM-5 GGUF, inspected and dequantized.
 demo:
