@@ -10,6 +10,12 @@ use glmcheck::cli::{self, Cli};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // `glmcheck diff A B | head` ends quietly, as Unix tools do, instead of failing to print.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match cli::run(cli) {
         Ok(outcome) => ExitCode::from(outcome as u8),
