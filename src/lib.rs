@@ -4,6 +4,7 @@
 //! codes.
 
 pub mod cli;
+pub mod compare;
 pub mod exec;
 pub mod model;
 pub mod shard;

@@ -2,6 +2,7 @@
 
 mod demo;
 mod dequant;
+mod diff;
 mod inspect;
 mod output;
 mod run;
@@ -40,6 +41,8 @@ pub enum Command {
     Dequant(dequant::DequantArgs),
     /// Run the CPU reference forward on a prompt and record every stage as a trace.
     Run(run::RunArgs),
+    /// Compare two traces: metrics per stage, the first divergence, the fault class.
+    Diff(diff::DiffArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
 }
@@ -62,5 +65,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Dequant(a) => dequant::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Run(a) => run::run(a),
+        Command::Diff(a) => diff::run(a),
     }
 }

@@ -1,0 +1,175 @@
+//! `glmcheck diff REF CAND`: per-stage metrics, the first divergence and its class; a table on a
+//! terminal, JSON with `--json`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use super::output::{num, table};
+use super::Outcome;
+use crate::compare::diff::Basis;
+use crate::compare::{diff, DiffOptions, DiffReport, Status};
+use crate::trace::Trace;
+
+#[derive(clap::Args, Debug)]
+pub struct DiffArgs {
+    /// The reference trace (`NAME.trace`).
+    pub reference: PathBuf,
+    /// The candidate trace.
+    pub candidate: PathBuf,
+    /// The reference run again at the candidate's dtype: each stage may depart 10× as far as
+    /// this envelope does.
+    #[arg(long, value_name = "TRACE", conflicts_with = "tolerance")]
+    pub envelope: Option<PathBuf>,
+    /// One rel_diff tolerance for every stage (default by the candidate's dtype: f32 1e-8,
+    /// f16 1e-4, bf16 1e-3).
+    #[arg(long)]
+    pub tolerance: Option<f64>,
+    /// Machine-readable JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn open(path: &Path) -> anyhow::Result<Trace> {
+    Trace::open(path).with_context(|| path.display().to_string())
+}
+
+pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
+    let (reference, candidate) = (open(&args.reference)?, open(&args.candidate)?);
+    let envelope = args.envelope.as_deref().map(open).transpose()?;
+    let opts = DiffOptions {
+        tolerance: args.tolerance,
+        envelope: envelope.as_ref(),
+    };
+    let report = diff(&reference, &candidate, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(match report.verdict {
+        Status::Pass => Outcome::Pass,
+        Status::Fail => Outcome::Fail,
+    })
+}
+
+/// A bar of `width` cells for an error on a log scale from 1e-12 (empty) to 1 (full).
+fn bar(rel_diff: f64, width: usize) -> String {
+    let level = if rel_diff > 0.0 {
+        (rel_diff.log10() + 12.0) / 12.0
+    } else {
+        0.0
+    };
+    let filled = (level.clamp(0.0, 1.0) * width as f64).round() as usize;
+    format!("{}{}", "█".repeat(filled), "·".repeat(width - filled))
+}
+
+fn print_report(report: &DiffReport) {
+    let verdict = match report.verdict {
+        Status::Pass => "PASS",
+        Status::Fail => "FAIL",
+    };
+    println!(
+        "{verdict}: {} against {} (candidate dtype {}, tolerance: {})",
+        report.candidate, report.reference, report.candidate_dtype, report.tolerance_source
+    );
+    if let Some(d) = &report.first_divergence {
+        let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
+        println!("first divergence: {}{rank}", d.stage);
+    }
+    if let Some(f) = &report.fault {
+        println!("fault: {} — {}", f.class.name(), f.summary);
+        for e in &f.evidence {
+            println!("  · {e}");
+        }
+    }
+    println!(
+        "a tolerance of {} would pass every value stage",
+        num(report.tolerance_to_pass)
+    );
+
+    println!("\nper layer (worst stage; bar: rel_diff on a log scale from 1e-12 to 1)");
+    let mut t = table(&["layer", "worst stage", "rel_diff", "", "status"]);
+    // Contiguous runs of one layer (the stages before layer 0 and after the last apart).
+    let stages = &report.stages;
+    let mut start = 0;
+    while start < stages.len() {
+        let layer = stages[start].layer;
+        let end = start
+            + stages[start..]
+                .iter()
+                .take_while(|s| s.layer == layer)
+                .count();
+        let run = &stages[start..end];
+        start = end;
+        let Some(worst) = run
+            .iter()
+            .filter(|s| s.basis != Basis::Ids)
+            .max_by(|a, b| a.rel_diff.total_cmp(&b.rel_diff))
+        else {
+            continue;
+        };
+        let failed = run.iter().any(|s| s.status == Status::Fail);
+        t.add_row(vec![
+            layer.map_or("-".into(), |l| l.to_string()),
+            worst.stage.clone(),
+            num(worst.rel_diff),
+            bar(worst.rel_diff, 24),
+            if failed { "FAIL".into() } else { "ok".into() },
+        ]);
+    }
+    println!("{t}");
+
+    println!("\nstages around the first divergence and the worst ones");
+    let mut rows: Vec<usize> = Vec::new();
+    if let Some(d) = &report.first_divergence {
+        if let Some(i) = report
+            .stages
+            .iter()
+            .position(|s| s.stage == d.stage && s.rank == d.rank)
+        {
+            rows.extend(i.saturating_sub(2)..(i + 3).min(report.stages.len()));
+        }
+    }
+    let mut by_error: Vec<usize> = (0..report.stages.len()).collect();
+    by_error.sort_by(|&a, &b| {
+        report.stages[b]
+            .rel_diff
+            .total_cmp(&report.stages[a].rel_diff)
+    });
+    rows.extend(by_error.into_iter().take(5));
+    rows.sort_unstable();
+    rows.dedup();
+    let mut t = table(&[
+        "stage",
+        "basis",
+        "status",
+        "cosine",
+        "rel_diff",
+        "tolerance",
+        "norm ratio",
+        "max |Δ|",
+        "× input",
+    ]);
+    for i in rows {
+        let s = &report.stages[i];
+        let m = s.metrics.as_ref();
+        let mark = match (&report.first_divergence, s.status) {
+            (Some(d), _) if d.stage == s.stage && d.rank == s.rank => "▶ ",
+            _ => "",
+        };
+        let rank = s.rank.map(|r| format!(" @{r}")).unwrap_or_default();
+        t.add_row(vec![
+            format!("{mark}{}{rank}", s.stage),
+            format!("{:?}", s.basis).to_lowercase(),
+            format!("{:?}", s.status).to_uppercase(),
+            m.map_or("-".into(), |m| format!("{:.6}", m.cosine)),
+            num(s.rel_diff),
+            num(s.tolerance),
+            m.map_or("-".into(), |m| format!("{:.4}", m.norm_ratio)),
+            m.map_or("-".into(), |m| num(m.max_abs)),
+            s.amplification.map_or("-".into(), num),
+        ]);
+    }
+    println!("{t}");
+}

@@ -1,0 +1,185 @@
+//! The fault class of a first divergence, from what two traces alone show (DESIGN §7):
+//! new NaN or Inf, a constant scale, the same values in another order, flat logits, another
+//! expert choice, or error that grew without a jump (precision).
+
+use anyhow::Result;
+
+use super::diff::{whole_values, Basis, StageDiff};
+use super::fault::{Fault, FaultClass};
+use super::logits::LogitsHealth;
+use crate::trace::{StageRecord, Trace};
+
+/// An error at least this many times its input's is made at this stage, not inherited.
+pub const LOCAL_JUMP: f64 = 10.0;
+
+/// The largest finite value of a dtype.
+fn dtype_max(dtype: &str) -> f64 {
+    match dtype {
+        "f16" => 65504.0,
+        "bf16" => 3.389_531_4e38,
+        "f64" => f64::MAX,
+        _ => f64::from(f32::MAX),
+    }
+}
+
+fn record<'t>(trace: &'t Trace, s: &StageDiff) -> Option<&'t StageRecord> {
+    trace
+        .stages()
+        .iter()
+        .find(|r| r.name == s.stage && r.rank == s.rank)
+}
+
+fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
+    Fault {
+        class,
+        summary,
+        evidence,
+        weight: None,
+    }
+}
+
+/// Classify the divergence at `stages[i]`; `calibrated` when tolerances came from an envelope.
+pub fn classify(
+    reference: &Trace,
+    candidate: &Trace,
+    stages: &[StageDiff],
+    i: usize,
+    calibrated: bool,
+) -> Result<Fault> {
+    let s = &stages[i];
+    let at = &s.stage;
+    let (Some(r), Some(c)) = (record(reference, s), record(candidate, s)) else {
+        return Ok(fault(FaultClass::Unknown, format!("{at} diverges"), vec![]));
+    };
+    let prev = stages[..i]
+        .iter()
+        .rev()
+        .find(|p| p.basis != Basis::Ids && p.rank.is_none());
+    let inputs_finite = prev.is_none_or(|p| p.cand_nonfinite <= p.ref_nonfinite);
+    let input_note = match prev {
+        Some(p) => format!("its input {} is finite in the candidate", p.stage),
+        None => "it is the first stage".into(),
+    };
+    let dtype = candidate.manifest().dtype.as_str();
+
+    if c.stats.inf > r.stats.inf || (c.stats.absmax > dtype_max(dtype) && inputs_finite) {
+        return Ok(fault(
+            FaultClass::DtypeOverflow,
+            format!("{at} leaves the {dtype} range"),
+            vec![
+                format!(
+                    "{at}: {} Inf in the candidate, {} in the reference; reference absmax {:e}",
+                    c.stats.inf, r.stats.inf, r.stats.absmax
+                ),
+                format!("{dtype} holds at most {:e}; {input_note}", dtype_max(dtype)),
+            ],
+        ));
+    }
+    if c.stats.nan > r.stats.nan && inputs_finite {
+        return Ok(fault(
+            FaultClass::NanOrigin,
+            format!("the first NaN appears at {at}"),
+            vec![format!(
+                "{at}: {} NaN in the candidate, {} in the reference; {input_note}",
+                c.stats.nan, r.stats.nan
+            )],
+        ));
+    }
+    if s.basis == Basis::Ids {
+        let class = if at.contains("moe.") {
+            FaultClass::RouterMismatch
+        } else {
+            FaultClass::Unknown
+        };
+        return Ok(fault(
+            class,
+            format!("{at}: another top-k choice"),
+            vec![format!(
+                "{:.1}% of positions choose a different set at {at}",
+                100.0 * s.rel_diff
+            )],
+        ));
+    }
+    if at == "logits" {
+        if let (Some((x, shape)), Some((y, _))) =
+            (whole_values(reference, at)?, whole_values(candidate, at)?)
+        {
+            let vocab = *shape.last().unwrap_or(&1) as usize;
+            let (hr, hc) = (LogitsHealth::of(&x, vocab), LogitsHealth::of(&y, vocab));
+            if hc.flat && !hr.flat {
+                return Ok(fault(
+                    FaultClass::FlatLogits,
+                    "the candidate's logits are near uniform where the reference's are peaked"
+                        .into(),
+                    vec![
+                        format!(
+                            "mean entropy {:.3} nats of ln V = {:.3} (reference {:.3})",
+                            hc.entropy_mean, hc.ln_vocab, hr.entropy_mean
+                        ),
+                        format!(
+                            "top-1 probability {:.4} (reference {:.4})",
+                            hc.top1_prob_mean, hr.top1_prob_mean
+                        ),
+                    ],
+                ));
+            }
+        }
+    }
+    if let Some(m) = &s.metrics {
+        if m.cosine >= 0.9999 && (m.norm_ratio - 1.0).abs() > 1e-3 {
+            return Ok(fault(
+                FaultClass::ScaleMismatch,
+                format!("{at} is the reference times {:.4}", m.norm_ratio),
+                vec![format!(
+                    "cosine {:.6} with norm ratio {:.6} at {at}",
+                    m.cosine, m.norm_ratio
+                )],
+            ));
+        }
+        if c.stats.l2 == 0.0 && r.stats.l2 > 0.0 {
+            return Ok(fault(
+                FaultClass::Unknown,
+                format!("{at} is all zeros in the candidate"),
+                vec![format!("reference l2 {:e}, candidate 0", r.stats.l2)],
+            ));
+        }
+        if let (Some((mut x, _)), Some((mut y, _))) =
+            (whole_values(reference, at)?, whole_values(candidate, at)?)
+        {
+            x.sort_by(f32::total_cmp);
+            y.sort_by(f32::total_cmp);
+            if x == y {
+                return Ok(fault(
+                    FaultClass::WeightLayout,
+                    format!("{at} holds the reference's values in another order"),
+                    vec![format!(
+                        "the same {} values, sorted, yet cosine {:.4}: a permutation (heads, \
+                         pairs, experts or a transpose)",
+                        x.len(),
+                        m.cosine
+                    )],
+                ));
+            }
+        }
+    }
+    let local = s.amplification.is_none_or(|a| a >= LOCAL_JUMP);
+    let jump = s
+        .amplification
+        .map(|a| format!("error {a:.3e}× its input's"))
+        .unwrap_or_else(|| "no earlier stage".into());
+    if !local && (calibrated || !matches!(dtype, "f32" | "f64")) {
+        return Ok(fault(
+            FaultClass::PrecisionLoss,
+            format!("{at}: error grown through the stages at {dtype}, without a jump"),
+            vec![format!("rel_diff {:e} at {at}; {jump}", s.rel_diff)],
+        ));
+    }
+    Ok(fault(
+        FaultClass::Unknown,
+        format!("{at} diverges: rel_diff {:e}", s.rel_diff),
+        vec![
+            format!("{jump} ({})", if local { "made here" } else { "inherited" }),
+            format!("tolerance {:e}", s.tolerance),
+        ],
+    ))
+}

@@ -1,0 +1,54 @@
+//! DESIGN §7's fault classes and what a diagnosis carries.
+
+use serde::{Deserialize, Serialize};
+
+/// `fault.class` in JSON; the names are stable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultClass {
+    WrongDequant,
+    UnshardedWeight,
+    WrongShardLayout,
+    MissingAllReduce,
+    ExtraAllReduce,
+    DtypeOverflow,
+    NanOrigin,
+    WeightLayout,
+    RopeMismatch,
+    RouterMismatch,
+    ScaleMismatch,
+    FlatLogits,
+    PrecisionLoss,
+    Unknown,
+}
+
+impl FaultClass {
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultClass::WrongDequant => "wrong_dequant",
+            FaultClass::UnshardedWeight => "unsharded_weight",
+            FaultClass::WrongShardLayout => "wrong_shard_layout",
+            FaultClass::MissingAllReduce => "missing_all_reduce",
+            FaultClass::ExtraAllReduce => "extra_all_reduce",
+            FaultClass::DtypeOverflow => "dtype_overflow",
+            FaultClass::NanOrigin => "nan_origin",
+            FaultClass::WeightLayout => "weight_layout",
+            FaultClass::RopeMismatch => "rope_mismatch",
+            FaultClass::RouterMismatch => "router_mismatch",
+            FaultClass::ScaleMismatch => "scale_mismatch",
+            FaultClass::FlatLogits => "flat_logits",
+            FaultClass::PrecisionLoss => "precision_loss",
+            FaultClass::Unknown => "unknown",
+        }
+    }
+}
+
+/// A diagnosis: the class, one sentence, and the facts it rests on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fault {
+    pub class: FaultClass,
+    pub summary: String,
+    pub evidence: Vec<String>,
+    /// The weight to blame, when a check names one.
+    pub weight: Option<String>,
+}

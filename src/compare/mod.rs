@@ -1,0 +1,12 @@
+//! Comparing traces (DESIGN §6–§7): metrics per stage, unsharding of tensor-parallel parts,
+//! logits statistics, the first divergence and its fault class.
+
+pub mod classify;
+pub mod diff;
+pub mod fault;
+pub mod logits;
+pub mod metrics;
+pub mod unshard;
+
+pub use diff::{diff, DiffOptions, DiffReport, StageDiff, Status};
+pub use fault::{Fault, FaultClass};
