@@ -157,7 +157,11 @@ def fingerprint(model_dir: str, config: dict) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def header(model_dir: str, tokens: list) -> dict:
+# The dtypes a probe can run the model in, by their trace names.
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def header(model_dir: str, tokens: list, dtype: str = "f32") -> dict:
     """The run-wide manifest fields."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
@@ -166,16 +170,17 @@ def header(model_dir: str, tokens: list) -> dict:
                      "torch": torch.__version__, "argv": sys.argv},
         "model": {"source": model_dir, "config": config,
                   "fingerprint": fingerprint(model_dir, config)},
-        "tokens": tokens, "backend": "transformers", "dtype": "f32", "tp": 1,
+        "tokens": tokens, "backend": "transformers", "dtype": dtype, "tp": 1,
     }
 
 
-def probe(model_dir: str, tokens: list, out: str, full=DEFAULT_FULL) -> dict:
-    """Run the model on `tokens` and write the trace `out`; the manifest as written."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def probe(model_dir: str, tokens: list, out: str, full=DEFAULT_FULL, dtype: str = "f32") -> dict:
+    """Run the model at `dtype` on `tokens` and write the trace `out` (values as float32);
+    the manifest as written."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     if not isinstance(model, hf.GlmMoeDsaForCausalLM):
         raise TypeError(f"{model_dir} loads as {type(model).__name__}, not GlmMoeDsaForCausalLM")
-    writer = TraceWriter(out, header(model_dir, tokens), full)
+    writer = TraceWriter(out, header(model_dir, tokens, dtype), full)
     rec = Recorder(writer, len(tokens), model.config.num_attention_heads)
     hooks = _hooks(rec, model)
     try:
@@ -192,11 +197,13 @@ def main() -> None:
     parser.add_argument("model_dir", help="Hugging Face folder of a GlmMoeDsaForCausalLM")
     parser.add_argument("--tokens", required=True, help="prompt token ids, comma-separated")
     parser.add_argument("--out", required=True, help="trace folder to create (absent or empty)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="f32",
+                        help="the dtype the model runs in (stages are stored as float32)")
     parser.add_argument("--full", action="append",
                         help="stages kept in full (glob; repeatable); default: logits, L*.out")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    manifest = probe(args.model_dir, tokens, args.out, args.full or DEFAULT_FULL)
+    manifest = probe(args.model_dir, tokens, args.out, args.full or DEFAULT_FULL, args.dtype)
     kept = sum("file" in s for s in manifest["stages"])
     print(f"wrote {args.out}: {len(manifest['stages'])} stages, {kept} in full")
 

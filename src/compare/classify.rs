@@ -86,19 +86,7 @@ pub fn classify(
         ));
     }
     if s.basis == Basis::Ids {
-        let class = if at.contains("moe.") {
-            FaultClass::RouterMismatch
-        } else {
-            FaultClass::Unknown
-        };
-        return Ok(fault(
-            class,
-            format!("{at}: another top-k choice"),
-            vec![format!(
-                "{:.1}% of positions choose a different set at {at}",
-                100.0 * s.rel_diff
-            )],
-        ));
+        return top_k_fault(reference, candidate, s, dtype);
     }
     if at == "logits" {
         if let (Some((x, shape)), Some((y, _))) =
@@ -181,5 +169,69 @@ pub fn classify(
             format!("{jump} ({})", if local { "made here" } else { "inherited" }),
             format!("tolerance {:e}", s.tolerance),
         ],
+    ))
+}
+
+/// A reference gap at most this share of its layer's largest is a near tie, which a run in a
+/// lower precision may break the other way.
+pub const NEAR_TIE: f64 = 0.01;
+
+/// Another top-k choice: near ties broken differently at a lower precision, or a real change
+/// (router for MoE stages).
+fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str) -> Result<Fault> {
+    let at = &s.stage;
+    let gap_stage = at
+        .replace("moe.topk_ids", "moe.topk_gap")
+        .replace("attn.index_topk", "attn.index_gap");
+    let mut evidence = vec![format!(
+        "{:.1}% of positions choose a different set at {at}",
+        100.0 * s.rel_diff
+    )];
+    let sides = (whole_values(reference, at)?, whole_values(candidate, at)?);
+    let gaps = if reference.stage(&gap_stage, None).is_some() {
+        whole_values(reference, &gap_stage)?
+    } else {
+        None
+    };
+    let mut near_ties_only = false;
+    if let ((Some((x, shape)), Some((y, _))), Some((gaps, _))) = (sides, gaps) {
+        let k = *shape.last().unwrap_or(&1) as usize;
+        let set = |v: &[f32]| {
+            let mut s: Vec<i64> = v.iter().map(|&i| i as i64).collect();
+            s.sort_unstable();
+            s
+        };
+        let flipped: Vec<usize> = (0..gaps.len())
+            .filter(|&p| set(&x[p * k..(p + 1) * k]) != set(&y[p * k..(p + 1) * k]))
+            .collect();
+        let largest = gaps.iter().copied().fold(0f32, f32::max);
+        let tie = |p: &usize| f64::from(gaps[*p]) <= NEAR_TIE * f64::from(largest);
+        near_ties_only = !flipped.is_empty() && flipped.iter().all(tie);
+        let listed: Vec<String> = flipped
+            .iter()
+            .take(8)
+            .map(|&p| format!("position {p} (reference gap {:.3e})", gaps[p]))
+            .collect();
+        evidence.push(format!(
+            "differing positions: {}; the layer's largest gap is {largest:.3e}",
+            listed.join(", ")
+        ));
+    }
+    if near_ties_only && !matches!(dtype, "f32" | "f64") {
+        return Ok(fault(
+            FaultClass::PrecisionLoss,
+            format!("{at}: near ties broken differently at {dtype}"),
+            evidence,
+        ));
+    }
+    let class = if at.contains("moe.") {
+        FaultClass::RouterMismatch
+    } else {
+        FaultClass::Unknown
+    };
+    Ok(fault(
+        class,
+        format!("{at}: another top-k choice"),
+        evidence,
     ))
 }

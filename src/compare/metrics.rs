@@ -78,7 +78,9 @@ impl Metrics {
         }
         m.mean_abs = if n > 0 { abs_sum / n as f64 } else { 0.0 };
         m.cosine = match (xx > 0.0, yy > 0.0) {
-            (true, true) => xy / (xx.sqrt() * yy.sqrt()),
+            // Equal tensors are exactly 1, whatever the rounding of the norms.
+            _ if dd == 0.0 => 1.0,
+            (true, true) => (xy / (xx.sqrt() * yy.sqrt())).clamp(-1.0, 1.0),
             (false, false) => 1.0,
             _ => 0.0,
         };

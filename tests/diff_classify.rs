@@ -1,0 +1,307 @@
+//! `glmcheck diff` on real traces of the reference executor: a trace against itself passes with
+//! every error exactly zero; the bf16 emulation is judged by the default tolerances or by a
+//! bf16 envelope; and traces perturbed at a known stage (scaled, permuted, zeroed, noise added,
+//! one NaN, one Inf, another expert choice, a flat lm_head) diverge exactly there, with the
+//! fault class the perturbation implies — table-driven, at every layer.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use glmcheck::compare::{diff, DiffOptions, DiffReport, FaultClass, Status};
+use glmcheck::trace::{ElemType, FullSelector, Stage, Trace, TraceHeader, TraceWriter};
+
+const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
+
+fn glmcheck(args: &[&str]) {
+    let out = Command::new(common::glmcheck_bin())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A tiny synthetic model (16 indexer heads: no exact DSA ties) run at `dtypes`, every stage
+/// stored in full; the traces' paths in that order.
+fn reference_runs(dir: &Path, dtypes: &[&str]) -> Vec<PathBuf> {
+    let hf = dir.join("hf");
+    let model = hf.to_str().unwrap();
+    glmcheck(&[
+        "synth",
+        "--format",
+        "hf",
+        "--set",
+        "index_n_heads=16",
+        "--out",
+        model,
+    ]);
+    dtypes
+        .iter()
+        .enumerate()
+        .map(|(i, dtype)| {
+            let out = dir.join(format!("{i}-{dtype}.trace"));
+            let args = [
+                "run", model, "--tokens", TOKENS, "--full", "**", "--dtype", dtype,
+            ];
+            glmcheck(&[&args[..], &["--out", out.to_str().unwrap()]].concat());
+            out
+        })
+        .collect()
+}
+
+/// How a stage's values are changed.
+#[derive(Clone, Copy, Debug)]
+enum Perturbation {
+    Scale,
+    Permute,
+    Zero,
+    Noise,
+    OneNan,
+    OneInf,
+    OtherExpert,
+    FlatLogits,
+}
+
+impl Perturbation {
+    fn apply(self, v: &mut [f32]) {
+        match self {
+            Perturbation::Scale => v.iter_mut().for_each(|x| *x *= 1.5),
+            Perturbation::Permute => v.reverse(),
+            Perturbation::Zero => v.iter_mut().for_each(|x| *x = 0.0),
+            Perturbation::Noise => {
+                let scale = v.iter().fold(0f32, |m, x| m.max(x.abs())) * 0.05;
+                let mut s = 0x9e37_79b9_u32;
+                for x in v.iter_mut() {
+                    s ^= s << 13;
+                    s ^= s >> 17;
+                    s ^= s << 5;
+                    *x += (s as f32 / u32::MAX as f32 - 0.5) * scale;
+                }
+            }
+            Perturbation::OneNan => v[v.len() / 2] = f32::NAN,
+            Perturbation::OneInf => v[v.len() / 3] = f32::INFINITY,
+            Perturbation::FlatLogits => v.iter_mut().enumerate().for_each(|(i, x)| {
+                *x = 1e-3 * (i % 7) as f32;
+            }),
+            Perturbation::OtherExpert => unreachable!("ids are changed by `other_expert`"),
+        }
+    }
+
+    fn expected(self) -> FaultClass {
+        match self {
+            Perturbation::Scale => FaultClass::ScaleMismatch,
+            Perturbation::Permute => FaultClass::WeightLayout,
+            Perturbation::Zero | Perturbation::Noise => FaultClass::Unknown,
+            Perturbation::OneNan => FaultClass::NanOrigin,
+            Perturbation::OneInf => FaultClass::DtypeOverflow,
+            Perturbation::OtherExpert => FaultClass::RouterMismatch,
+            Perturbation::FlatLogits => FaultClass::FlatLogits,
+        }
+    }
+}
+
+/// The first position's first expert replaced by one it did not choose.
+fn other_expert(ids: &mut [i32], k: usize, experts: i32) {
+    let chosen = &ids[..k];
+    let free = (0..experts).find(|e| !chosen.contains(e)).unwrap();
+    ids[0] = free;
+}
+
+/// A copy of `reference` with `stage` perturbed, written to `out` through the trace writer (so
+/// its statistics and hashes are the candidate's own).
+fn perturbed(reference: &Trace, stage: &str, p: Perturbation, out: &Path) -> Trace {
+    let m = reference.manifest();
+    let header = TraceHeader {
+        producer: m.producer.clone(),
+        model: m.model.clone(),
+        tokens: m.tokens.clone(),
+        backend: "perturbed".into(),
+        dtype: m.dtype.clone(),
+        tp: m.tp,
+    };
+    let mut w = TraceWriter::create(out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
+    for s in reference.stages() {
+        if s.dtype == ElemType::I32 {
+            let mut ids = reference.tensor_i32(&s.name, s.rank).unwrap().unwrap();
+            if s.name == stage {
+                let k = *s.shape.last().unwrap() as usize;
+                other_expert(
+                    &mut ids,
+                    k,
+                    m.model.config["n_routed_experts"].as_i64().unwrap() as i32,
+                );
+            }
+            w.record(&s.name, &s.shape, &s.dims, s.rank, Stage::I32(&ids))
+                .unwrap();
+        } else {
+            let mut v = reference.tensor(&s.name, s.rank).unwrap().unwrap();
+            if s.name == stage {
+                p.apply(&mut v);
+            }
+            w.record(&s.name, &s.shape, &s.dims, s.rank, Stage::F32(&v))
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    Trace::open(out).unwrap()
+}
+
+#[test]
+fn a_trace_against_itself_passes_with_every_error_zero() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32", "f32"]);
+    for other in &runs {
+        let report = diff(
+            &Trace::open(&runs[0]).unwrap(),
+            &Trace::open(other).unwrap(),
+            &DiffOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(report.verdict, Status::Pass);
+        assert!(report.fault.is_none() && report.first_divergence.is_none());
+        assert!(report.stages.len() > 50, "every stage compared");
+        for s in &report.stages {
+            assert_eq!(s.rel_diff, 0.0, "{}", s.stage);
+            if let Some(m) = &s.metrics {
+                assert_eq!(
+                    (m.max_abs, m.nmse, m.cosine, m.norm_ratio),
+                    (0.0, 0.0, 1.0, 1.0)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_emulation_is_judged_by_default_tolerances_or_its_envelope() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32", "bf16", "bf16"]);
+    let [f32_run, bf16_run, envelope] = [0, 1, 2].map(|i| Trace::open(&runs[i]).unwrap());
+    let plain = diff(&f32_run, &bf16_run, &DiffOptions::default()).unwrap();
+    let beyond = plain.stages.iter().any(|s| s.rel_diff > s.tolerance);
+    assert_eq!(
+        plain.verdict == Status::Fail,
+        beyond,
+        "fails only beyond the defaults"
+    );
+    assert!(
+        plain.stages.iter().all(|s| s.tolerance == 1e-3),
+        "bf16 default"
+    );
+    let calibrated = diff(
+        &f32_run,
+        &bf16_run,
+        &DiffOptions {
+            envelope: Some(&envelope),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(calibrated.verdict, Status::Pass);
+    let class = calibrated.fault.as_ref().map(|f| f.class);
+    assert_eq!(
+        class,
+        Some(FaultClass::PrecisionLoss),
+        "beyond f32 noise, within bf16's"
+    );
+}
+
+/// Every perturbation at every layer it applies to: the first divergence is that stage and
+/// the class is the perturbation's.
+#[test]
+fn perturbed_stages_are_located_and_classified() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    use Perturbation::*;
+    let mut cases: Vec<(String, Perturbation)> = Vec::new();
+    for layer in 0..3 {
+        for p in [Scale, Permute, Zero, Noise, OneNan, OneInf] {
+            cases.push((format!("L{layer}.attn.out"), p));
+        }
+        cases.push((format!("L{layer}.ffn_norm"), Scale));
+        cases.push((format!("L{layer}.attn.q"), Permute));
+    }
+    for layer in 1..3 {
+        cases.push((format!("L{layer}.moe.topk_ids"), OtherExpert));
+        cases.push((format!("L{layer}.moe.routed"), OneNan));
+    }
+    cases.push(("logits".into(), FlatLogits));
+    for (i, (stage, p)) in cases.iter().enumerate() {
+        let cand = perturbed(
+            &reference,
+            stage,
+            *p,
+            &dir.path().join(format!("p{i}.trace")),
+        );
+        let report: DiffReport = diff(&reference, &cand, &DiffOptions::default()).unwrap();
+        assert_eq!(report.verdict, Status::Fail, "{stage} {p:?}");
+        let first = report.first_divergence.as_ref().expect("a divergence");
+        assert_eq!(&first.stage, stage, "{p:?}: located");
+        let fault = report.fault.as_ref().unwrap();
+        assert_eq!(
+            fault.class,
+            p.expected(),
+            "{stage} {p:?}: {}",
+            fault.summary
+        );
+        assert!(!fault.evidence.is_empty(), "{stage} {p:?}: evidence");
+    }
+}
+
+/// The JSON of a failing diff carries DESIGN §7's fields and exit code 1; a missing trace is a
+/// one-line error with exit code 2.
+#[test]
+fn json_fields_and_exit_codes() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let cand = perturbed(
+        &reference,
+        "L1.attn.out",
+        Perturbation::Scale,
+        &dir.path().join("c.trace"),
+    );
+    let (r, c) = (runs[0].to_str().unwrap(), cand.dir().to_str().unwrap());
+    let json = common::glmcheck_json(["diff", r, c, "--json"], 1);
+    assert_eq!(json["verdict"], "fail");
+    assert_eq!(json["first_divergence"]["stage"], "L1.attn.out");
+    assert_eq!(json["first_divergence"]["layer"], 1);
+    assert_eq!(json["fault"]["class"], "scale_mismatch");
+    let stage = json["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "L1.attn.out");
+    let stage = stage.unwrap();
+    for field in [
+        "status",
+        "cosine",
+        "rel_diff",
+        "nmse",
+        "max_abs",
+        "norm_ratio",
+        "sqnr_db",
+    ] {
+        assert!(stage.get(field).is_some(), "stage field {field}");
+    }
+    assert_eq!(
+        common::glmcheck_json(["diff", r, r, "--json"], 0)["verdict"],
+        "pass"
+    );
+    let out = Command::new(common::glmcheck_bin())
+        .args(["diff", r, "/nonexistent.trace"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.lines().count() == 1 && err.contains("/nonexistent.trace"),
+        "{err}"
+    );
+}
