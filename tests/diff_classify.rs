@@ -305,3 +305,73 @@ fn json_fields_and_exit_codes() {
         "{err}"
     );
 }
+
+/// `glmcheck logits`: its entropy, top-1 probability and KL statistics are torch's; healthy
+/// logits pass, a flat lm_head and one token at every position fail.
+#[test]
+fn logits_statistics_agree_with_torch_and_catch_garbage() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32", "bf16"]);
+    let (r, c) = (runs[0].to_str().unwrap(), runs[1].to_str().unwrap());
+    let ours = common::glmcheck_json(["logits", c, "--reference", r, "--json"], 0);
+    let torch: serde_json::Value =
+        serde_json::from_str(&common::run_oracle("logits_stats.py", &[r, c])).unwrap();
+    // KL sums p·(ln p − ln q) over the vocabulary: differences of logs cancel, so two f64
+    // implementations agree to about 1e-15 absolute, not relative.
+    let close = |a: &serde_json::Value, b: &serde_json::Value, what: &str| {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!(
+            (a - b).abs() <= 1e-9 * b.abs() + 1e-13,
+            "{what}: {a} vs torch {b}"
+        );
+    };
+    close(
+        &ours["health"]["entropy_mean"],
+        &torch["entropy_mean"],
+        "entropy",
+    );
+    close(
+        &ours["health"]["top1_prob_mean"],
+        &torch["top1_prob_mean"],
+        "top-1 probability",
+    );
+    let cmp = &ours["reference"]["comparison"];
+    close(&cmp["kl_mean"], &torch["kl_mean"], "KL mean");
+    close(&cmp["kl_max"], &torch["kl_max"], "KL max");
+    close(
+        &cmp["top1_agreement"],
+        &torch["top1_agreement"],
+        "top-1 agreement",
+    );
+
+    let reference = Trace::open(&runs[0]).unwrap();
+    let flat = perturbed(
+        &reference,
+        "logits",
+        Perturbation::FlatLogits,
+        &dir.path().join("f.trace"),
+    );
+    let json = common::glmcheck_json(["logits", flat.dir().to_str().unwrap(), "--json"], 1);
+    assert_eq!(json["verdict"], "fail");
+    assert_eq!(json["health"]["flat"], true);
+    // One token on top everywhere, the `$\ $\ $\` signature.
+    let vocab = reference.stage("logits", None).unwrap().shape[1] as usize;
+    let mut repeated = reference.tensor("logits", None).unwrap().unwrap();
+    repeated.chunks_mut(vocab).for_each(|row| row[3] = 100.0);
+    let out = dir.path().join("repeat.trace");
+    let header = TraceHeader {
+        producer: Default::default(),
+        model: reference.manifest().model.clone(),
+        tokens: reference.manifest().tokens.clone(),
+        backend: "test".into(),
+        dtype: "f32".into(),
+        tp: 1,
+    };
+    let mut w = TraceWriter::create(&out, header, FullSelector::new(&["logits"]).unwrap()).unwrap();
+    let shape = reference.stage("logits", None).unwrap().shape.clone();
+    w.record("logits", &shape, "t v(tp)", None, Stage::F32(&repeated))
+        .unwrap();
+    w.finish().unwrap();
+    let json = common::glmcheck_json(["logits", out.to_str().unwrap(), "--json"], 1);
+    assert_eq!(json["health"]["longest_repeat"], 12);
+}

@@ -4,6 +4,7 @@ mod demo;
 mod dequant;
 mod diff;
 mod inspect;
+mod logits;
 mod output;
 mod run;
 mod synth;
@@ -43,6 +44,8 @@ pub enum Command {
     Run(run::RunArgs),
     /// Compare two traces: metrics per stage, the first divergence, the fault class.
     Diff(diff::DiffArgs),
+    /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
+    Logits(logits::LogitsArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
 }
@@ -66,5 +69,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Synth(a) => synth::run(a),
         Command::Run(a) => run::run(a),
         Command::Diff(a) => diff::run(a),
+        Command::Logits(a) => logits::run(a),
     }
 }
