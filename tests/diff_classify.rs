@@ -375,3 +375,110 @@ fn logits_statistics_agree_with_torch_and_catch_garbage() {
     let json = common::glmcheck_json(["logits", out.to_str().unwrap(), "--json"], 1);
     assert_eq!(json["health"]["longest_repeat"], 12);
 }
+
+/// `reference` as a TP = 2 run would record it: `(tp)` axes split in two, `partial(tp)`
+/// stages as two addends, the rest whole; with `swap`'s two ranks exchanged.
+fn as_two_ranks(reference: &Trace, out: &Path, swap: Option<&str>) -> Trace {
+    use glmcheck::compare::unshard::Sharding;
+    let m = reference.manifest();
+    let header = TraceHeader {
+        producer: m.producer.clone(),
+        model: m.model.clone(),
+        tokens: m.tokens.clone(),
+        backend: "tp2".into(),
+        dtype: m.dtype.clone(),
+        tp: 2,
+    };
+    let mut w = TraceWriter::create(out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
+    for s in reference.stages() {
+        if s.dtype == ElemType::I32 {
+            let ids = reference.tensor_i32(&s.name, None).unwrap().unwrap();
+            w.record(&s.name, &s.shape, &s.dims, None, Stage::I32(&ids))
+                .unwrap();
+            continue;
+        }
+        let v = reference.tensor(&s.name, None).unwrap().unwrap();
+        let mut parts: Vec<(Vec<u64>, Vec<f32>)> = match Sharding::of(&s.dims).unwrap() {
+            Sharding::Split(axis) if s.shape[axis] % 2 == 0 => {
+                let inner: u64 = s.shape[axis + 1..].iter().product();
+                let block = (s.shape[axis] / 2 * inner) as usize;
+                let mut shape = s.shape.clone();
+                shape[axis] /= 2;
+                let half = |r: usize| -> Vec<f32> {
+                    v.chunks(2 * block)
+                        .flat_map(|c| c[r * block..(r + 1) * block].to_vec())
+                        .collect()
+                };
+                vec![(shape.clone(), half(0)), (shape, half(1))]
+            }
+            Sharding::Partial => vec![
+                (s.shape.clone(), v.iter().map(|x| x * 0.25).collect()),
+                (s.shape.clone(), v.iter().map(|x| x - x * 0.25).collect()),
+            ],
+            _ => {
+                w.record(&s.name, &s.shape, &s.dims, None, Stage::F32(&v))
+                    .unwrap();
+                continue;
+            }
+        };
+        if swap == Some(s.name.as_str()) {
+            parts.swap(0, 1);
+        }
+        for (rank, (shape, part)) in parts.iter().enumerate() {
+            w.record(&s.name, shape, &s.dims, Some(rank as u32), Stage::F32(part))
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    Trace::open(out).unwrap()
+}
+
+/// Per-rank stages are unsharded by their dims spec (heads and vocabulary concatenated, partial
+/// sums added) and compared whole and rank by rank; ranks in the wrong order are found.
+#[test]
+fn tensor_parallel_parts_are_unsharded_and_compared_by_rank() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let tp2 = as_two_ranks(&reference, &dir.path().join("tp2.trace"), None);
+    assert!(
+        tp2.stages().iter().any(|s| s.rank == Some(1)),
+        "ranks recorded"
+    );
+    let whole = diff(&reference, &tp2, &DiffOptions::default()).unwrap();
+    assert_eq!(whole.verdict, Status::Pass, "{:?}", whole.first_divergence);
+    let q = whole
+        .stages
+        .iter()
+        .find(|s| s.stage == "L1.attn.q" && s.rank.is_none())
+        .unwrap();
+    assert_eq!(
+        (q.rel_diff, q.basis),
+        (0.0, glmcheck::compare::diff::Basis::Values)
+    );
+    let by_rank = diff(&tp2, &tp2, &DiffOptions::default()).unwrap();
+    assert!(by_rank
+        .stages
+        .iter()
+        .any(|s| s.stage == "L1.attn.q" && s.rank == Some(1)));
+    assert_eq!(by_rank.verdict, Status::Pass);
+
+    let swapped = as_two_ranks(
+        &reference,
+        &dir.path().join("swap.trace"),
+        Some("L1.attn.q"),
+    );
+    let report = diff(&tp2, &swapped, &DiffOptions::default()).unwrap();
+    let first = report.first_divergence.expect("ranks out of order");
+    assert_eq!((first.stage.as_str(), first.rank), ("L1.attn.q", None));
+    assert_eq!(report.fault.unwrap().class, FaultClass::WeightLayout);
+    let rank0 = report
+        .stages
+        .iter()
+        .find(|s| s.stage == "L1.attn.q" && s.rank == Some(0));
+    assert_eq!(
+        rank0.unwrap().status,
+        Status::Fail,
+        "rank 0 holds rank 1's heads"
+    );
+}

@@ -7,7 +7,7 @@ use anyhow::Result;
 use super::diff::{whole_values, Basis, StageDiff};
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
-use crate::trace::{StageRecord, Trace};
+use crate::trace::Trace;
 
 /// An error at least this many times its input's is made at this stage, not inherited.
 pub const LOCAL_JUMP: f64 = 10.0;
@@ -20,13 +20,6 @@ fn dtype_max(dtype: &str) -> f64 {
         "f64" => f64::MAX,
         _ => f64::from(f32::MAX),
     }
-}
-
-fn record<'t>(trace: &'t Trace, s: &StageDiff) -> Option<&'t StageRecord> {
-    trace
-        .stages()
-        .iter()
-        .find(|r| r.name == s.stage && r.rank == s.rank)
 }
 
 fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
@@ -48,40 +41,38 @@ pub fn classify(
 ) -> Result<Fault> {
     let s = &stages[i];
     let at = &s.stage;
-    let (Some(r), Some(c)) = (record(reference, s), record(candidate, s)) else {
-        return Ok(fault(FaultClass::Unknown, format!("{at} diverges"), vec![]));
-    };
+    let (r, c) = (&s.reference, &s.candidate);
     let prev = stages[..i]
         .iter()
         .rev()
         .find(|p| p.basis != Basis::Ids && p.rank.is_none());
-    let inputs_finite = prev.is_none_or(|p| p.cand_nonfinite <= p.ref_nonfinite);
+    let inputs_finite = prev.is_none_or(|p| p.candidate.non_finite() <= p.reference.non_finite());
     let input_note = match prev {
         Some(p) => format!("its input {} is finite in the candidate", p.stage),
         None => "it is the first stage".into(),
     };
     let dtype = candidate.manifest().dtype.as_str();
 
-    if c.stats.inf > r.stats.inf || (c.stats.absmax > dtype_max(dtype) && inputs_finite) {
+    if c.inf > r.inf || (c.absmax > dtype_max(dtype) && inputs_finite) {
         return Ok(fault(
             FaultClass::DtypeOverflow,
             format!("{at} leaves the {dtype} range"),
             vec![
                 format!(
                     "{at}: {} Inf in the candidate, {} in the reference; reference absmax {:e}",
-                    c.stats.inf, r.stats.inf, r.stats.absmax
+                    c.inf, r.inf, r.absmax
                 ),
                 format!("{dtype} holds at most {:e}; {input_note}", dtype_max(dtype)),
             ],
         ));
     }
-    if c.stats.nan > r.stats.nan && inputs_finite {
+    if c.nan > r.nan && inputs_finite {
         return Ok(fault(
             FaultClass::NanOrigin,
             format!("the first NaN appears at {at}"),
             vec![format!(
                 "{at}: {} NaN in the candidate, {} in the reference; {input_note}",
-                c.stats.nan, r.stats.nan
+                c.nan, r.nan
             )],
         ));
     }
@@ -124,11 +115,11 @@ pub fn classify(
                 )],
             ));
         }
-        if c.stats.l2 == 0.0 && r.stats.l2 > 0.0 {
+        if c.l2 == 0.0 && r.l2 > 0.0 {
             return Ok(fault(
                 FaultClass::Unknown,
                 format!("{at} is all zeros in the candidate"),
-                vec![format!("reference l2 {:e}, candidate 0", r.stats.l2)],
+                vec![format!("reference l2 {:e}, candidate 0", r.l2)],
             ));
         }
         if let (Some((mut x, _)), Some((mut y, _))) =

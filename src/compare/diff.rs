@@ -3,8 +3,6 @@
 //! candidate's dtype or calibrated on a noise envelope, the first divergent stage located,
 //! its error set against its input's, and the fault classified from what the traces show.
 
-use std::collections::BTreeMap;
-
 use anyhow::{Context, Result};
 use serde::Serialize;
 
@@ -12,7 +10,7 @@ use super::classify::classify;
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::unshard::{unshard, Sharding};
-use crate::trace::{ElemType, StageRecord, Trace};
+use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
 
 /// `rel_diff` two f32 computations of one forward stay under (different summation orders give
 /// about 1e-12 on the reference's models).
@@ -66,11 +64,46 @@ pub struct StageDiff {
     pub amplification: Option<f64>,
     #[serde(flatten)]
     pub metrics: Option<Metrics>,
-    /// Reference and candidate statistics, for the report.
-    pub ref_absmax: f64,
-    pub cand_absmax: f64,
-    pub ref_nonfinite: u64,
-    pub cand_nonfinite: u64,
+    pub shape: Vec<u64>,
+    #[serde(rename = "ref")]
+    pub reference: Side,
+    #[serde(rename = "cand")]
+    pub candidate: Side,
+}
+
+/// What one side's tensor looks like, from its values or its recorded statistics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Side {
+    pub nan: u64,
+    pub inf: u64,
+    pub absmax: f64,
+    pub l2: f64,
+}
+
+impl Side {
+    fn of_stats(s: &TensorStats) -> Side {
+        Side {
+            nan: s.nan,
+            inf: s.inf,
+            absmax: s.absmax,
+            l2: s.l2,
+        }
+    }
+
+    fn of_values(v: &[f32]) -> Side {
+        let finite = v.iter().filter(|x| x.is_finite()).map(|&x| f64::from(x));
+        let (absmax, sq) = finite.fold((0f64, 0f64), |(m, q), x| (m.max(x.abs()), q + x * x));
+        Side {
+            nan: v.iter().filter(|x| x.is_nan()).count() as u64,
+            inf: v.iter().filter(|x| x.is_infinite()).count() as u64,
+            absmax,
+            l2: sq.sqrt(),
+        }
+    }
+
+    pub fn non_finite(&self) -> u64 {
+        self.nan + self.inf
+    }
 }
 
 /// Where the candidate first leaves its tolerance.
@@ -152,50 +185,79 @@ fn id_sets(values: &[f32], shape: &[u64]) -> Vec<Vec<i64>> {
         .collect()
 }
 
-/// Compare two sides of one stage: `rel_diff`, the basis, and the metrics when values exist.
+/// One stage (`rank` None: the whole tensor, parts unsharded) compared between two traces.
+struct Measured {
+    rel_diff: f64,
+    basis: Basis,
+    metrics: Option<Metrics>,
+    shape: Vec<u64>,
+    reference: Side,
+    candidate: Side,
+}
+
+/// A side's values of `name` at `rank` (None: the whole tensor) with their shape.
+fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
+    match rank {
+        None => whole_values(t, name),
+        Some(r) => {
+            let shape = t
+                .stage(name, Some(r))
+                .map(|s| s.shape.clone())
+                .unwrap_or_default();
+            Ok(t.tensor(name, Some(r))?.map(|v| (v, shape)))
+        }
+    }
+}
+
+/// Compare stage `name` at `rank`; `r` and `c` are the records standing for each side (the
+/// whole record, or a rank part when the side only holds parts).
 fn measure(
     reference: &Trace,
     candidate: &Trace,
+    name: &str,
+    rank: Option<u32>,
     r: &StageRecord,
     c: &StageRecord,
-) -> Result<(f64, Basis, Option<Metrics>)> {
-    let values = |t: &Trace, rank| -> Result<Option<Vec<f32>>> {
-        Ok(match rank {
-            Some(rank) => t.tensor(&r.name, Some(rank))?,
-            None => whole_values(t, &r.name)?.map(|(v, _)| v),
-        })
-    };
-    let (rv, cv) = if r.shape == c.shape {
-        (values(reference, r.rank)?, values(candidate, c.rank)?)
-    } else {
-        (None, None)
-    };
-    if r.dtype == ElemType::I32 {
-        return Ok(match (rv, cv) {
-            (Some(x), Some(y)) => {
-                let (a, b) = (id_sets(&x, &r.shape), id_sets(&y, &c.shape));
+) -> Result<Measured> {
+    let (rv, cv) = (
+        side_values(reference, name, rank)?,
+        side_values(candidate, name, rank)?,
+    );
+    if let (Some((x, xs)), Some((y, ys))) = (&rv, &cv) {
+        if xs == ys {
+            let (reference, candidate) = (Side::of_values(x), Side::of_values(y));
+            if r.dtype == ElemType::I32 {
+                let (a, b) = (id_sets(x, xs), id_sets(y, ys));
                 let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
-                (differ as f64 / a.len().max(1) as f64, Basis::Ids, None)
+                let rel_diff = differ as f64 / a.len().max(1) as f64;
+                let (basis, metrics, shape) = (Basis::Ids, None, xs.clone());
+                return Ok(Measured {
+                    rel_diff,
+                    basis,
+                    metrics,
+                    shape,
+                    reference,
+                    candidate,
+                });
             }
-            _ => (
-                if r.stats.hash == c.stats.hash && r.shape == c.shape {
-                    0.0
-                } else {
-                    1.0
-                },
-                Basis::Ids,
-                None,
-            ),
-        });
+            let m = Metrics::of(x, y);
+            return Ok(Measured {
+                rel_diff: m.rel_diff,
+                basis: Basis::Values,
+                metrics: Some(m),
+                shape: xs.clone(),
+                reference,
+                candidate,
+            });
+        }
     }
-    if let (Some(x), Some(y)) = (rv, cv) {
-        let m = Metrics::of(&x, &y);
-        return Ok((m.rel_diff, Basis::Values, Some(m)));
-    }
-    // Stats: equal hashes are equal tensors; otherwise the norms bound rel_diff from below.
-    let bound = if r.stats.hash == c.stats.hash && r.shape == c.shape {
+    // Statistics: equal hashes are equal tensors; otherwise the norms bound rel_diff from below.
+    let same = r.shape == c.shape && r.rank == c.rank;
+    let rel_diff = if !same {
+        1.0
+    } else if r.stats.hash == c.stats.hash {
         0.0
-    } else if r.shape != c.shape {
+    } else if r.dtype == ElemType::I32 {
         1.0
     } else {
         let (a, b) = (r.stats.l2, c.stats.l2);
@@ -205,43 +267,48 @@ fn measure(
             0.0
         }
     };
-    Ok((bound, Basis::Stats, None))
+    Ok(Measured {
+        rel_diff,
+        basis: if r.dtype == ElemType::I32 {
+            Basis::Ids
+        } else {
+            Basis::Stats
+        },
+        metrics: None,
+        shape: r.shape.clone(),
+        reference: Side::of_stats(&r.stats),
+        candidate: Side::of_stats(&c.stats),
+    })
 }
 
-/// The stage pairs to compare, in the reference's recording order: whole tensors, then rank
-/// by rank where both sides recorded the same ranks.
+/// What to compare, in the reference's recording order: each stage whole (rank parts
+/// unsharded), then rank by rank where both sides recorded the same ranks. With the records
+/// that stand for each side.
 fn pairs<'t>(
     reference: &'t Trace,
     candidate: &'t Trace,
-) -> Vec<(&'t StageRecord, &'t StageRecord)> {
-    let mut by_name: BTreeMap<(&str, Option<u32>), &StageRecord> = BTreeMap::new();
-    for s in candidate.stages() {
-        by_name.insert((s.name.as_str(), s.rank), s);
-    }
+) -> Vec<(String, Option<u32>, &'t StageRecord, &'t StageRecord)> {
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for r in reference.stages() {
-        // Top-k boundary gaps explain near-ties; they are not outputs to judge.
+        // Top-k boundary gaps explain near ties; they are not outputs to judge.
         if r.name.ends_with("_gap") || !seen.insert(r.name.as_str()) {
             continue;
         }
-        // A whole record stands for the stage; rank parts are unsharded when values exist.
-        let whole = |t: &'t Trace| {
-            t.stages()
-                .iter()
-                .find(|s| s.name == r.name && s.rank.is_none())
+        let stands_for = |t: &'t Trace| {
+            t.stage(&r.name, None)
                 .or_else(|| t.stages().iter().find(|s| s.name == r.name))
         };
-        if let (Some(rw), Some(cw)) = (whole(reference), whole(candidate)) {
-            out.push((rw, cw));
+        if let (Some(rw), Some(cw)) = (stands_for(reference), stands_for(candidate)) {
+            out.push((r.name.clone(), None, rw, cw));
         }
         for rr in reference
             .stages()
             .iter()
             .filter(|s| s.name == r.name && s.rank.is_some())
         {
-            if let Some(cr) = by_name.get(&(r.name.as_str(), rr.rank)) {
-                out.push((rr, *cr));
+            if let Some(cr) = candidate.stage(&r.name, rr.rank) {
+                out.push((r.name.clone(), rr.rank, rr, cr));
             }
         }
     }
@@ -256,40 +323,38 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         .unwrap_or_else(|| default_tolerance(&cand_dtype));
     let mut stages = Vec::new();
     let mut prev_rel: Option<f64> = None;
-    for (r, c) in pairs(reference, candidate) {
-        let rank = if r.rank.is_some() { r.rank } else { None };
-        let (rel_diff, basis, metrics) = measure(reference, candidate, r, c)?;
+    for (name, rank, r, c) in pairs(reference, candidate) {
+        let m = measure(reference, candidate, &name, rank, r, c)?;
         let tolerance = match (opts.envelope, opts.tolerance) {
-            (Some(env), None) => envelope_tolerance(reference, env, r)?,
+            (Some(env), None) => envelope_tolerance(reference, env, &name, rank, r)?,
             _ => default,
         };
-        let new_non_finite = c.stats.nan + c.stats.inf > r.stats.nan + r.stats.inf;
-        let status = if rel_diff > tolerance || new_non_finite || r.shape != c.shape {
+        let new_non_finite = m.candidate.non_finite() > m.reference.non_finite();
+        let status = if m.rel_diff > tolerance || new_non_finite {
             Status::Fail
         } else {
             Status::Pass
         };
-        let amplification = match (basis, prev_rel) {
+        let amplification = match (m.basis, prev_rel) {
             (Basis::Ids, _) | (_, None) => None,
-            (_, Some(p)) => Some(rel_diff / p.max(1e-30)),
+            (_, Some(p)) => Some(m.rel_diff / p.max(1e-30)),
         };
-        if basis != Basis::Ids && rank.is_none() {
-            prev_rel = Some(rel_diff);
+        if m.basis != Basis::Ids && rank.is_none() {
+            prev_rel = Some(m.rel_diff);
         }
         stages.push(StageDiff {
-            layer: layer_of(&r.name),
-            stage: r.name.clone(),
+            layer: layer_of(&name),
+            stage: name,
             rank,
             status,
-            basis,
-            rel_diff,
+            basis: m.basis,
+            rel_diff: m.rel_diff,
             tolerance,
             amplification,
-            metrics,
-            ref_absmax: r.stats.absmax,
-            cand_absmax: c.stats.absmax,
-            ref_nonfinite: r.stats.nan + r.stats.inf,
-            cand_nonfinite: c.stats.nan + c.stats.inf,
+            metrics: m.metrics,
+            shape: m.shape,
+            reference: m.reference,
+            candidate: m.candidate,
         });
     }
     let first = stages.iter().position(|s| s.status == Status::Fail);
@@ -334,17 +399,21 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
 
 /// A stage's calibrated tolerance: the envelope's own departure from the reference there, times
 /// [`ENVELOPE_FACTOR`], never below [`F32_TOLERANCE`].
-fn envelope_tolerance(reference: &Trace, envelope: &Trace, r: &StageRecord) -> Result<f64> {
+fn envelope_tolerance(
+    reference: &Trace,
+    envelope: &Trace,
+    name: &str,
+    rank: Option<u32>,
+    r: &StageRecord,
+) -> Result<f64> {
     let Some(e) = envelope
-        .stages()
-        .iter()
-        .find(|s| s.name == r.name && s.rank == r.rank)
-        .or_else(|| envelope.stages().iter().find(|s| s.name == r.name))
+        .stage(name, rank)
+        .or_else(|| envelope.stages().iter().find(|s| s.name == name))
     else {
         return Ok(default_tolerance(&envelope.manifest().dtype));
     };
-    let (env_rel, _, _) = measure(reference, envelope, r, e)?;
-    Ok((ENVELOPE_FACTOR * env_rel).max(F32_TOLERANCE))
+    let m = measure(reference, envelope, name, rank, r, e)?;
+    Ok((ENVELOPE_FACTOR * m.rel_diff).max(F32_TOLERANCE))
 }
 
 /// A passing comparison whose stages still exceed f32 noise: precision, not a bug.
