@@ -69,13 +69,7 @@ fn rank_bytes(files: &ModelFiles, family: Family) -> Vec<(u64, u64)> {
     let roles: Vec<(Option<WeightId>, u64)> = files
         .tensors()
         .iter()
-        .map(|t| {
-            let id = match family {
-                Family::Gguf => WeightId::from_gguf(&t.name),
-                Family::Hf => WeightId::from_hf(t.name.trim_end_matches("_scale_inv")),
-            };
-            (id, t.nbytes)
-        })
+        .map(|t| (schema::role(family, &t.name), t.nbytes))
         .collect();
     TP_SIZES
         .iter()

@@ -7,6 +7,7 @@ mod inspect;
 mod logits;
 mod output;
 mod run;
+mod shards;
 mod synth;
 
 use std::path::PathBuf;
@@ -46,6 +47,8 @@ pub enum Command {
     Diff(diff::DiffArgs),
     /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
     Logits(logits::LogitsArgs),
+    /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds.
+    Shards(shards::ShardsArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
 }
@@ -70,5 +73,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Run(a) => run::run(a),
         Command::Diff(a) => diff::run(a),
         Command::Logits(a) => logits::run(a),
+        Command::Shards(a) => shards::run(a),
     }
 }

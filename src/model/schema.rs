@@ -88,6 +88,15 @@ impl SchemaReport {
 }
 
 /// Decide the layout from the tensor names present.
+/// The role of a stored tensor by its name in `family`'s convention (FP8 scale tensors belong to
+/// their weight).
+pub fn role(family: Family, name: &str) -> Option<WeightId> {
+    match family {
+        Family::Gguf => WeightId::from_gguf(name),
+        Family::Hf => WeightId::from_hf(name.trim_end_matches("_scale_inv")),
+    }
+}
+
 pub fn detect_layout(family: Family, tensors: &[TensorEntry]) -> Layout {
     let has = |pred: &dyn Fn(&str) -> bool| tensors.iter().any(|t| pred(&t.name));
     let kv_b = match tensors

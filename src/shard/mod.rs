@@ -1,33 +1,15 @@
-//! vLLM's tensor-parallel plan for GLM-5, as far as byte accounting needs it: which weights are
-//! split across ranks and which every rank holds whole.
+//! vLLM's tensor-parallel plan for GLM-5: per weight and rank ([`plan`]), and the bytes a rank
+//! holds.
 
-use crate::model::names::{LayerWeight::*, WeightId};
+pub mod plan;
+
+use crate::model::names::WeightId;
+use plan::{placement, Placement};
 
 /// Whether vLLM splits this weight across TP ranks (ColumnParallel, RowParallel, vocab-parallel,
 /// or experts split along their intermediate dimension) rather than replicating it.
 pub fn is_tp_sharded(id: &WeightId) -> bool {
-    match id {
-        WeightId::Embed | WeightId::LmHead => true,
-        WeightId::FinalNorm => false,
-        WeightId::Expert { .. } => true,
-        WeightId::Layer(_, w) => matches!(
-            w,
-            QB | KvB
-                | KB
-                | VB
-                | AttnOut
-                | Gate
-                | Up
-                | Down
-                | ExpertsGate
-                | ExpertsUp
-                | ExpertsDown
-                | ExpertsGateUp
-                | SharedGate
-                | SharedUp
-                | SharedDown
-        ),
-    }
+    placement(id, false) != Placement::Replicated
 }
 
 /// Bytes one rank holds at TP `tp`: replicated tensors whole, sharded ones divided evenly.
@@ -46,6 +28,7 @@ pub fn bytes_per_rank(tensors: &[(Option<WeightId>, u64)], tp: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::names::LayerWeight::*;
 
     #[test]
     fn attention_up_projections_shard_and_norms_replicate() {
