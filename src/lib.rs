@@ -7,6 +7,7 @@ pub mod cli;
 pub mod compare;
 pub mod exec;
 pub mod model;
+pub mod report;
 pub mod shard;
 pub mod synth;
 pub mod trace;

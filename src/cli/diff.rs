@@ -1,5 +1,6 @@
 //! `glmcheck diff REF CAND`: per-stage metrics, the first divergence and its class; a table on a
-//! terminal, JSON with `--json`.
+//! terminal, JSON with `--json`, Markdown with `--markdown`, and with `--html OUT` also a
+//! self-contained HTML report.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +10,7 @@ use super::output::{num, table};
 use super::Outcome;
 use crate::compare::diff::Basis;
 use crate::compare::{diff, DiffOptions, DiffReport, Status};
+use crate::report::{self, LogitsView};
 use crate::trace::Trace;
 
 #[derive(clap::Args, Debug)]
@@ -28,6 +30,16 @@ pub struct DiffArgs {
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// GitHub-flavoured Markdown on stdout instead of the table (verdict, first divergence,
+    /// fault with evidence, logits, per-layer table, worst stages): for CI job summaries, e.g.
+    /// `>> "$GITHUB_STEP_SUMMARY"`.
+    #[arg(long, conflicts_with = "json")]
+    pub markdown: bool,
+    /// Also write a self-contained HTML report to OUT (no network, no JavaScript): verdict,
+    /// fault, a per-layer plot of rel_diff, cosine and norm ratio per stage kind with the first
+    /// divergence marked, the logits' health and histogram, and the stage tables.
+    #[arg(long, value_name = "OUT")]
+    pub html: Option<PathBuf>,
 }
 
 fn open(path: &Path) -> anyhow::Result<Trace> {
@@ -42,8 +54,19 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
         envelope: envelope.as_ref(),
     };
     let report = diff(&reference, &candidate, &opts)?;
+    let logits = if args.markdown || args.html.is_some() {
+        LogitsView::read(&reference, &candidate)?
+    } else {
+        None
+    };
+    if let Some(out) = &args.html {
+        std::fs::write(out, report::html(&report, logits.as_ref()))
+            .with_context(|| format!("{}: writing the HTML report", out.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
+    } else if args.markdown {
+        print!("{}", report::markdown(&report, logits.as_ref()));
     } else {
         print_report(&report);
     }
