@@ -379,7 +379,7 @@ impl Column<'_> {
         self.stages
             .iter()
             .copied()
-            .find(|s| s.cand_nonfinite > s.ref_nonfinite)
+            .find(|s| s.candidate.non_finite() > s.reference.non_finite())
     }
 }
 
@@ -814,8 +814,8 @@ fn divergence_plot(h: &mut String, report: &DiffReport) {
                         x + 6.0,
                         y + 10.0,
                         esc(&s.stage),
-                        s.cand_nonfinite,
-                        s.ref_nonfinite
+                        s.candidate.non_finite(),
+                        s.reference.non_finite()
                     );
                 }
             }
@@ -1457,10 +1457,10 @@ fn stage_table(
             m.map_or("-".into(), |m| num(m.mean_abs)),
             m.map_or("-".into(), |m| format!("{:.4}", m.norm_ratio)),
             s.amplification.map_or("-".into(), num),
-            num(s.ref_absmax),
-            num(s.cand_absmax),
-            s.ref_nonfinite,
-            s.cand_nonfinite,
+            num(s.reference.absmax),
+            num(s.candidate.absmax),
+            s.reference.non_finite(),
+            s.candidate.non_finite(),
         );
     }
     h.push_str("</table></div>\n");
