@@ -482,3 +482,49 @@ fn tensor_parallel_parts_are_unsharded_and_compared_by_rank() {
         "rank 0 holds rank 1's heads"
     );
 }
+
+/// transformers in bf16 breaks a DSA near tie differently from the reference (its indexer
+/// scores round differently): reported as precision loss with the reference's gap as evidence,
+/// not as a fault.
+#[test]
+fn near_tie_flips_of_transformers_in_bf16_are_precision_loss() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32", "bf16"]);
+    let hf_bf16 = dir.path().join("hf-bf16.trace");
+    let out = Command::new(common::python())
+        .env("PYTHONPATH", common::root().join("probes"))
+        .args(["-m", "glmcheck_probe.transformers_probe"])
+        .arg(dir.path().join("hf"))
+        .args([
+            "--tokens", TOKENS, "--full", "**", "--dtype", "bf16", "--out",
+        ])
+        .arg(&hf_bf16)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let [reference, envelope, candidate] =
+        [&runs[0], &runs[1], &hf_bf16].map(|p| Trace::open(p).unwrap());
+    assert_eq!(candidate.manifest().dtype, "bf16");
+    let opts = DiffOptions {
+        envelope: Some(&envelope),
+        ..Default::default()
+    };
+    let report = diff(&reference, &candidate, &opts).unwrap();
+    let flipped = report
+        .stages
+        .iter()
+        .any(|s| s.basis == glmcheck::compare::diff::Basis::Ids && s.rel_diff > 0.0);
+    assert!(flipped, "this seed's bf16 run flips a DSA near tie");
+    let fault = report.fault.expect("a finding");
+    assert_eq!(fault.class, FaultClass::PrecisionLoss, "{}", fault.summary);
+    assert!(fault.summary.contains("near ties"), "{}", fault.summary);
+    assert!(
+        fault.evidence.iter().any(|e| e.contains("reference gap")),
+        "{:?}",
+        fault.evidence
+    );
+}

@@ -1,9 +1,12 @@
 //! `glmcheck demo`: the embedded default. It builds a tiny Q4_K_M GLM-5 GGUF in a temporary
-//! folder, shows `inspect` and `dequant` on it, and runs the CPU reference on a prompt. (The TP
-//! candidate with an injected fault and `bisect` join it as they land.)
+//! folder, shows `inspect` and `dequant` on it, runs the CPU reference on a prompt and a bf16
+//! candidate, and compares them with `diff` and `logits`. (The TP candidate with an injected
+//! fault and `bisect` join it as they land.)
 
 use super::dequant::{self, DequantArgs};
+use super::diff::{self, DiffArgs};
 use super::inspect::{self, InspectArgs};
+use super::logits::{self, LogitsArgs};
 use super::run::{self, RunArgs};
 use super::{ModelArg, Outcome};
 use crate::exec::backend::Precision;
@@ -54,19 +57,40 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         dump: None,
     })?;
     say("glmcheck run glm5-tiny.gguf --prompt 'The capital of France is' --generate 8 --out reference.trace");
-    let ran = run::run(RunArgs {
-        model: path.clone(),
-        tokens: Vec::new(),
-        prompt: Some("The capital of France is".into()),
-        out: dir.path().join("reference.trace"),
-        full: Vec::new(),
-        latent_norm_eps: HF_LATENT_NORM_EPS,
-        generate: 8,
-        dtype: Precision::F32,
+    let run_at = |dtype: Precision, name: &str| {
+        run::run(RunArgs {
+            model: path.clone(),
+            tokens: Vec::new(),
+            prompt: Some("The capital of France is".into()),
+            out: dir.path().join(name),
+            full: Vec::new(),
+            latent_norm_eps: HF_LATENT_NORM_EPS,
+            generate: 8,
+            dtype,
+            json: args.json,
+        })
+    };
+    let ran = run_at(Precision::F32, "reference.trace")?;
+    say("glmcheck run glm5-tiny.gguf --prompt ... --dtype bf16 --out candidate.trace");
+    let candidate = run_at(Precision::Bf16, "candidate.trace")?;
+    say("glmcheck diff reference.trace candidate.trace");
+    let diffed = diff::run(DiffArgs {
+        reference: dir.path().join("reference.trace"),
+        candidate: dir.path().join("candidate.trace"),
+        envelope: None,
+        tolerance: None,
+        json: args.json,
+        markdown: false,
+        html: None,
+    })?;
+    say("glmcheck logits candidate.trace --reference reference.trace");
+    let logits = logits::run(LogitsArgs {
+        trace: dir.path().join("candidate.trace"),
+        reference: Some(dir.path().join("reference.trace")),
         json: args.json,
     })?;
     Ok(
-        if [inspected, checked, ran]
+        if [inspected, checked, ran, candidate, diffed, logits]
             .iter()
             .all(|o| *o == Outcome::Pass)
         {

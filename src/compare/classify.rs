@@ -79,6 +79,21 @@ pub fn classify(
     if s.basis == Basis::Ids {
         return top_k_fault(reference, candidate, s, dtype);
     }
+    // Another top-k choice earlier in this layer explains what follows it.
+    if let Some(choice) = stages[..i]
+        .iter()
+        .rev()
+        .take_while(|p| p.layer == s.layer)
+        .find(|p| p.basis == Basis::Ids && p.rel_diff > 0.0)
+    {
+        let mut f = top_k_fault(reference, candidate, choice, dtype)?;
+        f.summary = format!("{}; {at} diverges after it", f.summary);
+        f.evidence.push(format!(
+            "{at}: rel_diff {:e} (tolerance {:e})",
+            s.rel_diff, s.tolerance
+        ));
+        return Ok(f);
+    }
     if at == "logits" {
         if let (Some((x, shape)), Some((y, _))) =
             (whole_values(reference, at)?, whole_values(candidate, at)?)
