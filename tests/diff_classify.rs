@@ -528,3 +528,90 @@ fn near_tie_flips_of_transformers_in_bf16_are_precision_loss() {
         fault.evidence
     );
 }
+
+/// A candidate that disagrees on shapes (another vocabulary, another top-k width) or lacks
+/// stages is a failing comparison, never a crash; mismatched logits for `logits` are a one-line
+/// error.
+#[test]
+fn mismatched_shapes_and_missing_stages_are_findings_not_crashes() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let m = reference.manifest();
+    let header = TraceHeader {
+        producer: m.producer.clone(),
+        model: m.model.clone(),
+        tokens: m.tokens.clone(),
+        backend: "odd".into(),
+        dtype: m.dtype.clone(),
+        tp: 1,
+    };
+    let out = dir.path().join("odd.trace");
+    let mut w = TraceWriter::create(&out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
+    for s in reference.stages() {
+        match s.name.as_str() {
+            "L0.attn.q" => continue,
+            "logits" => {
+                let v = reference.tensor("logits", None).unwrap().unwrap();
+                let cut: Vec<f32> = v
+                    .chunks(s.shape[1] as usize)
+                    .flat_map(|r| r[..100].to_vec())
+                    .collect();
+                w.record(
+                    "logits",
+                    &[s.shape[0], 100],
+                    &s.dims,
+                    None,
+                    Stage::F32(&cut),
+                )
+                .unwrap();
+            }
+            name if name.ends_with("moe.topk_ids") => {
+                let ids = reference.tensor_i32(name, None).unwrap().unwrap();
+                let first: Vec<i32> = ids.chunks(s.shape[1] as usize).map(|r| r[0]).collect();
+                w.record(name, &[s.shape[0], 1], &s.dims, None, Stage::I32(&first))
+                    .unwrap();
+            }
+            name if s.dtype == ElemType::I32 => {
+                let ids = reference.tensor_i32(name, None).unwrap().unwrap();
+                w.record(name, &s.shape, &s.dims, None, Stage::I32(&ids))
+                    .unwrap();
+            }
+            name => {
+                let v = reference.tensor(name, None).unwrap().unwrap();
+                w.record(name, &s.shape, &s.dims, None, Stage::F32(&v))
+                    .unwrap();
+            }
+        }
+    }
+    w.finish().unwrap();
+    let cand = Trace::open(&out).unwrap();
+    let report = diff(&reference, &cand, &DiffOptions::default()).unwrap();
+    assert_eq!(report.verdict, Status::Fail);
+    assert_eq!(
+        report.first_divergence.unwrap().stage,
+        "L1.moe.topk_ids",
+        "first shape change"
+    );
+    assert!(
+        !report.stages.iter().any(|s| s.stage == "L0.attn.q"),
+        "missing stage skipped"
+    );
+    let logits = report.stages.iter().find(|s| s.stage == "logits").unwrap();
+    assert_eq!((logits.status, logits.rel_diff), (Status::Fail, 1.0));
+    let run = Command::new(common::glmcheck_bin())
+        .args([
+            "logits",
+            out.to_str().unwrap(),
+            "--reference",
+            runs[0].to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.lines().count() == 1 && err.contains("logits of"),
+        "{err}"
+    );
+}

@@ -207,7 +207,9 @@ fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str)
             s.sort_unstable();
             s
         };
-        let flipped: Vec<usize> = (0..gaps.len())
+        // A hostile trace may disagree on sizes: only positions all three hold are read.
+        let positions = gaps.len().min(x.len() / k.max(1)).min(y.len() / k.max(1));
+        let flipped: Vec<usize> = (0..positions)
             .filter(|&p| set(&x[p * k..(p + 1) * k]) != set(&y[p * k..(p + 1) * k]))
             .collect();
         let largest = gaps.iter().copied().fold(0f32, f32::max);
