@@ -66,6 +66,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
             full: Vec::new(),
             latent_norm_eps: HF_LATENT_NORM_EPS,
             generate: 8,
+            tp: 1,
             dtype,
             json: args.json,
         })

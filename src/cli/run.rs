@@ -47,6 +47,10 @@ pub struct RunArgs {
     /// the dtype, f32 accumulation, f32 router).
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
+    /// Tensor-parallel ranks, split as vLLM splits GLM-5 (`glmcheck shards`) and run on the CPU
+    /// one after another: per-rank stages are recorded with their rank.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub tp: u64,
     /// Greedy-generate this many tokens after the prompt (through a KV cache; only the prompt is
     /// traced).
     #[arg(long, default_value_t = 0)]
@@ -75,6 +79,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
             args.model.display()
         );
     };
+    crate::shard::plan::check_degree(&cfg, args.tp)?;
     let tokenizer = match &args.prompt {
         Some(_) => Some(tokenize::load(&files)?),
         None => None,
@@ -105,13 +110,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         tokens: tokens.clone(),
         backend: "cpu".into(),
         dtype: args.dtype.name().into(),
-        tp: 1,
+        tp: args.tp as u32,
     };
     let mut writer = TraceWriter::create(&args.out, header, full)
         .with_context(|| args.out.display().to_string())?;
     let source = WeightSource::new(files, cfg, family);
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
+        tp: args.tp as usize,
     };
     let (n, g) = (&tokens, args.generate);
     let (top1, generated) = match args.dtype {

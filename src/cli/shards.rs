@@ -9,7 +9,7 @@ use super::output::{bytes, shape, table};
 use super::{ModelArg, Outcome};
 use crate::model::names::WeightId;
 use crate::model::schema::{self, Family};
-use crate::shard::plan::{expert_rank, placement, rank_view, Placement};
+use crate::shard::plan::{check_degree, expert_rank, placement, rank_view, Placement};
 use crate::weights::ModelFiles;
 
 #[derive(clap::Args, Debug)]
@@ -82,13 +82,7 @@ pub fn run(args: ShardsArgs) -> anyhow::Result<Outcome> {
     let Some((cfg, family)) = glm5_config(&files)? else {
         anyhow::bail!("{}: not a GLM-5 checkpoint", args.model.model.display());
     };
-    if cfg.num_attention_heads % args.tp != 0 {
-        anyhow::bail!(
-            "--tp {}: {} attention heads do not split evenly (vLLM asserts it)",
-            args.tp,
-            cfg.num_attention_heads
-        );
-    }
+    check_degree(&cfg, args.tp)?;
     let glob = args
         .tensor
         .as_deref()

@@ -16,6 +16,7 @@ use num_traits::{Float, Zero};
 use super::real::Real;
 use super::rope::{yarn_softmax_factor, Rope};
 use super::source::WeightSource;
+use super::tp::{column_block, column_parallel, concat_columns, row_parallel, WithParts};
 use crate::model::config::IndexerKind;
 use crate::model::names::{LayerWeight::*, WeightId};
 
@@ -97,6 +98,17 @@ pub struct AttentionOut<E> {
     pub selection_gap: Option<Vec<E>>,
     pub ctx: Vec<E>,
     pub out: Mat<E>,
+    /// Per tensor-parallel rank (empty at TP 1): its heads of `q`, `kv` and `ctx`, and its
+    /// partial `o_proj` output before the all-reduce.
+    pub parts: RankParts<E>,
+}
+
+/// What each tensor-parallel rank computes of attention.
+pub struct RankParts<E> {
+    pub q: Vec<Mat<E>>,
+    pub kv: Vec<Mat<E>>,
+    pub ctx: Vec<Mat<E>>,
+    pub out: Vec<Mat<E>>,
 }
 
 /// Where and how a layer's attention runs.
@@ -109,6 +121,8 @@ pub struct Step<'a, B> {
     pub be: &'a B,
     /// Eps of the q_a/kv_a RMSNorms.
     pub latent_norm_eps: f64,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
 }
 
 impl<B> Clone for Step<'_, B> {
@@ -133,6 +147,7 @@ pub fn attention<B: Backend>(
         start,
         be,
         latent_norm_eps,
+        tp,
     } = step;
     let cfg = &src.cfg;
     let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
@@ -147,10 +162,18 @@ pub fn attention<B: Backend>(
     let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
     let q_a = be.linear(hn, &matrix(QA)?)?;
     let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps);
-    let q = be.linear(&q_a_norm, &matrix(QB)?)?;
+    // ColumnParallel up-projections: each rank its whole heads.
+    let up = |x: &Mat<B::E>, role| -> Result<WithParts<B::E>> {
+        if tp == 1 {
+            return Ok((be.linear(x, &matrix(role)?)?, Vec::new()));
+        }
+        let parts = column_parallel(be, x, &src.matrix(WeightId::Layer(l, role))?, tp)?;
+        Ok((concat_columns(&parts), parts))
+    };
+    let (q, q_parts) = up(&q_a_norm, QB)?;
     let kv_a = be.linear(hn, &matrix(KvA)?)?;
     let kv_a_norm = be.rms_norm(&kv_a.columns(0, kvl), &vector(KvANorm)?, latent_norm_eps);
-    let kv = be.linear(&kv_a_norm, &matrix(KvB)?)?;
+    let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
     let rope = Rope::new(cfg);
     let mut q_rot = q.clone();
@@ -225,7 +248,22 @@ pub fn attention<B: Backend>(
             }
         });
     be.round(&mut ctx);
-    let out = be.linear(&Mat::new(t, nh * vd, ctx.clone()), &matrix(AttnOut)?)?;
+    let ctx_mat = Mat::new(t, nh * vd, ctx.clone());
+    // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
+    let (out, ctx_parts, out_parts) = if tp == 1 {
+        (
+            be.linear(&ctx_mat, &matrix(AttnOut)?)?,
+            Vec::new(),
+            Vec::new(),
+        )
+    } else {
+        let ctx_parts = (0..tp)
+            .map(|r| column_block(&ctx_mat, r, tp))
+            .collect::<Result<Vec<_>>>()?;
+        let w = src.matrix(WeightId::Layer(l, AttnOut))?;
+        let (out, out_parts) = row_parallel(be, &ctx_parts, &w)?;
+        (out, ctx_parts, out_parts)
+    };
     Ok(AttentionOut {
         q_a,
         q_a_norm,
@@ -239,6 +277,12 @@ pub fn attention<B: Backend>(
         selection_gap,
         ctx,
         out,
+        parts: RankParts {
+            q: q_parts,
+            kv: kv_parts,
+            ctx: ctx_parts,
+            out: out_parts,
+        },
     })
 }
 

@@ -28,14 +28,22 @@ pub const HF_LATENT_NORM_EPS: f64 = 1e-6;
 
 /// Receives each stage as it is computed: name, row-major shape, dims spec, values.
 pub trait Recorder {
-    fn record(&mut self, name: &str, shape: &[u64], dims: &str, values: Stage<'_>) -> Result<()>;
+    /// `rank`: the tensor-parallel rank whose part this is (None: the whole tensor).
+    fn record(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: Stage<'_>,
+    ) -> Result<()>;
 }
 
 /// Records nothing: generation steps after the traced prompt.
 pub struct Discard;
 
 impl Recorder for Discard {
-    fn record(&mut self, _: &str, _: &[u64], _: &str, _: Stage<'_>) -> Result<()> {
+    fn record(&mut self, _: &str, _: &[u64], _: &str, _: Option<u32>, _: Stage<'_>) -> Result<()> {
         Ok(())
     }
 }
@@ -45,12 +53,15 @@ impl Recorder for Discard {
 pub struct ForwardOptions {
     /// Eps of the q_a/kv_a RMSNorms (transformers: 1e-6; vLLM, llama.cpp: `rms_norm_eps`).
     pub latent_norm_eps: f64,
+    /// Tensor-parallel ranks (vLLM's split, simulated on the CPU; see [`super::tp`]).
+    pub tp: usize,
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
         ForwardOptions {
             latent_norm_eps: HF_LATENT_NORM_EPS,
+            tp: 1,
         }
     }
 }
@@ -83,7 +94,7 @@ pub fn forward<B: Backend>(
         );
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
-    rec.record("embed", &[t as u64, h as u64], "t d", values(&x))?;
+    rec.record("embed", &[t as u64, h as u64], "t d", None, values(&x))?;
     let start = cache.len();
     let mut prev_topk: Option<Selection> = None;
     for l in 0..cfg.num_hidden_layers {
@@ -106,12 +117,19 @@ pub fn forward<B: Backend>(
         &src.vector_in(be, WeightId::FinalNorm)?,
         cfg.rms_norm_eps,
     );
-    rec.record("final_norm", &[t as u64, h as u64], "t d", values(&norm))?;
+    rec.record(
+        "final_norm",
+        &[t as u64, h as u64],
+        "t d",
+        None,
+        values(&norm),
+    )?;
     let logits = lm_head(src, &norm, be)?;
     rec.record(
         "logits",
         &[t as u64, logits.cols as u64],
         "t v(tp)",
+        None,
         values(&logits),
     )?;
     Ok(logits)
@@ -182,9 +200,46 @@ struct Layer<'a, B: Backend> {
 
 impl<B: Backend> Layer<'_, B> {
     fn rec(&mut self, stage: &str, shape: &[usize], dims: &str, values: Stage<'_>) -> Result<()> {
+        self.rec_part(stage, shape, dims, None, values)
+    }
+
+    /// Record one rank's part (`rank` Some) or the whole stage.
+    fn rec_part(
+        &mut self,
+        stage: &str,
+        shape: &[usize],
+        dims: &str,
+        rank: Option<u32>,
+        values: Stage<'_>,
+    ) -> Result<()> {
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         self.rec
-            .record(&format!("L{}.{stage}", self.l), &shape, dims, values)
+            .record(&format!("L{}.{stage}", self.l), &shape, dims, rank, values)
+    }
+
+    /// Each rank's part of a `[t, …]` stage (the part's trailing dims `tail`, its split axis
+    /// first), or the whole when there is one rank.
+    fn rec_parts(
+        &mut self,
+        stage: &str,
+        whole: &Mat<B::E>,
+        parts: &[Mat<B::E>],
+        tail: &[usize],
+        dims: &str,
+    ) -> Result<()> {
+        let shape = |m: &Mat<B::E>| -> Vec<usize> {
+            let inner: usize = tail.iter().skip(1).product();
+            let mut s = vec![m.rows, m.cols / inner.max(1)];
+            s.extend(tail.iter().skip(1));
+            s
+        };
+        if parts.len() <= 1 {
+            return self.rec(stage, &shape(whole), dims, values(whole));
+        }
+        for (r, p) in parts.iter().enumerate() {
+            self.rec_part(stage, &shape(p), dims, Some(r as u32), values(p))?;
+        }
+        Ok(())
     }
 
     fn w(&self, w: LayerWeight) -> WeightId {
@@ -233,10 +288,27 @@ impl<B: Backend> Layer<'_, B> {
         up: LayerWeight,
         down: LayerWeight,
     ) -> Result<Mat<B::E>> {
+        Ok(self.mlp_parts(x, gate, up, down)?.0)
+    }
+
+    /// An MLP's output and, per tensor-parallel rank, its partial output (gate/up
+    /// ColumnParallel, down RowParallel; at TP 1 the output itself).
+    fn mlp_parts(
+        &self,
+        x: &Mat<B::E>,
+        gate: LayerWeight,
+        up: LayerWeight,
+        down: LayerWeight,
+    ) -> Result<super::tp::WithParts<B::E>> {
         let be = self.be;
+        if self.opts.tp > 1 {
+            let w = |role| self.src.matrix(self.w(role));
+            return super::tp::mlp(be, x, [&w(gate)?, &w(up)?, &w(down)?], self.opts.tp);
+        }
         let g = be.linear(x, &self.matrix(gate)?)?;
         let u = be.linear(x, &self.matrix(up)?)?;
-        be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)
+        let y = be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)?;
+        Ok((y.clone(), vec![y]))
     }
 
     /// Attention over the cache, recording its stages.
@@ -259,6 +331,7 @@ impl<B: Backend> Layer<'_, B> {
             start: self.start,
             be: self.be,
             latent_norm_eps: self.opts.latent_norm_eps,
+            tp: self.opts.tp,
         };
         let a = attention(step, hn, self.cache, prev)?;
         self.rec("attn.q_a", &[t, a.q_a.cols], "t d", values(&a.q_a))?;
@@ -268,7 +341,8 @@ impl<B: Backend> Layer<'_, B> {
             "t d",
             values(&a.q_a_norm),
         )?;
-        self.rec("attn.q", &[t, nh, nope + rope_d], "t h(tp) d", values(&a.q))?;
+        let q_tail = [nh, nope + rope_d];
+        self.rec_parts("attn.q", &a.q, &a.parts.q, &q_tail, "t h(tp) d")?;
         self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", values(&a.kv_a))?;
         self.rec(
             "attn.kv_a_norm",
@@ -276,7 +350,8 @@ impl<B: Backend> Layer<'_, B> {
             "t d",
             values(&a.kv_a_norm),
         )?;
-        self.rec("attn.kv", &[t, nh, nope + vd], "t h(tp) d", values(&a.kv))?;
+        let kv_tail = [nh, nope + vd];
+        self.rec_parts("attn.kv", &a.kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
         self.rec(
             "attn.q_rope",
             &[t, nh, rope_d],
@@ -292,8 +367,13 @@ impl<B: Backend> Layer<'_, B> {
         if let Some(gap) = &a.selection_gap {
             self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
         }
-        self.rec("attn.ctx", &[t, nh, vd], "t h(tp) d", B::E::stage(&a.ctx))?;
-        self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
+        let ctx = Mat::new(t, nh * vd, a.ctx.clone());
+        self.rec_parts("attn.ctx", &ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
+        if a.parts.out.is_empty() {
+            self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
+        } else {
+            self.rec_parts("attn.out", &a.out, &a.parts.out, &[], "t d partial(tp)")?;
+        }
         Ok((a.out, a.selection))
     }
 
@@ -323,7 +403,8 @@ impl<B: Backend> Layer<'_, B> {
         let flat_w: Vec<B::E> = weights.iter().flatten().copied().collect();
         self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
         self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
-        let mut routed = Mat::zeros(t, h);
+        let tp = self.opts.tp;
+        let mut routed = vec![Mat::zeros(t, h); tp];
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
@@ -332,27 +413,38 @@ impl<B: Backend> Layer<'_, B> {
         for group in used.chunks(EXPERTS_IN_FLIGHT) {
             let outputs = group
                 .par_iter()
-                .map(|&e| routed_expert(self.src, be, self.l, e, x, &ids, &weights))
+                .map(|&e| routed_expert(self.src, be, self.l, e, x, (&ids, &weights), tp))
                 .collect::<Result<Vec<_>>>()?;
             for ExpertOutput { rows, y } in outputs {
-                for (r, &(s, w)) in rows.iter().enumerate() {
-                    routed
-                        .row_mut(s)
-                        .iter_mut()
-                        .zip(y.row(r))
-                        .for_each(|(o, &v)| *o += w * v);
+                for (part, y) in routed.iter_mut().zip(&y) {
+                    for (r, &(s, w)) in rows.iter().enumerate() {
+                        part.row_mut(s)
+                            .iter_mut()
+                            .zip(y.row(r))
+                            .for_each(|(o, &v)| *o += w * v);
+                    }
                 }
             }
         }
-        be.round(&mut routed.data);
-        self.rec("moe.routed", &[t, h], "t d partial(tp)", values(&routed))?;
-        let shared = if cfg.n_shared_experts > 0 {
-            self.mlp(x, SharedGate, SharedUp, SharedDown)?
+        routed.iter_mut().for_each(|p| be.round(&mut p.data));
+        let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
+            self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
         } else {
-            Mat::zeros(t, h)
+            (Mat::zeros(t, h), vec![Mat::zeros(t, h); tp])
         };
-        self.rec("moe.shared", &[t, h], "t d partial(tp)", values(&shared))?;
-        Ok(be.add(&routed, &shared))
+        let routed_whole = super::tp::all_reduce(be, &routed);
+        self.rec_parts("moe.routed", &routed_whole, &routed, &[], "t d partial(tp)")?;
+        self.rec_parts("moe.shared", &shared_whole, &shared, &[], "t d partial(tp)")?;
+        if tp == 1 {
+            return Ok(be.add(&routed[0], &shared_whole));
+        }
+        // One all-reduce of each rank's routed and shared partial sums, as vLLM's FusedMoE.
+        let per_rank: Vec<Mat<B::E>> = routed
+            .iter()
+            .zip(&shared)
+            .map(|(r, s)| be.add(r, s))
+            .collect();
+        Ok(super::tp::all_reduce(be, &per_rank))
     }
 }
 
@@ -360,7 +452,8 @@ impl<B: Backend> Layer<'_, B> {
 /// output row for each.
 struct ExpertOutput<E> {
     rows: Vec<(usize, E)>,
-    y: Mat<E>,
+    /// Per tensor-parallel rank, its partial output (the whole output at TP 1).
+    y: Vec<Mat<E>>,
 }
 
 /// Routed expert `expert` on the tokens that chose it.
@@ -370,11 +463,10 @@ fn routed_expert<B: Backend>(
     l: u64,
     expert: usize,
     x: &Mat<B::E>,
-    ids: &[Vec<usize>],
-    weights: &[Vec<B::E>],
+    (ids, weights): (&[Vec<usize>], &[Vec<B::E>]),
+    tp: usize,
 ) -> Result<ExpertOutput<B::E>> {
     let [gate, up, down] = src.expert(l, expert as u64)?;
-    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
     let rows: Vec<(usize, B::E)> = (0..x.rows)
         .filter_map(|s| {
             ids[s]
@@ -388,11 +480,17 @@ fn routed_expert<B: Backend>(
         x.cols,
         rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
     );
+    if tp > 1 {
+        // Split along the intermediate dimension: each rank a partial output.
+        let (_, y) = super::tp::mlp(be, &xs, [&gate, &up, &down], tp)?;
+        return Ok(ExpertOutput { rows, y });
+    }
+    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
     let y = be.linear(
         &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
         &down,
     )?;
-    Ok(ExpertOutput { rows, y })
+    Ok(ExpertOutput { rows, y: vec![y] })
 }
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice

@@ -9,13 +9,21 @@ pub mod real;
 pub mod rope;
 pub mod source;
 pub mod tokenize;
+pub mod tp;
 
 use anyhow::Result;
 
 use crate::trace::{Stage, TraceWriter};
 
 impl forward::Recorder for TraceWriter {
-    fn record(&mut self, name: &str, shape: &[u64], dims: &str, values: Stage<'_>) -> Result<()> {
-        Ok(TraceWriter::record(self, name, shape, dims, None, values)?)
+    fn record(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: Stage<'_>,
+    ) -> Result<()> {
+        Ok(TraceWriter::record(self, name, shape, dims, rank, values)?)
     }
 }

@@ -8,6 +8,7 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 
 use crate::model::names::{LayerWeight::*, WeightId};
+use crate::model::Glm5Config;
 
 /// How a weight is laid out across the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,6 +137,23 @@ pub fn rank_view(placement: Placement, shape: &[u64], rank: u64, tp: u64) -> Res
             .map(|p| p * part + rank * share..p * part + (rank + 1) * share)
             .collect(),
     })
+}
+
+/// Whether TP `tp` splits every split dimension of `cfg` evenly (vLLM asserts the heads; the
+/// widths follow at GLM-5's sizes); the error names the dimension.
+pub fn check_degree(cfg: &Glm5Config, tp: u64) -> Result<()> {
+    let dims = [
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    ];
+    for (name, v) in dims {
+        if tp == 0 || v % tp != 0 {
+            bail!("--tp {tp}: {name} = {v} does not split evenly over {tp} ranks");
+        }
+    }
+    Ok(())
 }
 
 /// The rank holding routed expert `e` of `experts` under expert parallelism.
