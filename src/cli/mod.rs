@@ -35,7 +35,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Build a small GLM-5 GGUF in a temporary folder and show `inspect` and `dequant` on it.
+    /// A tiny GLM-5 GGUF in a temporary folder: inspect, dequant, the reference run on a
+    /// prompt, and a bf16 run compared with it (`diff`, `logits`).
     Demo(demo::DemoArgs),
     /// Format, metadata, GLM-5 config, tensor table, schema check, quant histogram, bytes per TP rank.
     Inspect(inspect::InspectArgs),
