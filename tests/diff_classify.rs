@@ -112,18 +112,24 @@ fn other_expert(ids: &mut [i32], k: usize, experts: i32) {
     ids[0] = free;
 }
 
+/// A trace header like `reference`'s (same model and prompt) for a copy written by `backend`.
+fn header_like(reference: &Trace, backend: &str, tp: u32) -> TraceHeader {
+    let m = reference.manifest();
+    TraceHeader {
+        producer: m.producer.clone(),
+        model: m.model.clone(),
+        tokens: m.tokens.clone(),
+        backend: backend.into(),
+        dtype: m.dtype.clone(),
+        tp,
+    }
+}
+
 /// A copy of `reference` with `stage` perturbed, written to `out` through the trace writer (so
 /// its statistics and hashes are the candidate's own).
 fn perturbed(reference: &Trace, stage: &str, p: Perturbation, out: &Path) -> Trace {
     let m = reference.manifest();
-    let header = TraceHeader {
-        producer: m.producer.clone(),
-        model: m.model.clone(),
-        tokens: m.tokens.clone(),
-        backend: "perturbed".into(),
-        dtype: m.dtype.clone(),
-        tp: m.tp,
-    };
+    let header = header_like(reference, "perturbed", reference.manifest().tp);
     let mut w = TraceWriter::create(out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
     for s in reference.stages() {
         if s.dtype == ElemType::I32 {
@@ -359,14 +365,7 @@ fn logits_statistics_agree_with_torch_and_catch_garbage() {
     let mut repeated = reference.tensor("logits", None).unwrap().unwrap();
     repeated.chunks_mut(vocab).for_each(|row| row[3] = 100.0);
     let out = dir.path().join("repeat.trace");
-    let header = TraceHeader {
-        producer: Default::default(),
-        model: reference.manifest().model.clone(),
-        tokens: reference.manifest().tokens.clone(),
-        backend: "test".into(),
-        dtype: "f32".into(),
-        tp: 1,
-    };
+    let header = header_like(&reference, "test", 1);
     let mut w = TraceWriter::create(&out, header, FullSelector::new(&["logits"]).unwrap()).unwrap();
     let shape = reference.stage("logits", None).unwrap().shape.clone();
     w.record("logits", &shape, "t v(tp)", None, Stage::F32(&repeated))
@@ -380,15 +379,7 @@ fn logits_statistics_agree_with_torch_and_catch_garbage() {
 /// stages as two addends, the rest whole; with `swap`'s two ranks exchanged.
 fn as_two_ranks(reference: &Trace, out: &Path, swap: Option<&str>) -> Trace {
     use glmcheck::compare::unshard::Sharding;
-    let m = reference.manifest();
-    let header = TraceHeader {
-        producer: m.producer.clone(),
-        model: m.model.clone(),
-        tokens: m.tokens.clone(),
-        backend: "tp2".into(),
-        dtype: m.dtype.clone(),
-        tp: 2,
-    };
+    let header = header_like(reference, "tp2", 2);
     let mut w = TraceWriter::create(out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
     for s in reference.stages() {
         if s.dtype == ElemType::I32 {
@@ -537,15 +528,7 @@ fn mismatched_shapes_and_missing_stages_are_findings_not_crashes() {
     let dir = common::scratch();
     let runs = reference_runs(dir.path(), &["f32"]);
     let reference = Trace::open(&runs[0]).unwrap();
-    let m = reference.manifest();
-    let header = TraceHeader {
-        producer: m.producer.clone(),
-        model: m.model.clone(),
-        tokens: m.tokens.clone(),
-        backend: "odd".into(),
-        dtype: m.dtype.clone(),
-        tp: 1,
-    };
+    let header = header_like(&reference, "odd", 1);
     let out = dir.path().join("odd.trace");
     let mut w = TraceWriter::create(&out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
     for s in reference.stages() {

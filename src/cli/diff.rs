@@ -8,7 +8,6 @@ use anyhow::Context;
 
 use super::output::{num, table};
 use super::Outcome;
-use crate::compare::diff::Basis;
 use crate::compare::{diff, DiffOptions, DiffReport, Status};
 use crate::report::{self, LogitsView};
 use crate::trace::Trace;
@@ -78,23 +77,18 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
 
 /// A bar of `width` cells for an error on a log scale from 1e-12 (empty) to 1 (full).
 fn bar(rel_diff: f64, width: usize) -> String {
-    let level = if rel_diff > 0.0 {
-        (rel_diff.log10() + 12.0) / 12.0
-    } else {
-        0.0
-    };
-    let filled = (level.clamp(0.0, 1.0) * width as f64).round() as usize;
+    let filled = (report::log_level(rel_diff) * width as f64).round() as usize;
     format!("{}{}", "█".repeat(filled), "·".repeat(width - filled))
 }
 
 fn print_report(report: &DiffReport) {
-    let verdict = match report.verdict {
-        Status::Pass => "PASS",
-        Status::Fail => "FAIL",
-    };
     println!(
-        "{verdict}: {} against {} (candidate dtype {}, tolerance: {})",
-        report.candidate, report.reference, report.candidate_dtype, report.tolerance_source
+        "{}: {} against {} (candidate dtype {}, tolerance: {})",
+        report::verdict_word(report.verdict),
+        report.candidate,
+        report.reference,
+        report.candidate_dtype,
+        report.tolerance_source
     );
     if let Some(d) = &report.first_divergence {
         let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
@@ -113,56 +107,22 @@ fn print_report(report: &DiffReport) {
 
     println!("\nper layer (worst stage; bar: rel_diff on a log scale from 1e-12 to 1)");
     let mut t = table(&["layer", "worst stage", "rel_diff", "", "status"]);
-    // Contiguous runs of one layer (the stages before layer 0 and after the last apart).
-    let stages = &report.stages;
-    let mut start = 0;
-    while start < stages.len() {
-        let layer = stages[start].layer;
-        let end = start
-            + stages[start..]
-                .iter()
-                .take_while(|s| s.layer == layer)
-                .count();
-        let run = &stages[start..end];
-        start = end;
-        let Some(worst) = run
-            .iter()
-            .filter(|s| s.basis != Basis::Ids)
-            .max_by(|a, b| a.rel_diff.total_cmp(&b.rel_diff))
-        else {
-            continue;
-        };
-        let failed = run.iter().any(|s| s.status == Status::Fail);
+    for row in report::layer_rows(report) {
         t.add_row(vec![
-            layer.map_or("-".into(), |l| l.to_string()),
-            worst.stage.clone(),
-            num(worst.rel_diff),
-            bar(worst.rel_diff, 24),
-            if failed { "FAIL".into() } else { "ok".into() },
+            row.layer.map_or("-".into(), |l| l.to_string()),
+            row.worst.stage.clone(),
+            num(row.worst.rel_diff),
+            bar(row.worst.rel_diff, 24),
+            if row.failed {
+                "FAIL".into()
+            } else {
+                "ok".into()
+            },
         ]);
     }
     println!("{t}");
 
     println!("\nstages around the first divergence and the worst ones");
-    let mut rows: Vec<usize> = Vec::new();
-    if let Some(d) = &report.first_divergence {
-        if let Some(i) = report
-            .stages
-            .iter()
-            .position(|s| s.stage == d.stage && s.rank == d.rank)
-        {
-            rows.extend(i.saturating_sub(2)..(i + 3).min(report.stages.len()));
-        }
-    }
-    let mut by_error: Vec<usize> = (0..report.stages.len()).collect();
-    by_error.sort_by(|&a, &b| {
-        report.stages[b]
-            .rel_diff
-            .total_cmp(&report.stages[a].rel_diff)
-    });
-    rows.extend(by_error.into_iter().take(5));
-    rows.sort_unstable();
-    rows.dedup();
     let mut t = table(&[
         "stage",
         "basis",
@@ -174,18 +134,18 @@ fn print_report(report: &DiffReport) {
         "max |Δ|",
         "× input",
     ]);
-    for i in rows {
+    for i in report::notable_stages(report, 5) {
         let s = &report.stages[i];
         let m = s.metrics.as_ref();
-        let mark = match (&report.first_divergence, s.status) {
-            (Some(d), _) if d.stage == s.stage && d.rank == s.rank => "▶ ",
-            _ => "",
+        let mark = if report::is_first(report, s) {
+            "▶ "
+        } else {
+            ""
         };
-        let rank = s.rank.map(|r| format!(" @{r}")).unwrap_or_default();
         t.add_row(vec![
-            format!("{mark}{}{rank}", s.stage),
-            format!("{:?}", s.basis).to_lowercase(),
-            format!("{:?}", s.status).to_uppercase(),
+            format!("{mark}{}", report::stage_label(s)),
+            report::basis_word(s.basis).into(),
+            report::verdict_word(s.status).into(),
             m.map_or("-".into(), |m| format!("{:.6}", m.cosine)),
             num(s.rel_diff),
             num(s.tolerance),

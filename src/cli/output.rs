@@ -51,14 +51,4 @@ pub fn progress(len: u64, quiet: bool, what: &str) -> ProgressBar {
     bar
 }
 
-/// A float in a short fixed form for tables: `1.23e-4`, `0.0312`, `65504`.
-pub fn num(v: f64) -> String {
-    let a = v.abs();
-    if v == 0.0 {
-        "0".into()
-    } else if !(1e-3..1e5).contains(&a) {
-        format!("{v:.3e}")
-    } else {
-        format!("{v:.4}")
-    }
-}
+pub(crate) use crate::report::num;

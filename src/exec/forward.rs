@@ -292,7 +292,7 @@ impl<B: Backend> Layer<'_, B> {
     }
 
     /// An MLP's output and, per tensor-parallel rank, its partial output (gate/up
-    /// ColumnParallel, down RowParallel; at TP 1 the output itself).
+    /// ColumnParallel, down RowParallel; no parts at TP 1).
     fn mlp_parts(
         &self,
         x: &Mat<B::E>,
@@ -307,8 +307,10 @@ impl<B: Backend> Layer<'_, B> {
         }
         let g = be.linear(x, &self.matrix(gate)?)?;
         let u = be.linear(x, &self.matrix(up)?)?;
-        let y = be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)?;
-        Ok((y.clone(), vec![y]))
+        Ok((
+            be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)?,
+            Vec::new(),
+        ))
     }
 
     /// Attention over the cache, recording its stages.
