@@ -67,6 +67,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
             latent_norm_eps: HF_LATENT_NORM_EPS,
             generate: 8,
             tp: 1,
+            inject: None,
             dtype,
             json: args.json,
         })

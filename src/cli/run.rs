@@ -9,6 +9,7 @@ use super::inspect::glm5_config;
 use super::Outcome;
 use crate::exec::backend::{Backend, Cpu, Precision};
 use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
+use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
 use crate::exec::source::WeightSource;
 use crate::exec::tokenize;
@@ -51,6 +52,10 @@ pub struct RunArgs {
     /// one after another: per-rank stages are recorded with their rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: u64,
+    /// Plant a fault from the catalogue (`glmcheck bisect --list-faults`), as `NAME[=ARG]`:
+    /// the run is then a candidate with a known bug.
+    #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
+    pub inject: Option<Injection>,
     /// Greedy-generate this many tokens after the prompt (through a KV cache; only the prompt is
     /// traced).
     #[arg(long, default_value_t = 0)]
@@ -80,6 +85,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         );
     };
     crate::shard::plan::check_degree(&cfg, args.tp)?;
+    if let Some(fault) = &args.inject {
+        fault.check(&cfg, args.tp as usize, args.dtype)?;
+    }
     let tokenizer = match &args.prompt {
         Some(_) => Some(tokenize::load(&files)?),
         None => None,
@@ -97,7 +105,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         FullSelector::new(&args.full)?
     };
     let header = TraceHeader {
-        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": args.latent_norm_eps})
+        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": args.latent_norm_eps,
+                "inject": args.inject.map(|f| f.spec())})
             .as_object()
             .cloned()
             .unwrap_or_default(),
@@ -114,10 +123,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     };
     let mut writer = TraceWriter::create(&args.out, header, full)
         .with_context(|| args.out.display().to_string())?;
-    let source = WeightSource::new(files, cfg, family);
+    let source = WeightSource::new(files, cfg, family).with_fault(args.inject);
     let opts = ForwardOptions {
         latent_norm_eps: args.latent_norm_eps,
         tp: args.tp as usize,
+        ties: None,
     };
     let (n, g) = (&tokens, args.generate);
     let (top1, generated) = match args.dtype {

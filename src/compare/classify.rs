@@ -4,9 +4,10 @@
 
 use anyhow::Result;
 
-use super::diff::{whole_values, Basis, StageDiff};
+use super::diff::{whole_values, Basis, StageDiff, Status};
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
+use super::parts::from_parts;
 use crate::trace::Trace;
 
 /// An error at least this many times its input's is made at this stage, not inherited.
@@ -78,6 +79,12 @@ pub fn classify(
     }
     if s.basis == Basis::Ids {
         return top_k_fault(reference, candidate, s, dtype);
+    }
+    if let Some(f) = from_parts(reference, candidate, s)? {
+        return Ok(f);
+    }
+    if let Some(f) = op_fault(stages, i) {
+        return Ok(f);
     }
     // Another top-k choice earlier in this layer explains what follows it.
     if let Some(choice) = stages[..i]
@@ -176,6 +183,53 @@ pub fn classify(
             format!("tolerance {:e}", s.tolerance),
         ],
     ))
+}
+
+/// The stage right before `stages[i]` named `name` (whole tensors only).
+fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageDiff> {
+    stages[..i]
+        .iter()
+        .rev()
+        .find(|p| p.stage == name && p.rank.is_none())
+}
+
+/// Faults of one op whose input still agrees: the rotary embedding, and the routing weights
+/// of an unchanged expert choice.
+fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
+    let s = &stages[i];
+    let (prefix, what) = s.stage.rsplit_once('.').map(|(l, w)| (l.to_string(), w))?;
+    let layer = prefix.split('.').next().unwrap_or_default();
+    let agrees = |name: &str| input(stages, i, name).filter(|p| p.status == Status::Pass);
+    let rope_input = match what {
+        "q_rope" => format!("{layer}.attn.q"),
+        "k_rope" => format!("{layer}.attn.kv_a"),
+        _ => String::new(),
+    };
+    if let Some(p) = agrees(&rope_input) {
+        return Some(fault(
+            FaultClass::RopeMismatch,
+            format!("{}: the rotation differs while its input agrees", s.stage),
+            vec![format!(
+                "{} agrees (rel_diff {:.2e}); {} after RoPE does not (rel_diff {:.2e}): the \
+                 rotary style (interleaved or NeoX pairs), theta or positions differ",
+                p.stage, p.rel_diff, s.stage, s.rel_diff
+            )],
+        ));
+    }
+    if what == "topk_weights" {
+        let ids = agrees(&format!("{layer}.moe.topk_ids"))?;
+        let logits = agrees(&format!("{layer}.moe.router_logits"))?;
+        return Some(fault(
+            FaultClass::RouterMismatch,
+            format!("{}: the same experts with other weights", s.stage),
+            vec![format!(
+                "{} and {} agree; {} does not (rel_diff {:.2e}): the scoring function \
+                 (sigmoid or softmax), the normalisation or the scaling factor differs",
+                logits.stage, ids.stage, s.stage, s.rel_diff
+            )],
+        ));
+    }
+    None
 }
 
 /// A reference gap at most this share of its layer's largest is a near tie, which a run in a

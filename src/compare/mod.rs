@@ -6,6 +6,7 @@ pub mod diff;
 pub mod fault;
 pub mod logits;
 pub mod metrics;
+pub mod parts;
 pub mod unshard;
 
 pub use diff::{diff, DiffOptions, DiffReport, StageDiff, Status};

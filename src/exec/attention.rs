@@ -13,10 +13,14 @@ use super::mat::Mat;
 use super::ops::{softmax, topk};
 use num_traits::{Float, Zero};
 
+use super::inject::Injection;
 use super::real::Real;
 use super::rope::{yarn_softmax_factor, Rope};
 use super::source::WeightSource;
-use super::tp::{column_block, column_parallel, concat_columns, row_parallel, WithParts};
+use super::ties::TieBreaks;
+use super::tp::{
+    all_reduce, column_block, column_parallel, concat_columns, row_parallel, Sharder, WithParts,
+};
 use crate::model::config::IndexerKind;
 use crate::model::names::{LayerWeight::*, WeightId};
 
@@ -121,8 +125,9 @@ pub struct Step<'a, B> {
     pub be: &'a B,
     /// Eps of the q_a/kv_a RMSNorms.
     pub latent_norm_eps: f64,
-    /// Tensor-parallel ranks.
-    pub tp: usize,
+    /// Tensor-parallel ranks and the slices they hold.
+    pub sharder: Sharder,
+    pub ties: Option<&'a TieBreaks>,
 }
 
 impl<B> Clone for Step<'_, B> {
@@ -147,9 +152,10 @@ pub fn attention<B: Backend>(
         start,
         be,
         latent_norm_eps,
-        tp,
+        sharder,
+        ..
     } = step;
-    let cfg = &src.cfg;
+    let (cfg, tp, fault) = (&src.cfg, sharder.tp, src.fault());
     let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
     let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
     let t = hn.rows;
@@ -167,7 +173,8 @@ pub fn attention<B: Backend>(
         if tp == 1 {
             return Ok((be.linear(x, &matrix(role)?)?, Vec::new()));
         }
-        let parts = column_parallel(be, x, &src.matrix(WeightId::Layer(l, role))?, tp)?;
+        let w = src.matrix(WeightId::Layer(l, role))?;
+        let parts = column_parallel(be, x, &w, role, sharder)?;
         Ok((concat_columns(&parts), parts))
     };
     let (q, q_parts) = up(&q_a_norm, QB)?;
@@ -176,12 +183,13 @@ pub fn attention<B: Backend>(
     let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
     let rope = Rope::new(cfg);
+    let interleave = cfg.rope_interleave != (fault == Some(Injection::RopeNeox));
     let mut q_rot = q.clone();
     let mut k_rope = kv_a.columns(kvl, rope_d);
     for i in 0..t {
-        rope.rotate(k_rope.row_mut(i), start + i, cfg.rope_interleave);
+        rope.rotate(k_rope.row_mut(i), start + i, interleave);
         for head in q_rot.row_mut(i).chunks_exact_mut(qk) {
-            rope.rotate(&mut head[nope..], start + i, cfg.rope_interleave);
+            rope.rotate(&mut head[nope..], start + i, interleave);
         }
     }
     let q_rope: Vec<B::E> = q_rot
@@ -261,7 +269,16 @@ pub fn attention<B: Backend>(
             .map(|r| column_block(&ctx_mat, r, tp))
             .collect::<Result<Vec<_>>>()?;
         let w = src.matrix(WeightId::Layer(l, AttnOut))?;
-        let (out, out_parts) = row_parallel(be, &ctx_parts, &w)?;
+        let (out, out_parts) = row_parallel(be, &ctx_parts, &w, AttnOut, sharder)?;
+        let out = match fault {
+            // Each rank continues with its own partial sum; rank 0's is what it records.
+            Some(f @ Injection::SkipAllReduce(_)) if f.in_layer(l) => out_parts[0].clone(),
+            // The reduced sum, identical on every rank, reduced again.
+            Some(f @ Injection::DoubleAllReduce(_)) if f.in_layer(l) => {
+                all_reduce(be, &vec![out; tp])
+            }
+            _ => out,
+        };
         (out, ctx_parts, out_parts)
     };
     Ok(AttentionOut {
@@ -358,6 +375,9 @@ fn indexer<B: Backend>(
         });
         let mut chosen: Vec<i32> = ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
         chosen.resize(k_sel, -1);
+        if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
+            chosen = reference.to_vec();
+        }
         selection.push(chosen);
     }
     Ok((selection, gaps))

@@ -9,6 +9,8 @@
 //! expert, dense MLP layers, the final norm and an untied `lm_head`. Only the experts the tokens
 //! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
 
+use std::borrow::Cow;
+
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -17,8 +19,12 @@ use super::backend::Backend;
 use super::mat::Mat;
 use super::ops::{sigmoid, softmax, topk};
 
+use super::backend::Precision;
+use super::inject::Injection::{Fp16Overflow, RoutedScaleTwice, RouterSoftmax};
 use super::real::Real;
 use super::source::WeightSource;
+use super::ties::TieBreaks;
+use super::tp::Sharder;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::trace::writer::Stage;
 
@@ -50,18 +56,21 @@ impl Recorder for Discard {
 
 /// Settings where implementations differ.
 #[derive(Clone, Copy, Debug)]
-pub struct ForwardOptions {
+pub struct ForwardOptions<'a> {
     /// Eps of the q_a/kv_a RMSNorms (transformers: 1e-6; vLLM, llama.cpp: `rms_norm_eps`).
     pub latent_norm_eps: f64,
     /// Tensor-parallel ranks (vLLM's split, simulated on the CPU; see [`super::tp`]).
     pub tp: usize,
+    /// Near ties at top-k boundaries resolved as the reference did (see [`TieBreaks`]).
+    pub ties: Option<&'a TieBreaks>,
 }
 
-impl Default for ForwardOptions {
+impl Default for ForwardOptions<'_> {
     fn default() -> Self {
         ForwardOptions {
             latent_norm_eps: HF_LATENT_NORM_EPS,
             tp: 1,
+            ties: None,
         }
     }
 }
@@ -77,7 +86,7 @@ pub fn forward<B: Backend>(
     tokens: &[u32],
     cache: &mut KvCache<B::E>,
     be: &B,
-    opts: ForwardOptions,
+    opts: ForwardOptions<'_>,
     rec: &mut dyn Recorder,
 ) -> Result<Mat<B::E>> {
     let cfg = &src.cfg;
@@ -95,6 +104,8 @@ pub fn forward<B: Backend>(
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
     rec.record("embed", &[t as u64, h as u64], "t d", None, values(&x))?;
+    let scale = ResidualScale::of(src, be);
+    x = scale.down(be, x);
     let start = cache.len();
     let mut prev_topk: Option<Selection> = None;
     for l in 0..cfg.num_hidden_layers {
@@ -107,6 +118,7 @@ pub fn forward<B: Backend>(
             rec: &mut *rec,
             be,
             opts,
+            scale,
         };
         let (out, selection) = layer.run(&x, prev_topk.take())?;
         x = out;
@@ -142,7 +154,7 @@ pub fn generate<B: Backend>(
     prompt: &[u32],
     n: usize,
     be: &B,
-    opts: ForwardOptions,
+    opts: ForwardOptions<'_>,
     rec: &mut dyn Recorder,
 ) -> Result<(Mat<B::E>, Vec<u32>)> {
     let mut cache = KvCache::default();
@@ -195,7 +207,43 @@ struct Layer<'a, B: Backend> {
     cache: &'a mut LayerCache<B::E>,
     rec: &'a mut dyn Recorder,
     be: &'a B,
-    opts: ForwardOptions,
+    opts: ForwardOptions<'a>,
+    scale: ResidualScale<B::E>,
+}
+
+/// vLLM's fp16 guard against overflow: the residual stream held divided by
+/// `routed_scaling_factor` (each layer's attention and FFN outputs scaled down before they are
+/// added; RMSNorm does not see the scale). Stages are recorded in the reference's units. Only
+/// in f16, and not under `--inject fp16-overflow`.
+#[derive(Clone, Copy)]
+struct ResidualScale<E>(Option<E>);
+
+impl<E: Real> ResidualScale<E> {
+    fn of<B: Backend<E = E>>(src: &WeightSource, be: &B) -> Self {
+        let guarded = be.precision() == Precision::F16 && src.fault() != Some(Fp16Overflow);
+        ResidualScale(guarded.then(|| E::lit(src.cfg.routed_scaling_factor)))
+    }
+
+    /// `m` in the stream's units, held in the dtype.
+    fn down<B: Backend<E = E>>(&self, be: &B, mut m: Mat<E>) -> Mat<E> {
+        if let Some(c) = self.0 {
+            m.data.iter_mut().for_each(|v| *v /= c);
+            be.round(&mut m.data);
+        }
+        m
+    }
+
+    /// The stream `m` in the reference's units.
+    fn up<'m>(&self, m: &'m Mat<E>) -> Cow<'m, Mat<E>> {
+        match self.0 {
+            None => Cow::Borrowed(m),
+            Some(c) => Cow::Owned(Mat::new(
+                m.rows,
+                m.cols,
+                m.data.iter().map(|&v| v * c).collect(),
+            )),
+        }
+    }
 }
 
 impl<B: Backend> Layer<'_, B> {
@@ -246,6 +294,13 @@ impl<B: Backend> Layer<'_, B> {
         WeightId::Layer(self.l, w)
     }
 
+    fn sharder(&self) -> Sharder {
+        Sharder {
+            tp: self.opts.tp,
+            fault: self.src.fault(),
+        }
+    }
+
     fn matrix(&self, w: LayerWeight) -> Result<B::Weight> {
         self.src.matrix_in(self.be, self.w(w))
     }
@@ -266,8 +321,8 @@ impl<B: Backend> Layer<'_, B> {
         let hn = be.rms_norm(x, &self.vector(AttnNorm)?, cfg.rms_norm_eps);
         self.rec("attn_norm", &[t, h], "t d", values(&hn))?;
         let (attn, selection) = self.attention(&hn, prev_topk)?;
-        let x = be.add(x, &attn);
-        self.rec("attn_resid", &[t, h], "t d", values(&x))?;
+        let x = be.add(x, &self.scale.down(be, attn));
+        self.rec("attn_resid", &[t, h], "t d", values(&self.scale.up(&x)))?;
         let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps);
         self.rec("ffn_norm", &[t, h], "t d", values(&fin))?;
         let ffn = if cfg.is_moe_layer(self.l) {
@@ -276,8 +331,8 @@ impl<B: Backend> Layer<'_, B> {
             self.mlp(&fin, Gate, Up, Down)?
         };
         self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
-        let out = be.add(&x, &ffn);
-        self.rec("out", &[t, h], "t d", values(&out))?;
+        let out = be.add(&x, &self.scale.down(be, ffn));
+        self.rec("out", &[t, h], "t d", values(&self.scale.up(&out)))?;
         Ok((out, selection))
     }
 
@@ -303,7 +358,8 @@ impl<B: Backend> Layer<'_, B> {
         let be = self.be;
         if self.opts.tp > 1 {
             let w = |role| self.src.matrix(self.w(role));
-            return super::tp::mlp(be, x, [&w(gate)?, &w(up)?, &w(down)?], self.opts.tp);
+            let weights = [(&w(gate)?, gate), (&w(up)?, up), (&w(down)?, down)];
+            return super::tp::mlp(be, x, weights, self.sharder());
         }
         let g = be.linear(x, &self.matrix(gate)?)?;
         let u = be.linear(x, &self.matrix(up)?)?;
@@ -333,7 +389,8 @@ impl<B: Backend> Layer<'_, B> {
             start: self.start,
             be: self.be,
             latent_norm_eps: self.opts.latent_norm_eps,
-            tp: self.opts.tp,
+            sharder: self.sharder(),
+            ties: self.opts.ties,
         };
         let a = attention(step, hn, self.cache, prev)?;
         self.rec("attn.q_a", &[t, a.q_a.cols], "t d", values(&a.q_a))?;
@@ -371,9 +428,10 @@ impl<B: Backend> Layer<'_, B> {
         }
         let ctx = Mat::new(t, nh * vd, a.ctx.clone());
         self.rec_parts("attn.ctx", &ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
-        if a.parts.out.is_empty() {
-            self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
-        } else {
+        // After the all-reduce, and at TP each rank's partial sum before it: a missing or
+        // doubled all-reduce shows as the one disagreeing with the sum of the others.
+        self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
+        if !a.parts.out.is_empty() {
             self.rec_parts("attn.out", &a.out, &a.parts.out, &[], "t d partial(tp)")?;
         }
         Ok((a.out, a.selection))
@@ -393,8 +451,13 @@ impl<B: Backend> Layer<'_, B> {
             Vec::with_capacity(t),
             Vec::with_capacity(t),
         );
+        let softmax = cfg.scoring_func == "softmax" || self.src.fault() == Some(RouterSoftmax);
         for s in 0..t {
-            let (i, w, gap) = route(cfg, logits.row(s), &bias);
+            let tie = self
+                .opts
+                .ties
+                .and_then(|ties| ties.moe_at(self.l, self.start + s));
+            let (i, w, gap) = route(cfg, softmax, logits.row(s), &bias, tie);
             ids.push(i);
             weights.push(w);
             gaps.push(gap);
@@ -406,6 +469,10 @@ impl<B: Backend> Layer<'_, B> {
         self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
         self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
         let tp = self.opts.tp;
+        let sharder = self.sharder();
+        // The expert `nan-expert` poisons: the first the first token chooses.
+        let poisoned =
+            (self.src.fault().and_then(|f| f.nan_layer(cfg)) == Some(self.l)).then(|| ids[0][0]);
         let mut routed = vec![Mat::zeros(t, h); tp];
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
@@ -415,7 +482,14 @@ impl<B: Backend> Layer<'_, B> {
         for group in used.chunks(EXPERTS_IN_FLIGHT) {
             let outputs = group
                 .par_iter()
-                .map(|&e| routed_expert(self.src, be, self.l, e, x, (&ids, &weights), tp))
+                .map(|&e| {
+                    let mut out =
+                        routed_expert(self.src, be, self.l, e, x, (&ids, &weights), sharder)?;
+                    if poisoned == Some(e) {
+                        out.y[0].data[0] = <B::E as num_traits::Float>::nan();
+                    }
+                    Ok(out)
+                })
                 .collect::<Result<Vec<_>>>()?;
             for ExpertOutput { rows, y } in outputs {
                 for (part, y) in routed.iter_mut().zip(&y) {
@@ -427,6 +501,12 @@ impl<B: Backend> Layer<'_, B> {
                     }
                 }
             }
+        }
+        if self.src.fault() == Some(RoutedScaleTwice) {
+            let factor = B::E::lit(cfg.routed_scaling_factor);
+            routed
+                .iter_mut()
+                .for_each(|p| p.data.iter_mut().for_each(|v| *v *= factor));
         }
         routed.iter_mut().for_each(|p| be.round(&mut p.data));
         let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
@@ -466,7 +546,7 @@ fn routed_expert<B: Backend>(
     expert: usize,
     x: &Mat<B::E>,
     (ids, weights): (&[Vec<usize>], &[Vec<B::E>]),
-    tp: usize,
+    sharder: Sharder,
 ) -> Result<ExpertOutput<B::E>> {
     let [gate, up, down] = src.expert(l, expert as u64)?;
     let rows: Vec<(usize, B::E)> = (0..x.rows)
@@ -482,9 +562,10 @@ fn routed_expert<B: Backend>(
         x.cols,
         rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
     );
-    if tp > 1 {
+    if sharder.tp > 1 {
         // Split along the intermediate dimension: each rank a partial output.
-        let (_, y) = super::tp::mlp(be, &xs, [&gate, &up, &down], tp)?;
+        let weights = [(&gate, ExpertsGate), (&up, ExpertsUp), (&down, ExpertsDown)];
+        let (_, y) = super::tp::mlp(be, &xs, weights, sharder)?;
         return Ok(ExpertOutput { rows, y });
     }
     let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
@@ -499,10 +580,12 @@ fn routed_expert<B: Backend>(
 /// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
 fn route<E: Real>(
     cfg: &crate::model::Glm5Config,
+    softmax_scores: bool,
     logits: &[E],
     bias: &[E],
+    tie: Option<&[i32]>,
 ) -> (Vec<usize>, Vec<E>, E) {
-    let scores: Vec<E> = if cfg.scoring_func == "softmax" {
+    let scores: Vec<E> = if softmax_scores {
         let mut s = logits.to_vec();
         softmax(&mut s);
         s
@@ -534,6 +617,9 @@ fn route<E: Real>(
         _ => E::lit(NO_BOUNDARY),
     };
     ids.truncate(k);
+    if let Some(reference) = tie {
+        ids = reference.iter().map(|&i| i as usize).collect();
+    }
     let mut w: Vec<E> = ids.iter().map(|&i| scores[i]).collect();
     if cfg.norm_topk_prob {
         let denom = w.iter().copied().sum::<E>() + E::lit(1e-20);

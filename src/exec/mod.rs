@@ -3,11 +3,13 @@
 pub mod attention;
 pub mod backend;
 pub mod forward;
+pub mod inject;
 pub mod mat;
 pub mod ops;
 pub mod real;
 pub mod rope;
 pub mod source;
+pub mod ties;
 pub mod tokenize;
 pub mod tp;
 

@@ -4,24 +4,62 @@
 use anyhow::{bail, Context, Result};
 
 use super::backend::Backend;
+use super::inject::{k_then_v_rows, Injection};
 use super::mat::Mat;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
 use crate::model::Glm5Config;
-use crate::weights::ModelFiles;
+use crate::weights::{quant, ModelFiles};
 
-/// Weights of one model file set with its config.
+/// Weights of one model file set with its config, and the fault planted in the run that reads
+/// them (weight faults are applied here, op faults by the forward).
 pub struct WeightSource {
     pub files: ModelFiles,
     pub cfg: Glm5Config,
     layout: Layout,
+    fault: Option<Injection>,
 }
 
 impl WeightSource {
     pub fn new(files: ModelFiles, cfg: Glm5Config, family: Family) -> Self {
         let layout = detect_layout(family, files.tensors());
-        WeightSource { files, cfg, layout }
+        WeightSource {
+            files,
+            cfg,
+            layout,
+            fault: None,
+        }
+    }
+
+    /// This source as a candidate with `fault` planted.
+    pub fn with_fault(self, fault: Option<Injection>) -> Self {
+        WeightSource { fault, ..self }
+    }
+
+    pub fn fault(&self) -> Option<Injection> {
+        self.fault
+    }
+
+    /// The stored tensors behind `id` (kv_b's split parts where the file splits it).
+    pub fn tensor_names(&self, id: WeightId) -> Vec<String> {
+        match (id, self.layout.kv_b, self.layout.experts) {
+            (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded, _) => {
+                vec![
+                    self.name(WeightId::Layer(l, LayerWeight::KB)),
+                    self.name(WeightId::Layer(l, LayerWeight::VB)),
+                ]
+            }
+            (
+                WeightId::Layer(l, LayerWeight::ExpertsGate | LayerWeight::ExpertsUp),
+                _,
+                ExpertForm::FusedGateUp,
+            ) => vec![self.name(WeightId::Layer(l, LayerWeight::ExpertsGateUp))],
+            _ => vec![self.name(id)],
+        }
+        .into_iter()
+        .filter(|n| self.files.get(n).is_some())
+        .collect()
     }
 
     fn name(&self, id: WeightId) -> String {
@@ -41,7 +79,14 @@ impl WeightSource {
     ) -> Result<(Vec<f32>, Vec<u64>)> {
         let t = self.files.require(name)?;
         let rows = rows.unwrap_or(0..t.rows());
-        let data = self.files.dequantize_rows(t, rows.clone())?;
+        let data = match self.fault {
+            Some(Injection::DequantQ4kScales) => self.files.dequantize_rows_with(
+                t,
+                rows.clone(),
+                quant::dequantize_rows_misreading_q4k,
+            )?,
+            _ => self.files.dequantize_rows(t, rows.clone())?,
+        };
         self.files.release_rows(t, rows);
         Ok((data, t.shape.clone()))
     }
@@ -53,6 +98,9 @@ impl WeightSource {
     /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
     pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
         let n = (rows.end - rows.start) as usize;
+        if id == WeightId::LmHead && self.fault == Some(Injection::FlatLmHead) {
+            return Ok(Mat::zeros(n, self.cfg.hidden_size as usize));
+        }
         let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
         Ok(Mat::new(n, *shape.last().unwrap_or(&1) as usize, data))
     }
@@ -82,11 +130,33 @@ impl WeightSource {
         if let (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded) =
             (id, self.layout.kv_b)
         {
-            return self.assembled_kv_b(l);
+            return self.planted(id, self.assembled_kv_b(l)?);
+        }
+        if id == WeightId::LmHead {
+            return self.matrix_rows(id, 0..self.cfg.vocab_size);
         }
         let name = self.name(id);
         let (data, shape) = self.load(&name)?;
-        Mat::from_shape(data, &shape).with_context(|| name)
+        self.planted(id, Mat::from_shape(data, &shape).with_context(|| name)?)
+    }
+
+    /// `w` as the planted fault leaves weight `id`.
+    fn planted(&self, id: WeightId, w: Mat) -> Result<Mat> {
+        let c = &self.cfg;
+        Ok(match (self.fault, id) {
+            (Some(Injection::KvBSplitOrder), WeightId::Layer(_, LayerWeight::KvB)) => Mat::new(
+                w.rows,
+                w.cols,
+                k_then_v_rows(
+                    &w.data,
+                    c.num_attention_heads as usize,
+                    c.qk_nope_head_dim as usize,
+                    c.v_head_dim as usize,
+                    w.cols,
+                ),
+            ),
+            _ => w,
+        })
     }
 
     fn assembled_kv_b(&self, l: u64) -> Result<Mat> {

@@ -1,13 +1,17 @@
 //! Tensor parallelism on the CPU, as vLLM splits GLM-5 (see [`crate::shard::plan`]): a
 //! ColumnParallel layer gives each rank a block of output rows, a RowParallel layer a block of
-//! input columns whose partial products an all-reduce sums. Ranks run one after another in
-//! rank order, so a TP run is deterministic; its parts are recorded per rank.
+//! input columns whose partial products an all-reduce sums. Ranks run in parallel threads, each
+//! on its own shard; collectives combine their results in rank order, so a TP run is
+//! deterministic. A planted shard fault ([`Injection`]) changes which slice a rank gets.
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use super::backend::Backend;
+use super::inject::Injection;
 use super::mat::Mat;
 use super::real::Real;
+use crate::model::names::LayerWeight::{self, *};
 
 /// A whole result and each rank's part of it.
 pub type WithParts<E> = (Mat<E>, Vec<Mat<E>>);
@@ -37,15 +41,66 @@ pub fn column_block<E: Real>(m: &Mat<E>, rank: usize, tp: usize) -> Result<Mat<E
     Ok(m.columns(start, len))
 }
 
-/// A ColumnParallel layer: each rank's `x · W_rᵀ`, in rank order.
+/// Whether vLLM splits `role` by output rows (ColumnParallel) rather than input columns.
+pub fn is_column_parallel(role: LayerWeight) -> bool {
+    matches!(
+        role,
+        QB | KvB | Gate | Up | SharedGate | SharedUp | ExpertsGate | ExpertsUp
+    )
+}
+
+/// Which slice of a split weight each rank holds: the plan's, or a planted fault's.
+#[derive(Clone, Copy, Debug)]
+pub struct Sharder {
+    pub tp: usize,
+    pub fault: Option<Injection>,
+}
+
+impl Sharder {
+    /// Rank `rank`'s shard of the split weight `role` (`w` whole, `[out, in]`).
+    pub fn shard(&self, w: &Mat<f32>, role: LayerWeight, rank: usize) -> Result<Mat<f32>> {
+        let tp = self.tp;
+        let column = is_column_parallel(role);
+        let planned = |r| {
+            if column {
+                row_block(w, r, tp)
+            } else {
+                column_block(w, r, tp)
+            }
+        };
+        match self.fault {
+            Some(Injection::UnshardedColumn(f)) if f == role => planned(0),
+            Some(Injection::RankOrder(f)) if f == role => planned(tp - 1 - rank),
+            Some(Injection::ShardAxis(f)) if f == role => {
+                // The other axis's block, viewed in the planned shape.
+                let other = if column {
+                    column_block(w, rank, tp)?
+                } else {
+                    row_block(w, rank, tp)?
+                };
+                let (rows, cols) = if column {
+                    (w.rows / tp, w.cols)
+                } else {
+                    (w.rows, w.cols / tp)
+                };
+                Ok(Mat::new(rows, cols, other.data))
+            }
+            _ => planned(rank),
+        }
+    }
+}
+
+/// A ColumnParallel layer: each rank's `x · W_rᵀ`, the ranks in parallel.
 pub fn column_parallel<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
     w: &Mat<f32>,
-    tp: usize,
+    role: LayerWeight,
+    sharder: Sharder,
 ) -> Result<Vec<Mat<B::E>>> {
-    (0..tp)
-        .map(|r| be.linear(x, &be.hold(row_block(w, r, tp)?)?))
+    (0..sharder.tp)
+        .into_par_iter()
+        .map(|r| be.linear(x, &be.hold(sharder.shard(w, role, r)?)?))
         .collect()
 }
 
@@ -77,12 +132,13 @@ pub fn row_parallel<B: Backend>(
     be: &B,
     x_parts: &[Mat<B::E>],
     w: &Mat<f32>,
+    role: LayerWeight,
+    sharder: Sharder,
 ) -> Result<WithParts<B::E>> {
-    let tp = x_parts.len();
     let partials = x_parts
-        .iter()
+        .par_iter()
         .enumerate()
-        .map(|(r, x)| be.linear(x, &be.hold(column_block(w, r, tp)?)?))
+        .map(|(r, x)| be.linear(x, &be.hold(sharder.shard(w, role, r)?)?))
         .collect::<Result<Vec<_>>>()?;
     let sum = all_reduce(be, &partials);
     Ok((sum, partials))
@@ -93,13 +149,13 @@ pub fn row_parallel<B: Backend>(
 pub fn mlp<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
-    [gate, up, down]: [&Mat<f32>; 3],
-    tp: usize,
+    [gate, up, down]: [(&Mat<f32>, LayerWeight); 3],
+    sharder: Sharder,
 ) -> Result<WithParts<B::E>> {
-    let g = column_parallel(be, x, gate, tp)?;
-    let u = column_parallel(be, x, up, tp)?;
+    let g = column_parallel(be, x, gate.0, gate.1, sharder)?;
+    let u = column_parallel(be, x, up.0, up.1, sharder)?;
     let h: Vec<Mat<B::E>> = g.iter().zip(&u).map(|(g, u)| be.silu_mul(g, u)).collect();
-    row_parallel(be, &h, down)
+    row_parallel(be, &h, down.0, down.1, sharder)
 }
 
 #[cfg(test)]
@@ -113,17 +169,47 @@ mod tests {
         let x = Mat::new(2, 4, vec![1., 2., 3., 4., -1., 0.5, 2., -3.]);
         let w = Mat::new(4, 4, (0..16).map(|v| v as f32 * 0.25 - 1.0).collect());
         let whole = be.linear(&x, &be.hold(w.clone()).unwrap()).unwrap();
-        let parts = column_parallel(&be, &x, &w, 2).unwrap();
+        let plan = Sharder { tp: 2, fault: None };
+        let parts = column_parallel(&be, &x, &w, QB, plan).unwrap();
         assert_eq!(concat_columns(&parts), whole);
         let x_parts = [
             column_block(&x, 0, 2).unwrap(),
             column_block(&x, 1, 2).unwrap(),
         ];
-        let (sum, _) = row_parallel(&be, &x_parts, &w).unwrap();
+        let (sum, _) = row_parallel(&be, &x_parts, &w, AttnOut, plan).unwrap();
         sum.data
             .iter()
             .zip(&whole.data)
             .for_each(|(a, b)| assert!((a - b).abs() < 1e-5));
         assert!(row_block(&w, 0, 3).is_err());
+    }
+
+    #[test]
+    fn planted_faults_hand_out_other_slices() {
+        let w = Mat::new(4, 2, (0..8).map(|v| v as f32).collect());
+        let with = |fault| Sharder {
+            tp: 2,
+            fault: Some(fault),
+        };
+        let unsharded = with(Injection::UnshardedColumn(KvB));
+        assert_eq!(
+            unsharded.shard(&w, KvB, 1).unwrap().data,
+            vec![0., 1., 2., 3.]
+        );
+        assert_eq!(
+            unsharded.shard(&w, QB, 1).unwrap().data,
+            vec![4., 5., 6., 7.]
+        );
+        let reversed = with(Injection::RankOrder(KvB));
+        assert_eq!(
+            reversed.shard(&w, KvB, 0).unwrap().data,
+            vec![4., 5., 6., 7.]
+        );
+        // Column 1 of every row, viewed as 2 rows of 2.
+        let axis = with(Injection::ShardAxis(KvB)).shard(&w, KvB, 1).unwrap();
+        assert_eq!(
+            (axis.rows, axis.cols, axis.data),
+            (2, 2, vec![1., 3., 5., 7.])
+        );
     }
 }

@@ -155,12 +155,34 @@ impl ModelFiles {
         Ok(out)
     }
 
+    /// [`Self::dequantize_rows`] with another GGML row decoder (a candidate's, with its bugs).
+    pub fn dequantize_rows_with(
+        &self,
+        t: &TensorEntry,
+        rows: Range<u64>,
+        decoder: quant::RowDecoder,
+    ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.decode_rows_into(t, rows, &mut out, decoder)?;
+        Ok(out)
+    }
+
     /// [`Self::dequantize_rows`] into `out`, reusing its allocation (no page faults per chunk).
     pub fn dequantize_rows_into(
         &self,
         t: &TensorEntry,
         rows: Range<u64>,
         out: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.decode_rows_into(t, rows, out, quant::dequantize_rows)
+    }
+
+    fn decode_rows_into(
+        &self,
+        t: &TensorEntry,
+        rows: Range<u64>,
+        out: &mut Vec<f32>,
+        decoder: quant::RowDecoder,
     ) -> Result<()> {
         let fail = |why: String| WeightError::tensor(self.file_of(t), &t.name, why);
         if rows.start > rows.end || rows.end > t.rows() {
@@ -181,8 +203,7 @@ impl ModelFiles {
                     [(rows.start * row_bytes) as usize..(rows.end * row_bytes) as usize];
                 out.resize(n, 0.0);
                 if n > 0 {
-                    quant::dequantize_rows(*ty, src, out, row_len as usize)
-                        .map_err(|e| fail(e.to_string()))?;
+                    decoder(*ty, src, out, row_len as usize).map_err(|e| fail(e.to_string()))?;
                 }
             }
             Encoding::F8E4M3 | Encoding::F8E5M2 => *out = self.dequantize_fp8(t, rows)?,

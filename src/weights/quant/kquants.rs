@@ -70,8 +70,27 @@ fn scales_mins(d: f32, dmin: f32, s: &[u8]) -> ([f32; 8], [f32; 8]) {
 /// Q4_K: `d`, `dmin`, 12 bytes of scales and mins, then 4-bit codes: each 32 bytes hold two
 /// sub-blocks of 32 in ggml's nibble layout.
 pub(super) fn q4_k(src: &[u8], dst: &mut [f32]) {
+    q4_k_by(src, dst, scales_mins);
+}
+
+/// Q4_K as a dequantizer with a known bug decodes it: sub-blocks 4–7 take their scales and
+/// mins as sub-blocks 0–3 are packed (low 6 bits of bytes `j` and `j + 4`). The fault
+/// `--inject dequant-q4k-scales` plants; never used for the reference.
+pub(super) fn q4_k_misread_upper_scales(src: &[u8], dst: &mut [f32]) {
+    q4_k_by(src, dst, |d, dmin, s| {
+        (
+            std::array::from_fn(|j| d * f32::from(s[j % 8] & 0x3f)),
+            std::array::from_fn(|j| dmin * f32::from(s[(j + 4) % 12] & 0x3f)),
+        )
+    });
+}
+
+fn q4_k_by<F>(src: &[u8], dst: &mut [f32], scales: F)
+where
+    F: Fn(f32, f32, &[u8]) -> ([f32; 8], [f32; 8]),
+{
     each_block(src, dst, |b: &[u8; 144], out: &mut [f32; 256]| {
-        let (dl, ml) = scales_mins(f16_at(b, 0), f16_at(b, 2), &b[4..16]);
+        let (dl, ml) = scales(f16_at(b, 0), f16_at(b, 2), &b[4..16]);
         for (c, (o, q)) in out
             .chunks_exact_mut(64)
             .zip(b[16..].chunks_exact(32))

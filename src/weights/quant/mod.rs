@@ -61,6 +61,9 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
     Ok(())
 }
 
+/// A decoder of whole rows of one type: [`dequantize_rows`] or a candidate's.
+pub type RowDecoder = fn(GgmlType, &[u8], &mut [f32], usize) -> Result<(), QuantError>;
+
 /// Dequantize `src` holding whole rows of `row_len` elements, in parallel over chunks of rows.
 pub fn dequantize_rows(
     ty: GgmlType,
@@ -68,7 +71,31 @@ pub fn dequantize_rows(
     dst: &mut [f32],
     row_len: usize,
 ) -> Result<(), QuantError> {
-    let decode = block_decoder(ty)?;
+    rows_by(block_decoder(ty)?, ty, src, dst, row_len)
+}
+
+/// [`dequantize_rows`] as a candidate whose Q4_K dequantizer misreads the scales and mins of
+/// sub-blocks 4–7 (`--inject dequant-q4k-scales`); other types decode correctly.
+pub fn dequantize_rows_misreading_q4k(
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [f32],
+    row_len: usize,
+) -> Result<(), QuantError> {
+    let decode = match ty {
+        GgmlType::Q4_K => kquants::q4_k_misread_upper_scales,
+        _ => block_decoder(ty)?,
+    };
+    rows_by(decode, ty, src, dst, row_len)
+}
+
+fn rows_by(
+    decode: BlockDecoder,
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [f32],
+    row_len: usize,
+) -> Result<(), QuantError> {
     let ts = ty.type_size();
     let bs = ty.block_size();
     if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {

@@ -1,0 +1,209 @@
+//! What a candidate's per-rank parts say about a divergence: partial sums that add up to the
+//! reference while the all-reduced stage does not (a collective left out or run twice), and
+//! head blocks that are the reference's blocks of other ranks (unsharded or reordered shards).
+
+use anyhow::Result;
+
+use super::diff::{whole_values, StageDiff};
+use super::fault::{Fault, FaultClass};
+use super::metrics::Metrics;
+use super::unshard::Sharding;
+use crate::trace::Trace;
+
+/// Two tensors this close (`rel_diff`) are the same data at some precision; different data
+/// is near 1.
+const SAME: f64 = 1e-2;
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() == b.len() {
+        Metrics::of(a, b).rel_diff
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// The candidate's rank parts of `name`, in rank order, with their dims spec.
+fn parts(candidate: &Trace, name: &str) -> Result<Option<(Vec<Vec<f32>>, Vec<Vec<u64>>, String)>> {
+    let mut records: Vec<_> = candidate
+        .stages()
+        .iter()
+        .filter(|s| s.name == name && s.rank.is_some())
+        .collect();
+    if records.len() < 2 {
+        return Ok(None);
+    }
+    records.sort_by_key(|s| s.rank);
+    let mut values = Vec::new();
+    for r in &records {
+        match candidate.tensor(name, r.rank)? {
+            Some(v) => values.push(v),
+            None => return Ok(None),
+        }
+    }
+    let shapes = records.iter().map(|r| r.shape.clone()).collect();
+    Ok(Some((values, shapes, records[0].dims.clone())))
+}
+
+fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Option<Fault> {
+    Some(Fault {
+        class,
+        summary,
+        evidence,
+        weight: None,
+    })
+}
+
+/// A fault the rank parts of the divergent stage `s` show, if any.
+pub fn from_parts(reference: &Trace, candidate: &Trace, s: &StageDiff) -> Result<Option<Fault>> {
+    if s.rank.is_some() {
+        return Ok(None);
+    }
+    let at = &s.stage;
+    let (Some((parts, shapes, dims)), Some((want, _))) =
+        (parts(candidate, at)?, whole_values(reference, at)?)
+    else {
+        return Ok(None);
+    };
+    Ok(match Sharding::of(&dims)? {
+        Sharding::Partial => collective(candidate, at, &parts, &want)?,
+        Sharding::Split(axis) => shards(at, &parts, &shapes, axis, &want),
+        Sharding::Replicated => None,
+    })
+}
+
+/// The stage after an all-reduce against the sum of the ranks' partials.
+fn collective(
+    candidate: &Trace,
+    at: &str,
+    parts: &[Vec<f32>],
+    want: &[f32],
+) -> Result<Option<Fault>> {
+    let Some(whole) = candidate.tensor(at, None)? else {
+        return Ok(None);
+    };
+    let mut sum = vec![0f32; want.len()];
+    for p in parts.iter().filter(|p| p.len() == want.len()) {
+        sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
+    }
+    let partials_right = rel(&sum, want);
+    if partials_right > SAME {
+        return Ok(None);
+    }
+    let tp = parts.len();
+    let head = format!(
+        "the {tp} ranks' partial sums add up to the reference (rel_diff {partials_right:.2e})"
+    );
+    if let Some(r) = (0..tp).find(|&r| rel(&whole, &parts[r]) <= SAME) {
+        return Ok(fault(
+            FaultClass::MissingAllReduce,
+            format!("{at} is rank {r}'s partial sum: the all-reduce is missing"),
+            vec![
+                head,
+                format!(
+                    "{at} after the all-reduce equals rank {r}'s partial alone (rel_diff {:.2e})",
+                    rel(&whole, &parts[r])
+                ),
+            ],
+        ));
+    }
+    let times_tp: Vec<f32> = sum.iter().map(|v| v * tp as f32).collect();
+    if rel(&whole, &times_tp) <= SAME {
+        return Ok(fault(
+            FaultClass::ExtraAllReduce,
+            format!("{at} is {tp} × the sum of the partials: reduced twice"),
+            vec![
+                head,
+                format!(
+                    "{at} equals {tp} × that sum (rel_diff {:.2e}): the reduced value was \
+                     summed over the ranks again",
+                    rel(&whole, &times_tp)
+                ),
+            ],
+        ));
+    }
+    Ok(None)
+}
+
+/// The reference's whole tensor cut into the candidate's blocks along `axis`.
+fn blocks(want: &[f32], shapes: &[Vec<u64>], axis: usize) -> Option<Vec<Vec<f32>>> {
+    let first = shapes.first()?;
+    let outer: u64 = first.get(..axis)?.iter().product();
+    let inner: u64 = first.get(axis + 1..)?.iter().product();
+    let total: u64 = shapes.iter().map(|s| s[axis]).sum::<u64>() * outer * inner;
+    if total != want.len() as u64 {
+        return None;
+    }
+    let mut out = vec![Vec::new(); shapes.len()];
+    let mut at = 0usize;
+    for _ in 0..outer {
+        for (b, s) in out.iter_mut().zip(shapes) {
+            let n = (s[axis] * inner) as usize;
+            b.extend_from_slice(&want[at..at + n]);
+            at += n;
+        }
+    }
+    Some(out)
+}
+
+/// Rank parts of a split stage that are the reference's blocks of other ranks.
+fn shards(
+    at: &str,
+    parts: &[Vec<f32>],
+    shapes: &[Vec<u64>],
+    axis: usize,
+    want: &[f32],
+) -> Option<Fault> {
+    let expected = blocks(want, shapes, axis)?;
+    // For each rank, the reference block it holds, if any.
+    let held: Vec<Option<usize>> = parts
+        .iter()
+        .map(|p| (0..expected.len()).find(|&b| rel(p, &expected[b]) <= SAME))
+        .collect();
+    let tp = parts.len();
+    if held.iter().all(|h| *h == Some(0)) {
+        return fault(
+            FaultClass::UnshardedWeight,
+            format!("{at}: every rank computes rank 0's block"),
+            vec![format!(
+                "ranks 1..{} hold the reference's block 0 of {tp} along axis {axis}, not their \
+                 own: the weight behind it is whole on every rank and each uses its first rows",
+                tp - 1
+            )],
+        );
+    }
+    let moved: Vec<String> = held
+        .iter()
+        .enumerate()
+        .filter_map(|(r, h)| {
+            h.filter(|&b| b != r)
+                .map(|b| format!("rank {r} holds block {b}"))
+        })
+        .collect();
+    if held.iter().all(Option::is_some) && !moved.is_empty() {
+        return fault(
+            FaultClass::WrongShardLayout,
+            format!("{at}: the ranks hold each other's blocks"),
+            vec![format!(
+                "{} (of {tp} along axis {axis}): shards in the wrong rank order",
+                moved.join(", ")
+            )],
+        );
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_undo_a_split_along_the_middle_axis() {
+        // [2 tokens, 2 heads, 1]: token-major; rank blocks hold one head each.
+        let want = [1., 2., 3., 4.];
+        let shapes = vec![vec![2, 1, 1], vec![2, 1, 1]];
+        assert_eq!(
+            blocks(&want, &shapes, 1).unwrap(),
+            vec![vec![1., 3.], vec![2., 4.]]
+        );
+    }
+}
