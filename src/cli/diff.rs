@@ -81,7 +81,7 @@ fn bar(rel_diff: f64, width: usize) -> String {
     format!("{}{}", "█".repeat(filled), "·".repeat(width - filled))
 }
 
-fn print_report(report: &DiffReport) {
+pub(super) fn print_report(report: &DiffReport) {
     println!(
         "{}: {} against {} (candidate dtype {}, tolerance: {})",
         report::verdict_word(report.verdict),

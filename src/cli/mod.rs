@@ -1,5 +1,6 @@
 //! The `glmcheck` command line: one module per command; this one holds the argument types.
 
+mod bisect;
 mod demo;
 mod dequant;
 mod diff;
@@ -44,6 +45,9 @@ pub enum Command {
     Dequant(dequant::DequantArgs),
     /// Run the CPU reference forward on a prompt and record every stage as a trace.
     Run(run::RunArgs),
+    /// The one-shot diagnosis: run the reference and a candidate (TP, dtype, a planted fault,
+    /// another MODEL or an engine's TRACE), compare, drill down, name the faulty step.
+    Bisect(bisect::BisectArgs),
     /// Compare two traces: metrics per stage, the first divergence, the fault class.
     Diff(diff::DiffArgs),
     /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
@@ -73,6 +77,7 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Synth(a) => synth::run(a),
         Command::Run(a) => run::run(a),
         Command::Diff(a) => diff::run(a),
+        Command::Bisect(a) => bisect::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Shards(a) => shards::run(a),
     }

@@ -1,6 +1,6 @@
 //! `glmcheck run MODEL --tokens IDS --out TRACE`: the CPU reference forward, recorded as a trace.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -12,7 +12,10 @@ use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
 use crate::exec::source::WeightSource;
+use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
+use crate::model::schema::Family;
+use crate::model::Glm5Config;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
 use crate::weights::ModelFiles;
 
@@ -76,65 +79,120 @@ fn fingerprint(files: &ModelFiles) -> String {
     format!("{:016x}", fnv1a_bytes(&listing))
 }
 
-pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
-    let files = ModelFiles::open(&args.model)?;
+/// One recorded run: where, what and how.
+pub struct RunSpec<'a> {
+    pub model: &'a Path,
+    pub tokens: &'a [u32],
+    pub out: &'a Path,
+    pub full: FullSelector,
+    pub latent_norm_eps: f64,
+    pub dtype: Precision,
+    pub tp: u64,
+    pub inject: Option<Injection>,
+    pub generate: usize,
+    pub ties: Option<&'a TieBreaks>,
+}
+
+/// What a recorded run printed: the top-1 token of every prompt position and the generated
+/// tokens.
+pub struct Recorded {
+    pub top1: Vec<usize>,
+    pub generated: Vec<u32>,
+}
+
+/// The model's files and GLM-5 config, or an input error naming the file.
+pub fn open_model(model: &Path) -> anyhow::Result<(ModelFiles, Glm5Config, Family)> {
+    let files = ModelFiles::open(model)?;
     let Some((cfg, family)) = glm5_config(&files)? else {
         bail!(
             "{}: not a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json)",
-            args.model.display()
+            model.display()
         );
     };
-    crate::shard::plan::check_degree(&cfg, args.tp)?;
-    if let Some(fault) = &args.inject {
-        fault.check(&cfg, args.tp as usize, args.dtype)?;
-    }
-    let tokenizer = match &args.prompt {
-        Some(_) => Some(tokenize::load(&files)?),
-        None => None,
-    };
-    let tokens = match (&args.prompt, &tokenizer) {
-        (Some(text), Some(tok)) => tokenize::encode(tok, text)?,
-        _ => args.tokens.clone(),
+    Ok((files, cfg, family))
+}
+
+/// The prompt's token ids (`text` through the model's tokenizer, else `ids`) and the tokenizer.
+pub fn prompt_tokens(
+    files: &ModelFiles,
+    text: Option<&str>,
+    ids: &[u32],
+) -> anyhow::Result<(Vec<u32>, Option<tokenizers::Tokenizer>)> {
+    let (tokens, tokenizer) = match text {
+        Some(text) => {
+            let tok = tokenize::load(files)?;
+            (tokenize::encode(&tok, text)?, Some(tok))
+        }
+        None => (ids.to_vec(), None),
     };
     if tokens.is_empty() {
         bail!("the prompt is empty");
     }
+    Ok((tokens, tokenizer))
+}
+
+/// Run `spec` and write its trace.
+pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
+    let (files, cfg, family) = open_model(spec.model)?;
+    crate::shard::plan::check_degree(&cfg, spec.tp)?;
+    if let Some(fault) = &spec.inject {
+        fault.check(&cfg, spec.tp as usize, spec.dtype)?;
+    }
+    let header = TraceHeader {
+        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": spec.latent_norm_eps,
+                "inject": spec.inject.map(|f| f.spec()), "ties_from_reference": spec.ties.map(TieBreaks::count)})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+        model: ModelInfo {
+            source: spec.model.display().to_string(),
+            config: serde_json::to_value(&cfg)?,
+            fingerprint: fingerprint(&files),
+            extra: Default::default(),
+        },
+        tokens: spec.tokens.to_vec(),
+        backend: "cpu".into(),
+        dtype: spec.dtype.name().into(),
+        tp: spec.tp as u32,
+    };
+    let mut writer = TraceWriter::create(spec.out, header, spec.full)
+        .with_context(|| spec.out.display().to_string())?;
+    let source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
+    let opts = ForwardOptions {
+        latent_norm_eps: spec.latent_norm_eps,
+        tp: spec.tp as usize,
+        ties: spec.ties,
+    };
+    let (n, g) = (spec.tokens, spec.generate);
+    let recorded = match spec.dtype {
+        Precision::F64 => greedy(&source, n, g, &Cpu::f64(), opts, &mut writer)?,
+        p => greedy(&source, n, g, &Cpu::new(p), opts, &mut writer)?,
+    };
+    writer.finish()?;
+    Ok(recorded)
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
+    let (files, _, _) = open_model(&args.model)?;
+    let (tokens, tokenizer) = prompt_tokens(&files, args.prompt.as_deref(), &args.tokens)?;
+    drop(files);
     let full = if args.full.is_empty() {
         FullSelector::default()
     } else {
         FullSelector::new(&args.full)?
     };
-    let header = TraceHeader {
-        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": args.latent_norm_eps,
-                "inject": args.inject.map(|f| f.spec())})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-        model: ModelInfo {
-            source: args.model.display().to_string(),
-            config: serde_json::to_value(&cfg)?,
-            fingerprint: fingerprint(&files),
-            extra: Default::default(),
-        },
-        tokens: tokens.clone(),
-        backend: "cpu".into(),
-        dtype: args.dtype.name().into(),
-        tp: args.tp as u32,
-    };
-    let mut writer = TraceWriter::create(&args.out, header, full)
-        .with_context(|| args.out.display().to_string())?;
-    let source = WeightSource::new(files, cfg, family).with_fault(args.inject);
-    let opts = ForwardOptions {
+    let Recorded { top1, generated } = record(RunSpec {
+        model: &args.model,
+        tokens: &tokens,
+        out: &args.out,
+        full,
         latent_norm_eps: args.latent_norm_eps,
-        tp: args.tp as usize,
+        dtype: args.dtype,
+        tp: args.tp,
+        inject: args.inject,
+        generate: args.generate,
         ties: None,
-    };
-    let (n, g) = (&tokens, args.generate);
-    let (top1, generated) = match args.dtype {
-        Precision::F64 => greedy(&source, n, g, &Cpu::f64(), opts, &mut writer)?,
-        p => greedy(&source, n, g, &Cpu::new(p), opts, &mut writer)?,
-    };
-    writer.finish()?;
+    })?;
     let text = match &tokenizer {
         Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),
         _ => None,
@@ -169,10 +227,10 @@ fn greedy<B: Backend>(
     be: &B,
     opts: ForwardOptions,
     rec: &mut TraceWriter,
-) -> anyhow::Result<(Vec<usize>, Vec<u32>)> {
+) -> anyhow::Result<Recorded> {
     let (logits, generated) = generate(src, prompt, n, be, opts, rec)?;
     let top1 = (0..logits.rows)
         .map(|r| topk(logits.row(r), 1)[0])
         .collect();
-    Ok((top1, generated))
+    Ok(Recorded { top1, generated })
 }

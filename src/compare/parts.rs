@@ -78,6 +78,9 @@ fn collective(
     parts: &[Vec<f32>],
     want: &[f32],
 ) -> Result<Option<Fault>> {
+    if candidate.stage(at, None).is_none() {
+        return Ok(None);
+    }
     let Some(whole) = candidate.tensor(at, None)? else {
         return Ok(None);
     };

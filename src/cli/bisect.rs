@@ -1,0 +1,397 @@
+//! `glmcheck bisect MODEL`: the one-shot diagnosis. Runs the reference (MODEL on the CPU, TP 1,
+//! f32) and the candidate (MODEL at the given TP, dtype and planted fault, or an engine's trace),
+//! compares them stage by stage — against the reference re-run at the candidate's dtype as the
+//! noise envelope, with near ties at top-k boundaries resolved as the reference resolved them —
+//! then drills down at the first divergence (the weights that stage reads and each rank's
+//! shard of them) and names the faulty step with its evidence.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+
+use super::diff::print_report;
+use super::output::{progress, table};
+use super::run::{open_model, prompt_tokens, record, RunSpec};
+use super::Outcome;
+use crate::compare::diff::layer_of;
+use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
+use crate::diagnose::{drill_down, CandidateRun};
+use crate::exec::backend::Precision;
+use crate::exec::forward::HF_LATENT_NORM_EPS;
+use crate::exec::inject::{Injection, CATALOGUE};
+use crate::exec::source::WeightSource;
+use crate::exec::ties::TieBreaks;
+use crate::exec::tokenize;
+use crate::trace::{FullSelector, Trace};
+
+/// The prompt when none is given.
+pub const DEFAULT_PROMPT: &str = "The capital of France is";
+
+#[derive(clap::Args, Debug)]
+pub struct BisectArgs {
+    /// A GLM-5 GGUF or Hugging Face folder: the reference, and the candidate unless
+    /// `--candidate` names another.
+    #[arg(required_unless_present = "list_faults")]
+    pub model: Option<PathBuf>,
+    /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub tp: u64,
+    /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: Precision,
+    /// Plant a fault in the candidate (`--list-faults`), as `NAME[=ARG]`.
+    #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
+    pub inject: Option<Injection>,
+    /// The candidate: another MODEL (a conversion of the reference: HF folder against its GGUF)
+    /// run with the options above, or a TRACE an engine probe wrote (then the prompt is the
+    /// trace's tokens).
+    #[arg(long, value_name = "MODEL|TRACE")]
+    pub candidate: Option<PathBuf>,
+    /// Prompt text (default "The capital of France is"), through the model's tokenizer.
+    #[arg(long, conflicts_with = "tokens")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Vec<u32>,
+    /// Greedy tokens generated after the prompt on both sides, to show what each prints.
+    #[arg(long, default_value_t = 8)]
+    pub generate: usize,
+    /// Eps of the q_a/kv_a RMSNorms on both sides (transformers 1e-6; vLLM, llama.cpp
+    /// `rms_norm_eps`).
+    #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
+    pub latent_norm_eps: f64,
+    /// Keep the traces in this folder (reference.trace, envelope.trace, candidate.trace);
+    /// default: a temporary folder, removed after.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// List the fault catalogue (name, ARG, class and stage a correct diagnosis gives).
+    #[arg(long)]
+    pub list_faults: bool,
+    /// Machine-readable JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What bisect adds to a diff report.
+#[derive(Serialize)]
+pub struct BisectReport {
+    #[serde(flatten)]
+    pub diff: DiffReport,
+    pub bisect: BisectInfo,
+}
+
+#[derive(Serialize)]
+pub struct BisectInfo {
+    pub model: String,
+    pub candidate: String,
+    pub tp: u64,
+    pub dtype: String,
+    pub inject: Option<String>,
+    pub envelope: Option<String>,
+    /// Top-k positions where the candidate took the reference's choice (near ties).
+    pub ties_taken: usize,
+    /// Where the class came from: `drill-down` (weights, shards) or `traces`.
+    pub classified_by: &'static str,
+    pub reference_text: Option<String>,
+    pub candidate_text: Option<String>,
+}
+
+fn list_faults(json: bool) -> anyhow::Result<Outcome> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(CATALOGUE)?);
+        return Ok(Outcome::Pass);
+    }
+    let mut t = table(&["fault", "ARG", "class", "first divergence", "needs", "what"]);
+    for e in CATALOGUE {
+        let needs = match (e.needs_tp, e.dtype) {
+            (true, _) => "--tp ≥ 2".to_string(),
+            (false, Some(d)) => format!("--dtype {d}"),
+            (false, None) => "-".into(),
+        };
+        t.add_row(vec![
+            e.name.to_string(),
+            e.arg.to_string(),
+            e.class.name().to_string(),
+            e.stage.to_string(),
+            needs,
+            e.what.to_string(),
+        ]);
+    }
+    println!("{t}");
+    Ok(Outcome::Pass)
+}
+
+/// A trace folder holds `manifest.json`.
+fn is_trace(p: &Path) -> bool {
+    p.join("manifest.json").is_file()
+}
+
+pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
+    if args.list_faults {
+        return list_faults(args.json);
+    }
+    let model = args.model.clone().context("MODEL is required")?;
+    let engine_trace = args.candidate.as_deref().filter(|p| is_trace(p));
+    if engine_trace.is_some() && args.inject.is_some() {
+        bail!("--inject plants a fault in a run glmcheck makes; --candidate TRACE is an engine's");
+    }
+    let (files, _, _) = open_model(&model)?;
+    let prompt_text = match (&args.prompt, args.tokens.is_empty(), engine_trace) {
+        (_, _, Some(_)) => None,
+        (Some(p), _, _) => Some(p.clone()),
+        (None, true, _) => Some(DEFAULT_PROMPT.to_string()),
+        (None, false, _) => None,
+    };
+    let (mut tokens, tokenizer) = prompt_tokens(&files, prompt_text.as_deref(), &args.tokens)
+        .or_else(|e| match &prompt_text {
+            Some(_) => Err(e),
+            None => Ok((vec![0], None)),
+        })?;
+    let engine = engine_trace
+        .map(|p| Trace::open(p).with_context(|| p.display().to_string()))
+        .transpose()?;
+    if let Some(t) = &engine {
+        tokens = t.manifest().tokens.clone();
+    }
+    let scratch = tempfile::tempdir()?;
+    let dir = args.out.as_deref().unwrap_or(scratch.path());
+    std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+    let cand_model = args.candidate.clone().unwrap_or_else(|| model.clone());
+    let lower = !matches!(args.dtype, Precision::F32 | Precision::F64);
+    let steps = 3 + u64::from(lower);
+    let bar = progress(steps, args.json, "bisect");
+    let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
+    bar.set_message("reference run (CPU, TP 1, f32)");
+    let ref_run = record(reference_spec(&args, &tokens, &model, &paths[0]))?;
+    bar.inc(1);
+    let reference = Trace::open(&paths[0])?;
+    let ties = if lower {
+        TieBreaks::from_trace(&reference)?
+    } else {
+        TieBreaks::default()
+    };
+    let envelope = if lower && engine.is_none() {
+        bar.set_message(format!("envelope run (CPU, TP 1, {})", args.dtype.name()));
+        record(RunSpec {
+            dtype: args.dtype,
+            ties: Some(&ties),
+            ..reference_spec(&args, &tokens, &model, &paths[1])
+        })?;
+        bar.inc(1);
+        Some(Trace::open(&paths[1])?)
+    } else {
+        None
+    };
+    let (candidate, cand_run) = match engine {
+        Some(t) => (t, None),
+        None => {
+            bar.set_message(format!(
+                "candidate run (TP {}, {}{})",
+                args.tp,
+                args.dtype.name(),
+                args.inject
+                    .map(|f| format!(", {}", f.spec()))
+                    .unwrap_or_default()
+            ));
+            let ties = lower.then_some(&ties);
+            let run = record(RunSpec {
+                dtype: args.dtype,
+                tp: args.tp,
+                inject: args.inject,
+                ties,
+                ..reference_spec(&args, &tokens, &cand_model, &paths[2])
+            })?;
+            (Trace::open(&paths[2])?, Some(run))
+        }
+    };
+    bar.inc(1);
+    bar.set_message("compare and drill down");
+    let opts = DiffOptions {
+        tolerance: None,
+        envelope: envelope.as_ref(),
+    };
+    let mut report = diff(&reference, &candidate, &opts)?;
+    let mut classified_by = "traces";
+    if let (Some(d), true) = (&report.first_divergence, cand_run.is_some()) {
+        let (files, cfg, family) = open_model(&model)?;
+        let ref_src = WeightSource::new(files, cfg, family);
+        let (cfiles, ccfg, cfamily) = open_model(&cand_model)?;
+        let cand_src = WeightSource::new(cfiles, ccfg, cfamily).with_fault(args.inject);
+        let experts = chosen_experts(&candidate, d.layer)?;
+        let cand = CandidateRun {
+            src: &cand_src,
+            tp: args.tp as usize,
+            same_files: cand_model == model,
+            experts,
+        };
+        if let Some(found) = drill_down(&ref_src, &cand, &d.stage)? {
+            classified_by = "drill-down";
+            report.fault = Some(merge(report.fault.take(), found));
+        }
+    }
+    bar.inc(1);
+    bar.finish_and_clear();
+    let text = |ids: &[u32]| -> anyhow::Result<Option<String>> {
+        match &tokenizer {
+            Some(tok) if !ids.is_empty() => Ok(Some(tokenize::decode(tok, ids)?)),
+            _ => Ok(None),
+        }
+    };
+    let out = BisectReport {
+        bisect: BisectInfo {
+            model: model.display().to_string(),
+            candidate: args
+                .candidate
+                .as_ref()
+                .map_or_else(|| model.display().to_string(), |c| c.display().to_string()),
+            tp: args.tp,
+            dtype: args.dtype.name().into(),
+            inject: args.inject.map(|f| f.spec()),
+            envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
+            ties_taken: if lower { ties.count() } else { 0 },
+            classified_by,
+            reference_text: text(&ref_run.generated)?,
+            candidate_text: match &cand_run {
+                Some(r) => text(&r.generated)?,
+                None => None,
+            },
+        },
+        diff: report,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_bisect(&out, prompt_text.as_deref());
+    }
+    Ok(match out.diff.verdict {
+        Status::Pass => Outcome::Pass,
+        Status::Fail => Outcome::Fail,
+    })
+}
+
+/// The drill-down's finding joined with what the traces showed. A symptom the traces prove
+/// (flat logits, the first NaN, an overflow) keeps its class, with the weight as its cause;
+/// otherwise the weight or shard check names the class.
+fn merge(traced: Option<Fault>, found: Fault) -> Fault {
+    match traced {
+        Some(mut t)
+            if matches!(
+                t.class,
+                FaultClass::FlatLogits | FaultClass::NanOrigin | FaultClass::DtypeOverflow
+            ) =>
+        {
+            t.evidence.push(format!("cause: {}", found.summary));
+            t.evidence.extend(found.evidence);
+            t.weight = found.weight;
+            t
+        }
+        Some(t) => {
+            let mut found = found;
+            found.evidence.push(format!(
+                "the traces alone: {} — {}",
+                t.class.name(),
+                t.summary
+            ));
+            found
+        }
+        None => found,
+    }
+}
+
+/// The reference's run of `model` into `out`: CPU, TP 1, f32, every stage in full.
+fn reference_spec<'a>(
+    args: &BisectArgs,
+    tokens: &'a [u32],
+    model: &'a Path,
+    out: &'a Path,
+) -> RunSpec<'a> {
+    RunSpec {
+        model,
+        tokens,
+        out,
+        full: FullSelector::new(&["**".to_string()]).expect("a valid glob"),
+        latent_norm_eps: args.latent_norm_eps,
+        dtype: Precision::F32,
+        tp: 1,
+        inject: None,
+        generate: args.generate,
+        ties: None,
+    }
+}
+
+/// The routed experts the candidate chose in `layer` (none recorded: none).
+fn chosen_experts(candidate: &Trace, layer: Option<u64>) -> anyhow::Result<Vec<u64>> {
+    let Some(l) = layer else {
+        return Ok(Vec::new());
+    };
+    let name = format!("L{l}.moe.topk_ids");
+    if candidate.stage(&name, None).is_none() {
+        return Ok(Vec::new());
+    }
+    let Some(ids) = candidate.tensor(&name, None)? else {
+        return Ok(Vec::new());
+    };
+    let mut e: Vec<u64> = ids
+        .iter()
+        .filter(|v| **v >= 0.0)
+        .map(|&v| v as u64)
+        .collect();
+    e.sort_unstable();
+    e.dedup();
+    Ok(e)
+}
+
+fn print_bisect(out: &BisectReport, prompt: Option<&str>) {
+    let b = &out.bisect;
+    print_report(&out.diff);
+    println!();
+    let setup = format!(
+        "candidate: {} on the CPU at TP {}, {}{}",
+        b.candidate,
+        b.tp,
+        b.dtype,
+        b.inject
+            .as_ref()
+            .map(|f| format!(", --inject {f}"))
+            .unwrap_or_default()
+    );
+    println!("{setup}");
+    if let Some(e) = &b.envelope {
+        println!("noise envelope: the reference re-run at {} ({e})", b.dtype);
+    }
+    if b.ties_taken > 0 {
+        println!(
+            "{} top-k positions were near ties in the reference; the candidate took the \
+             reference's choice there",
+            b.ties_taken
+        );
+    }
+    match (&out.diff.first_divergence, &out.diff.fault) {
+        (Some(d), Some(f)) => {
+            let layer = d.layer.or_else(|| layer_of(&d.stage));
+            println!(
+                "\ndiagnosis: {} at {}{} ({})",
+                f.class.name(),
+                d.stage,
+                layer.map(|_| String::new()).unwrap_or_default(),
+                if b.classified_by == "drill-down" {
+                    "from the weights and shards behind that stage"
+                } else {
+                    "from the traces"
+                }
+            );
+            println!("  {}", f.summary);
+            for e in &f.evidence {
+                println!("  · {e}");
+            }
+        }
+        _ => println!("\ndiagnosis: no fault — the candidate agrees with the reference"),
+    }
+    if let (Some(p), Some(r)) = (prompt, &b.reference_text) {
+        println!("\nreference: {p}{r}");
+        if let Some(c) = &b.candidate_text {
+            println!("candidate: {p}{c}");
+        }
+    }
+}
