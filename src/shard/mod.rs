@@ -1,6 +1,8 @@
 //! vLLM's tensor-parallel plan for GLM-5: per weight and rank ([`plan`]), and the bytes a rank
 //! holds.
 
+pub mod actual;
+pub mod identify;
 pub mod plan;
 
 use crate::model::names::WeightId;

@@ -1,0 +1,718 @@
+//! Shard manifests: what an engine says each rank holds of each weight (README, "Shard
+//! manifests"). Read defensively ([`ShardManifest::read`]: every error names the file and the
+//! field), checked against vLLM's plan one weight at a time ([`check`], through
+//! [`identify`](super::identify)), and written as a correct engine would ([`plan_manifest`]).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
+
+use super::identify::{elements, Basis, Dtype, ObservedShard, Reference, ShardStats};
+use super::plan::{check_degree, expert_rank, placement, Placement};
+use crate::compare::fault::FaultClass;
+use crate::exec::source::WeightSource;
+use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
+use crate::model::schema::Family;
+
+/// `format` of a manifest.
+pub const FORMAT: &str = "glmcheck-shards";
+/// The `version` this glmcheck reads and writes.
+pub const VERSION: u32 = 1;
+/// Larger files are refused before reading: GLM-5 at TP 64 lists about 30 MB.
+const MAX_BYTES: u64 = 1 << 30;
+/// Larger degrees are refused: no deployment comes near, and loops run over the ranks.
+const MAX_TP: u64 = 4096;
+/// More dimensions than any weight has (GGUF allows 4).
+const MAX_DIMS: usize = 8;
+
+/// What an engine holds, rank by rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardManifest {
+    pub format: String,
+    pub version: u32,
+    /// Free-form: engine, version, model path.
+    #[serde(default)]
+    pub producer: serde_json::Map<String, serde_json::Value>,
+    pub tp: u64,
+    #[serde(default)]
+    pub ep: bool,
+    pub ranks: Vec<RankShards>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankShards {
+    pub rank: u64,
+    pub weights: Vec<ShardEntry>,
+}
+
+/// One weight as one rank holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    /// A checkpoint name (GGUF or Hugging Face) or one of vLLM's merged parameters.
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: Dtype,
+    /// FNV-1a 64 of the values' little-endian bytes in `dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<Hash64>,
+    pub stats: ShardStats,
+}
+
+/// A 64-bit hash written as 16 hex digits: JSON readers keep only 53 bits of a number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hash64(pub u64);
+
+impl Serialize for Hash64 {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{:016x}", self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Hash64 {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let hex = text.len() == 16 && text.bytes().all(|b| b.is_ascii_hexdigit());
+        hex.then(|| u64::from_str_radix(&text, 16).ok())
+            .flatten()
+            .map(Hash64)
+            .ok_or_else(|| D::Error::custom(format!("hash `{text}` is not 16 hex digits")))
+    }
+}
+
+impl ShardEntry {
+    /// The entry for `values` (f32, row-major) held as `shape` in `dtype`: statistics of the
+    /// values in that type, and their hash.
+    pub fn of(name: &str, shape: Vec<u64>, values: &[f32], dtype: Dtype) -> ShardEntry {
+        let held: Vec<f32> = values.iter().map(|&x| dtype.round(x)).collect();
+        ShardEntry {
+            name: name.to_string(),
+            shape,
+            dtype,
+            hash: Some(Hash64(dtype.hash(values))),
+            stats: ShardStats::of(&held),
+        }
+    }
+
+    fn observed(&self) -> ObservedShard<'_> {
+        ObservedShard {
+            shape: &self.shape,
+            dtype: self.dtype,
+            values: None,
+            hash: self.hash.map(|h| h.0),
+            stats: Some(&self.stats),
+        }
+    }
+
+    /// The first inconsistency, as `field: reason`.
+    fn validate(&self) -> Result<()> {
+        if self.name.is_empty() {
+            bail!("name: empty");
+        }
+        if self.shape.len() > MAX_DIMS {
+            bail!("shape: {} dimensions", self.shape.len());
+        }
+        let Some(n) = elements(&self.shape) else {
+            bail!(
+                "shape: {:?} has more elements than 64 bits count",
+                self.shape
+            );
+        };
+        let s = &self.stats;
+        if s.count != n {
+            bail!(
+                "stats.count: {} for shape {:?} ({n} elements)",
+                s.count,
+                self.shape
+            );
+        }
+        let fields = [
+            ("mean", s.mean),
+            ("std", s.std),
+            ("min", s.min),
+            ("max", s.max),
+            ("absmax", s.absmax),
+            ("l2", s.l2),
+        ];
+        for (field, v) in fields {
+            if !v.is_finite() {
+                bail!("stats.{field}: {v} is not finite");
+            }
+            if v < 0.0 && matches!(field, "std" | "absmax" | "l2") {
+                bail!("stats.{field}: {v} is negative");
+            }
+        }
+        if s.min > s.max {
+            bail!("stats.min: {} is above stats.max {}", s.min, s.max);
+        }
+        Ok(())
+    }
+}
+
+impl ShardManifest {
+    /// Read and check a manifest; an error names the file and the field.
+    pub fn read(path: &Path) -> Result<ShardManifest> {
+        let at = path.display();
+        let size = std::fs::metadata(path)
+            .with_context(|| at.to_string())?
+            .len();
+        if size > MAX_BYTES {
+            bail!("{at}: {size} bytes, more than a shard manifest holds");
+        }
+        let text = std::fs::read_to_string(path).with_context(|| at.to_string())?;
+        let m: ShardManifest = serde_json::from_str(&text).map_err(|e| {
+            match json_path(&text, e.line(), e.column()) {
+                p if p.is_empty() => anyhow!("{at}: {e}"),
+                p => anyhow!("{at}: {p}: {e}"),
+            }
+        })?;
+        m.validate().with_context(|| at.to_string())?;
+        Ok(m)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.format != FORMAT {
+            bail!("format: `{}` is not `{FORMAT}`", self.format);
+        }
+        if self.version != VERSION {
+            bail!("version: {} (this glmcheck reads {VERSION})", self.version);
+        }
+        if self.tp == 0 || self.tp > MAX_TP {
+            bail!("tp: {} is not a degree from 1 to {MAX_TP}", self.tp);
+        }
+        let mut ranks = BTreeSet::new();
+        for (i, r) in self.ranks.iter().enumerate() {
+            if r.rank >= self.tp {
+                bail!(
+                    "ranks[{i}].rank: {} is out of range for tp {}",
+                    r.rank,
+                    self.tp
+                );
+            }
+            if !ranks.insert(r.rank) {
+                bail!("ranks[{i}].rank: rank {} is listed twice", r.rank);
+            }
+            let mut names = BTreeSet::new();
+            for (j, w) in r.weights.iter().enumerate() {
+                w.validate()
+                    .map_err(|e| anyhow!("ranks[{i}].weights[{j}].{e}"))?;
+                if !names.insert(&w.name) {
+                    bail!(
+                        "ranks[{i}].weights[{j}].name: `{}` is listed twice on rank {}",
+                        w.name,
+                        r.rank
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The JSON path (`ranks[1].weights[0].stats.mean`) at 1-based `line` and `column` of `text`:
+/// where serde stopped, so that a syntax or type error names the field.
+fn json_path(text: &str, line: usize, column: usize) -> String {
+    enum Frame<'t> {
+        Object(Option<&'t str>),
+        Array(usize),
+    }
+    let start: usize = text
+        .split_inclusive('\n')
+        .take(line.saturating_sub(1))
+        .map(str::len)
+        .sum();
+    let end = (start + column).min(text.len());
+    let (b, mut i, mut stack) = (text.as_bytes(), 0, Vec::new());
+    while i < end {
+        match b[i] {
+            b'{' => stack.push(Frame::Object(None)),
+            b'[' => stack.push(Frame::Array(0)),
+            b'}' | b']' => drop(stack.pop()),
+            b',' => match stack.last_mut() {
+                Some(Frame::Array(n)) => *n += 1,
+                Some(Frame::Object(key)) => *key = None,
+                None => {}
+            },
+            b'"' => {
+                let from = i + 1;
+                i = from;
+                while i < b.len() && b[i] != b'"' {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+                // In an object, the first string after `{` or `,` is the key.
+                if let Some(Frame::Object(key @ None)) = stack.last_mut() {
+                    *key = text.get(from..i.min(text.len()));
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    let mut path = String::new();
+    for f in &stack {
+        match f {
+            Frame::Object(Some(k)) if path.is_empty() => path.push_str(k),
+            Frame::Object(Some(k)) => path.push_str(&format!(".{k}")),
+            Frame::Object(None) => break,
+            Frame::Array(n) => path.push_str(&format!("[{n}]")),
+        }
+    }
+    path
+}
+
+/// vLLM's merged parameters (after `model.layers.N.`): the checkpoint weights stacked along an
+/// axis, in order (research notes §3.1).
+const MERGED: &[(&str, &[LayerWeight], usize)] = &[
+    ("mlp.gate_up_proj.weight", &[Gate, Up], 0),
+    (
+        "mlp.shared_experts.gate_up_proj.weight",
+        &[SharedGate, SharedUp],
+        0,
+    ),
+    ("self_attn.fused_qkv_a_proj.weight", &[QA, KvA], 0),
+    (
+        "self_attn.indexer.wk_weights_proj.weight",
+        &[IndexerK, IndexerProj],
+        0,
+    ),
+    ("mlp.experts.w13_weight", &[ExpertsGate, ExpertsUp], 1),
+    ("mlp.experts.w2_weight", &[ExpertsDown], 0),
+];
+
+/// The names a manifest may use, for the error that rejects another.
+const KNOWN: &str = "names are GGUF or Hugging Face checkpoint names, or vLLM's merged \
+     `mlp.gate_up_proj`, `mlp.shared_experts.gate_up_proj`, `self_attn.fused_qkv_a_proj`, \
+     `self_attn.indexer.wk_weights_proj`, `mlp.experts.w13_weight`, `mlp.experts.w2_weight`";
+
+/// A manifest name resolved: the checkpoint weights it is made of, stacked along `axis`.
+struct Target {
+    parts: Vec<WeightId>,
+    axis: usize,
+}
+
+impl Target {
+    fn resolve(name: &str) -> Option<Target> {
+        if let Some(id) = WeightId::from_gguf(name).or_else(|| WeightId::from_hf(name)) {
+            return Some(Target {
+                parts: vec![id],
+                axis: 0,
+            });
+        }
+        let tail = name.strip_prefix("model.layers.")?;
+        let (layer, rest) = tail.split_once('.')?;
+        let layer: u64 = layer
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| layer.parse().ok())??;
+        let &(_, parts, axis) = MERGED.iter().find(|m| m.0 == rest)?;
+        Some(Target {
+            parts: parts.iter().map(|&w| WeightId::Layer(layer, w)).collect(),
+            axis,
+        })
+    }
+
+    /// How the plan lays the whole target out: a merged tensor split part by part.
+    fn layout(&self, ws: &WeightSource, tp: u64, ep: bool) -> Layout {
+        match self.parts[..] {
+            [WeightId::Expert { expert, .. }] if ep => {
+                Layout::Owner(expert_rank(expert, ws.cfg.n_routed_experts, tp))
+            }
+            _ => Layout::Placed(match placement(&self.parts[0], ep) {
+                Placement::Split { axis, parts: 1 }
+                    if self.parts.len() > 1 && axis == self.axis =>
+                {
+                    Placement::Split {
+                        axis,
+                        parts: self.parts.len() as u64,
+                    }
+                }
+                p => p,
+            }),
+        }
+    }
+
+    /// The full values and shape, from the reference dequantization.
+    fn load(&self, ws: &WeightSource) -> Result<(Vec<f32>, Vec<u64>)> {
+        let parts = self
+            .parts
+            .iter()
+            .map(|&id| load(ws, id))
+            .collect::<Result<Vec<_>>>()?;
+        concat(parts, self.axis)
+    }
+
+    /// The checkpoint weights this target stands for, in one form per weight (see [`normal`]).
+    fn covers(&self) -> Vec<WeightId> {
+        self.parts.iter().flat_map(|&id| normal(id)).collect()
+    }
+}
+
+/// How the plan lays a tensor across the ranks.
+enum Layout {
+    Placed(Placement),
+    /// Whole on one rank (a per-expert tensor under EP).
+    Owner(u64),
+}
+
+/// A weight in one form whatever the checkpoint's: llama.cpp's k_b / v_b as kv_b, the fused
+/// gate_up experts as gate and up.
+fn normal(id: WeightId) -> Vec<WeightId> {
+    match id {
+        WeightId::Layer(l, KB | VB) => vec![WeightId::Layer(l, KvB)],
+        WeightId::Layer(l, ExpertsGateUp) => {
+            vec![
+                WeightId::Layer(l, ExpertsGate),
+                WeightId::Layer(l, ExpertsUp),
+            ]
+        }
+        id => vec![id],
+    }
+}
+
+fn family(ws: &WeightSource) -> Family {
+    if ws.files.gguf().is_some() {
+        Family::Gguf
+    } else {
+        Family::Hf
+    }
+}
+
+fn native_name(ws: &WeightSource, id: WeightId) -> String {
+    match family(ws) {
+        Family::Gguf => id.gguf_name(),
+        Family::Hf => id.hf_name(),
+    }
+}
+
+/// One checkpoint weight whole, in whatever form the file stores it: kv_b assembled from
+/// llama.cpp's k_b / v_b, stacked experts from per-expert tensors and back, fused gate_up from
+/// gate and up.
+fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
+    let name = native_name(ws, id);
+    if let Some(t) = ws.files.get(&name) {
+        return Ok((ws.vector(id)?, t.shape.clone()));
+    }
+    let dims = |rows: usize, cols: usize| vec![rows as u64, cols as u64];
+    let which = |w| {
+        [ExpertsGate, ExpertsUp, ExpertsDown]
+            .iter()
+            .position(|&x| x == w)
+    };
+    match id {
+        WeightId::Layer(_, KvB) => {
+            let m = ws.matrix(id)?;
+            Ok((m.data, dims(m.rows, m.cols)))
+        }
+        WeightId::Expert {
+            layer,
+            expert,
+            which: w,
+        } => {
+            let m = ws
+                .expert(layer, expert)?
+                .into_iter()
+                .nth(which(w).unwrap_or(0));
+            let m = m.ok_or_else(|| anyhow!("{name}: not an expert matrix"))?;
+            Ok((m.data, dims(m.rows, m.cols)))
+        }
+        WeightId::Layer(l, w @ (ExpertsGate | ExpertsUp | ExpertsDown)) => {
+            let one = |e| {
+                load(
+                    ws,
+                    WeightId::Expert {
+                        layer: l,
+                        expert: e,
+                        which: w,
+                    },
+                )
+            };
+            let experts = (0..ws.cfg.n_routed_experts)
+                .map(|e| one(e).map(|(v, s)| (v, [&[1u64][..], &s].concat())))
+                .collect::<Result<Vec<_>>>()?;
+            concat(experts, 0)
+        }
+        WeightId::Layer(l, ExpertsGateUp) => concat(
+            vec![
+                load(ws, WeightId::Layer(l, ExpertsGate))?,
+                load(ws, WeightId::Layer(l, ExpertsUp))?,
+            ],
+            1,
+        ),
+        _ => bail!("the model holds no `{name}`"),
+    }
+}
+
+/// Tensors equal in shape but along `axis`, stacked along it (row-major).
+fn concat(mut parts: Vec<(Vec<f32>, Vec<u64>)>, axis: usize) -> Result<(Vec<f32>, Vec<u64>)> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    let first = parts[0].1.clone();
+    let fits = |s: &[u64]| {
+        s.len() == first.len()
+            && axis < s.len()
+            && (0..s.len()).all(|a| a == axis || s[a] == first[a])
+    };
+    if !parts.iter().all(|(_, s)| fits(s)) {
+        let shapes: Vec<_> = parts.iter().map(|p| &p.1).collect();
+        bail!("parts of shapes {shapes:?} do not stack along axis {axis}");
+    }
+    let outer = first[..axis].iter().product::<u64>().max(1) as usize;
+    let mut shape = first;
+    shape[axis] = parts.iter().map(|p| p.1[axis]).sum();
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.0.len()).sum());
+    for o in 0..outer {
+        for (v, _) in &parts {
+            let chunk = v.len() / outer;
+            out.extend_from_slice(&v[o * chunk..(o + 1) * chunk]);
+        }
+    }
+    Ok((out, shape))
+}
+
+/// A manifest weight's full values, and how the plan lays them out.
+struct Full {
+    values: Vec<f32>,
+    shape: Vec<u64>,
+    layout: Layout,
+}
+
+impl Full {
+    fn load(ws: &WeightSource, target: &Target, tp: u64, ep: bool) -> Result<Full> {
+        let (values, shape) = target.load(ws)?;
+        Ok(Full {
+            values,
+            shape,
+            layout: target.layout(ws, tp, ep),
+        })
+    }
+
+    fn reference<'a>(&'a self, label: &'a str, tp: u64) -> Result<Reference<'a>> {
+        match self.layout {
+            Layout::Placed(p) => Reference::new(label, &self.values, &self.shape, p, tp),
+            Layout::Owner(o) => Reference::owned(label, &self.values, &self.shape, o, tp),
+        }
+    }
+}
+
+/// One rank's shard of one weight, judged.
+#[derive(Clone, Debug)]
+pub struct CheckedShard {
+    pub weight: String,
+    /// The checkpoint weight (the first part of a merged one).
+    pub id: WeightId,
+    pub rank: u64,
+    /// `rows 48..96`, `all`, `none`.
+    pub expected: String,
+    /// The same for what the rank holds; `None` when it matches no slice.
+    pub found: Option<String>,
+    pub basis: Basis,
+    /// `None` when the shard is what the plan gives.
+    pub class: Option<FaultClass>,
+    pub evidence: String,
+}
+
+/// A manifest against the plan.
+#[derive(Clone, Debug)]
+pub struct ManifestCheck {
+    pub shards: Vec<CheckedShard>,
+    /// Weights of the forward's layers with the ranks the plan gives them to whose manifest
+    /// lists none of them (MTP layers, which vLLM loads only to speculate, are not expected).
+    pub not_in_manifest: Vec<(String, WeightId, Vec<u64>)>,
+}
+
+/// Check every shard `m` lists against the plan at its TP and EP, one weight in memory at a
+/// time. Errors: a degree the model does not split into, a name that is no GLM-5 weight, a
+/// weight the model does not hold.
+pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
+    check_degree(&ws.cfg, m.tp)?;
+    let mut weights: Vec<(&str, Target, Vec<(u64, &ShardEntry)>)> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (i, r) in m.ranks.iter().enumerate() {
+        for (j, w) in r.weights.iter().enumerate() {
+            let k = match index.get(w.name.as_str()) {
+                Some(&k) => k,
+                None => {
+                    let target = Target::resolve(&w.name).ok_or_else(|| {
+                        anyhow!(
+                            "ranks[{i}].weights[{j}].name: `{}` is not a GLM-5 weight ({KNOWN})",
+                            w.name
+                        )
+                    })?;
+                    weights.push((&w.name, target, Vec::new()));
+                    index.insert(&w.name, weights.len() - 1);
+                    weights.len() - 1
+                }
+            };
+            weights[k].2.push((r.rank, w));
+        }
+    }
+    let mut shards = Vec::new();
+    for (name, target, entries) in &weights {
+        let full = Full::load(ws, target, m.tp, m.ep).with_context(|| name.to_string())?;
+        let reference = full.reference(name, m.tp)?;
+        let mut verdicts = entries
+            .iter()
+            .map(|(r, e)| reference.identify(*r, &e.observed()))
+            .collect::<Result<Vec<_>>>()?;
+        reference.same_block_everywhere(&mut verdicts);
+        shards.extend(verdicts.into_iter().map(|v| {
+            CheckedShard {
+                weight: name.to_string(),
+                id: target.parts[0],
+                rank: v.rank,
+                expected: v
+                    .expected
+                    .as_ref()
+                    .map_or("none".into(), |s| reference.describe(s)),
+                found: v.found.as_ref().map(|s| reference.describe(s)),
+                basis: v.basis,
+                class: v.class,
+                evidence: v.evidence,
+            }
+        }));
+    }
+    let covered: BTreeSet<(u64, WeightId)> = weights
+        .iter()
+        .flat_map(|(_, t, entries)| {
+            let ids = t.covers();
+            entries
+                .iter()
+                .flat_map(move |(r, _)| ids.clone().into_iter().map(move |id| (*r, id)))
+        })
+        .collect();
+    let has = |r: u64, id: WeightId| {
+        covered.contains(&(r, id))
+            || matches!(id, WeightId::Expert { layer, which, .. }
+                        if covered.contains(&(r, WeightId::Layer(layer, which))))
+    };
+    let not_in_manifest = plan_weights(ws)
+        .into_iter()
+        .filter_map(|(name, id)| {
+            let layout = Target {
+                parts: vec![id],
+                axis: 0,
+            }
+            .layout(ws, m.tp, m.ep);
+            let ranks: Vec<u64> = (0..m.tp)
+                .filter(|&r| !matches!(layout, Layout::Owner(o) if o != r))
+                .filter(|&r| !normal(id).into_iter().all(|n| has(r, n)))
+                .collect();
+            (!ranks.is_empty()).then_some((name, id, ranks))
+        })
+        .collect();
+    Ok(ManifestCheck {
+        shards,
+        not_in_manifest,
+    })
+}
+
+/// The model's tensors of its forward layers and outside them, by name and role (MTP layers
+/// and FP8 scales left out).
+fn plan_weights(ws: &WeightSource) -> Vec<(String, WeightId)> {
+    ws.files
+        .tensors()
+        .iter()
+        .filter_map(|t| {
+            let id = match family(ws) {
+                Family::Gguf => WeightId::from_gguf(&t.name),
+                Family::Hf => WeightId::from_hf(&t.name),
+            }?;
+            let forward = id.layer().is_none_or(|l| l < ws.cfg.num_hidden_layers);
+            forward.then(|| (t.name.clone(), id))
+        })
+        .collect()
+}
+
+/// Each rank's correct entry for manifest weight `name` at TP `tp` (ranks the plan gives
+/// nothing are left out).
+pub fn planned_entries(
+    ws: &WeightSource,
+    name: &str,
+    tp: u64,
+    ep: bool,
+    dtype: Dtype,
+) -> Result<Vec<(u64, ShardEntry)>> {
+    let target = Target::resolve(name).ok_or_else(|| anyhow!("`{name}`: {KNOWN}"))?;
+    let full = Full::load(ws, &target, tp, ep).with_context(|| name.to_string())?;
+    let reference = full.reference(name, tp)?;
+    Ok((0..tp)
+        .filter_map(|r| {
+            let slice = reference.planned(r)?;
+            let values = reference.values_of(&slice);
+            Some((
+                r,
+                ShardEntry::of(name, reference.shape_of(&slice), &values, dtype),
+            ))
+        })
+        .collect())
+}
+
+/// The manifest a correct engine writes at TP `tp` (EP with `ep`), holding weights in
+/// `dtype`: every weight of the forward's layers under its checkpoint name, each rank's
+/// planned slice with statistics and hash. One weight in memory at a time.
+pub fn plan_manifest(ws: &WeightSource, tp: u64, ep: bool, dtype: Dtype) -> Result<ShardManifest> {
+    check_degree(&ws.cfg, tp)?;
+    let mut ranks: Vec<RankShards> = (0..tp)
+        .map(|rank| RankShards {
+            rank,
+            weights: Vec::new(),
+        })
+        .collect();
+    for (name, _) in plan_weights(ws) {
+        for (r, entry) in planned_entries(ws, &name, tp, ep, dtype)? {
+            ranks[r as usize].weights.push(entry);
+        }
+    }
+    let producer = serde_json::json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"),
+                                      "what": "the plan"});
+    Ok(ShardManifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        producer: producer.as_object().cloned().unwrap_or_default(),
+        tp,
+        ep,
+        ranks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_paths_name_the_field_where_parsing_stopped() {
+        let text =
+            "{\"ranks\": [{\"rank\": 0}, {\"weights\": [{}, {\"stats\": {\"mean\": NaN}}]}]}";
+        let col = text.find("NaN").unwrap() + 1;
+        assert_eq!(json_path(text, 1, col), "ranks[1].weights[1].stats.mean");
+        let two = "{\"a\": \"x,\\\"y\",\n \"tp\": \"four\"}";
+        assert_eq!(json_path(two, 2, 12), "tp");
+        assert_eq!(json_path("{}", 1, 0), "");
+    }
+
+    #[test]
+    fn names_resolve_to_checkpoint_weights_and_vllm_merges() {
+        let t = Target::resolve("model.layers.2.mlp.gate_up_proj.weight").unwrap();
+        assert_eq!(
+            (t.parts, t.axis),
+            (vec![WeightId::Layer(2, Gate), WeightId::Layer(2, Up)], 0)
+        );
+        let t = Target::resolve("blk.0.attn_k_b.weight").unwrap();
+        assert_eq!(t.covers(), vec![WeightId::Layer(0, KvB)]);
+        assert!(Target::resolve("model.layers.x.mlp.gate_up_proj.weight").is_none());
+        assert!(Target::resolve("model.layers.0.mlp.fancy_proj.weight").is_none());
+    }
+
+    #[test]
+    fn concat_stacks_along_an_inner_axis() {
+        let a = ((0..4).map(|v| v as f32).collect(), vec![2, 1, 2]);
+        let b = ((4..8).map(|v| v as f32).collect(), vec![2, 1, 2]);
+        let (v, s) = concat(vec![a, b], 1).unwrap();
+        assert_eq!(s, vec![2, 2, 2]);
+        assert_eq!(v, vec![0., 1., 4., 5., 2., 3., 6., 7.]);
+        let c = (vec![0.0; 3], vec![3]);
+        assert!(concat(vec![c.clone(), (vec![0.0; 4], vec![2, 2])], 0).is_err());
+    }
+}
