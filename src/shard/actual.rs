@@ -522,12 +522,17 @@ pub struct ManifestCheck {
     pub not_in_manifest: Vec<(String, WeightId, Vec<u64>)>,
 }
 
-/// Check every shard `m` lists against the plan at its TP and EP, one weight in memory at a
-/// time. Errors: a degree the model does not split into, a name that is no GLM-5 weight, a
-/// weight the model does not hold.
-pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
-    check_degree(&ws.cfg, m.tp)?;
-    let mut weights: Vec<(&str, Target, Vec<(u64, &ShardEntry)>)> = Vec::new();
+/// One weight of a manifest: its name, what it resolves to, and each rank's entry.
+struct Listed<'m> {
+    name: &'m str,
+    target: Target,
+    shards: Vec<(u64, &'m ShardEntry)>,
+}
+
+/// The manifest's entries weight by weight, in order of first appearance; an error for a name
+/// that is no GLM-5 weight.
+fn by_weight(m: &ShardManifest) -> Result<Vec<Listed<'_>>> {
+    let mut weights: Vec<Listed> = Vec::new();
     let mut index: HashMap<&str, usize> = HashMap::new();
     for (i, r) in m.ranks.iter().enumerate() {
         for (j, w) in r.weights.iter().enumerate() {
@@ -540,16 +545,34 @@ pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
                             w.name
                         )
                     })?;
-                    weights.push((&w.name, target, Vec::new()));
+                    weights.push(Listed {
+                        name: &w.name,
+                        target,
+                        shards: Vec::new(),
+                    });
                     index.insert(&w.name, weights.len() - 1);
                     weights.len() - 1
                 }
             };
-            weights[k].2.push((r.rank, w));
+            weights[k].shards.push((r.rank, w));
         }
     }
+    Ok(weights)
+}
+
+/// Check every shard `m` lists against the plan at its TP and EP, one weight in memory at a
+/// time. Errors: a degree the model does not split into, a name that is no GLM-5 weight, a
+/// weight the model does not hold.
+pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
+    check_degree(&ws.cfg, m.tp)?;
+    let weights = by_weight(m)?;
     let mut shards = Vec::new();
-    for (name, target, entries) in &weights {
+    for Listed {
+        name,
+        target,
+        shards: entries,
+    } in &weights
+    {
         let full = Full::load(ws, target, m.tp, m.ep).with_context(|| name.to_string())?;
         let reference = full.reference(name, m.tp)?;
         let mut verdicts = entries
@@ -575,9 +598,9 @@ pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
     }
     let covered: BTreeSet<(u64, WeightId)> = weights
         .iter()
-        .flat_map(|(_, t, entries)| {
-            let ids = t.covers();
-            entries
+        .flat_map(|w| {
+            let ids = w.target.covers();
+            w.shards
                 .iter()
                 .flat_map(move |(r, _)| ids.clone().into_iter().map(move |id| (*r, id)))
         })

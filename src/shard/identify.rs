@@ -791,9 +791,18 @@ mod tests {
     }
 
     #[test]
-    fn sizes_no_slice_has_and_ep_owners() {
+    fn planned_values_in_another_shape_sizes_no_slice_has_and_ep_owners() {
         let (w, s) = weight();
         let r = Reference::new("w", &w, &s, rows(), 4).unwrap();
+        let planned = r.values_of(&r.planned(1).unwrap());
+        let reshaped = r
+            .identify(1, &ObservedShard::values(&[4, 2], Dtype::F32, &planned))
+            .unwrap();
+        assert_eq!(reshaped.class, Some(FaultClass::WrongShardLayout));
+        assert_eq!(
+            reshaped.evidence,
+            "w on rank 1 holds rows 2..4 of 8 viewed as [4, 2]; the plan gives [2, 4]"
+        );
         let odd = ObservedShard::values(&[3, 4], Dtype::F32, &w[..12]);
         let v = r.identify(0, &odd).unwrap();
         assert_eq!((v.basis, v.class), (Basis::Size, Some(FaultClass::Unknown)));
