@@ -292,6 +292,24 @@ fn an_independent_numpy_manifest_passes_and_its_unsharded_variant_fails() {
             assert_eq!(b["found"], "all");
         }
     }
+    // Blocks of one size told apart by their statistics alone.
+    let o_proj = "blk.0.attn_output.weight";
+    let args = [m, "4", o, "--reverse", o_proj, "--stats-only"];
+    common::run_oracle("shard_manifest.py", &args);
+    let bad = mismatches(&shards(&model, &out, 1, &[]));
+    let found: Vec<_> = bad.iter().map(|b| b["found"].as_str().unwrap()).collect();
+    assert_eq!(
+        found,
+        [
+            "cols 192..256",
+            "cols 128..192",
+            "cols 64..128",
+            "cols 0..64"
+        ]
+    );
+    assert!(bad
+        .iter()
+        .all(|b| b["weight"] == o_proj && b["class"] == "wrong_shard_layout"));
 }
 
 #[test]

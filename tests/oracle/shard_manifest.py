@@ -3,8 +3,9 @@ numpy slices each weight as vLLM shards it, values are rounded to bf16 (round to
 even, done here on the bits), and the statistics and FNV-1a hash are taken over those bf16 values.
 Independent of glmcheck's own plan, slicing, rounding and hashing.
 
-Usage: shard_manifest.py MODEL.gguf TP OUT.json [--unshard NAME] [--stats-only]
+Usage: shard_manifest.py MODEL.gguf TP OUT.json [--unshard NAME] [--reverse NAME] [--stats-only]
   --unshard NAME  every rank holds the whole tensor NAME (an engine that forgot to shard it)
+  --reverse NAME  rank r holds rank TP-1-r's block of NAME
   --stats-only    no hashes: glmcheck identifies the shards from their statistics alone
 """
 
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("tp", type=int)
     ap.add_argument("out")
     ap.add_argument("--unshard")
+    ap.add_argument("--reverse")
     ap.add_argument("--stats-only", action="store_true")
     a = ap.parse_args()
     reader = GGUFReader(a.model)
@@ -80,6 +82,8 @@ def main() -> None:
     for name, axis in WEIGHTS.items():
         w = full[name]
         blocks = [w] * a.tp if name == a.unshard else np.split(w, a.tp, axis=axis)
+        if name == a.reverse:
+            blocks.reverse()
         for r, block in enumerate(blocks):
             ranks[r]["weights"].append(entry(name, block, not a.stats_only))
     manifest = {
