@@ -289,7 +289,9 @@ impl<'a> Reference<'a> {
                 values.len()
             );
         }
-        let mut candidates: Vec<Slice> = (0..tp)
+        // An owned tensor has no planned blocks: its owner's slice is the whole.
+        let ranks = if owner.is_some() { 0..0 } else { 0..tp };
+        let mut candidates: Vec<Slice> = ranks
             .map(|r| {
                 let view = rank_view(placement, shape, r, tp)?;
                 Ok(Slice {
@@ -299,9 +301,6 @@ impl<'a> Reference<'a> {
             })
             .collect::<Result<_>>()
             .map_err(|e: anyhow::Error| anyhow::anyhow!("{label}: {e}"))?;
-        if owner.is_some() {
-            candidates.clear();
-        }
         candidates.push(Slice {
             kind: SliceKind::Whole,
             view: whole(),
@@ -478,7 +477,8 @@ impl<'a> Reference<'a> {
     fn plan_text(&self, expected: &Option<Slice>) -> String {
         match (expected, self.owner) {
             (Some(e), _) => format!("the plan gives {}", self.describe(e)),
-            (None, owner) => format!("the plan gives it to rank {} only", owner.unwrap_or(0)),
+            (None, Some(o)) => format!("the plan gives it to rank {o} only"),
+            (None, None) => "the plan gives it nothing".into(),
         }
     }
 
