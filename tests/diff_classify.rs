@@ -425,7 +425,7 @@ fn as_two_ranks(reference: &Trace, out: &Path, swap: Option<&str>) -> Trace {
 }
 
 /// Per-rank stages are unsharded by their dims spec (heads and vocabulary concatenated, partial
-/// sums added) and compared whole and rank by rank; ranks in the wrong order are found.
+/// sums added) and compared whole and rank by rank; ranks in the wrong order are named so.
 #[test]
 fn tensor_parallel_parts_are_unsharded_and_compared_by_rank() {
     let dir = common::scratch();
@@ -462,7 +462,14 @@ fn tensor_parallel_parts_are_unsharded_and_compared_by_rank() {
     let report = diff(&tp2, &swapped, &DiffOptions::default()).unwrap();
     let first = report.first_divergence.expect("ranks out of order");
     assert_eq!((first.stage.as_str(), first.rank), ("L1.attn.q", None));
-    assert_eq!(report.fault.unwrap().class, FaultClass::WeightLayout);
+    // Each rank's part is the other's block of the reference: shards in the wrong rank order.
+    let fault = report.fault.unwrap();
+    assert_eq!(fault.class, FaultClass::WrongShardLayout);
+    assert!(
+        fault.evidence[0].contains("rank 0 holds block 1, rank 1 holds block 0"),
+        "{:?}",
+        fault.evidence
+    );
     let rank0 = report
         .stages
         .iter()

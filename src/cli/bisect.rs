@@ -84,6 +84,7 @@ pub struct BisectReport {
 #[derive(Serialize)]
 pub struct BisectInfo {
     pub model: String,
+    pub prompt: Option<String>,
     pub candidate: String,
     pub tp: u64,
     pub dtype: String,
@@ -131,6 +132,20 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
     if args.list_faults {
         return list_faults(args.json);
     }
+    let out = bisect(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_bisect(&out);
+    }
+    Ok(match out.diff.verdict {
+        Status::Pass => Outcome::Pass,
+        Status::Fail => Outcome::Fail,
+    })
+}
+
+/// Run both sides, compare, drill down.
+pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     let model = args.model.clone().context("MODEL is required")?;
     let engine_trace = args.candidate.as_deref().filter(|p| is_trace(p));
     if engine_trace.is_some() && args.inject.is_some() {
@@ -163,7 +178,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
     let bar = progress(steps, args.json, "bisect");
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
     bar.set_message("reference run (CPU, TP 1, f32)");
-    let ref_run = record(reference_spec(&args, &tokens, &model, &paths[0]))?;
+    let ref_run = record(reference_spec(args, &tokens, &model, &paths[0]))?;
     bar.inc(1);
     let reference = Trace::open(&paths[0])?;
     let ties = if lower {
@@ -176,7 +191,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
         record(RunSpec {
             dtype: args.dtype,
             ties: Some(&ties),
-            ..reference_spec(&args, &tokens, &model, &paths[1])
+            ..reference_spec(args, &tokens, &model, &paths[1])
         })?;
         bar.inc(1);
         Some(Trace::open(&paths[1])?)
@@ -200,7 +215,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
                 tp: args.tp,
                 inject: args.inject,
                 ties,
-                ..reference_spec(&args, &tokens, &cand_model, &paths[2])
+                ..reference_spec(args, &tokens, &cand_model, &paths[2])
             })?;
             (Trace::open(&paths[2])?, Some(run))
         }
@@ -241,6 +256,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
     let out = BisectReport {
         bisect: BisectInfo {
             model: model.display().to_string(),
+            prompt: prompt_text,
             candidate: args
                 .candidate
                 .as_ref()
@@ -259,15 +275,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
         },
         diff: report,
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        print_bisect(&out, prompt_text.as_deref());
-    }
-    Ok(match out.diff.verdict {
-        Status::Pass => Outcome::Pass,
-        Status::Fail => Outcome::Fail,
-    })
+    Ok(out)
 }
 
 /// The drill-down's finding joined with what the traces showed. A symptom the traces prove
@@ -342,7 +350,7 @@ fn chosen_experts(candidate: &Trace, layer: Option<u64>) -> anyhow::Result<Vec<u
     Ok(e)
 }
 
-fn print_bisect(out: &BisectReport, prompt: Option<&str>) {
+pub fn print_bisect(out: &BisectReport) {
     let b = &out.bisect;
     print_report(&out.diff);
     println!();
@@ -388,7 +396,7 @@ fn print_bisect(out: &BisectReport, prompt: Option<&str>) {
         }
         _ => println!("\ndiagnosis: no fault — the candidate agrees with the reference"),
     }
-    if let (Some(p), Some(r)) = (prompt, &b.reference_text) {
+    if let (Some(p), Some(r)) = (&b.prompt, &b.reference_text) {
         println!("\nreference: {p}{r}");
         if let Some(c) = &b.candidate_text {
             println!("candidate: {p}{c}");

@@ -1,16 +1,17 @@
 //! `glmcheck demo`: the embedded default. It builds a tiny Q4_K_M GLM-5 GGUF in a temporary
-//! folder, shows `inspect` and `dequant` on it, runs the CPU reference on a prompt and a bf16
-//! candidate, and compares them with `diff` and `logits`. (The TP candidate with an injected
-//! fault and `bisect` join it as they land.)
+//! folder, shows `inspect` and `dequant` on it, then `bisect`s a TP=4 candidate with the seed
+//! story's bug planted (kv_b_proj loaded whole on every rank, each rank using rank 0's rows):
+//! the reference and candidate runs, the first divergence, the diagnosis with its evidence, and
+//! what each side prints.
 
+use super::bisect::{self, BisectArgs, DEFAULT_PROMPT};
 use super::dequant::{self, DequantArgs};
-use super::diff::{self, DiffArgs};
 use super::inspect::{self, InspectArgs};
-use super::logits::{self, LogitsArgs};
-use super::run::{self, RunArgs};
 use super::{ModelArg, Outcome};
 use crate::exec::backend::Precision;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
+use crate::exec::inject::Injection;
+use crate::model::names::LayerWeight;
 use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
@@ -56,46 +57,39 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         tensors: vec!["blk.1.*".into()],
         dump: None,
     })?;
-    say("glmcheck run glm5-tiny.gguf --prompt 'The capital of France is' --generate 8 --out reference.trace");
-    let run_at = |dtype: Precision, name: &str| {
-        run::run(RunArgs {
-            model: path.clone(),
-            tokens: Vec::new(),
-            prompt: Some("The capital of France is".into()),
-            out: dir.path().join(name),
-            full: Vec::new(),
-            latent_norm_eps: HF_LATENT_NORM_EPS,
-            generate: 8,
-            tp: 1,
-            inject: None,
-            dtype,
-            json: args.json,
-        })
-    };
-    let ran = run_at(Precision::F32, "reference.trace")?;
-    say("glmcheck run glm5-tiny.gguf --prompt ... --dtype bf16 --out candidate.trace");
-    let candidate = run_at(Precision::Bf16, "candidate.trace")?;
-    say("glmcheck diff reference.trace candidate.trace");
-    let diffed = diff::run(DiffArgs {
-        reference: dir.path().join("reference.trace"),
-        candidate: dir.path().join("candidate.trace"),
-        envelope: None,
-        tolerance: None,
-        json: args.json,
-        markdown: false,
-        html: None,
-    })?;
-    say("glmcheck logits candidate.trace --reference reference.trace");
-    let logits = logits::run(LogitsArgs {
-        trace: dir.path().join("candidate.trace"),
-        reference: Some(dir.path().join("reference.trace")),
+    say("glmcheck bisect glm5-tiny.gguf --tp 4 --inject unsharded-column");
+    let fault = Injection::UnshardedColumn(LayerWeight::KvB);
+    let report = bisect::bisect(&BisectArgs {
+        model: Some(path.clone()),
+        tp: 4,
+        dtype: Precision::F32,
+        inject: Some(fault),
+        candidate: None,
+        prompt: Some(DEFAULT_PROMPT.into()),
+        tokens: Vec::new(),
+        generate: 8,
+        latent_norm_eps: HF_LATENT_NORM_EPS,
+        out: None,
+        list_faults: false,
         json: args.json,
     })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        bisect::print_bisect(&report);
+    }
+    // The demo passes when the diagnosis names the planted fault's class.
+    let diagnosed = report.diff.fault.as_ref().map(|f| f.class) == Some(fault.entry().class);
+    if !args.json {
+        println!(
+            "\nplanted: {} — {}; diagnosed: {}",
+            fault.spec(),
+            fault.entry().what,
+            if diagnosed { "yes" } else { "NO" }
+        );
+    }
     Ok(
-        if [inspected, checked, ran, candidate, diffed, logits]
-            .iter()
-            .all(|o| *o == Outcome::Pass)
-        {
+        if diagnosed && [inspected, checked].iter().all(|o| *o == Outcome::Pass) {
             Outcome::Pass
         } else {
             Outcome::Fail

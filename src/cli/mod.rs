@@ -36,8 +36,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// A tiny GLM-5 GGUF in a temporary folder: inspect, dequant, the reference run on a
-    /// prompt, and a bf16 run compared with it (`diff`, `logits`).
+    /// A tiny GLM-5 GGUF in a temporary folder: inspect, dequant, then bisect a TP=4 candidate
+    /// with kv_b_proj loaded unsharded (the diagnosis, its evidence, both sides' text).
     Demo(demo::DemoArgs),
     /// Format, metadata, GLM-5 config, tensor table, schema check, quant histogram, bytes per TP rank.
     Inspect(inspect::InspectArgs),
