@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
+use crate::trace::stats::hex64;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
@@ -73,9 +74,7 @@ impl Serialize for Hash64 {
 impl<'de> Deserialize<'de> for Hash64 {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let text = String::deserialize(d)?;
-        let hex = text.len() == 16 && text.bytes().all(|b| b.is_ascii_hexdigit());
-        hex.then(|| u64::from_str_radix(&text, 16).ok())
-            .flatten()
+        hex64::parse(&text)
             .map(Hash64)
             .ok_or_else(|| D::Error::custom(format!("hash `{text}` is not 16 hex digits")))
     }

@@ -219,7 +219,7 @@ fn moments<T: Element>(xs: &[T]) -> TensorStats {
 }
 
 /// `u64` as exactly 16 lowercase hex digits in JSON.
-mod hex64 {
+pub(crate) mod hex64 {
     use serde::{de::Error, Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
@@ -228,11 +228,12 @@ mod hex64 {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         let text = String::deserialize(d)?;
+        parse(&text).ok_or_else(|| D::Error::custom(format!("hash `{text}` is not 16 hex digits")))
+    }
+
+    /// Exactly 16 hex digits as a `u64`.
+    pub fn parse(text: &str) -> Option<u64> {
         let hex = text.len() == 16 && text.bytes().all(|b| b.is_ascii_hexdigit());
-        let bad = || D::Error::custom(format!("hash `{text}` is not 16 hex digits"));
-        if !hex {
-            return Err(bad());
-        }
-        u64::from_str_radix(&text, 16).map_err(|_| bad())
+        hex.then(|| u64::from_str_radix(text, 16).ok()).flatten()
     }
 }
