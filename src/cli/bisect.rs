@@ -90,6 +90,8 @@ pub struct BisectInfo {
     pub dtype: String,
     pub inject: Option<String>,
     pub envelope: Option<String>,
+    /// Whether the envelope stores every weight as the candidate's files do (a conversion).
+    pub conversion: bool,
     /// Top-k positions where the candidate took the reference's choice (near ties).
     pub ties_taken: usize,
     /// Where the class came from: `drill-down` (weights, shards) or `traces`.
@@ -173,7 +175,10 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     let dir = args.out.as_deref().unwrap_or(scratch.path());
     std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     let cand_model = args.candidate.clone().unwrap_or_else(|| model.clone());
-    let lower = !matches!(args.dtype, Precision::F32 | Precision::F64);
+    // A conversion (another model's files) is judged against the reference with every weight
+    // stored as the candidate stores it: its quantization noise is not a fault.
+    let conversion = engine.is_none() && cand_model != model;
+    let lower = conversion || !matches!(args.dtype, Precision::F32 | Precision::F64);
     let steps = 3 + u64::from(lower);
     let bar = progress(steps, args.json, "bisect");
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
@@ -191,6 +196,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         record(RunSpec {
             dtype: args.dtype,
             ties: Some(&ties),
+            stored_as: conversion.then_some(cand_model.as_path()),
             ..reference_spec(args, &tokens, &model, &paths[1])
         })?;
         bar.inc(1);
@@ -265,6 +271,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             dtype: args.dtype.name().into(),
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
+            conversion,
             ties_taken: if lower { ties.count() } else { 0 },
             classified_by,
             reference_text: text(&ref_run.generated)?,
@@ -325,6 +332,7 @@ fn reference_spec<'a>(
         inject: None,
         generate: args.generate,
         ties: None,
+        stored_as: None,
     }
 }
 
@@ -366,7 +374,15 @@ pub fn print_bisect(out: &BisectReport) {
     );
     println!("{setup}");
     if let Some(e) = &b.envelope {
-        println!("noise envelope: the reference re-run at {} ({e})", b.dtype);
+        let stored = if b.conversion {
+            format!(", every weight stored as {} stores it", b.candidate)
+        } else {
+            String::new()
+        };
+        println!(
+            "noise envelope: the reference re-run at {}{stored} ({e})",
+            b.dtype
+        );
     }
     if b.ties_taken > 0 {
         println!(

@@ -91,6 +91,9 @@ pub struct RunSpec<'a> {
     pub inject: Option<Injection>,
     pub generate: usize,
     pub ties: Option<&'a TieBreaks>,
+    /// Pass every weight through the storage types of this model's files (the quantization
+    /// envelope of a conversion to it).
+    pub stored_as: Option<&'a Path>,
 }
 
 /// What a recorded run printed: the top-1 token of every prompt position and the generated
@@ -157,7 +160,11 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     };
     let mut writer = TraceWriter::create(spec.out, header, spec.full)
         .with_context(|| spec.out.display().to_string())?;
-    let source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
+    let mut source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
+    if let Some(other) = spec.stored_as {
+        let (files, cfg, family) = open_model(other)?;
+        source = source.stored_as(&WeightSource::new(files, cfg, family));
+    }
     let opts = ForwardOptions {
         latent_norm_eps: spec.latent_norm_eps,
         tp: spec.tp as usize,
@@ -192,6 +199,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         inject: args.inject,
         generate: args.generate,
         ties: None,
+        stored_as: None,
     })?;
     let text = match &tokenizer {
         Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),

@@ -1,6 +1,8 @@
 //! The model's weights as the forward asks for them: canonical roles (whole `kv_b_proj`, one
 //! expert at a time), dequantized to f32 from whatever layout the file has, only when asked.
 
+use std::collections::HashMap;
+
 use anyhow::{bail, Context, Result};
 
 use super::backend::Backend;
@@ -10,7 +12,8 @@ use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
 use crate::model::Glm5Config;
-use crate::weights::{quant, ModelFiles};
+use crate::synth::quantize::round_trip;
+use crate::weights::{quant, Encoding, GgmlType, ModelFiles};
 
 /// Weights of one model file set with its config, and the fault planted in the run that reads
 /// them (weight faults are applied here, op faults by the forward).
@@ -19,6 +22,9 @@ pub struct WeightSource {
     pub cfg: Glm5Config,
     layout: Layout,
     fault: Option<Injection>,
+    /// Storage types of another file set each weight is passed through on load (see
+    /// [`WeightSource::stored_as`]).
+    storage: Option<HashMap<WeightId, GgmlType>>,
 }
 
 impl WeightSource {
@@ -29,6 +35,63 @@ impl WeightSource {
             cfg,
             layout,
             fault: None,
+            storage: None,
+        }
+    }
+
+    /// This source with every weight quantized to the type `other` stores it as, and back:
+    /// a run of it carries the quantization noise of a correct conversion to `other`'s files,
+    /// the envelope such a conversion is judged against.
+    pub fn stored_as(self, other: &WeightSource) -> Self {
+        let family = other.layout.family;
+        let types = other
+            .files
+            .tensors()
+            .iter()
+            .filter_map(|t| {
+                let Encoding::Ggml(ty) = t.encoding else {
+                    return None;
+                };
+                let id = match crate::model::schema::role(family, &t.name)? {
+                    WeightId::Layer(l, LayerWeight::KB | LayerWeight::VB) => {
+                        WeightId::Layer(l, LayerWeight::KvB)
+                    }
+                    WeightId::Expert { layer, which, .. } => WeightId::Layer(layer, which),
+                    id => id,
+                };
+                Some((id, ty))
+            })
+            .collect();
+        WeightSource {
+            storage: Some(types),
+            ..self
+        }
+    }
+
+    /// The GGML type `id` is stored as (its first stored tensor's).
+    pub fn storage_type(&self, id: WeightId) -> Option<GgmlType> {
+        let name = self.tensor_names(id).into_iter().next()?;
+        match self.files.get(&name)?.encoding {
+            Encoding::Ggml(ty) => Some(ty),
+            _ => None,
+        }
+    }
+
+    /// `values` (rows of `row_len`) as the storage this source is passed through holds them.
+    fn through_storage(&self, id: WeightId, values: Vec<f32>, row_len: usize) -> Result<Vec<f32>> {
+        let ty = match (&self.storage, id) {
+            (
+                Some(types),
+                WeightId::Layer(l, LayerWeight::ExpertsGate | LayerWeight::ExpertsUp),
+            ) if !types.contains_key(&id) => {
+                types.get(&WeightId::Layer(l, LayerWeight::ExpertsGateUp))
+            }
+            (Some(types), _) => types.get(&id),
+            (None, _) => None,
+        };
+        match ty {
+            Some(&ty) => Ok(round_trip(ty, values, row_len)?),
+            None => Ok(values),
         }
     }
 
@@ -102,7 +165,8 @@ impl WeightSource {
             return Ok(Mat::zeros(n, self.cfg.hidden_size as usize));
         }
         let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
-        Ok(Mat::new(n, *shape.last().unwrap_or(&1) as usize, data))
+        let cols = *shape.last().unwrap_or(&1) as usize;
+        Ok(Mat::new(n, cols, self.through_storage(id, data, cols)?))
     }
 
     /// Whether the file holds this weight (GGUF's `output.weight` is optional).
@@ -130,14 +194,18 @@ impl WeightSource {
         if let (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded) =
             (id, self.layout.kv_b)
         {
-            return self.planted(id, self.assembled_kv_b(l)?);
+            let kv_b = self.assembled_kv_b(l)?;
+            let stored = self.through_storage(id, kv_b.data, kv_b.cols)?;
+            return self.planted(id, Mat::new(kv_b.rows, kv_b.cols, stored));
         }
         if id == WeightId::LmHead {
             return self.matrix_rows(id, 0..self.cfg.vocab_size);
         }
         let name = self.name(id);
         let (data, shape) = self.load(&name)?;
-        self.planted(id, Mat::from_shape(data, &shape).with_context(|| name)?)
+        let m = Mat::from_shape(data, &shape).with_context(|| name)?;
+        let stored = Mat::new(m.rows, m.cols, self.through_storage(id, m.data, m.cols)?);
+        self.planted(id, stored)
     }
 
     /// `w` as the planted fault leaves weight `id`.
@@ -223,10 +291,11 @@ impl WeightSource {
         if gate.len() != inter * h || up.len() != inter * h || down.len() != h * inter {
             bail!("layer {l} expert {e}: sizes do not match moe_intermediate_size {inter} × hidden {h}");
         }
+        let stored = |w, v, row_len| self.through_storage(WeightId::Layer(l, w), v, row_len);
         Ok([
-            Mat::new(inter, h, gate),
-            Mat::new(inter, h, up),
-            Mat::new(h, inter, down),
+            Mat::new(inter, h, stored(LayerWeight::ExpertsGate, gate, h)?),
+            Mat::new(inter, h, stored(LayerWeight::ExpertsUp, up, h)?),
+            Mat::new(h, inter, stored(LayerWeight::ExpertsDown, down, inter)?),
         ])
     }
 }

@@ -40,6 +40,8 @@ pub enum QuantizeError {
     PartialRow { len: usize, row_len: usize },
     #[error("bad --quant override {spec:?}: {why}")]
     Override { spec: String, why: String },
+    #[error("dequantizing the round trip: {0}")]
+    Dequantize(#[from] crate::weights::quant::QuantError),
 }
 
 /// Quantize `values`, whole rows of `row_len` elements, as `ty`: the bytes of a GGUF tensor.
@@ -99,6 +101,23 @@ fn block_encoder(ty: GgmlType) -> Result<BlockEncoder, QuantizeError> {
         T::IQ4_XS => iq4::iq4_xs,
         _ => return Err(QuantizeError::NoQuantizer(ty)),
     })
+}
+
+/// `values` quantized as `ty` in rows of `row_len` (llama.cpp's fallback type where rows are
+/// not whole blocks) and dequantized again: what storing them as `ty` leaves of them.
+pub fn round_trip(
+    ty: GgmlType,
+    values: Vec<f32>,
+    row_len: usize,
+) -> Result<Vec<f32>, QuantizeError> {
+    let ty = fallback(ty, row_len as u64);
+    if ty == GgmlType::F32 || values.is_empty() {
+        return Ok(values);
+    }
+    let bytes = quantize(ty, &values, row_len)?;
+    let mut out = vec![0f32; values.len()];
+    crate::weights::quant::dequantize_rows(ty, &bytes, &mut out, row_len)?;
+    Ok(out)
 }
 
 /// Whether [`quantize`] handles `ty`.

@@ -1,0 +1,89 @@
+//! `glmcheck bisect HF --candidate GGUF`: a conversion is judged against the reference with
+//! every weight stored as the GGUF stores it, so a correct conversion passes at f32, q8_0 and
+//! q4_k_m, while a GGUF whose kv_b was split wrongly, or whose attn_k_b lacks its per-head
+//! transpose (written by gguf-py from the correct F32 file), is a `weight_layout` at
+//! `L0.attn.kv`; a candidate whose Q4_K dequantizer is broken is a `wrong_dequant` beyond the
+//! type's noise.
+
+mod common;
+
+use std::path::Path;
+
+const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
+const SHAPE: [&str; 4] = [
+    "--set",
+    "num_attention_heads=8",
+    "--set",
+    "index_n_heads=16",
+];
+
+fn synth(out: &Path, form: &[&str]) {
+    let mut args = vec!["synth", "--json", "--out", out.to_str().unwrap()];
+    args.extend(SHAPE);
+    args.extend(form);
+    common::glmcheck_json(args, 0);
+}
+
+fn bisect(hf: &Path, candidate: &Path, extra: &[&str], code: i32) -> serde_json::Value {
+    let mut args = vec![
+        "bisect",
+        hf.to_str().unwrap(),
+        "--candidate",
+        candidate.to_str().unwrap(),
+        "--tokens",
+        TOKENS,
+        "--json",
+    ];
+    args.extend(extra);
+    common::glmcheck_json(args, code)
+}
+
+#[test]
+fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    synth(&hf, &["--format", "hf"]);
+    for quant in ["f32", "q8_0", "q4_k_m"] {
+        let gguf = dir.path().join(format!("{quant}.gguf"));
+        synth(&gguf, &["--quant", quant]);
+        let j = bisect(&hf, &gguf, &[], 0);
+        assert_eq!(j["verdict"], "pass", "{quant}: {:#}", j["fault"]);
+        assert_eq!(j["bisect"]["conversion"], true);
+        assert!(j["bisect"]["envelope"].is_string());
+        if quant == "q4_k_m" {
+            // The noise is real: far beyond f32's, yet inside the storage envelope.
+            assert!(j["tolerance_to_pass"].as_f64().unwrap() > 1e-4, "{quant}");
+        }
+    }
+    let f32_gguf = dir.path().join("f32.gguf");
+    for mode in ["split-order", "no-transpose"] {
+        let bad = dir.path().join(format!("{mode}.gguf"));
+        common::run_oracle(
+            "break_kv_b.py",
+            &[f32_gguf.to_str().unwrap(), bad.to_str().unwrap(), mode],
+        );
+        let j = bisect(&hf, &bad, &[], 1);
+        assert_eq!(j["first_divergence"]["stage"], "L0.attn.kv", "{mode}");
+        assert_eq!(
+            j["fault"]["class"], "weight_layout",
+            "{mode}: {:#}",
+            j["fault"]
+        );
+        assert_eq!(
+            j["fault"]["weight"], "model.layers.0.self_attn.kv_b_proj.weight",
+            "{mode}"
+        );
+        assert_eq!(j["bisect"]["classified_by"], "drill-down");
+    }
+    let q4 = dir.path().join("q4_k_m.gguf");
+    let j = bisect(&hf, &q4, &["--inject", "dequant-q4k-scales"], 1);
+    assert_eq!(j["fault"]["class"], "wrong_dequant", "{:#}", j["fault"]);
+    assert!(
+        j["fault"]["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains("storing the reference's values as Q4_K departs"),
+        "{:#}",
+        j["fault"]
+    );
+}
