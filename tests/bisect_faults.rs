@@ -224,3 +224,44 @@ fn the_catalogue_lists_every_fault_with_class_and_stage() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--list-faults"));
 }
+
+/// `--mode logits`: judged by its logits alone, the candidate's first faulty block is found by
+/// hybrid runs (the candidate up to a block, the reference after it) in O(log L) runs.
+#[test]
+fn logits_mode_finds_the_first_faulty_layer_by_hybrid_runs() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    let cases = [
+        ("rope-neox", 1, "L0.out"),
+        ("skip-all-reduce=2", 2, "L2.out"),
+        ("nan-expert=2", 1, "L2.out"),
+        ("routed-scale-twice", 1, "L1.out"),
+        ("dequant-q4k-scales", 1, "embed"),
+        ("flat-lm-head", 1, "logits"),
+    ];
+    for (fault, tp, block) in cases {
+        let tp_arg = tp.to_string();
+        let j = common::glmcheck_json(
+            [
+                "bisect", &model, "--tokens", TOKENS, "--tp", &tp_arg, "--inject", fault, "--mode",
+                "logits", "--json",
+            ],
+            1,
+        );
+        assert_eq!(j["first_divergence"]["stage"], block, "{fault}");
+        // Only the logits are compared.
+        let stages = j["stages"].as_array().unwrap();
+        assert_eq!(stages.len(), 1, "{fault}");
+        assert_eq!(stages[0]["stage"], "logits");
+        // 3 layers: 5 blocks, so the whole candidate and at most ⌈log2 5⌉ = 3 hybrids.
+        let runs = j["bisect"]["hybrids"].as_array().unwrap();
+        assert!(runs.len() <= 4, "{fault}: {runs:?}");
+    }
+    let j = common::glmcheck_json(
+        [
+            "bisect", &model, "--tokens", TOKENS, "--dtype", "bf16", "--mode", "logits", "--json",
+        ],
+        0,
+    );
+    assert_eq!(j["verdict"], "pass");
+}

@@ -420,26 +420,44 @@ fn bf16_emulation_departs_from_f32_as_much_as_transformers_in_bf16() {
     );
 }
 
-/// On a model made to leave fp16's range at layer 1, the f16 emulation overflows exactly there,
-/// while f32 and bf16 stay finite.
+/// On a model made to leave fp16's range at layer 1, the f16 emulation without vLLM's residual
+/// rescaling (`--inject fp16-overflow`) overflows exactly there, while f32, bf16 and the
+/// rescaled f16 stay finite.
 #[test]
 fn f16_emulation_overflows_where_the_residual_leaves_the_fp16_range() {
     let dir = common::scratch();
     let gguf = dir.path().join("m.gguf");
     glmcheck(&["synth", "--fp16-overflow", "1", "--out"], &gguf);
-    let inf_at = |dtype: &str| -> Vec<(String, u64)> {
-        let trace = run_at(&gguf, dtype, &dir.path().join(format!("{dtype}.trace")));
-        trace
+    let inf_at = |dtype: &str, extra: &[&str]| -> Vec<(String, u64)> {
+        let out = dir.path().join(format!("{dtype}{}.trace", extra.len()));
+        let mut args = vec![
+            "run",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--dtype",
+            dtype,
+        ];
+        args.extend(extra);
+        args.push("--out");
+        glmcheck(&args, &out);
+        Trace::open(&out)
+            .unwrap()
             .stages()
             .iter()
             .filter(|s| s.stats.inf > 0)
             .map(|s| (s.name.clone(), s.stats.inf))
             .collect()
     };
-    assert_eq!(inf_at("f32"), vec![]);
-    assert_eq!(inf_at("bf16"), vec![]);
-    let f16 = inf_at("f16");
-    let first = &f16.first().expect("f16 overflows").0;
+    assert_eq!(inf_at("f32", &[]), vec![]);
+    assert_eq!(inf_at("bf16", &[]), vec![]);
+    assert_eq!(
+        inf_at("f16", &[]),
+        vec![],
+        "rescaled by 1/routed_scaling_factor"
+    );
+    let f16 = inf_at("f16", &["--inject", "fp16-overflow"]);
+    let first = &f16.first().expect("f16 without rescaling overflows").0;
     assert!(
         first.starts_with("L1."),
         "first Inf at {first}, expected in layer 1: {f16:?}"

@@ -71,6 +71,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         latent_norm_eps: HF_LATENT_NORM_EPS,
         out: None,
         list_faults: false,
+        mode: bisect::Mode::Stages,
         json: args.json,
     })?;
     if args.json {

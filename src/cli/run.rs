@@ -8,7 +8,7 @@ use serde_json::json;
 use super::inspect::glm5_config;
 use super::Outcome;
 use crate::exec::backend::{Backend, Cpu, Precision};
-use crate::exec::forward::{generate, ForwardOptions, HF_LATENT_NORM_EPS};
+use crate::exec::forward::{generate, ForwardOptions, Hybrid, Runner, HF_LATENT_NORM_EPS};
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
 use crate::exec::source::WeightSource;
@@ -94,6 +94,10 @@ pub struct RunSpec<'a> {
     /// Pass every weight through the storage types of this model's files (the quantization
     /// envelope of a conversion to it).
     pub stored_as: Option<&'a Path>,
+    /// A hybrid run: this run's model computes the blocks below the index (embedding 0, layer
+    /// `l` at `l + 1`, the head at `L + 1`), this reference model on the CPU at f32, TP 1, the
+    /// rest.
+    pub hybrid: Option<(&'a Path, usize)>,
 }
 
 /// What a recorded run printed: the top-1 token of every prompt position and the generated
@@ -171,9 +175,48 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         ties: spec.ties,
     };
     let (n, g) = (spec.tokens, spec.generate);
-    let recorded = match spec.dtype {
-        Precision::F64 => greedy(&source, n, g, &Cpu::f64(), opts, &mut writer)?,
-        p => greedy(&source, n, g, &Cpu::new(p), opts, &mut writer)?,
+    let recorded = match (spec.dtype, spec.hybrid) {
+        (Precision::F64, None) => {
+            let be = Cpu::f64();
+            let run = Runner {
+                src: &source,
+                be: &be,
+                opts,
+            };
+            greedy(&Hybrid::single(run), n, g, &mut writer)?
+        }
+        (Precision::F64, Some(_)) => bail!("a hybrid run needs an f32, bf16 or f16 candidate"),
+        (p, hybrid) => {
+            let be = Cpu::new(p);
+            let candidate = Runner {
+                src: &source,
+                be: &be,
+                opts,
+            };
+            match hybrid {
+                None => greedy(&Hybrid::single(candidate), n, g, &mut writer)?,
+                Some((model, switch)) => {
+                    let (files, cfg, family) = open_model(model)?;
+                    let reference = WeightSource::new(files, cfg, family);
+                    let f32_be = Cpu::new(Precision::F32);
+                    let above = Runner {
+                        src: &reference,
+                        be: &f32_be,
+                        opts: ForwardOptions {
+                            tp: 1,
+                            ties: None,
+                            ..opts
+                        },
+                    };
+                    let run = Hybrid {
+                        below: candidate,
+                        above,
+                        switch,
+                    };
+                    greedy(&run, n, g, &mut writer)?
+                }
+            }
+        }
     };
     writer.finish()?;
     Ok(recorded)
@@ -200,6 +243,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         generate: args.generate,
         ties: None,
         stored_as: None,
+        hybrid: None,
     })?;
     let text = match &tokenizer {
         Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),
@@ -229,14 +273,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
 /// The prompt through `be` into `rec`, then `n` greedy tokens: the top-1 token of every prompt
 /// position and the generated tokens.
 fn greedy<B: Backend>(
-    src: &WeightSource,
+    run: &Hybrid<'_, B>,
     prompt: &[u32],
     n: usize,
-    be: &B,
-    opts: ForwardOptions,
     rec: &mut TraceWriter,
 ) -> anyhow::Result<Recorded> {
-    let (logits, generated) = generate(src, prompt, n, be, opts, rec)?;
+    let (logits, generated) = generate(run, prompt, n, rec)?;
     let top1 = (0..logits.rows)
         .map(|r| topk(logits.row(r), 1)[0])
         .collect();

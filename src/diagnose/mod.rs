@@ -10,7 +10,8 @@ use anyhow::Result;
 
 use crate::compare::Fault;
 use crate::exec::source::WeightSource;
-use crate::model::stages::stage_weights;
+use crate::model::names::WeightId;
+use crate::model::stages::{stage_names, stage_weights};
 
 pub use shards::check_shards;
 pub use weights::check_weights;
@@ -32,14 +33,30 @@ pub fn drill_down(
     cand: &CandidateRun,
     stage: &str,
 ) -> Result<Option<Fault>> {
-    let ids = stage_weights(&reference.cfg, stage);
-    if ids.is_empty() {
-        return Ok(None);
-    }
+    check(reference, cand, &stage_weights(&reference.cfg, stage))
+}
+
+/// What the weights and shards of every stage of layer `l` show.
+pub fn drill_down_layer(
+    reference: &WeightSource,
+    cand: &CandidateRun,
+    l: u64,
+) -> Result<Option<Fault>> {
+    let prefix = format!("L{l}.");
+    let mut ids: Vec<WeightId> = stage_names(&reference.cfg)
+        .iter()
+        .filter(|s| s.starts_with(&prefix))
+        .flat_map(|s| stage_weights(&reference.cfg, s))
+        .collect();
+    ids.dedup();
+    check(reference, cand, &ids)
+}
+
+fn check(reference: &WeightSource, cand: &CandidateRun, ids: &[WeightId]) -> Result<Option<Fault>> {
     if cand.tp > 1 {
-        if let Some(f) = check_shards(reference, cand, &ids)? {
+        if let Some(f) = check_shards(reference, cand, ids)? {
             return Ok(Some(f));
         }
     }
-    check_weights(reference, cand, &ids)
+    check_weights(reference, cand, ids)
 }

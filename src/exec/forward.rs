@@ -79,16 +79,59 @@ fn values<E: Real>(m: &Mat<E>) -> Stage<'_> {
     E::stage(&m.data)
 }
 
+/// What runs a forward: the weights (with any planted fault), the backend, the options.
+pub struct Runner<'a, B> {
+    pub src: &'a WeightSource,
+    pub be: &'a B,
+    pub opts: ForwardOptions<'a>,
+}
+
+impl<B> Clone for Runner<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Runner<'_, B> {}
+
+/// A forward split between two runners at a block: the embedding is block 0, layer `l` block
+/// `l + 1`, the final norm and lm_head block `L + 1`. Blocks below `switch` run on `below`, the
+/// rest on `above` — so that a candidate which shows only its logits can be bisected by layer,
+/// the reference computing what comes before the layer under test.
+pub struct Hybrid<'a, B> {
+    pub below: Runner<'a, B>,
+    pub above: Runner<'a, B>,
+    pub switch: usize,
+}
+
+impl<'a, B> Hybrid<'a, B> {
+    /// Every block on `r`.
+    pub fn single(r: Runner<'a, B>) -> Self {
+        Hybrid {
+            below: r,
+            above: r,
+            switch: 0,
+        }
+    }
+
+    fn at(&self, block: usize) -> Runner<'a, B> {
+        if block < self.switch {
+            self.below
+        } else {
+            self.above
+        }
+    }
+}
+
 /// Run `tokens` through the model at the positions after those in `cache` (all of them for a
 /// prompt, one at a time when generating); returns their logits `[T, V]`.
 pub fn forward<B: Backend>(
-    src: &WeightSource,
+    run: &Hybrid<'_, B>,
     tokens: &[u32],
     cache: &mut KvCache<B::E>,
-    be: &B,
-    opts: ForwardOptions<'_>,
     rec: &mut dyn Recorder,
 ) -> Result<Mat<B::E>> {
+    let Runner { src, be, opts } = run.at(0);
     let cfg = &src.cfg;
     let (t, h) = (tokens.len(), cfg.hidden_size as usize);
     let vocab = cfg.vocab_size;
@@ -104,11 +147,15 @@ pub fn forward<B: Backend>(
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
     rec.record("embed", &[t as u64, h as u64], "t d", None, values(&x))?;
-    let scale = ResidualScale::of(src, be);
+    record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
+    let mut scale = ResidualScale::of(src, be);
     x = scale.down(be, x);
     let start = cache.len();
     let mut prev_topk: Option<Selection> = None;
     for l in 0..cfg.num_hidden_layers {
+        let Runner { src, be, opts } = run.at(l as usize + 1);
+        x = scale.convert(be, ResidualScale::of(src, be), x);
+        scale = ResidualScale::of(src, be);
         let layer = Layer {
             src,
             l,
@@ -124,6 +171,7 @@ pub fn forward<B: Backend>(
         x = out;
         prev_topk = selection;
     }
+    let Runner { src, be, opts } = run.at(cfg.num_hidden_layers as usize + 1);
     let norm = be.rms_norm(
         &x,
         &src.vector_in(be, WeightId::FinalNorm)?,
@@ -137,34 +185,68 @@ pub fn forward<B: Backend>(
         values(&norm),
     )?;
     let logits = lm_head(src, &norm, be)?;
-    rec.record(
-        "logits",
-        &[t as u64, logits.cols as u64],
-        "t v(tp)",
-        None,
-        values(&logits),
-    )?;
+    let shape = [t as u64, logits.cols as u64];
+    rec.record("logits", &shape, "t v(tp)", None, values(&logits))?;
+    if opts.tp > 1 {
+        // Vocab-parallel lm_head: each rank its slice of the vocabulary, gathered.
+        let share = logits.cols / opts.tp;
+        for r in 0..opts.tp {
+            let part = logits.columns(r * share, share);
+            let shape = [t as u64, share as u64];
+            rec.record("logits", &shape, "t v(tp)", Some(r as u32), values(&part))?;
+        }
+    }
     Ok(logits)
+}
+
+/// Vocab-parallel embedding at TP: each rank looks up the tokens of its vocabulary slice (zeros
+/// for the others) and an all-reduce sums them; recorded per rank as partial sums.
+fn record_embed_parts<E: Real>(
+    tokens: &[u32],
+    x: &Mat<E>,
+    vocab: u64,
+    tp: usize,
+    rec: &mut dyn Recorder,
+) -> Result<()> {
+    if tp < 2 {
+        return Ok(());
+    }
+    let share = vocab / tp as u64;
+    for r in 0..tp as u64 {
+        let mut part = Mat::zeros(x.rows, x.cols);
+        for (i, &tok) in tokens.iter().enumerate() {
+            if u64::from(tok) / share == r {
+                part.row_mut(i).copy_from_slice(x.row(i));
+            }
+        }
+        let shape = [x.rows as u64, x.cols as u64];
+        rec.record(
+            "embed",
+            &shape,
+            "t d partial(tp)",
+            Some(r as u32),
+            values(&part),
+        )?;
+    }
+    Ok(())
 }
 
 /// Greedy generation: the prompt through `rec`, then `n` tokens, each the argmax of the last
 /// logits, fed one at a time through the KV cache. Returns the prompt's logits and the tokens.
 pub fn generate<B: Backend>(
-    src: &WeightSource,
+    run: &Hybrid<'_, B>,
     prompt: &[u32],
     n: usize,
-    be: &B,
-    opts: ForwardOptions<'_>,
     rec: &mut dyn Recorder,
 ) -> Result<(Mat<B::E>, Vec<u32>)> {
     let mut cache = KvCache::default();
-    let logits = forward(src, prompt, &mut cache, be, opts, rec)?;
+    let logits = forward(run, prompt, &mut cache, rec)?;
     let mut out = Vec::with_capacity(n);
     let mut last = logits.row(logits.rows - 1).to_vec();
     for _ in 0..n {
         let next = topk(&last, 1)[0] as u32;
         out.push(next);
-        last = forward(src, &[next], &mut cache, be, opts, &mut Discard)?.data;
+        last = forward(run, &[next], &mut cache, &mut Discard)?.data;
     }
     Ok((logits, out))
 }
@@ -231,6 +313,14 @@ impl<E: Real> ResidualScale<E> {
             be.round(&mut m.data);
         }
         m
+    }
+
+    /// The stream `x`, held by this scale, as `next` holds it (a hybrid run changing sides).
+    fn convert<B: Backend<E = E>>(&self, be: &B, next: Self, x: Mat<E>) -> Mat<E> {
+        if self.0 == next.0 {
+            return x;
+        }
+        next.down(be, self.up(&x).into_owned())
     }
 
     /// The stream `m` in the reference's units.

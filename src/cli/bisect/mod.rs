@@ -10,13 +10,15 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
+mod logits;
+
 use super::diff::print_report;
 use super::output::{progress, table};
 use super::run::{open_model, prompt_tokens, record, RunSpec};
 use super::Outcome;
 use crate::compare::diff::layer_of;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
-use crate::diagnose::{drill_down, CandidateRun};
+use crate::diagnose::{drill_down, drill_down_layer, CandidateRun};
 use crate::exec::backend::Precision;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::{Injection, CATALOGUE};
@@ -24,6 +26,7 @@ use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::trace::{FullSelector, Trace};
+use logits::{logits_of, HybridRun, Search};
 
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
@@ -68,9 +71,21 @@ pub struct BisectArgs {
     /// List the fault catalogue (name, ARG, class and stage a correct diagnosis gives).
     #[arg(long)]
     pub list_faults: bool,
+    /// `stages`: compare every stage both sides record. `logits`: judge the candidate by its
+    /// logits alone, as an engine exposing nothing else, and find the first faulty layer by
+    /// hybrid runs (the candidate up to a layer, the reference after it; O(log L) runs).
+    #[arg(long, value_enum, default_value = "stages")]
+    pub mode: Mode,
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// What the candidate is judged by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Stages,
+    Logits,
 }
 
 /// What bisect adds to a diff report.
@@ -96,6 +111,9 @@ pub struct BisectInfo {
     pub ties_taken: usize,
     /// Where the class came from: `drill-down` (weights, shards) or `traces`.
     pub classified_by: &'static str,
+    /// `--mode logits`: the hybrid runs of the search, in the order they ran.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hybrids: Vec<HybridRun>,
     pub reference_text: Option<String>,
     pub candidate_text: Option<String>,
 }
@@ -153,7 +171,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     if engine_trace.is_some() && args.inject.is_some() {
         bail!("--inject plants a fault in a run glmcheck makes; --candidate TRACE is an engine's");
     }
-    let (files, _, _) = open_model(&model)?;
+    let (files, cfg, _) = open_model(&model)?;
     let prompt_text = match (&args.prompt, args.tokens.is_empty(), engine_trace) {
         (_, _, Some(_)) => None,
         (Some(p), _, _) => Some(p.clone()),
@@ -233,6 +251,27 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         envelope: envelope.as_ref(),
     };
     let mut report = diff(&reference, &candidate, &opts)?;
+    let mut hybrids = Vec::new();
+    if args.mode == Mode::Logits {
+        if cand_run.is_none() {
+            bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE");
+        }
+        report = logits_view(report)?;
+        if report.verdict == Status::Fail {
+            bar.set_message("hybrid runs: the candidate up to a layer, the reference after it");
+            let search = Search {
+                args,
+                tokens: &tokens,
+                model: &model,
+                cand_model: &cand_model,
+                dir,
+                reference: &reference,
+                envelope: envelope.as_ref(),
+                ties: lower.then_some(&ties),
+            };
+            hybrids = search.locate_fault(&cfg, &mut report, &candidate, lower)?;
+        }
+    }
     let mut classified_by = "traces";
     if let (Some(d), true) = (&report.first_divergence, cand_run.is_some()) {
         let (files, cfg, family) = open_model(&model)?;
@@ -246,7 +285,11 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             same_files: cand_model == model,
             experts,
         };
-        if let Some(found) = drill_down(&ref_src, &cand, &d.stage)? {
+        let found = match (args.mode, d.layer) {
+            (Mode::Logits, Some(l)) => drill_down_layer(&ref_src, &cand, l)?,
+            _ => drill_down(&ref_src, &cand, &d.stage)?,
+        };
+        if let Some(found) = found {
             classified_by = "drill-down";
             report.fault = Some(merge(report.fault.take(), found));
         }
@@ -274,6 +317,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             conversion,
             ties_taken: if lower { ties.count() } else { 0 },
             classified_by,
+            hybrids,
             reference_text: text(&ref_run.generated)?,
             candidate_text: match &cand_run {
                 Some(r) => text(&r.generated)?,
@@ -283,6 +327,21 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         diff: report,
     };
     Ok(out)
+}
+
+/// The report as a candidate showing only its logits gives it: the logits stage alone.
+fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
+    let logits = logits_of(&report)
+        .cloned()
+        .context("the traces hold no logits")?;
+    report.verdict = logits.status;
+    report.tolerance_to_pass = logits.rel_diff;
+    report.first_divergence = None;
+    if logits.status == Status::Pass {
+        report.fault = None;
+    }
+    report.stages = vec![logits];
+    Ok(report)
 }
 
 /// The drill-down's finding joined with what the traces showed. A symptom the traces prove
@@ -333,6 +392,7 @@ fn reference_spec<'a>(
         generate: args.generate,
         ties: None,
         stored_as: None,
+        hybrid: None,
     }
 }
 

@@ -1,0 +1,172 @@
+//! `bisect --mode logits`: a candidate judged by its logits alone, as an engine that exposes
+//! nothing else is. Hybrid runs — the candidate computing every block before a switch point,
+//! the reference the rest from the candidate's hidden state — find the first block whose
+//! candidate computation breaks the logits by binary search: O(log L) runs for L layers. (With
+//! the roles the other way round the search would find the last faulty block; a loader bug
+//! that hits every layer is then blamed on the last layer instead of the first.)
+
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::{reference_spec, BisectArgs};
+use crate::cli::run::{record, RunSpec};
+use crate::compare::classify::classify;
+use crate::compare::diff::Divergence;
+use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
+use crate::exec::ties::TieBreaks;
+use crate::model::Glm5Config;
+use crate::trace::Trace;
+
+/// One hybrid run: up to which block the candidate computed, and how its logits compared.
+#[derive(Clone, Debug, Serialize)]
+pub struct HybridRun {
+    /// The first block on the reference: 0 the embedding, `l + 1` layer `l`, `L + 1` the head.
+    pub switch: usize,
+    /// The last block on the candidate, by its output stage (`none` at switch 0).
+    pub candidate_through: String,
+    pub status: Status,
+    pub rel_diff: f64,
+}
+
+/// The output stage of block `b` and its layer.
+pub fn block_stage(cfg: &Glm5Config, b: usize) -> (String, Option<u64>) {
+    let layers = cfg.num_hidden_layers as usize;
+    match b {
+        0 => ("embed".into(), None),
+        b if b <= layers => (format!("L{}.out", b - 1), Some(b as u64 - 1)),
+        _ => ("logits".into(), None),
+    }
+}
+
+/// The last block on the candidate when the reference takes over at `switch`.
+pub fn through(cfg: &Glm5Config, switch: usize) -> String {
+    match switch {
+        0 => "none".into(),
+        s => block_stage(cfg, s - 1).0,
+    }
+}
+
+/// The logits stage of a report.
+pub fn logits_of(report: &DiffReport) -> Option<&crate::compare::StageDiff> {
+    report
+        .stages
+        .iter()
+        .find(|s| s.stage == "logits" && s.rank.is_none())
+}
+
+/// What a search needs: the runs' settings, the reference and its envelope.
+pub struct Search<'a> {
+    pub args: &'a BisectArgs,
+    pub tokens: &'a [u32],
+    pub model: &'a Path,
+    pub cand_model: &'a Path,
+    pub dir: &'a Path,
+    pub reference: &'a Trace,
+    pub envelope: Option<&'a Trace>,
+    pub ties: Option<&'a TieBreaks>,
+}
+
+impl Search<'_> {
+    /// The logits of the hybrid switching to the candidate at block `switch`.
+    fn run(&self, cfg: &Glm5Config, switch: usize) -> Result<HybridRun> {
+        let out = self.dir.join(format!("hybrid-{switch}.trace"));
+        record(RunSpec {
+            dtype: self.args.dtype,
+            tp: self.args.tp,
+            inject: self.args.inject,
+            ties: self.ties,
+            hybrid: Some((self.model, switch)),
+            ..reference_spec(self.args, self.tokens, self.cand_model, &out)
+        })?;
+        let hybrid = Trace::open(&out)?;
+        let opts = DiffOptions {
+            tolerance: None,
+            envelope: self.envelope,
+        };
+        let report = diff(self.reference, &hybrid, &opts)?;
+        let logits = logits_of(&report).ok_or_else(|| anyhow::anyhow!("no logits stage"))?;
+        Ok(HybridRun {
+            switch,
+            candidate_through: through(cfg, switch),
+            status: logits.status,
+            rel_diff: logits.rel_diff,
+        })
+    }
+
+    /// Given that the candidate's own logits fail (every block on it, switch L + 2) and the
+    /// reference's pass (switch 0), the first switch point that fails: one past the first
+    /// faulty block, which is returned.
+    pub fn locate(&self, cfg: &Glm5Config, whole: HybridRun) -> Result<(usize, Vec<HybridRun>)> {
+        let (mut lo, mut hi) = (0, cfg.num_hidden_layers as usize + 2);
+        let mut runs = vec![whole];
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            let run = self.run(cfg, mid)?;
+            if run.status == Status::Fail {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            runs.push(run);
+        }
+        Ok((hi - 1, runs))
+    }
+
+    /// Judge the candidate by `report`'s logits (already failed): locate the first faulty
+    /// block, and give the report that divergence and what the logits show; the hybrid runs.
+    pub fn locate_fault(
+        &self,
+        cfg: &Glm5Config,
+        report: &mut DiffReport,
+        candidate: &Trace,
+        calibrated: bool,
+    ) -> Result<Vec<HybridRun>> {
+        let every_block = cfg.num_hidden_layers as usize + 2;
+        let whole = logits_of(&report).map(|s| HybridRun {
+            switch: every_block,
+            candidate_through: through(cfg, every_block),
+            status: s.status,
+            rel_diff: s.rel_diff,
+        });
+        let (block, runs) = self.locate(
+            cfg,
+            whole.ok_or_else(|| anyhow::anyhow!("no logits stage"))?,
+        )?;
+        let (stage, layer) = block_stage(cfg, block);
+        // What the logits alone show (flat, NaN, overflow), with where the search put it.
+        let traced = classify(self.reference, candidate, &report.stages, 0, calibrated)?;
+        let located =
+            format!("the logits break once the block ending at {stage} runs on the candidate");
+        let (class, summary) = match traced.class {
+            FaultClass::Unknown | FaultClass::PrecisionLoss => (FaultClass::Unknown, located),
+            class => (class, format!("{}; {located}", traced.summary)),
+        };
+        let mut evidence = traced.evidence;
+        evidence.extend(runs.iter().map(|r| {
+            format!(
+                "candidate through {}, the reference after: logits {} (rel_diff {:.3e})",
+                r.candidate_through,
+                if r.status == Status::Fail {
+                    "fail"
+                } else {
+                    "pass"
+                },
+                r.rel_diff
+            )
+        }));
+        report.fault = Some(Fault {
+            class,
+            summary,
+            evidence,
+            weight: None,
+        });
+        report.first_divergence = Some(Divergence {
+            stage,
+            layer,
+            rank: None,
+        });
+        Ok(runs)
+    }
+}
