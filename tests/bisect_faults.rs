@@ -155,6 +155,56 @@ fn clean_candidates_pass_at_every_degree_and_dtype() {
     }
 }
 
+/// Expert parallelism: routed experts whole on their owning rank, each rank's routed partial
+/// the sum of its own experts; equal to the reference up to summation order.
+#[test]
+fn expert_parallel_candidates_pass() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    for tp in ["2", "4", "8"] {
+        for dtype in ["f32", "bf16"] {
+            let j = common::glmcheck_json(
+                [
+                    "bisect", &model, "--tokens", TOKENS, "--tp", tp, "--ep", "--dtype", dtype,
+                    "--json",
+                ],
+                0,
+            );
+            assert_eq!(j["verdict"], "pass", "EP {tp} {dtype}: {:#}", j["fault"]);
+        }
+    }
+    // The parts are the owners' sums: a rank whose experts no token chose holds zeros.
+    let trace = dir.path().join("ep.trace");
+    common::glmcheck_json(
+        [
+            "run",
+            &model,
+            "--tokens",
+            "1,2,3",
+            "--tp",
+            "4",
+            "--ep",
+            "--full",
+            "**",
+            "--json",
+            "--out",
+            trace.to_str().unwrap(),
+        ],
+        0,
+    );
+    let t = glmcheck::trace::Trace::open(&trace).unwrap();
+    let ids = t.tensor("L1.moe.topk_ids", None).unwrap().unwrap();
+    for rank in 0..4u32 {
+        let owns = |e: f32| (e as u32) / 2 == rank; // 8 experts over 4 ranks
+        let part = t.stage("L1.moe.routed", Some(rank)).unwrap();
+        assert_eq!(
+            part.stats.l2 > 0.0,
+            ids.iter().any(|&e| owns(e)),
+            "rank {rank}"
+        );
+    }
+}
+
 #[test]
 fn the_drill_down_gives_evidence_from_weights_and_shards() {
     let dir = common::scratch();

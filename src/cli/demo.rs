@@ -62,6 +62,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     let report = bisect::bisect(&BisectArgs {
         model: Some(path.clone()),
         tp: 4,
+        ep: false,
         dtype: Precision::F32,
         inject: Some(fault),
         candidate: None,

@@ -55,6 +55,10 @@ pub struct RunArgs {
     /// one after another: per-rank stages are recorded with their rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: u64,
+    /// Expert parallelism: each rank computes the routed experts it owns whole (experts
+    /// `r·E/tp .. (r+1)·E/tp`) instead of its share of every expert's intermediate dimension.
+    #[arg(long)]
+    pub ep: bool,
     /// Plant a fault from the catalogue (`glmcheck bisect --list-faults`), as `NAME[=ARG]`:
     /// the run is then a candidate with a known bug.
     #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
@@ -88,6 +92,7 @@ pub struct RunSpec<'a> {
     pub latent_norm_eps: f64,
     pub dtype: Precision,
     pub tp: u64,
+    pub ep: bool,
     pub inject: Option<Injection>,
     pub generate: usize,
     pub ties: Option<&'a TieBreaks>,
@@ -142,12 +147,19 @@ pub fn prompt_tokens(
 pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     let (files, cfg, family) = open_model(spec.model)?;
     crate::shard::plan::check_degree(&cfg, spec.tp)?;
+    if spec.ep && cfg.n_routed_experts % spec.tp != 0 {
+        bail!(
+            "--ep: {} routed experts do not split evenly over {} ranks",
+            cfg.n_routed_experts,
+            spec.tp
+        );
+    }
     if let Some(fault) = &spec.inject {
         fault.check(&cfg, spec.tp as usize, spec.dtype)?;
     }
     let header = TraceHeader {
         producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": spec.latent_norm_eps,
-                "inject": spec.inject.map(|f| f.spec()), "ties_from_reference": spec.ties.map(TieBreaks::count)})
+                "inject": spec.inject.map(|f| f.spec()), "ep": spec.ep, "ties_from_reference": spec.ties.map(TieBreaks::count)})
             .as_object()
             .cloned()
             .unwrap_or_default(),
@@ -172,6 +184,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     let opts = ForwardOptions {
         latent_norm_eps: spec.latent_norm_eps,
         tp: spec.tp as usize,
+        ep: spec.ep,
         ties: spec.ties,
     };
     let (n, g) = (spec.tokens, spec.generate);
@@ -239,6 +252,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         latent_norm_eps: args.latent_norm_eps,
         dtype: args.dtype,
         tp: args.tp,
+        ep: args.ep,
         inject: args.inject,
         generate: args.generate,
         ties: None,

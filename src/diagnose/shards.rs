@@ -19,6 +19,7 @@ pub fn check_shards(
     let tp = cand.tp;
     let sharder = Sharder {
         tp,
+        ep: false,
         fault: cand.src.fault(),
     };
     for &id in ids {

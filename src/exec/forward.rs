@@ -26,6 +26,7 @@ use super::source::WeightSource;
 use super::ties::TieBreaks;
 use super::tp::Sharder;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
+use crate::shard::plan::expert_rank;
 use crate::trace::writer::Stage;
 
 /// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
@@ -61,6 +62,9 @@ pub struct ForwardOptions<'a> {
     pub latent_norm_eps: f64,
     /// Tensor-parallel ranks (vLLM's split, simulated on the CPU; see [`super::tp`]).
     pub tp: usize,
+    /// Expert parallelism: routed experts whole on the rank that owns them instead of split
+    /// along their intermediate dimension.
+    pub ep: bool,
     /// Near ties at top-k boundaries resolved as the reference did (see [`TieBreaks`]).
     pub ties: Option<&'a TieBreaks>,
 }
@@ -70,6 +74,7 @@ impl Default for ForwardOptions<'_> {
         ForwardOptions {
             latent_norm_eps: HF_LATENT_NORM_EPS,
             tp: 1,
+            ep: false,
             ties: None,
         }
     }
@@ -387,6 +392,7 @@ impl<B: Backend> Layer<'_, B> {
     fn sharder(&self) -> Sharder {
         Sharder {
             tp: self.opts.tp,
+            ep: self.opts.ep,
             fault: self.src.fault(),
         }
     }
@@ -576,13 +582,14 @@ impl<B: Backend> Layer<'_, B> {
                     let mut out =
                         routed_expert(self.src, be, self.l, e, x, (&ids, &weights), sharder)?;
                     if poisoned == Some(e) {
-                        out.y[0].data[0] = <B::E as num_traits::Float>::nan();
+                        out.parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
                     }
                     Ok(out)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            for ExpertOutput { rows, y } in outputs {
-                for (part, y) in routed.iter_mut().zip(&y) {
+            for ExpertOutput { rows, parts } in outputs {
+                for (rank, y) in &parts {
+                    let part = &mut routed[*rank];
                     for (r, &(s, w)) in rows.iter().enumerate() {
                         part.row_mut(s)
                             .iter_mut()
@@ -624,8 +631,9 @@ impl<B: Backend> Layer<'_, B> {
 /// output row for each.
 struct ExpertOutput<E> {
     rows: Vec<(usize, E)>,
-    /// Per tensor-parallel rank, its partial output (the whole output at TP 1).
-    y: Vec<Mat<E>>,
+    /// The ranks computing it with their partial outputs: every rank its part of the
+    /// intermediate dimension under TP, the owning rank the whole expert under EP.
+    parts: Vec<(usize, Mat<E>)>,
 }
 
 /// Routed expert `expert` on the tokens that chose it.
@@ -652,18 +660,26 @@ fn routed_expert<B: Backend>(
         x.cols,
         rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
     );
-    if sharder.tp > 1 {
+    if sharder.tp > 1 && !sharder.ep {
         // Split along the intermediate dimension: each rank a partial output.
         let weights = [(&gate, ExpertsGate), (&up, ExpertsUp), (&down, ExpertsDown)];
         let (_, y) = super::tp::mlp(be, &xs, weights, sharder)?;
-        return Ok(ExpertOutput { rows, y });
+        return Ok(ExpertOutput {
+            rows,
+            parts: y.into_iter().enumerate().collect(),
+        });
     }
     let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
     let y = be.linear(
         &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
         &down,
     )?;
-    Ok(ExpertOutput { rows, y: vec![y] })
+    let experts = src.cfg.n_routed_experts;
+    let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
+    Ok(ExpertOutput {
+        rows,
+        parts: vec![(owner, y)],
+    })
 }
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice

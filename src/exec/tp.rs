@@ -53,6 +53,8 @@ pub fn is_column_parallel(role: LayerWeight) -> bool {
 #[derive(Clone, Copy, Debug)]
 pub struct Sharder {
     pub tp: usize,
+    /// Routed experts whole per rank (expert parallelism) rather than split.
+    pub ep: bool,
     pub fault: Option<Injection>,
 }
 
@@ -189,6 +191,7 @@ mod tests {
         let w = Mat::new(4, 2, (0..8).map(|v| v as f32).collect());
         let with = |fault| Sharder {
             tp: 2,
+            ep: false,
             fault: Some(fault),
         };
         let unsharded = with(Injection::UnshardedColumn(KvB));

@@ -75,6 +75,7 @@ impl Search<'_> {
         record(RunSpec {
             dtype: self.args.dtype,
             tp: self.args.tp,
+            ep: self.args.ep,
             inject: self.args.inject,
             ties: self.ties,
             hybrid: Some((self.model, switch)),

@@ -40,6 +40,9 @@ pub struct BisectArgs {
     /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: u64,
+    /// The candidate with expert parallelism: routed experts whole on their owning rank.
+    #[arg(long)]
+    pub ep: bool,
     /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
@@ -237,6 +240,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             let run = record(RunSpec {
                 dtype: args.dtype,
                 tp: args.tp,
+                ep: args.ep,
                 inject: args.inject,
                 ties,
                 ..reference_spec(args, &tokens, &cand_model, &paths[2])
@@ -388,6 +392,7 @@ fn reference_spec<'a>(
         latent_norm_eps: args.latent_norm_eps,
         dtype: Precision::F32,
         tp: 1,
+        ep: false,
         inject: None,
         generate: args.generate,
         ties: None,
