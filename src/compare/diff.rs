@@ -137,7 +137,7 @@ pub struct DiffOptions<'a> {
     /// One `rel_diff` tolerance for every stage, overriding the defaults.
     pub tolerance: Option<f64>,
     /// The reference run again at the candidate's dtype: each stage's tolerance becomes
-    /// [`ENVELOPE_FACTOR`] × its departure from the reference (at least [`F32_TOLERANCE`]).
+    /// [`ENVELOPE_FACTOR`] × its departure from the reference (at least [`rounding_floor`]).
     pub envelope: Option<&'a Trace>,
 }
 
@@ -423,7 +423,20 @@ fn envelope_tolerance(
         return Ok(default_tolerance(&envelope.manifest().dtype));
     };
     let m = measure(reference, envelope, name, rank, r, e)?;
-    Ok((ENVELOPE_FACTOR * m.rel_diff).max(F32_TOLERANCE))
+    Ok((ENVELOPE_FACTOR * m.rel_diff).max(rounding_floor(&envelope.manifest().dtype)))
+}
+
+/// The finest `rel_diff` a stage at `dtype` is judged by, whatever the envelope: a few
+/// roundings to the dtype (8 · u², u its unit roundoff). Engines round in different places (the
+/// routing weights, a normalisation), so an envelope that rounds less than the candidate must
+/// not turn one more rounding into a fault.
+pub fn rounding_floor(dtype: &str) -> f64 {
+    let unit = match dtype {
+        "bf16" => 2f64.powi(-8),
+        "f16" => 2f64.powi(-11),
+        _ => return F32_TOLERANCE,
+    };
+    (8.0 * unit * unit).max(F32_TOLERANCE)
 }
 
 /// A passing comparison whose stages still exceed f32 noise: precision, not a bug.

@@ -30,6 +30,12 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The precision a trace's `dtype` names.
+    pub fn from_name(name: &str) -> anyhow::Result<Precision> {
+        <Precision as clap::ValueEnum>::from_str(name, true)
+            .map_err(|_| anyhow::anyhow!("`{name}` is not one of f64, f32, bf16, f16"))
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Precision::F64 => "f64",

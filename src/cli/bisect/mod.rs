@@ -199,7 +199,13 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     // A conversion (another model's files) is judged against the reference with every weight
     // stored as the candidate stores it: its quantization noise is not a fault.
     let conversion = engine.is_none() && cand_model != model;
-    let lower = conversion || !matches!(args.dtype, Precision::F32 | Precision::F64);
+    // An engine's trace says its dtype; the envelope is the reference run at it.
+    let dtype = match &engine {
+        Some(t) => Precision::from_name(&t.manifest().dtype)
+            .with_context(|| format!("{}: dtype", t.dir().display()))?,
+        None => args.dtype,
+    };
+    let lower = conversion || !matches!(dtype, Precision::F32 | Precision::F64);
     let steps = 3 + u64::from(lower);
     let bar = progress(steps, args.json, "bisect");
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
@@ -212,10 +218,10 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     } else {
         TieBreaks::default()
     };
-    let envelope = if lower && engine.is_none() {
-        bar.set_message(format!("envelope run (CPU, TP 1, {})", args.dtype.name()));
+    let envelope = if lower {
+        bar.set_message(format!("envelope run (CPU, TP 1, {})", dtype.name()));
         record(RunSpec {
-            dtype: args.dtype,
+            dtype,
             ties: Some(&ties),
             stored_as: conversion.then_some(cand_model.as_path()),
             ..reference_spec(args, &tokens, &model, &paths[1])
@@ -315,7 +321,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
                 .as_ref()
                 .map_or_else(|| model.display().to_string(), |c| c.display().to_string()),
             tp: args.tp,
-            dtype: args.dtype.name().into(),
+            dtype: dtype.name().into(),
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
             conversion,
