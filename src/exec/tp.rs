@@ -171,7 +171,11 @@ mod tests {
         let x = Mat::new(2, 4, vec![1., 2., 3., 4., -1., 0.5, 2., -3.]);
         let w = Mat::new(4, 4, (0..16).map(|v| v as f32 * 0.25 - 1.0).collect());
         let whole = be.linear(&x, &be.hold(w.clone()).unwrap()).unwrap();
-        let plan = Sharder { tp: 2, fault: None };
+        let plan = Sharder {
+            tp: 2,
+            ep: false,
+            fault: None,
+        };
         let parts = column_parallel(&be, &x, &w, QB, plan).unwrap();
         assert_eq!(concat_columns(&parts), whole);
         let x_parts = [
