@@ -10,20 +10,6 @@ mod common;
 use std::path::Path;
 
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
-const SHAPE: [&str; 4] = [
-    "--set",
-    "num_attention_heads=8",
-    "--set",
-    "index_n_heads=16",
-];
-
-fn synth(out: &Path, form: &[&str]) {
-    let mut args = vec!["synth", "--json", "--out", out.to_str().unwrap()];
-    args.extend(SHAPE);
-    args.extend(form);
-    common::glmcheck_json(args, 0);
-}
-
 fn bisect(hf: &Path, candidate: &Path, extra: &[&str], code: i32) -> serde_json::Value {
     let mut args = vec![
         "bisect",
@@ -42,10 +28,10 @@ fn bisect(hf: &Path, candidate: &Path, extra: &[&str], code: i32) -> serde_json:
 fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
     let dir = common::scratch();
     let hf = dir.path().join("hf");
-    synth(&hf, &["--format", "hf"]);
+    common::synth_tiny(&hf, &["--format", "hf"]);
     for quant in ["f32", "q8_0", "q4_k_m"] {
         let gguf = dir.path().join(format!("{quant}.gguf"));
-        synth(&gguf, &["--quant", quant]);
+        common::synth_tiny(&gguf, &["--quant", quant]);
         let j = bisect(&hf, &gguf, &[], 0);
         assert_eq!(j["verdict"], "pass", "{quant}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["conversion"], true);

@@ -11,21 +11,7 @@ use std::process::Command;
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 
 fn synth_hf(out: &Path) {
-    common::glmcheck_json(
-        [
-            "synth",
-            "--format",
-            "hf",
-            "--set",
-            "num_attention_heads=8",
-            "--set",
-            "index_n_heads=16",
-            "--json",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        0,
-    );
+    common::synth_tiny(out, &["--format", "hf"]);
 }
 
 fn probe(hf: &Path, dtype: &str, out: &Path) {

@@ -19,20 +19,9 @@ const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 /// A tiny Q4_K_M GLM-5 with 8 heads (TP 8 splits them) and 16 indexer heads.
 fn tiny(dir: &Path, extra: &[&str]) -> String {
     let out = dir.join("tiny.gguf");
-    let mut args = vec![
-        "synth",
-        "--quant",
-        "q4_k_m",
-        "--set",
-        "num_attention_heads=8",
-        "--set",
-        "index_n_heads=16",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ];
+    let mut args = vec!["--quant", "q4_k_m"];
     args.extend(extra);
-    common::glmcheck_json(args, 0);
+    common::synth_tiny(&out, &args);
     out.to_str().unwrap().to_string()
 }
 

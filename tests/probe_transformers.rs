@@ -14,31 +14,6 @@ use serde_json::Value as Json;
 const TOKENS: &str = "1,5,9,13,200,7,3,88,21,300,4,2";
 const T: usize = 12;
 
-/// Per-layer stage names of DESIGN §4 (after `L{n}.`).
-const LAYER_STAGES: [&str; 21] = [
-    "attn_norm",
-    "attn.q_a",
-    "attn.q_a_norm",
-    "attn.q",
-    "attn.kv_a",
-    "attn.kv_a_norm",
-    "attn.kv",
-    "attn.q_rope",
-    "attn.k_rope",
-    "attn.index_topk",
-    "attn.ctx",
-    "attn.out",
-    "attn_resid",
-    "ffn_norm",
-    "moe.router_logits",
-    "moe.topk_ids",
-    "moe.topk_weights",
-    "moe.routed",
-    "moe.shared",
-    "ffn.out",
-    "out",
-];
-
 /// A synthetic HF folder under `dir` and its config.
 fn synth(dir: &Path) -> (std::path::PathBuf, Json) {
     let hf = dir.join("hf");
@@ -91,7 +66,7 @@ fn design_name(name: &str) -> bool {
     layer.starts_with('L')
         && !number.is_empty()
         && number.bytes().all(|b| b.is_ascii_digit())
-        && LAYER_STAGES.contains(&stage)
+        && glmcheck::model::stages::LAYER_STAGES.contains(&stage)
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {

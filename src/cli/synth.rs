@@ -59,8 +59,10 @@ pub struct SynthArgs {
     /// size and speed tests (the model then means nothing).
     #[arg(long)]
     pub fast: bool,
-    /// Drive the residual stream past fp16's range at this layer (`L` or `L=VALUE`); in f32 the
-    /// model predicts as before.
+    /// Drive the residual stream past fp16's range at this layer (`L` or `L=VALUE`,
+    /// 65504 < VALUE ≤ 118000, default 110000): layer L's attention and FFN each add about half
+    /// of it, so no op leaves fp16 and only an fp16 run without vLLM's residual rescaling
+    /// overflows; in f32 the model predicts as before.
     #[arg(long, value_name = "LAYER[=VALUE]")]
     pub fp16_overflow: Option<String>,
     /// Output: a `.gguf` file, or a folder for `--format hf`.

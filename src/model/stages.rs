@@ -5,9 +5,9 @@ use super::names::LayerWeight::{self, *};
 use super::names::WeightId;
 use super::Glm5Config;
 
-/// A layer's stages in the order the forward records them (`attn.index_topk` only with DSA;
-/// `moe.*` only in MoE layers).
-const LAYER_STAGES: &[&str] = &[
+/// A layer's stages (after `L{n}.`) in the order the forward records them, DESIGN §4's names
+/// (`attn.index_topk` only with DSA; `moe.*` only in MoE layers).
+pub const LAYER_STAGES: &[&str] = &[
     "attn_norm",
     "attn.q_a",
     "attn.q_a_norm",

@@ -67,3 +67,20 @@ where
     );
     serde_json::from_slice(&out.stdout).expect("glmcheck --json prints JSON")
 }
+
+/// `glmcheck synth` of the tiny preset with 8 heads (TP 8 splits them) and 16 indexer heads (no
+/// exact DSA ties) to `out`, with `extra` options (`--quant q4_k_m`, `--format hf`, …).
+pub fn synth_tiny(out: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "synth",
+        "--set",
+        "num_attention_heads=8",
+        "--set",
+        "index_n_heads=16",
+        "--json",
+        "--out",
+        out.to_str().expect("a UTF-8 path"),
+    ];
+    args.extend(extra);
+    glmcheck_json(args, 0);
+}
