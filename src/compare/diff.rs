@@ -195,9 +195,25 @@ struct Measured {
     candidate: Side,
 }
 
-/// A side's values of `name` at `rank` (None: the whole tensor) with their shape.
+/// A side's values of `name` at `rank` (None: the whole tensor) with their shape; routing
+/// weights in the order of their expert ids, as the ids are compared as sets (engines list the
+/// chosen experts in score order, which a near tie may swap).
 fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
     match rank {
+        None if name.ends_with(".moe.topk_weights") => {
+            let ids_name = name.replace(".moe.topk_weights", ".moe.topk_ids");
+            let ids = match t.stage(&ids_name, None) {
+                Some(_) => whole_values(t, &ids_name)?,
+                None => None,
+            };
+            Ok(whole_values(t, name)?.map(|(w, shape)| match ids {
+                Some((ids, _)) if ids.len() == w.len() => {
+                    let k = shape.last().copied().unwrap_or(1).max(1) as usize;
+                    (in_id_order(&w, &ids, k), shape)
+                }
+                _ => (w, shape),
+            }))
+        }
         None => whole_values(t, name),
         Some(r) => {
             let shape = t
@@ -207,6 +223,19 @@ fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f
             Ok(t.tensor(name, Some(r))?.map(|v| (v, shape)))
         }
     }
+}
+
+/// Each row of `k` weights reordered by its row of expert ids.
+fn in_id_order(weights: &[f32], ids: &[f32], k: usize) -> Vec<f32> {
+    weights
+        .chunks(k)
+        .zip(ids.chunks(k))
+        .flat_map(|(w, i)| {
+            let mut pairs: Vec<(f32, f32)> = i.iter().copied().zip(w.iter().copied()).collect();
+            pairs.sort_by(|a, b| a.0.total_cmp(&b.0));
+            pairs.into_iter().map(|(_, w)| w)
+        })
+        .collect()
 }
 
 /// Compare stage `name` at `rank`; `r` and `c` are the records standing for each side (the
@@ -458,4 +487,19 @@ fn beyond_f32(stages: &[StageDiff]) -> Option<Fault> {
         )],
         weight: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_weights_compare_in_expert_order() {
+        // Experts [1, 2] and [2, 1] with the same weights per expert are the same choice.
+        let a = in_id_order(&[0.7, 0.3], &[1.0, 2.0], 2);
+        let b = in_id_order(&[0.3, 0.7], &[2.0, 1.0], 2);
+        assert_eq!(a, b);
+        assert_eq!(rounding_floor("bf16"), 8.0 / 65536.0);
+        assert_eq!(rounding_floor("f32"), F32_TOLERANCE);
+    }
 }
