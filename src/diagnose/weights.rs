@@ -1,34 +1,30 @@
 //! The divergent stage's weights as the candidate reads them against the reference's.
 //!
-//! The reference's values moved (rows reordered, or transposed within rows) are a layout fault;
+//! The reference's values moved (rows reordered, or rearranged within rows) are a layout fault;
 //! a weight of zeros was never loaded. Otherwise, from the same files any difference is the
 //! candidate's dequantization (the bytes are the same, so noise is no excuse); from a
-//! conversion, a difference beyond what storing the reference's values in the candidate's
-//! type leaves of them.
+//! conversion, a difference beyond what storing the reference's values in the candidate's type
+//! leaves of them. Weights are read in row blocks (the embedding and lm_head) or one matrix,
+//! one expert, at a time, and tallied as they pass: memory stays at one block.
 
 use std::collections::HashMap;
 
 use anyhow::Result;
 
 use super::CandidateRun;
-use crate::compare::metrics::Metrics;
 use crate::compare::{Fault, FaultClass};
 use crate::exec::mat::Mat;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight::*, WeightId};
 use crate::synth::quantize::round_trip;
+use crate::trace::stats::fnv1a;
 use crate::weights::{Encoding, GgmlType};
 
 /// How far past its storage type's own noise a converted weight may depart.
 const NOISE_FACTOR: f64 = 10.0;
 
-/// One weight on both sides, named for evidence, with the type the candidate stores it as.
-struct Pair {
-    label: String,
-    reference: Mat,
-    candidate: Mat,
-    stored: Option<GgmlType>,
-}
+/// Rows of the embedding and lm_head read at a time.
+const BLOCK_ROWS: u64 = 8192;
 
 fn is_vector(id: WeightId) -> bool {
     matches!(
@@ -47,49 +43,265 @@ fn is_vector(id: WeightId) -> bool {
     )
 }
 
-/// `id` from both sides; routed experts as the candidate's chosen ones, one matrix at a time.
-fn pairs(reference: &WeightSource, cand: &CandidateRun, id: WeightId) -> Result<Vec<Pair>> {
-    let label = id.to_string();
-    let stored = cand.src.storage_type(id);
-    Ok(match id {
-        WeightId::Layer(l, ExpertsGate) => {
-            let mut out = Vec::new();
-            for &e in &cand.experts {
-                let (r, c) = (reference.expert(l, e)?, cand.src.expert(l, e)?);
-                let roles = [
-                    ("gate", ExpertsGate),
-                    ("up", ExpertsUp),
-                    ("down", ExpertsDown),
-                ];
-                for (((which, role), r), c) in roles.into_iter().zip(r).zip(c) {
-                    out.push(Pair {
-                        label: format!("layer {l} expert {e} {which}"),
-                        reference: r,
-                        candidate: c,
-                        stored: cand.src.storage_type(WeightId::Layer(l, role)),
-                    });
-                }
-            }
-            out
-        }
-        // Covered with the gate.
-        WeightId::Layer(_, ExpertsUp | ExpertsDown) => Vec::new(),
-        id if is_vector(id) => {
-            let (r, c) = (reference.vector(id)?, cand.src.vector(id)?);
-            vec![Pair {
-                label,
-                reference: Mat::new(1, r.len(), r),
-                candidate: Mat::new(1, c.len(), c),
-                stored,
-            }]
-        }
-        id => vec![Pair {
+/// One weight on both sides, tallied block by block.
+struct Tally {
+    label: String,
+    shape: (usize, usize),
+    /// Σxy, Σx², Σy² over both sides; Σ over the reference and its storage round trip.
+    dot: f64,
+    xx: f64,
+    yy: f64,
+    noise: (f64, f64, f64),
+    max_abs: f64,
+    absmax_ref: f32,
+    differing: u64,
+    first: Option<(usize, usize)>,
+    cand_all_zero: bool,
+    /// Row fingerprints, and an order-free fingerprint of all values, per side.
+    rows: [Vec<u64>; 2],
+    multiset: [u64; 2],
+    /// `[rows, cols]` of each side where they differ (then nothing else is tallied).
+    shapes_differ: Option<[(usize, usize); 2]>,
+}
+
+impl Tally {
+    fn new(label: String, cols: usize) -> Tally {
+        Tally {
             label,
-            reference: reference.matrix(id)?,
-            candidate: cand.src.matrix(id)?,
-            stored,
-        }],
-    })
+            shape: (0, cols),
+            dot: 0.0,
+            xx: 0.0,
+            yy: 0.0,
+            noise: (0.0, 0.0, 0.0),
+            max_abs: 0.0,
+            absmax_ref: 0.0,
+            differing: 0,
+            first: None,
+            cand_all_zero: true,
+            rows: [Vec::new(), Vec::new()],
+            multiset: [0, 0],
+            shapes_differ: None,
+        }
+    }
+
+    /// The next rows of both sides (`stored`: the candidate's storage type, for a conversion's
+    /// noise).
+    fn add(&mut self, r: &Mat, c: &Mat, stored: Option<GgmlType>) -> Result<()> {
+        let cols = self.shape.1;
+        for (i, (x, y)) in r.data.iter().zip(&c.data).enumerate() {
+            let (xd, yd) = (f64::from(*x), f64::from(*y));
+            self.dot += xd * yd;
+            self.xx += xd * xd;
+            self.yy += yd * yd;
+            self.absmax_ref = self.absmax_ref.max(x.abs());
+            self.cand_all_zero &= *y == 0.0;
+            if x.to_bits() != y.to_bits() {
+                self.differing += 1;
+                self.max_abs = self.max_abs.max((xd - yd).abs());
+                let at = self.shape.0 * cols + i;
+                self.first.get_or_insert((at / cols, at % cols));
+            }
+        }
+        for (side, m) in [r, c].into_iter().enumerate() {
+            self.rows[side].extend(m.data.chunks(cols.max(1)).map(fnv1a));
+            // A sum of per-value hashes does not depend on the order of the values.
+            let mixed = m
+                .data
+                .iter()
+                .map(|v| fnv1a(std::slice::from_ref(v)))
+                .fold(0u64, u64::wrapping_add);
+            self.multiset[side] = self.multiset[side].wrapping_add(mixed);
+        }
+        if let Some(ty) = stored {
+            let stored = round_trip(ty, r.data.clone(), cols)?;
+            for (x, s) in r.data.iter().zip(&stored) {
+                let (x, s) = (f64::from(*x), f64::from(*s));
+                self.noise.0 += x * s;
+                self.noise.1 += x * x;
+                self.noise.2 += s * s;
+            }
+        }
+        self.shape.0 += r.rows;
+        Ok(())
+    }
+
+    fn rel_diff((dot, xx, yy): (f64, f64, f64)) -> f64 {
+        if xx + yy > 0.0 {
+            1.0 - 2.0 * dot / (xx + yy)
+        } else {
+            0.0
+        }
+    }
+
+    /// For each candidate row, a reference row with the same values, when every row has one.
+    fn row_permutation(&self) -> Option<Vec<usize>> {
+        let mut at: HashMap<u64, Vec<usize>> = HashMap::new();
+        for (r, h) in self.rows[0].iter().enumerate().rev() {
+            at.entry(*h).or_default().push(r);
+        }
+        self.rows[1].iter().map(|h| at.get_mut(h)?.pop()).collect()
+    }
+
+    fn fault(&self, class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
+        Fault {
+            class,
+            summary,
+            evidence,
+            weight: Some(self.label.clone()),
+        }
+    }
+
+    /// The verdict once every block is in.
+    fn verdict(
+        &self,
+        reference: &WeightSource,
+        id: WeightId,
+        cand: &CandidateRun,
+    ) -> Option<Fault> {
+        let label = &self.label;
+        let layout = FaultClass::WeightLayout;
+        if let Some([(rr, rc), (cr, cc)]) = self.shapes_differ {
+            return Some(self.fault(
+                layout,
+                format!("{label} has another shape in the candidate"),
+                vec![format!(
+                    "{label}: [{cr}, {cc}] in the candidate, [{rr}, {rc}] in the reference"
+                )],
+            ));
+        }
+        if self.differing == 0 {
+            return None;
+        }
+        if let Some(perm) = self.row_permutation() {
+            let moved: Vec<(usize, &usize)> =
+                perm.iter().enumerate().filter(|(i, p)| i != *p).collect();
+            let shown: Vec<String> = moved
+                .iter()
+                .take(4)
+                .map(|(i, p)| format!("row {i} is the reference's row {p}"))
+                .collect();
+            return Some(self.fault(
+                layout,
+                format!("{label}: the reference's rows in another order"),
+                vec![format!(
+                    "{label}: {} of {} rows moved ({}, …); every value is the reference's",
+                    moved.len(),
+                    self.shape.0,
+                    shown.join(", ")
+                )],
+            ));
+        }
+        if self.multiset[0] == self.multiset[1] {
+            return Some(self.fault(
+                layout,
+                format!("{label}: the reference's values in another arrangement"),
+                vec![format!(
+                    "{label}: the same {} values, not row for row: transposed or interleaved \
+                     within rows (per-head blocks of kv_b, attn_k_b's transpose)",
+                    self.shape.0 * self.shape.1
+                )],
+            ));
+        }
+        if self.cand_all_zero {
+            return Some(self.fault(
+                FaultClass::Unknown,
+                format!("{label} is all zeros in the candidate: never loaded"),
+                vec![format!(
+                    "{label}: every one of {} values is 0 in the candidate; the reference's \
+                     absmax is {:e}",
+                    self.shape.0 * self.shape.1,
+                    self.absmax_ref
+                )],
+            ));
+        }
+        let departure = Self::rel_diff((self.dot, self.xx, self.yy));
+        if !cand.same_files {
+            let noise = Self::rel_diff(self.noise);
+            if departure <= NOISE_FACTOR * noise {
+                return None;
+            }
+            let ty = cand.src.storage_type(id).map_or("F32", |t| t.name());
+            return Some(self.fault(
+                FaultClass::WrongDequant,
+                format!(
+                    "{label} ({ty}): the candidate's values depart from the reference's beyond \
+                     that type's quantization noise"
+                ),
+                vec![format!(
+                    "{label}: rel_diff {departure:.3e} against the reference; storing the \
+                     reference's values as {ty} departs {noise:.3e}"
+                )],
+            ));
+        }
+        let names = reference.tensor_names(id);
+        let (ty, block) = names
+            .first()
+            .and_then(|n| reference.files.get(n))
+            .map(|t| match &t.encoding {
+                Encoding::Ggml(ty) => (ty.name().to_string(), ty.block_size()),
+                other => (format!("{other:?}"), 1),
+            })
+            .unwrap_or_else(|| ("?".into(), 1));
+        let (row, col) = self.first.unwrap_or((0, 0));
+        let start = col / block * block;
+        Some(self.fault(
+            FaultClass::WrongDequant,
+            format!(
+                "{label} ({ty}): the candidate's dequantization of the same bytes differs from \
+                 the reference's"
+            ),
+            vec![
+                format!(
+                    "{} ({ty}): rel_diff {departure:.3e}, max |Δ| {:.3e}, {} of {} values differ",
+                    names.join(" + "),
+                    self.max_abs,
+                    self.differing,
+                    self.shape.0 * self.shape.1
+                ),
+                format!(
+                    "first difference at row {row}, column {col}: block {} of the row (elements \
+                     {start}..{}), position {} in it",
+                    col / block,
+                    start + block,
+                    col - start
+                ),
+            ],
+        ))
+    }
+}
+
+/// The candidate's storage type where it is another model's (a conversion's noise).
+fn noise_type(cand: &CandidateRun, id: WeightId) -> Option<GgmlType> {
+    (!cand.same_files).then(|| cand.src.storage_type(id).unwrap_or(GgmlType::F32))
+}
+
+/// `id` tallied from both sides.
+fn tally(reference: &WeightSource, cand: &CandidateRun, id: WeightId) -> Result<Tally> {
+    let stored = noise_type(cand, id);
+    if is_vector(id) {
+        let (r, c) = (reference.vector(id)?, cand.src.vector(id)?);
+        let mut t = Tally::new(id.to_string(), r.len());
+        t.add(&Mat::new(1, r.len(), r), &Mat::new(1, c.len(), c), stored)?;
+        return Ok(t);
+    }
+    if matches!(id, WeightId::Embed | WeightId::LmHead) {
+        let vocab = reference.cfg.vocab_size;
+        let mut t = Tally::new(id.to_string(), reference.cfg.hidden_size as usize);
+        for start in (0..vocab).step_by(BLOCK_ROWS as usize) {
+            let rows = start..(start + BLOCK_ROWS).min(vocab);
+            let r = reference.matrix_rows(id, rows.clone())?;
+            t.add(&r, &cand.src.matrix_rows(id, rows)?, stored)?;
+        }
+        return Ok(t);
+    }
+    let (r, c) = (reference.matrix(id)?, cand.src.matrix(id)?);
+    let mut t = Tally::new(id.to_string(), r.cols);
+    if (r.rows, r.cols) != (c.rows, c.cols) {
+        t.shapes_differ = Some([(r.rows, r.cols), (c.rows, c.cols)]);
+        return Ok(t);
+    }
+    t.add(&r, &c, stored)?;
+    Ok(t)
 }
 
 /// The first weight among `ids` the candidate reads differently.
@@ -99,187 +311,34 @@ pub fn check_weights(
     ids: &[WeightId],
 ) -> Result<Option<Fault>> {
     for &id in ids {
-        for pair in pairs(reference, cand, id)? {
-            if let Some(f) = compare(reference, id, &pair, cand.same_files)? {
-                return Ok(Some(f));
+        match id {
+            // The candidate's chosen experts, one at a time.
+            WeightId::Layer(l, ExpertsGate) => {
+                for &e in &cand.experts {
+                    let (r, c) = (reference.expert(l, e)?, cand.src.expert(l, e)?);
+                    let roles = [
+                        ("gate", ExpertsGate),
+                        ("up", ExpertsUp),
+                        ("down", ExpertsDown),
+                    ];
+                    for (((which, role), r), c) in roles.into_iter().zip(r).zip(c) {
+                        let role_id = WeightId::Layer(l, role);
+                        let mut t = Tally::new(format!("layer {l} expert {e} {which}"), r.cols);
+                        t.add(&r, &c, noise_type(cand, role_id))?;
+                        if let Some(f) = t.verdict(reference, role_id, cand) {
+                            return Ok(Some(f));
+                        }
+                    }
+                }
+            }
+            // Covered with the gate.
+            WeightId::Layer(_, ExpertsUp | ExpertsDown) => {}
+            id => {
+                if let Some(f) = tally(reference, cand, id)?.verdict(reference, id, cand) {
+                    return Ok(Some(f));
+                }
             }
         }
     }
     Ok(None)
-}
-
-/// For each candidate row, a reference row with the same values, when every row has one.
-fn row_permutation(reference: &Mat, candidate: &Mat) -> Option<Vec<usize>> {
-    let key = |row: &[f32]| row.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-    let mut at: HashMap<Vec<u32>, Vec<usize>> = HashMap::new();
-    for r in (0..reference.rows).rev() {
-        at.entry(key(reference.row(r))).or_default().push(r);
-    }
-    (0..candidate.rows)
-        .map(|r| at.get_mut(&key(candidate.row(r)))?.pop())
-        .collect()
-}
-
-fn fault(class: FaultClass, label: &str, summary: String, evidence: Vec<String>) -> Fault {
-    Fault {
-        class,
-        summary,
-        evidence,
-        weight: Some(label.to_string()),
-    }
-}
-
-/// The reference's values moved: other shape, rows reordered, or rearranged within rows.
-fn moved(label: &str, r: &Mat, c: &Mat) -> Option<Fault> {
-    let layout = |summary: String, evidence: String| {
-        Some(fault(
-            FaultClass::WeightLayout,
-            label,
-            summary,
-            vec![evidence],
-        ))
-    };
-    if (r.rows, r.cols) != (c.rows, c.cols) {
-        return layout(
-            format!("{label} has another shape in the candidate"),
-            format!(
-                "{label}: [{}, {}] in the candidate, [{}, {}] in the reference",
-                c.rows, c.cols, r.rows, r.cols
-            ),
-        );
-    }
-    if let Some(perm) = row_permutation(r, c) {
-        let moved: Vec<(usize, &usize)> =
-            perm.iter().enumerate().filter(|(i, p)| i != *p).collect();
-        let shown: Vec<String> = moved
-            .iter()
-            .take(4)
-            .map(|(i, p)| format!("row {i} is the reference's row {p}"))
-            .collect();
-        return layout(
-            format!("{label}: the reference's rows in another order"),
-            format!(
-                "{label}: {} of {} rows moved ({}, …); every value is the reference's",
-                moved.len(),
-                r.rows,
-                shown.join(", ")
-            ),
-        );
-    }
-    let sorted = |m: &Mat| {
-        let mut v = m.data.clone();
-        v.sort_by(f32::total_cmp);
-        v
-    };
-    if sorted(r) == sorted(c) {
-        return layout(
-            format!("{label}: the reference's values in another arrangement"),
-            format!(
-                "{label}: the same {} values, not row for row: transposed or interleaved within \
-                 rows (per-head blocks of kv_b, attn_k_b's transpose)",
-                r.data.len()
-            ),
-        );
-    }
-    None
-}
-
-fn compare(
-    reference: &WeightSource,
-    id: WeightId,
-    pair: &Pair,
-    same_files: bool,
-) -> Result<Option<Fault>> {
-    let (label, r, c) = (&pair.label, &pair.reference, &pair.candidate);
-    let same_bits = |a: &f32, b: &f32| a.to_bits() == b.to_bits();
-    if r.data.len() == c.data.len() && r.data.iter().zip(&c.data).all(|(a, b)| same_bits(a, b)) {
-        return Ok(None);
-    }
-    if let Some(f) = moved(label, r, c) {
-        return Ok(Some(f));
-    }
-    if c.data.iter().all(|v| *v == 0.0) {
-        return Ok(Some(fault(
-            FaultClass::Unknown,
-            label,
-            format!("{label} is all zeros in the candidate: never loaded"),
-            vec![format!(
-                "{label}: every one of {} values is 0 in the candidate; the reference's absmax \
-                 is {:e}",
-                c.data.len(),
-                r.data.iter().fold(0f32, |m, v| m.max(v.abs()))
-            )],
-        )));
-    }
-    let m = Metrics::of(&r.data, &c.data);
-    if !same_files {
-        // A conversion: the candidate storage type's quantization noise is expected.
-        let ty = pair.stored.unwrap_or(GgmlType::F32);
-        let noise = Metrics::of(&r.data, &round_trip(ty, r.data.clone(), r.cols)?).rel_diff;
-        if m.rel_diff <= NOISE_FACTOR * noise {
-            return Ok(None);
-        }
-        return Ok(Some(fault(
-            FaultClass::WrongDequant,
-            label,
-            format!(
-                "{label} ({}): the candidate's values depart from the reference's beyond that \
-                 type's quantization noise",
-                ty.name()
-            ),
-            vec![format!(
-                "{label}: rel_diff {:.3e} against the reference; storing the reference's \
-                 values as {} departs {noise:.3e}",
-                m.rel_diff,
-                ty.name()
-            )],
-        )));
-    }
-    let names = reference.tensor_names(id);
-    let (ty, block) = names
-        .first()
-        .and_then(|n| reference.files.get(n))
-        .map(|t| match &t.encoding {
-            Encoding::Ggml(ty) => (ty.name().to_string(), ty.block_size()),
-            other => (format!("{other:?}"), 1),
-        })
-        .unwrap_or_else(|| ("?".into(), 1));
-    let first = r
-        .data
-        .iter()
-        .zip(&c.data)
-        .position(|(a, b)| !same_bits(a, b))
-        .unwrap_or(0);
-    let differing = r
-        .data
-        .iter()
-        .zip(&c.data)
-        .filter(|(a, b)| !same_bits(a, b))
-        .count();
-    let (row, col) = (first / r.cols.max(1), first % r.cols.max(1));
-    let start = col / block * block;
-    Ok(Some(fault(
-        FaultClass::WrongDequant,
-        label,
-        format!(
-            "{label} ({ty}): the candidate's dequantization of the same bytes differs from the \
-             reference's"
-        ),
-        vec![
-            format!(
-                "{} ({ty}): rel_diff {:.3e}, max |Δ| {:.3e}, {differing} of {} values differ",
-                names.join(" + "),
-                m.rel_diff,
-                m.max_abs,
-                r.data.len()
-            ),
-            format!(
-                "first difference at row {row}, column {col}: block {} of the row (elements \
-                 {start}..{}), position {} in it",
-                col / block,
-                start + block,
-                col - start
-            ),
-        ],
-    )))
 }
