@@ -12,7 +12,9 @@ peak memory must not grow with the depth of a model. This bench checks both in o
   statistics, logits and layer outputs in full) against transformers' float32 forward, plain and
   through the recording probe, all on the same N threads (N = this machine's cores).
 * `glm5-dims --fast --quant q4_k_m` with 2 and with 6 layers, 8 tokens: time and peak RSS of
-  `glmcheck run` (each file is written, measured and deleted in turn: they are several GB).
+  `glmcheck run` (each file is written, measured and deleted in turn: they are several GB);
+* `glmcheck bisect` at TP 8 on `glm5-dims` with one dense and one MoE layer: clean, bf16 and
+  planted faults, time and peak RSS.
 
 Peak RSS is per child process (os.wait4). The Markdown table goes to bench-results/reference.md
 and to stdout. It builds nothing: `just bench` runs `cargo build --release` first.
@@ -34,9 +36,10 @@ GLM5_PROMPT = list(range(100, 108))
 GLM5_LAYERS = (2, 6)
 
 
-def measure(cmd: list, env: dict) -> dict:
+def measure(cmd: list, env: dict, answers: tuple = (0,)) -> dict:
     """Run `cmd` to completion: wall and CPU seconds, peak RSS (MiB) and stdout. Its stderr
-    (transformers' load reports) is shown only if it fails."""
+    (transformers' load reports) is shown only if it fails: exits with a code not among
+    `answers` (bisect's 1 is an answer: a fault found)."""
     with tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -45,7 +48,7 @@ def measure(cmd: list, env: dict) -> dict:
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        if proc.returncode != 0:
+        if proc.returncode not in answers:
             err.seek(0)
             raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{err.read()}")
     return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss / 1024,
@@ -199,6 +202,36 @@ def bench_glm5(glmcheck: str, tmp: Path, threads: int) -> list:
     return rows
 
 
+BISECT_CASES = [
+    ("clean, f32", []),
+    ("clean, bf16", ["--dtype", "bf16"]),
+    ("unsharded-column", ["--inject", "unsharded-column"]),
+    ("dequant-q4k-scales", ["--inject", "dequant-q4k-scales"]),
+    ("dequant-q4k-scales, --mode logits", ["--inject", "dequant-q4k-scales", "--mode", "logits"]),
+]
+
+
+def bench_bisect(glmcheck: str, tmp: Path, threads: int) -> list:
+    """(case, verdict, first divergence, class, one `glmcheck bisect` at TP 8) on glm5-dims with
+    one dense and one MoE layer (256 experts), q4_k_m; the file is deleted after."""
+    print("glm5-dims bisect, TP 8…", file=sys.stderr)
+    model = tmp / "glm5-bisect.gguf"
+    synth(glmcheck, model, "--preset", "glm5-dims", "--layers", "2", "--set",
+          "first_k_dense_replace=1", "--fast", "--quant", "q4_k_m")
+    rows = []
+    try:
+        for name, extra in BISECT_CASES:
+            cmd = [glmcheck, "bisect", str(model), "--tp", "8", "--tokens", ids(GLM5_PROMPT),
+                   "--generate", "0", "--json", *extra]
+            run = measure(cmd, thread_env(threads), answers=(0, 1))
+            j = json.loads(run["stdout"])
+            first = (j["first_divergence"] or {}).get("stage", "-")
+            rows.append((name, j["verdict"], first, (j["fault"] or {}).get("class", "-"), run))
+    finally:
+        model.unlink()
+    return rows
+
+
 # ---- the report ----
 
 def markdown_table(headers: list, rows: list) -> str:
@@ -228,7 +261,7 @@ def machine(threads: int) -> str:
 
 
 def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
-           glm5: list) -> str:
+           glm5: list, bisect: list) -> str:
     """The Markdown of bench-results/reference.md."""
     base = small[0][2]["best"]
     small_rows = [(who, what, f"{t['best']:.3f}", f"{t['median']:.3f}", f"{t['cpu']:.3f}",
@@ -257,6 +290,18 @@ def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
             markdown_table(["layers", "file GiB", "tokens", "run s", "CPU s", "peak RSS MiB",
                             "RSS / 2 layers"], glm5_rows),
         ]
+    if bisect:
+        bisect_rows = [(name, verdict, first, cls, f"{r['wall']:.2f}", f"{r['cpu']:.2f}",
+                        f"{r['rss']:.0f}") for name, verdict, first, cls, r in bisect]
+        parts += [
+            "## `glmcheck bisect` at TP 8, `glm5-dims` with one dense and one MoE layer "
+            "(256 experts), `--fast --quant q4_k_m`, 8 tokens",
+            "One run per case: the reference (TP 1, f32), the envelope where the candidate is "
+            "bf16, the candidate (8 ranks on the CPU), the comparison, the replay and the "
+            "drill-down into weights and shards. Aim: peak RSS near one run's.",
+            markdown_table(["case", "verdict", "first divergence", "class", "wall s", "CPU s",
+                            "peak RSS MiB"], bisect_rows),
+        ]
     return "\n\n".join(parts) + "\n"
 
 
@@ -268,14 +313,15 @@ def main() -> None:
                         help="timed runs of glmcheck and warm forwards")
     parser.add_argument("--py-reps", type=int, default=3, help="timed transformers processes")
     parser.add_argument("--skip-glm5", action="store_true",
-                        help="leave out the multi-GB glm5-dims runs")
+                        help="leave out the multi-GB glm5-dims runs (and bisect on them)")
     args = parser.parse_args()
     print(f"reference bench on {args.threads} threads", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="glmcheck-bench-") as tmp:
         small, versions = bench_small(args.glmcheck, Path(tmp), args.threads, args.reps,
                                       args.py_reps)
         glm5 = [] if args.skip_glm5 else bench_glm5(args.glmcheck, Path(tmp), args.threads)
-    text = report(args.threads, args.reps, args.py_reps, small, versions, glm5)
+        bisect = [] if args.skip_glm5 else bench_bisect(args.glmcheck, Path(tmp), args.threads)
+    text = report(args.threads, args.reps, args.py_reps, small, versions, glm5, bisect)
     out = ROOT / "bench-results" / "reference.md"
     out.parent.mkdir(exist_ok=True)
     out.write_text(text)

@@ -1,7 +1,8 @@
 //! `glmcheck bisect` against the fault catalogue: every planted fault, at every TP degree where
 //! it exists and in f32 and bf16, is located at the stage the catalogue names and given the
 //! catalogue's class (the fault matrix; at least 95% as the acceptance asks, all of them today);
-//! clean candidates at every TP degree and dtype pass; the catalogue lists itself.
+//! clean candidates at every TP degree and dtype pass (f16 with vLLM's rescaling also on a model
+//! whose residual stream leaves fp16's range); the catalogue lists itself.
 
 mod common;
 
@@ -142,6 +143,14 @@ fn clean_candidates_pass_at_every_degree_and_dtype() {
             }
         }
     }
+    // A model whose residual stream leaves fp16's range: f16 with vLLM's rescaling passes.
+    let hot_dir = dir.path().join("hot");
+    std::fs::create_dir_all(&hot_dir).unwrap();
+    let hot = tiny(&hot_dir, &["--fp16-overflow", "1"]);
+    for tp in [1, 2, 4, 8] {
+        let j = bisect(&hot, tp, "f16", None);
+        assert_eq!(j["verdict"], "pass", "hot TP {tp} f16: {:#}", j["fault"]);
+    }
 }
 
 /// Expert parallelism: routed experts whole on their owning rank, each rank's routed partial
@@ -200,6 +209,12 @@ fn the_drill_down_gives_evidence_from_weights_and_shards() {
     let model = tiny(dir.path(), &[]);
     let j = bisect(&model, 4, "f32", Some("unsharded-column"));
     assert_eq!(j["bisect"]["classified_by"], "drill-down");
+    // Replayed from the reference's input to layer 0, the stage still diverges: made there.
+    let replay = &j["bisect"]["replay"];
+    assert_eq!(
+        (&replay["from"], &replay["stage"], &replay["status"]),
+        (&"layer 0".into(), &"L0.attn.kv".into(), &"fail".into())
+    );
     assert_eq!(
         j["fault"]["weight"],
         "model.layers.0.self_attn.kv_b_proj.weight"

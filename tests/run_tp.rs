@@ -2,7 +2,8 @@
 //! of q_b/kv_b per rank, RowParallel o_proj and down projections all-reduced, experts split
 //! along their intermediate dimension — equals TP 1 up to summation order (checked with
 //! `glmcheck diff` at the f32 tolerance, and at bf16), generates the same tokens, and records
-//! each rank's part of the split stages.
+//! each rank's part of the split stages (vocab-parallel embedding and lm_head included) beside
+//! the whole after each all-reduce.
 
 mod common;
 
@@ -72,17 +73,19 @@ fn tensor_parallel_runs_equal_one_rank() {
             let trace = Trace::open(&out).unwrap();
             assert_eq!(trace.manifest().tp, tp);
             for stage in [
+                "embed",
                 "L0.attn.q",
                 "L0.attn.kv",
                 "L0.attn.ctx",
                 "L0.attn.out",
                 "L1.moe.routed",
                 "L1.moe.shared",
+                "logits",
             ] {
                 let ranks: Vec<Option<u32>> = trace
                     .stages()
                     .iter()
-                    .filter(|s| s.name == stage)
+                    .filter(|s| s.name == stage && s.rank.is_some())
                     .map(|s| s.rank)
                     .collect();
                 assert_eq!(
@@ -91,6 +94,11 @@ fn tensor_parallel_runs_equal_one_rank() {
                     "{stage} per rank"
                 );
             }
+            // The stages after an all-reduce or gather are also recorded whole.
+            for stage in ["embed", "L0.attn.out", "logits"] {
+                assert!(trace.stage(stage, None).is_some(), "{stage} whole");
+            }
+            assert_eq!(trace.stage("logits", Some(0)).unwrap().dims, "t v(tp)");
             let q = trace.stage("L0.attn.q", Some(tp - 1)).unwrap();
             assert_eq!(q.shape[1], 8 / u64::from(tp), "whole heads per rank");
             let out_dims = &trace.stage("L0.attn.out", Some(0)).unwrap().dims;

@@ -99,10 +99,19 @@ pub struct RunSpec<'a> {
     /// Pass every weight through the storage types of this model's files (the quantization
     /// envelope of a conversion to it).
     pub stored_as: Option<&'a Path>,
-    /// A hybrid run: this run's model computes the blocks below the index (embedding 0, layer
-    /// `l` at `l + 1`, the head at `L + 1`), this reference model on the CPU at f32, TP 1, the
-    /// rest.
-    pub hybrid: Option<(&'a Path, usize)>,
+    /// A hybrid run with a reference model on the CPU at f32, TP 1.
+    pub hybrid: Option<Split<'a>>,
+}
+
+/// Where a hybrid run hands over between this run and a reference model: blocks (embedding 0,
+/// layer `l` at `l + 1`, the head at `L + 1`) below `switch` on one, the rest on the other.
+#[derive(Clone, Copy, Debug)]
+pub struct Split<'a> {
+    pub reference: &'a Path,
+    pub switch: usize,
+    /// The reference below the switch (replaying the candidate from the reference's inputs),
+    /// or above it (the reference finishing what the candidate began).
+    pub reference_below: bool,
 }
 
 /// What a recorded run printed: the top-1 token of every prompt position and the generated
@@ -208,23 +217,29 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             };
             match hybrid {
                 None => greedy(&Hybrid::single(candidate), n, g, &mut writer)?,
-                Some((model, switch)) => {
-                    let (files, cfg, family) = open_model(model)?;
+                Some(split) => {
+                    let (files, cfg, family) = open_model(split.reference)?;
                     let reference = WeightSource::new(files, cfg, family);
                     let f32_be = Cpu::new(Precision::F32);
-                    let above = Runner {
+                    let reference = Runner {
                         src: &reference,
                         be: &f32_be,
                         opts: ForwardOptions {
                             tp: 1,
+                            ep: false,
                             ties: None,
                             ..opts
                         },
                     };
+                    let (below, above) = if split.reference_below {
+                        (reference, candidate)
+                    } else {
+                        (candidate, reference)
+                    };
                     let run = Hybrid {
-                        below: candidate,
+                        below,
                         above,
-                        switch,
+                        switch: split.switch,
                     };
                     greedy(&run, n, g, &mut writer)?
                 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
-mod logits;
+mod hybrid;
 
 use super::diff::print_report;
 use super::output::{progress, table};
@@ -26,7 +26,7 @@ use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::trace::{FullSelector, Trace};
-use logits::{logits_of, HybridRun, Search};
+use hybrid::{logits_of, HybridRun, Hybrids, Replay};
 
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
@@ -117,6 +117,9 @@ pub struct BisectInfo {
     /// `--mode logits`: the hybrid runs of the search, in the order they ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hybrids: Vec<HybridRun>,
+    /// The first divergent stage re-run on the candidate from the reference's input to its
+    /// block: made there (`fail`) or inherited (`pass`).
+    pub replay: Option<Replay>,
     pub reference_text: Option<String>,
     pub candidate_text: Option<String>,
 }
@@ -261,26 +264,36 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         envelope: envelope.as_ref(),
     };
     let mut report = diff(&reference, &candidate, &opts)?;
+    let runs = Hybrids {
+        args,
+        tokens: &tokens,
+        model: &model,
+        cand_model: &cand_model,
+        dir,
+        reference: &reference,
+        envelope: envelope.as_ref(),
+        ties: lower.then_some(&ties),
+    };
     let mut hybrids = Vec::new();
-    if args.mode == Mode::Logits {
-        if cand_run.is_none() {
-            bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE");
+    let mut replay = None;
+    match (args.mode, cand_run.is_some()) {
+        (Mode::Logits, false) => {
+            bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE")
         }
-        report = logits_view(report)?;
-        if report.verdict == Status::Fail {
-            bar.set_message("hybrid runs: the candidate up to a layer, the reference after it");
-            let search = Search {
-                args,
-                tokens: &tokens,
-                model: &model,
-                cand_model: &cand_model,
-                dir,
-                reference: &reference,
-                envelope: envelope.as_ref(),
-                ties: lower.then_some(&ties),
-            };
-            hybrids = search.locate_fault(&cfg, &mut report, &candidate, lower)?;
+        (Mode::Logits, true) => {
+            report = logits_view(report)?;
+            if report.verdict == Status::Fail {
+                bar.set_message("hybrid runs: the candidate up to a layer, the reference after it");
+                hybrids = runs.locate_fault(&cfg, &mut report, &candidate, lower)?;
+            }
         }
+        (Mode::Stages, true) => {
+            if let Some(d) = &report.first_divergence {
+                bar.set_message("replay from the reference's input");
+                replay = runs.replay(&cfg, &d.stage)?;
+            }
+        }
+        (Mode::Stages, false) => {}
     }
     let mut classified_by = "traces";
     if let (Some(d), true) = (&report.first_divergence, cand_run.is_some()) {
@@ -303,6 +316,9 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             classified_by = "drill-down";
             report.fault = Some(merge(report.fault.take(), found));
         }
+    }
+    if let (Some(f), Some(r)) = (&mut report.fault, &replay) {
+        f.evidence.push(r.evidence());
     }
     bar.inc(1);
     bar.finish_and_clear();
@@ -328,6 +344,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             ties_taken: if lower { ties.count() } else { 0 },
             classified_by,
             hybrids,
+            replay,
             reference_text: text(&ref_run.generated)?,
             candidate_text: match &cand_run {
                 Some(r) => text(&r.generated)?,

@@ -1,9 +1,14 @@
-//! `bisect --mode logits`: a candidate judged by its logits alone, as an engine that exposes
-//! nothing else is. Hybrid runs — the candidate computing every block before a switch point,
-//! the reference the rest from the candidate's hidden state — find the first block whose
-//! candidate computation breaks the logits by binary search: O(log L) runs for L layers. (With
-//! the roles the other way round the search would find the last faulty block; a loader bug
-//! that hits every layer is then blamed on the last layer instead of the first.)
+//! Hybrid runs: the candidate and the reference each computing some of the blocks (the
+//! embedding, each layer, the head), handing the hidden state over at a switch point.
+//!
+//! * `bisect --mode logits` judges a candidate by its logits alone, as an engine that exposes
+//!   nothing else is: the candidate computing every block before a switch point, the reference
+//!   the rest, a binary search finds the first block that breaks the logits in O(log L) runs.
+//!   (With the roles the other way round it would find the last faulty block, and a loader bug
+//!   that hits every layer would be blamed on the last layer instead of the first.)
+//! * The replay at a first divergence: the reference computing the blocks before the divergent
+//!   stage's block, the candidate from there — whether the stage still diverges on the
+//!   reference's input (made there) or not (inherited from error below tolerance).
 
 use std::path::Path;
 
@@ -11,7 +16,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::{reference_spec, BisectArgs};
-use crate::cli::run::{record, RunSpec};
+use crate::cli::run::{record, RunSpec, Split};
 use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
@@ -56,8 +61,8 @@ pub fn logits_of(report: &DiffReport) -> Option<&crate::compare::StageDiff> {
         .find(|s| s.stage == "logits" && s.rank.is_none())
 }
 
-/// What a search needs: the runs' settings, the reference and its envelope.
-pub struct Search<'a> {
+/// What hybrid runs need: the runs' settings, the reference and its envelope.
+pub struct Hybrids<'a> {
     pub args: &'a BisectArgs,
     pub tokens: &'a [u32],
     pub model: &'a Path,
@@ -68,17 +73,59 @@ pub struct Search<'a> {
     pub ties: Option<&'a TieBreaks>,
 }
 
-impl Search<'_> {
-    /// The logits of the hybrid switching to the candidate at block `switch`.
-    fn run(&self, cfg: &Glm5Config, switch: usize) -> Result<HybridRun> {
-        let out = self.dir.join(format!("hybrid-{switch}.trace"));
+/// The divergent stage re-run on the candidate from the reference's input to its block.
+#[derive(Clone, Debug, Serialize)]
+pub struct Replay {
+    /// The stage the replay starts at (the block's input is the reference's).
+    pub from: String,
+    pub stage: String,
+    pub status: Status,
+    pub rel_diff: f64,
+}
+
+impl Replay {
+    /// One line of evidence.
+    pub fn evidence(&self) -> String {
+        match self.status {
+            Status::Fail => format!(
+                "replayed from the reference's input to {}: {} still diverges (rel_diff {:.3e}): \
+                 the fault is made there, not inherited",
+                self.from, self.stage, self.rel_diff
+            ),
+            Status::Pass => format!(
+                "replayed from the reference's input to {}: {} agrees (rel_diff {:.3e}): the \
+                 divergence is inherited from smaller errors before it",
+                self.from, self.stage, self.rel_diff
+            ),
+        }
+    }
+}
+
+/// The block that produces `stage` (None: the embedding, which has no input to replay from).
+fn block_of(cfg: &Glm5Config, stage: &str) -> Option<usize> {
+    match crate::compare::diff::layer_of(stage) {
+        Some(l) => Some(l as usize + 1),
+        None if stage == "embed" => None,
+        None => Some(cfg.num_hidden_layers as usize + 1),
+    }
+}
+
+impl Hybrids<'_> {
+    /// `reference` compared with the hybrid handing over at block `switch`.
+    fn run(&self, switch: usize, reference_below: bool) -> Result<DiffReport> {
+        let side = if reference_below { "replay" } else { "hybrid" };
+        let out = self.dir.join(format!("{side}-{switch}.trace"));
         record(RunSpec {
             dtype: self.args.dtype,
             tp: self.args.tp,
             ep: self.args.ep,
             inject: self.args.inject,
             ties: self.ties,
-            hybrid: Some((self.model, switch)),
+            hybrid: Some(Split {
+                reference: self.model,
+                switch,
+                reference_below,
+            }),
             ..reference_spec(self.args, self.tokens, self.cand_model, &out)
         })?;
         let hybrid = Trace::open(&out)?;
@@ -86,7 +133,37 @@ impl Search<'_> {
             tolerance: None,
             envelope: self.envelope,
         };
-        let report = diff(self.reference, &hybrid, &opts)?;
+        diff(self.reference, &hybrid, &opts)
+    }
+
+    /// The divergent `stage` replayed from the reference's input to its block.
+    pub fn replay(&self, cfg: &Glm5Config, stage: &str) -> Result<Option<Replay>> {
+        let Some(block) = block_of(cfg, stage) else {
+            return Ok(None);
+        };
+        let report = self.run(block, true)?;
+        let Some(s) = report
+            .stages
+            .iter()
+            .find(|s| s.stage == stage && s.rank.is_none())
+        else {
+            return Ok(None);
+        };
+        let from = match block {
+            b if b > cfg.num_hidden_layers as usize => "final_norm".to_string(),
+            b => format!("layer {}", b - 1),
+        };
+        Ok(Some(Replay {
+            from,
+            stage: stage.to_string(),
+            status: s.status,
+            rel_diff: s.rel_diff,
+        }))
+    }
+
+    /// The logits of the hybrid handing over to the reference at block `switch`.
+    fn logits_at(&self, cfg: &Glm5Config, switch: usize) -> Result<HybridRun> {
+        let report = self.run(switch, false)?;
         let logits = logits_of(&report).ok_or_else(|| anyhow::anyhow!("no logits stage"))?;
         Ok(HybridRun {
             switch,
@@ -104,7 +181,7 @@ impl Search<'_> {
         let mut runs = vec![whole];
         while hi - lo > 1 {
             let mid = (lo + hi) / 2;
-            let run = self.run(cfg, mid)?;
+            let run = self.logits_at(cfg, mid)?;
             if run.status == Status::Fail {
                 hi = mid;
             } else {
