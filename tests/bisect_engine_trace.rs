@@ -110,3 +110,71 @@ fn faulty_traces_are_diagnosed_from_what_they_hold() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// The seed story from an engine's side: its trace diverges at `L0.attn.kv`, and its shard
+/// manifest (every rank holding rank 0's block of kv_b_proj) names the cause.
+#[test]
+fn an_engine_trace_with_its_shard_manifest_names_the_unsharded_weight() {
+    use glmcheck::shard::actual::plan_manifest;
+    use glmcheck::shard::identify::Dtype;
+
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    synth_hf(&hf);
+    let trace = dir.path().join("engine.trace");
+    common::glmcheck_json(
+        [
+            "run",
+            hf.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--tp",
+            "4",
+            "--inject",
+            "unsharded-column",
+            "--full",
+            "**",
+            "--json",
+            "--out",
+            trace.to_str().unwrap(),
+        ],
+        0,
+    );
+    let kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
+    let mut manifest = plan_manifest(&common::weight_source(&hf), 4, false, Dtype::Bf16).unwrap();
+    let rank0 = manifest.ranks[0]
+        .weights
+        .iter()
+        .find(|w| w.name == kv_b)
+        .cloned()
+        .unwrap();
+    for rank in &mut manifest.ranks {
+        for w in rank.weights.iter_mut().filter(|w| w.name == kv_b) {
+            *w = rank0.clone();
+        }
+    }
+    let path = dir.path().join("shards.json");
+    std::fs::write(&path, serde_json::to_string(&manifest).unwrap()).unwrap();
+    let j = common::glmcheck_json(
+        [
+            "bisect",
+            hf.to_str().unwrap(),
+            "--candidate",
+            trace.to_str().unwrap(),
+            "--actual",
+            path.to_str().unwrap(),
+            "--json",
+        ],
+        1,
+    );
+    assert_eq!(j["first_divergence"]["stage"], "L0.attn.kv");
+    assert_eq!(j["fault"]["class"], "unsharded_weight");
+    assert_eq!(j["fault"]["weight"], kv_b);
+    assert_eq!(j["bisect"]["classified_by"], "shard manifest");
+    let evidence = j["fault"]["evidence"].to_string();
+    assert!(
+        evidence.contains("on rank 3 holds rows 0..128 of 512")
+            && evidence.contains("the plan gives rows 384..512"),
+        "{evidence}"
+    );
+}

@@ -9,11 +9,9 @@ mod common;
 use std::path::Path;
 
 use glmcheck::exec::inject::{Injection, CATALOGUE};
-use glmcheck::exec::source::WeightSource;
-use glmcheck::model::schema::Family;
 use glmcheck::model::stages::{stage_names, stage_weights};
 use glmcheck::model::Glm5Config;
-use glmcheck::weights::{Encoding, GgmlType, ModelFiles};
+use glmcheck::weights::{Encoding, GgmlType};
 
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 
@@ -49,9 +47,8 @@ fn bisect(model: &str, tp: u32, dtype: &str, fault: Option<&str>) -> serde_json:
 
 /// The model's config and the first stage that reads a Q4_K tensor.
 fn config_and_first_q4k(model: &str) -> (Glm5Config, Option<String>) {
-    let files = ModelFiles::open(Path::new(model)).unwrap();
-    let cfg = glmcheck::model::config::Glm5Config::from_gguf(files.gguf().unwrap()).unwrap();
-    let src = WeightSource::new(files, cfg.clone(), Family::Gguf);
+    let src = common::weight_source(Path::new(model));
+    let cfg = src.cfg.clone();
     let q4k = |id| {
         src.tensor_names(id).iter().any(|n| {
             matches!(

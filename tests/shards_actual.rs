@@ -11,14 +11,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use glmcheck::exec::source::WeightSource;
 use glmcheck::model::names::{LayerWeight, WeightId};
-use glmcheck::model::schema::Family;
-use glmcheck::model::Glm5Config;
 use glmcheck::shard::actual::{plan_manifest, planned_entries, ShardEntry, ShardManifest};
 use glmcheck::shard::identify::{gather, Dtype};
 use glmcheck::shard::plan::{rank_view, Placement};
-use glmcheck::weights::ModelFiles;
 use serde_json::Value;
 
 /// The tiny preset with 8 heads (TP 8 needs them), as a q8_0 GGUF or a bf16 Hugging Face
@@ -34,18 +30,6 @@ fn synth(dir: &Path, hf: bool) -> PathBuf {
     args.extend(["--out", out.to_str().unwrap(), "--json"]);
     common::glmcheck_json(args, 0);
     out
-}
-
-fn source(model: &Path) -> WeightSource {
-    let files = ModelFiles::open(model).unwrap();
-    let (cfg, family) = match files.gguf() {
-        Some(g) => (Glm5Config::from_gguf(g).unwrap(), Family::Gguf),
-        None => {
-            let text = std::fs::read_to_string(model.join("config.json")).unwrap();
-            (Glm5Config::from_hf_json(&text).unwrap(), Family::Hf)
-        }
-    };
-    WeightSource::new(files, cfg, family)
 }
 
 fn write(dir: &Path, name: &str, m: &ShardManifest) -> PathBuf {
@@ -89,7 +73,7 @@ fn correct_manifests_pass_at_every_degree_dtype_and_layout() {
     let dir = common::scratch();
     for hf in [false, true] {
         let model = synth(dir.path(), hf);
-        let ws = source(&model);
+        let ws = common::weight_source(&model);
         for (tp, dtype) in [(2, Dtype::F32), (4, Dtype::Bf16), (8, Dtype::F16)] {
             let m = plan_manifest(&ws, tp, false, dtype).unwrap();
             assert_eq!(m.ranks.len() as u64, tp);
@@ -117,7 +101,7 @@ fn correct_manifests_pass_at_every_degree_dtype_and_layout() {
 fn planted_faults_are_named_with_class_weight_rank_and_rows() {
     let dir = common::scratch();
     let model = synth(dir.path(), true);
-    let ws = source(&model);
+    let ws = common::weight_source(&model);
     let plan = plan_manifest(&ws, 4, false, Dtype::Bf16).unwrap();
     let kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
     let q_b = "model.layers.0.self_attn.q_b_proj.weight";
@@ -230,7 +214,7 @@ fn planted_faults_are_named_with_class_weight_rank_and_rows() {
 fn vllm_merged_gate_up_is_checked_part_by_part() {
     let dir = common::scratch();
     let model = synth(dir.path(), false);
-    let ws = source(&model);
+    let ws = common::weight_source(&model);
     let name = "model.layers.0.mlp.gate_up_proj.weight";
     let entries = planned_entries(&ws, name, 2, false, Dtype::Bf16).unwrap();
     // [gate rows 0..256 ; up rows 0..256] on rank 0 of the [1024, 256] stack.
@@ -316,7 +300,7 @@ fn an_independent_numpy_manifest_passes_and_its_unsharded_variant_fails() {
 fn partial_and_empty_manifests() {
     let dir = common::scratch();
     let model = synth(dir.path(), false);
-    let ws = source(&model);
+    let ws = common::weight_source(&model);
     let mut m = plan_manifest(&ws, 2, false, Dtype::Bf16).unwrap();
     m.ranks[1]
         .weights
@@ -338,7 +322,7 @@ fn partial_and_empty_manifests() {
 fn hostile_manifests_are_input_errors_naming_file_and_field() {
     let dir = common::scratch();
     let model = synth(dir.path(), true);
-    let ws = source(&model);
+    let ws = common::weight_source(&model);
     let good = serde_json::to_string(&plan_manifest(&ws, 2, false, Dtype::Bf16).unwrap()).unwrap();
     let first_mean = {
         let v: Value = serde_json::from_str(&good).unwrap();

@@ -70,6 +70,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         tokens: Vec::new(),
         generate: 8,
         latent_norm_eps: HF_LATENT_NORM_EPS,
+        actual: None,
         out: None,
         list_faults: false,
         mode: bisect::Mode::Stages,

@@ -11,7 +11,7 @@ use anyhow::Result;
 use crate::compare::Fault;
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
-use crate::model::stages::{stage_names, stage_weights};
+use crate::model::stages::{layer_weights, stage_weights};
 
 pub use shards::check_shards;
 pub use weights::check_weights;
@@ -42,14 +42,7 @@ pub fn drill_down_layer(
     cand: &CandidateRun,
     l: u64,
 ) -> Result<Option<Fault>> {
-    let prefix = format!("L{l}.");
-    let mut ids: Vec<WeightId> = stage_names(&reference.cfg)
-        .iter()
-        .filter(|s| s.starts_with(&prefix))
-        .flat_map(|s| stage_weights(&reference.cfg, s))
-        .collect();
-    ids.dedup();
-    check(reference, cand, &ids)
+    check(reference, cand, &layer_weights(&reference.cfg, l))
 }
 
 fn check(reference: &WeightSource, cand: &CandidateRun, ids: &[WeightId]) -> Result<Option<Fault>> {

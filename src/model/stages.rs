@@ -91,6 +91,18 @@ pub fn stage_weights(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
     roles.iter().map(|&w| WeightId::Layer(l, w)).collect()
 }
 
+/// The weights every stage of layer `l` reads.
+pub fn layer_weights(cfg: &Glm5Config, l: u64) -> Vec<WeightId> {
+    let prefix = format!("L{l}.");
+    let mut ids: Vec<WeightId> = stage_names(cfg)
+        .iter()
+        .filter(|s| s.starts_with(&prefix))
+        .flat_map(|s| stage_weights(cfg, s))
+        .collect();
+    ids.dedup();
+    ids
+}
+
 /// The stage a layer weight feeds first: where a fault in that weight shows.
 pub fn stage_of(cfg: &Glm5Config, l: u64, w: LayerWeight) -> Option<String> {
     stage_names(cfg)

@@ -565,36 +565,7 @@ fn by_weight(m: &ShardManifest) -> Result<Vec<Listed<'_>>> {
 pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
     check_degree(&ws.cfg, m.tp)?;
     let weights = by_weight(m)?;
-    let mut shards = Vec::new();
-    for Listed {
-        name,
-        target,
-        shards: entries,
-    } in &weights
-    {
-        let full = Full::load(ws, target, m.tp, m.ep).with_context(|| name.to_string())?;
-        let reference = full.reference(name, m.tp)?;
-        let mut verdicts = entries
-            .iter()
-            .map(|(r, e)| reference.identify(*r, &e.observed()))
-            .collect::<Result<Vec<_>>>()?;
-        reference.same_block_everywhere(&mut verdicts);
-        shards.extend(verdicts.into_iter().map(|v| {
-            CheckedShard {
-                weight: name.to_string(),
-                id: target.parts[0],
-                rank: v.rank,
-                expected: v
-                    .expected
-                    .as_ref()
-                    .map_or("none".into(), |s| reference.describe(s)),
-                found: v.found.as_ref().map(|s| reference.describe(s)),
-                basis: v.basis,
-                class: v.class,
-                evidence: v.evidence,
-            }
-        }));
-    }
+    let shards = check_listed(ws, m, &weights)?;
     let covered: BTreeSet<(u64, WeightId)> = weights
         .iter()
         .flat_map(|w| {
@@ -628,6 +599,60 @@ pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
         shards,
         not_in_manifest,
     })
+}
+
+/// The shards of the listed weights judged against the plan, one weight in memory at a time.
+fn check_listed(
+    ws: &WeightSource,
+    m: &ShardManifest,
+    weights: &[Listed<'_>],
+) -> Result<Vec<CheckedShard>> {
+    let mut shards = Vec::new();
+    for Listed {
+        name,
+        target,
+        shards: entries,
+    } in weights
+    {
+        let full = Full::load(ws, target, m.tp, m.ep).with_context(|| name.to_string())?;
+        let reference = full.reference(name, m.tp)?;
+        let mut verdicts = entries
+            .iter()
+            .map(|(r, e)| reference.identify(*r, &e.observed()))
+            .collect::<Result<Vec<_>>>()?;
+        reference.same_block_everywhere(&mut verdicts);
+        shards.extend(verdicts.into_iter().map(|v| {
+            CheckedShard {
+                weight: name.to_string(),
+                id: target.parts[0],
+                rank: v.rank,
+                expected: v
+                    .expected
+                    .as_ref()
+                    .map_or("none".into(), |s| reference.describe(s)),
+                found: v.found.as_ref().map(|s| reference.describe(s)),
+                basis: v.basis,
+                class: v.class,
+                evidence: v.evidence,
+            }
+        }));
+    }
+    Ok(shards)
+}
+
+/// The shards of the manifest's weights that hold any of `ids`, judged against the plan (the
+/// weights a divergent stage reads, in a bisect drill-down).
+pub fn check_only(
+    ws: &WeightSource,
+    m: &ShardManifest,
+    ids: &[WeightId],
+) -> Result<Vec<CheckedShard>> {
+    check_degree(&ws.cfg, m.tp)?;
+    let weights: Vec<Listed> = by_weight(m)?
+        .into_iter()
+        .filter(|w| w.target.covers().iter().any(|id| ids.contains(id)))
+        .collect();
+    check_listed(ws, m, &weights)
 }
 
 /// The model's tensors of its forward layers and outside them, by name and role (MTP layers

@@ -25,6 +25,8 @@ use crate::exec::inject::{Injection, CATALOGUE};
 use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
+use crate::model::stages::{layer_weights, stage_weights};
+use crate::shard::actual::{check_only, ShardManifest};
 use crate::trace::{FullSelector, Trace};
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
 
@@ -67,6 +69,11 @@ pub struct BisectArgs {
     /// `rms_norm_eps`).
     #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
     pub latent_norm_eps: f64,
+    /// An engine's shard manifest (the format `glmcheck shards --actual` reads): at the first
+    /// divergence, each rank's shards of the weights that stage reads are checked against the
+    /// plan — the drill-down for an engine's `--candidate TRACE`.
+    #[arg(long, value_name = "MANIFEST")]
+    pub actual: Option<PathBuf>,
     /// Keep the traces in this folder (reference.trace, envelope.trace, candidate.trace);
     /// default: a temporary folder, removed after.
     #[arg(long, value_name = "DIR")]
@@ -112,7 +119,8 @@ pub struct BisectInfo {
     pub conversion: bool,
     /// Top-k positions where the candidate took the reference's choice (near ties).
     pub ties_taken: usize,
-    /// Where the class came from: `drill-down` (weights, shards) or `traces`.
+    /// Where the class came from: `drill-down` (weights, shards), `shard manifest` or
+    /// `traces`.
     pub classified_by: &'static str,
     /// `--mode logits`: the hybrid runs of the search, in the order they ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -317,6 +325,16 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             report.fault = Some(merge(report.fault.take(), found));
         }
     }
+    if let (Some(path), Some(d)) = (&args.actual, &report.first_divergence) {
+        let ids = match (args.mode, d.layer) {
+            (Mode::Logits, Some(l)) => layer_weights(&cfg, l),
+            _ => stage_weights(&cfg, &d.stage),
+        };
+        if let Some(found) = manifest_fault(&model, path, &ids)? {
+            classified_by = "shard manifest";
+            report.fault = Some(merge(report.fault.take(), found));
+        }
+    }
     if let (Some(f), Some(r)) = (&mut report.fault, &replay) {
         f.evidence.push(r.evidence());
     }
@@ -369,6 +387,36 @@ fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
     }
     report.stages = vec![logits];
     Ok(report)
+}
+
+/// What an engine's shard manifest says of the shards of `ids`: the first weight some rank
+/// holds another slice of than the plan gives.
+fn manifest_fault(
+    model: &Path,
+    manifest: &Path,
+    ids: &[crate::model::names::WeightId],
+) -> anyhow::Result<Option<Fault>> {
+    let m = ShardManifest::read(manifest)?;
+    let (files, cfg, family) = open_model(model)?;
+    let ws = WeightSource::new(files, cfg, family);
+    let checked = check_only(&ws, &m, ids).with_context(|| manifest.display().to_string())?;
+    let wrong: Vec<_> = checked.iter().filter(|c| c.class.is_some()).collect();
+    let Some(first) = wrong.first() else {
+        return Ok(None);
+    };
+    let same: Vec<_> = wrong.iter().filter(|c| c.weight == first.weight).collect();
+    Ok(Some(Fault {
+        class: first.class.unwrap_or(FaultClass::Unknown),
+        summary: format!(
+            "{}: {} of {} ranks hold another slice than the plan gives (the engine's shard \
+             manifest)",
+            first.weight,
+            same.len(),
+            m.tp
+        ),
+        evidence: same.iter().map(|c| c.evidence.clone()).collect(),
+        weight: Some(first.weight.clone()),
+    }))
 }
 
 /// The drill-down's finding joined with what the traces showed. A symptom the traces prove
