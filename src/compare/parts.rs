@@ -22,8 +22,15 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-/// The candidate's rank parts of `name`, in rank order, with their dims spec.
-fn parts(candidate: &Trace, name: &str) -> Result<Option<(Vec<Vec<f32>>, Vec<Vec<u64>>, String)>> {
+/// A stage's rank parts in rank order: their values, their shapes and the dims spec.
+struct Parts {
+    values: Vec<Vec<f32>>,
+    shapes: Vec<Vec<u64>>,
+    dims: String,
+}
+
+/// The candidate's rank parts of `name`.
+fn parts(candidate: &Trace, name: &str) -> Result<Option<Parts>> {
     let mut records: Vec<_> = candidate
         .stages()
         .iter()
@@ -40,8 +47,11 @@ fn parts(candidate: &Trace, name: &str) -> Result<Option<(Vec<Vec<f32>>, Vec<Vec
             None => return Ok(None),
         }
     }
-    let shapes = records.iter().map(|r| r.shape.clone()).collect();
-    Ok(Some((values, shapes, records[0].dims.clone())))
+    Ok(Some(Parts {
+        values,
+        shapes: records.iter().map(|r| r.shape.clone()).collect(),
+        dims: records[0].dims.clone(),
+    }))
 }
 
 fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Option<Fault> {
@@ -59,14 +69,12 @@ pub fn from_parts(reference: &Trace, candidate: &Trace, s: &StageDiff) -> Result
         return Ok(None);
     }
     let at = &s.stage;
-    let (Some((parts, shapes, dims)), Some((want, _))) =
-        (parts(candidate, at)?, whole_values(reference, at)?)
-    else {
+    let (Some(p), Some((want, _))) = (parts(candidate, at)?, whole_values(reference, at)?) else {
         return Ok(None);
     };
-    Ok(match Sharding::of(&dims)? {
-        Sharding::Partial => collective(candidate, at, &parts, &want)?,
-        Sharding::Split(axis) => shards(at, &parts, &shapes, axis, &want),
+    Ok(match Sharding::of(&p.dims)? {
+        Sharding::Partial => collective(candidate, at, &p.values, &want)?,
+        Sharding::Split(axis) => shards(at, &p.values, &p.shapes, axis, &want),
         Sharding::Replicated => None,
     })
 }

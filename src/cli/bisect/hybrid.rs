@@ -202,7 +202,7 @@ impl Hybrids<'_> {
         calibrated: bool,
     ) -> Result<Vec<HybridRun>> {
         let every_block = cfg.num_hidden_layers as usize + 2;
-        let whole = logits_of(&report).map(|s| HybridRun {
+        let whole = logits_of(report).map(|s| HybridRun {
             switch: every_block,
             candidate_through: through(cfg, every_block),
             status: s.status,
