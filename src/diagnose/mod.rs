@@ -11,7 +11,6 @@ use anyhow::Result;
 use crate::compare::Fault;
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
-use crate::model::stages::{layer_weights, stage_weights};
 
 pub use shards::check_shards;
 pub use weights::check_weights;
@@ -27,25 +26,13 @@ pub struct CandidateRun<'a> {
     pub experts: Vec<u64>,
 }
 
-/// What the weights and shards behind `stage` show, if anything is wrong with them.
+/// What the weights `ids` (a divergent stage's, or a layer's) and each rank's shards of them
+/// show, if anything is wrong with them.
 pub fn drill_down(
     reference: &WeightSource,
     cand: &CandidateRun,
-    stage: &str,
+    ids: &[WeightId],
 ) -> Result<Option<Fault>> {
-    check(reference, cand, &stage_weights(&reference.cfg, stage))
-}
-
-/// What the weights and shards of every stage of layer `l` show.
-pub fn drill_down_layer(
-    reference: &WeightSource,
-    cand: &CandidateRun,
-    l: u64,
-) -> Result<Option<Fault>> {
-    check(reference, cand, &layer_weights(&reference.cfg, l))
-}
-
-fn check(reference: &WeightSource, cand: &CandidateRun, ids: &[WeightId]) -> Result<Option<Fault>> {
     if cand.tp > 1 {
         if let Some(f) = check_shards(reference, cand, ids)? {
             return Ok(Some(f));

@@ -18,14 +18,16 @@ use super::run::{open_model, prompt_tokens, record, RunSpec};
 use super::Outcome;
 use crate::compare::diff::layer_of;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
-use crate::diagnose::{drill_down, drill_down_layer, CandidateRun};
+use crate::diagnose::{drill_down, CandidateRun};
 use crate::exec::backend::Precision;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::{Injection, CATALOGUE};
 use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
+use crate::model::names::WeightId;
 use crate::model::stages::{layer_weights, stage_weights};
+use crate::model::Glm5Config;
 use crate::shard::actual::{check_only, ShardManifest};
 use crate::trace::{FullSelector, Trace};
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
@@ -185,6 +187,9 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     if engine_trace.is_some() && args.inject.is_some() {
         bail!("--inject plants a fault in a run glmcheck makes; --candidate TRACE is an engine's");
     }
+    if engine_trace.is_some() && args.mode == Mode::Logits {
+        bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE");
+    }
     let (files, cfg, _) = open_model(&model)?;
     let prompt_text = match (&args.prompt, args.tokens.is_empty(), engine_trace) {
         (_, _, Some(_)) => None,
@@ -285,10 +290,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     let mut hybrids = Vec::new();
     let mut replay = None;
     match (args.mode, cand_run.is_some()) {
-        (Mode::Logits, false) => {
-            bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE")
-        }
-        (Mode::Logits, true) => {
+        (Mode::Logits, _) => {
             report = logits_view(report)?;
             if report.verdict == Status::Fail {
                 bar.set_message("hybrid runs: the candidate up to a layer, the reference after it");
@@ -303,38 +305,15 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         }
         (Mode::Stages, false) => {}
     }
-    let mut classified_by = "traces";
-    if let (Some(d), true) = (&report.first_divergence, cand_run.is_some()) {
-        let (files, cfg, family) = open_model(&model)?;
-        let ref_src = WeightSource::new(files, cfg, family);
-        let (cfiles, ccfg, cfamily) = open_model(&cand_model)?;
-        let cand_src = WeightSource::new(cfiles, ccfg, cfamily).with_fault(args.inject);
-        let experts = chosen_experts(&candidate, d.layer)?;
-        let cand = CandidateRun {
-            src: &cand_src,
-            tp: args.tp as usize,
-            same_files: cand_model == model,
-            experts,
-        };
-        let found = match (args.mode, d.layer) {
-            (Mode::Logits, Some(l)) => drill_down_layer(&ref_src, &cand, l)?,
-            _ => drill_down(&ref_src, &cand, &d.stage)?,
-        };
-        if let Some(found) = found {
-            classified_by = "drill-down";
-            report.fault = Some(merge(report.fault.take(), found));
-        }
-    }
-    if let (Some(path), Some(d)) = (&args.actual, &report.first_divergence) {
-        let ids = match (args.mode, d.layer) {
-            (Mode::Logits, Some(l)) => layer_weights(&cfg, l),
-            _ => stage_weights(&cfg, &d.stage),
-        };
-        if let Some(found) = manifest_fault(&model, path, &ids)? {
-            classified_by = "shard manifest";
-            report.fault = Some(merge(report.fault.take(), found));
-        }
-    }
+    let cause = Cause {
+        args,
+        model: &model,
+        cand_model: &cand_model,
+        cfg: &cfg,
+        candidate: &candidate,
+        glmcheck_ran: cand_run.is_some(),
+    };
+    let classified_by = cause.explain(&mut report)?;
     if let (Some(f), Some(r)) = (&mut report.fault, &replay) {
         f.evidence.push(r.evidence());
     }
@@ -374,6 +353,63 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     Ok(out)
 }
 
+/// What explains a first divergence beyond the traces: the weights and shards behind it (when
+/// glmcheck ran the candidate), and an engine's shard manifest (`--actual`).
+struct Cause<'a> {
+    args: &'a BisectArgs,
+    model: &'a Path,
+    cand_model: &'a Path,
+    cfg: &'a Glm5Config,
+    candidate: &'a Trace,
+    glmcheck_ran: bool,
+}
+
+impl Cause<'_> {
+    /// Give `report` the cause found, if any; where its class came from.
+    fn explain(&self, report: &mut DiffReport) -> anyhow::Result<&'static str> {
+        let Some(d) = report.first_divergence.clone() else {
+            return Ok("traces");
+        };
+        // In logits mode the divergence is a whole layer.
+        let ids = match (self.args.mode, d.layer) {
+            (Mode::Logits, Some(l)) => layer_weights(self.cfg, l),
+            _ => stage_weights(self.cfg, &d.stage),
+        };
+        let mut classified_by = "traces";
+        if self.glmcheck_ran {
+            if let Some(found) = self.weights_and_shards(&ids, d.layer)? {
+                classified_by = "drill-down";
+                report.fault = Some(merge(report.fault.take(), found));
+            }
+        }
+        if let Some(path) = &self.args.actual {
+            if let Some(found) = manifest_fault(self.model, path, &ids)? {
+                classified_by = "shard manifest";
+                report.fault = Some(merge(report.fault.take(), found));
+            }
+        }
+        Ok(classified_by)
+    }
+
+    fn weights_and_shards(
+        &self,
+        ids: &[WeightId],
+        layer: Option<u64>,
+    ) -> anyhow::Result<Option<Fault>> {
+        let (files, cfg, family) = open_model(self.model)?;
+        let ref_src = WeightSource::new(files, cfg, family);
+        let (files, cfg, family) = open_model(self.cand_model)?;
+        let cand_src = WeightSource::new(files, cfg, family).with_fault(self.args.inject);
+        let cand = CandidateRun {
+            src: &cand_src,
+            tp: self.args.tp as usize,
+            same_files: self.cand_model == self.model,
+            experts: chosen_experts(self.candidate, layer)?,
+        };
+        drill_down(&ref_src, &cand, ids)
+    }
+}
+
 /// The report as a candidate showing only its logits gives it: the logits stage alone.
 fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
     let logits = logits_of(&report)
@@ -394,7 +430,7 @@ fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
 fn manifest_fault(
     model: &Path,
     manifest: &Path,
-    ids: &[crate::model::names::WeightId],
+    ids: &[WeightId],
 ) -> anyhow::Result<Option<Fault>> {
     let m = ShardManifest::read(manifest)?;
     let (files, cfg, family) = open_model(model)?;
