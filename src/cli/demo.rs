@@ -84,6 +84,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     // The demo passes when the diagnosis names the planted fault's class.
     let diagnosed = report.diff.fault.as_ref().map(|f| f.class) == Some(fault.entry().class);
     if !args.json {
+        let b = &report.bisect;
+        if b.candidate_text.is_some() && b.candidate_text == b.reference_text {
+            println!(
+                "\n(the tiny model's text survives the fault: its next-token pattern rides on \
+                 the residual stream; the stages show the fault long before any text does)"
+            );
+        }
         println!(
             "\nplanted: {} — {}; diagnosed: {}",
             fault.spec(),

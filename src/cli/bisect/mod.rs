@@ -16,7 +16,6 @@ use super::diff::print_report;
 use super::output::{progress, table};
 use super::run::{open_model, prompt_tokens, record, RunSpec};
 use super::Outcome;
-use crate::compare::diff::layer_of;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::diagnose::{drill_down, CandidateRun};
 use crate::exec::backend::Precision;
@@ -565,17 +564,16 @@ pub fn print_bisect(out: &BisectReport) {
     }
     match (&out.diff.first_divergence, &out.diff.fault) {
         (Some(d), Some(f)) => {
-            let layer = d.layer.or_else(|| layer_of(&d.stage));
+            let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
+            let source = match b.classified_by {
+                "drill-down" => "from the weights and shards behind that stage",
+                "shard manifest" => "from the engine's shard manifest",
+                _ => "from the traces",
+            };
             println!(
-                "\ndiagnosis: {} at {}{} ({})",
+                "\ndiagnosis: {} at {}{rank} ({source})",
                 f.class.name(),
-                d.stage,
-                layer.map(|_| String::new()).unwrap_or_default(),
-                if b.classified_by == "drill-down" {
-                    "from the weights and shards behind that stage"
-                } else {
-                    "from the traces"
-                }
+                d.stage
             );
             println!("  {}", f.summary);
             for e in &f.evidence {
