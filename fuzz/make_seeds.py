@@ -6,9 +6,15 @@
 CORPUS/gguf_header/*.gguf comes from gguf-py's GGUFWriter: metadata of every value type, nested
 arrays, a custom alignment, and tensors of float, legacy, k- and i-quant types made of random
 valid blocks (tests/oracle/quant_blocks.py). CORPUS/safetensors_header/*.safetensors comes from
-safetensors' torch writer: F32, BF16, I64, and an FP8 weight with its block scale. Seeds stay
-a few KiB, so that libFuzzer's default input size limit (the largest seed) stays small.
+safetensors' torch writer: F32, BF16, I64, and an FP8 weight with its block scale.
+CORPUS/trace_manifest/manifest.json is the manifest of a two-stage trace written by the
+transformers probe's trace writer (probes/glmcheck_probe/trace.py); CORPUS/shard_manifest/*.json
+are shard manifests of two ranks, with and without hashes. Seeds stay a few KiB, so that
+libFuzzer's default input size limit (the largest seed) stays small.
 """
+
+import json
+import tempfile
 
 import sys
 from pathlib import Path
@@ -21,6 +27,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))
 from quant_blocks import random_blocks  # noqa: E402
 from write_gguf import add_metadata  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "probes"))
+from glmcheck_probe.trace import TraceWriter  # noqa: E402
 
 
 def gguf_seed(path: Path, types: list[Q], alignment: int | None, rng: np.random.Generator) -> None:
@@ -52,6 +61,32 @@ def safetensors_seed(path: Path, generator: torch.Generator) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def trace_seed(path: Path, rng: np.random.Generator) -> None:
+    """The manifest.json of a trace holding an f32 and an i32 stage (one of them per rank)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        header = {"producer": {"name": "seed"}, "model": {"source": "seed", "config": {},
+                  "fingerprint": "0"}, "tokens": [1, 2], "backend": "cpu", "dtype": "f32",
+                  "tp": 1}
+        w = TraceWriter(tmp + "/seed.trace", header, full=["**"])
+        w.record("embed", rng.standard_normal((2, 4)).astype(np.float32), "t d")
+        w.record("L0.moe.topk_ids", np.array([[0, 1], [1, 0]], dtype=np.int32), "t k")
+        w.finish()
+        path.write_bytes(Path(tmp, "seed.trace", "manifest.json").read_bytes())
+
+
+def shard_seed(path: Path, with_hash: bool) -> None:
+    """A shard manifest of two ranks holding halves of one weight."""
+    stats = {"count": 8, "mean": 0.1, "std": 1.0, "min": -2.0, "max": 2.0, "absmax": 2.0,
+             "l2": 2.9}
+    entry = {"name": "model.layers.0.self_attn.kv_b_proj.weight", "shape": [4, 2],
+             "dtype": "bf16", "stats": stats}
+    if with_hash:
+        entry["hash"] = "0123456789abcdef"
+    ranks = [{"rank": r, "weights": [entry]} for r in range(2)]
+    path.write_text(json.dumps({"format": "glmcheck-shards", "version": 1, "producer": {},
+                                "tp": 2, "ep": False, "ranks": ranks}))
+
+
 def main(corpus: Path) -> None:
     rng = np.random.default_rng(0)
     gguf_dir = corpus / "gguf_header"
@@ -64,7 +99,14 @@ def main(corpus: Path) -> None:
     st_dir = corpus / "safetensors_header"
     st_dir.mkdir(parents=True, exist_ok=True)
     safetensors_seed(st_dir / "mixed.safetensors", torch.Generator().manual_seed(0))
-    for d in (gguf_dir, st_dir):
+    trace_dir = corpus / "trace_manifest"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    trace_seed(trace_dir / "manifest.json", rng)
+    shard_dir = corpus / "shard_manifest"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shard_seed(shard_dir / "stats.json", False)
+    shard_seed(shard_dir / "hashed.json", True)
+    for d in (gguf_dir, st_dir, trace_dir, shard_dir):
         for f in sorted(d.iterdir()):
             print(f"{f}: {f.stat().st_size} bytes")
 

@@ -37,3 +37,31 @@ pub fn open_and_dequantize(data: &[u8], ext: &str) {
         }
     }
 }
+
+/// Open `data` as the `manifest.json` of a trace folder and read every stage it lists (whose
+/// tensor files are absent or whatever an earlier input left): errors must name the folder.
+pub fn open_trace(data: &[u8]) {
+    let dir = scratch().path().join("input.trace");
+    std::fs::create_dir_all(&dir).expect("create the trace folder");
+    std::fs::write(dir.join("manifest.json"), data).expect("write the manifest");
+    let name = dir.display().to_string();
+    let trace = match glmcheck::trace::Trace::open(&dir) {
+        Ok(t) => t,
+        Err(e) => return assert!(e.to_string().contains(&name), "unnamed: {e}"),
+    };
+    for s in trace.stages() {
+        if let Err(e) = trace.tensor(&s.name, s.rank) {
+            assert!(e.to_string().contains(&name), "unnamed: {e}");
+        }
+    }
+}
+
+/// Read `data` as an engine's shard manifest: errors must name the file.
+pub fn read_shard_manifest(data: &[u8]) {
+    let path = scratch().path().join("shards.json");
+    std::fs::write(&path, data).expect("write the manifest");
+    if let Err(e) = glmcheck::shard::actual::ShardManifest::read(&path) {
+        let msg = format!("{e:#}");
+        assert!(msg.contains(&path.display().to_string()), "unnamed: {msg}");
+    }
+}
