@@ -23,11 +23,11 @@ bench:
     cargo build --release
     .venv/bin/python benches/reference.py
 
-# The demo: a tiny synthetic GLM-5 GGUF, inspected and dequantized.
+# The demo: a tiny synthetic GLM-5 GGUF inspected, then a TP=4 candidate with a planted fault bisected.
 demo:
     cargo run --release -- demo
 
-# Fuzz a target (gguf_header, safetensors_header) for SECONDS; needs nightly and cargo-fuzz (fuzz/README.md).
+# Fuzz a target (gguf_header, safetensors_header, trace_manifest, shard_manifest) for SECONDS; needs nightly and cargo-fuzz (fuzz/README.md).
 fuzz target="gguf_header" seconds="300":
     scripts/setup-venv
     .venv/bin/python fuzz/make_seeds.py
