@@ -32,3 +32,7 @@ fuzz target="gguf_header" seconds="300":
     scripts/setup-venv
     .venv/bin/python fuzz/make_seeds.py
     cd fuzz && cargo +nightly fuzz run {{target}} -- -max_total_time={{seconds}}
+
+# On the GPU machine (device tool): every mix's GPU dequantization against the CPU, bit for bit.
+gpu-dequant-check:
+    scripts/gpu-dequant-check target/release/glmcheck

@@ -5,6 +5,7 @@
 
 pub mod cli;
 pub mod compare;
+pub mod cuda;
 pub mod diagnose;
 pub mod exec;
 pub mod model;

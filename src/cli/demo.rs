@@ -56,6 +56,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         model: model(),
         tensors: vec!["blk.1.*".into()],
         dump: None,
+        device: dequant::Device::Cpu,
     })?;
     say("glmcheck bisect glm5-tiny.gguf --tp 4 --inject unsharded-column");
     let fault = Injection::UnshardedColumn(LayerWeight::KvB);

@@ -9,6 +9,8 @@ use serde_json::json;
 
 use super::output::{num, progress, shape, table};
 use super::{ModelArg, Outcome};
+use crate::cuda::check::check_tensor;
+use crate::cuda::Gpu;
 use crate::weights::health::{tensor_health, Health};
 use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
 use crate::weights::{ModelFiles, TensorEntry};
@@ -23,6 +25,18 @@ pub struct DequantArgs {
     /// Write the dequantized f32 tensors to this safetensors file, in the file's element order.
     #[arg(long, value_name = "OUT.safetensors")]
     pub dump: Option<PathBuf>,
+    /// `cuda`: dequantize every tensor on the GPU too (kernels compiled by NVRTC for it) and
+    /// check each against the CPU reference: bit-identical f32, or the ULP distance and the first
+    /// block that differs. Types without a GPU kernel are listed.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: Device,
+}
+
+/// Where `dequant` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
 }
 
 fn selector(globs: &[String]) -> anyhow::Result<Option<GlobSet>> {
@@ -50,6 +64,9 @@ pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
             files.path.display(),
             args.tensors
         );
+    }
+    if args.device == Device::Cuda {
+        return gpu_check(&files, &chosen, args.model.json);
     }
     let bar = progress(chosen.len() as u64, args.model.json, "dequantizing");
     let mut results: Vec<(&TensorEntry, Option<Health>)> = Vec::with_capacity(chosen.len());
@@ -80,6 +97,62 @@ pub fn run(args: DequantArgs) -> anyhow::Result<Outcome> {
         }
     }
     Ok(if poisoned > 0 {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    })
+}
+
+/// Every chosen tensor dequantized on the GPU against the CPU reference.
+fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow::Result<Outcome> {
+    let gpu = Gpu::open(0)?;
+    let bar = progress(chosen.len() as u64, json, "dequantizing on the GPU");
+    let mut checks = Vec::new();
+    let mut without_kernel = Vec::new();
+    for t in chosen {
+        bar.set_message(t.name.clone());
+        match check_tensor(&gpu, files, t)? {
+            Some(c) => checks.push(c),
+            None => without_kernel.push(format!("{} ({})", t.name, t.encoding.name())),
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let failed = checks.iter().filter(|c| !c.identical()).count();
+    if json {
+        let out = json!({"device": gpu.name, "verdict": if failed > 0 { "fail" } else { "pass" },
+                         "tensors": checks, "without_kernel": without_kernel});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        let mut t = table(&["tensor", "type", "values", "GPU against CPU"]);
+        for c in &checks {
+            let verdict = match c.first {
+                None => "bit-identical".to_string(),
+                Some((at, block)) => format!(
+                    "{} differ, up to {} ulp; first at value {at} (block {block})",
+                    c.differing, c.max_ulp
+                ),
+            };
+            t.add_row(vec![
+                c.name.clone(),
+                c.ty.clone(),
+                c.values.to_string(),
+                verdict,
+            ]);
+        }
+        println!("{t}");
+        println!(
+            "{}: {} tensors bit-identical, {failed} differ{}",
+            gpu.name,
+            checks.len() - failed,
+            if without_kernel.is_empty() {
+                String::new()
+            } else {
+                format!("; no GPU kernel for {}", without_kernel.join(", "))
+            }
+        );
+    }
+    Ok(if failed > 0 {
         Outcome::Fail
     } else {
         Outcome::Pass

@@ -1,0 +1,137 @@
+//! The GPU side, through cudarc with CUDA loaded at run time: the one binary builds and runs
+//! without CUDA (a CUDA command then says that no driver was found) and uses the GPU where there
+//! is one. Kernels are `kernels/*.cu`, embedded in the binary and compiled by NVRTC to CUBIN for
+//! the device's own compute capability, once per process.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::weights::GgmlType;
+
+pub mod check;
+mod nvrtc;
+
+/// The kernels, as compiled into the binary.
+const DEQUANT_SRC: &str = include_str!("../../kernels/dequant.cu");
+
+/// The name of the kernel in `kernels/dequant.cu` that dequantizes `ty`.
+fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "dq_f32",
+        GgmlType::F16 => "dq_f16",
+        GgmlType::BF16 => "dq_bf16",
+        GgmlType::Q8_0 => "dq_q8_0",
+        GgmlType::Q4_0 => "dq_q4_0",
+        GgmlType::Q4_K => "dq_q4_k",
+        GgmlType::Q6_K => "dq_q6_k",
+        _ => return None,
+    })
+}
+
+/// One GPU with the kernels loaded.
+pub struct Gpu {
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    /// `NVIDIA H200 (sm_90)`.
+    pub name: String,
+}
+
+/// Whether the CUDA driver and NVRTC libraries can be loaded, and why not.
+fn libraries() -> Result<()> {
+    // SAFETY: only tries to load the libraries by their usual names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        bail!("no CUDA driver found (libcuda): --device cuda needs an NVIDIA GPU and its driver");
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!(
+            "no NVRTC found (libnvrtc): put CUDA 13's libraries on LD_LIBRARY_PATH \
+             (scripts/gpu-env does)"
+        );
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// GPU `ordinal`, its kernels compiled for its compute capability.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        libraries()?;
+        let ctx = CudaContext::new(ordinal).with_context(|| format!("CUDA device {ordinal}"))?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let cubin = nvrtc::cubin(DEQUANT_SRC, "dequant.cu", &arch)?;
+        let module = ctx
+            .load_module(Ptx::from_binary(cubin))
+            .context("loading the compiled kernels")?;
+        let name = format!("{} ({arch})", ctx.name()?);
+        Ok(Gpu {
+            stream: ctx.default_stream(),
+            module,
+            name,
+        })
+    }
+
+    /// The kernel dequantizing `ty`, if there is one.
+    fn kernel(&self, ty: GgmlType) -> Option<CudaFunction> {
+        self.module.load_function(dequant_kernel(ty)?).ok()
+    }
+
+    /// Whether there is a GPU dequantizer for `ty`.
+    pub fn dequantizes(&self, ty: GgmlType) -> bool {
+        self.kernel(ty).is_some()
+    }
+
+    /// Whole blocks of `ty` in `src` to `n` f32 values, on the GPU.
+    pub fn dequantize(&self, ty: GgmlType, src: &[u8], n: usize) -> Result<Vec<f32>> {
+        let f = self
+            .kernel(ty)
+            .ok_or_else(|| anyhow!("no GPU dequantizer for {ty}"))?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let expected = (n / ty.block_size()) * ty.type_size();
+        if n % ty.block_size() != 0 || src.len() != expected {
+            bail!("{ty}: {} bytes do not hold {n} values", src.len());
+        }
+        let input = self.stream.clone_htod(src)?;
+        let mut out = self.stream.alloc_zeros::<f32>(n)?;
+        let count = n as u64;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&input).arg(&mut out).arg(&count);
+        // SAFETY: the kernel reads `n / block_size` whole blocks of `input` and writes `n`
+        // values of `out`, both as sized above.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+        Ok(self.stream.clone_dtoh(&out)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_the_host_asks_for_is_in_the_embedded_source() {
+        let types = [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+        ];
+        for ty in types {
+            let name = dequant_kernel(ty).unwrap();
+            assert!(
+                DEQUANT_SRC.contains(&format!("extern \"C\" __global__ void {name}(")),
+                "{name}"
+            );
+        }
+        assert_eq!(dequant_kernel(GgmlType::IQ2_XXS), None);
+    }
+}

@@ -1,0 +1,66 @@
+//! CUDA C to CUBIN with NVRTC: CUBIN for the device's own architecture loads on any driver of
+//! its generation, where the PTX of a newer NVRTC may not (CUDA 13.x NVRTC, driver 580).
+
+use std::ffi::{c_char, CString};
+
+use anyhow::{bail, Result};
+use cudarc::nvrtc::sys::{self, nvrtcProgram, nvrtcResult};
+
+fn check(what: &str, r: nvrtcResult) -> Result<()> {
+    if r != nvrtcResult::NVRTC_SUCCESS {
+        bail!("NVRTC {what}: {r:?}");
+    }
+    Ok(())
+}
+
+/// `src` compiled for `arch` (`sm_90`), products and sums unfused (`--fmad=false`) so that
+/// results round as the CPU's do.
+pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
+    let (src, name) = (CString::new(src)?, CString::new(name)?);
+    let options: Vec<CString> = [format!("--gpu-architecture={arch}"), "--fmad=false".into()]
+        .into_iter()
+        .map(CString::new)
+        .collect::<Result<_, _>>()?;
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let mut prog: nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer is to a live NUL-terminated string; the program is destroyed below.
+    unsafe {
+        check(
+            "create",
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+        )?;
+        let compiled =
+            sys::nvrtcCompileProgram(prog, option_ptrs.len() as i32, option_ptrs.as_ptr());
+        let result = if compiled == nvrtcResult::NVRTC_SUCCESS {
+            let mut size = 0usize;
+            check("cubin size", sys::nvrtcGetCUBINSize(prog, &mut size)).and_then(|()| {
+                let mut cubin = vec![0u8; size];
+                check(
+                    "cubin",
+                    sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char),
+                )?;
+                Ok(cubin)
+            })
+        } else {
+            let mut size = 0usize;
+            sys::nvrtcGetProgramLogSize(prog, &mut size);
+            let mut log = vec![0u8; size];
+            sys::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
+            let log = String::from_utf8_lossy(&log);
+            Err(anyhow::anyhow!(
+                "NVRTC could not compile {}: {}",
+                name.to_string_lossy(),
+                log.trim_end_matches('\0')
+            ))
+        };
+        sys::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}
