@@ -113,3 +113,115 @@ extern "C" __global__ void dq_q6_k(const u8* src, float* dst, u64 n) {
     float dl = __fmul_rn(half_at(b, 208), (float)(signed char)b[192 + 8 * h + 2 * r + i / 16]);
     dst[e] = __fmul_rn(dl, (float)(q - 32));
 }
+
+// Q5_0: 22-byte blocks of 32: f16 d, a u32 of fifth bits (bit i for element i), 16 bytes of low
+// nibbles; d * (q - 16).
+extern "C" __global__ void dq_q5_0(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 22 * (e / 32);
+    int i = e % 32;
+    int low = i < 16 ? (b[6 + i] & 0x0f) : (b[6 + i - 16] >> 4);
+    int fifth = (b[2 + i / 8] >> (i % 8)) & 1;
+    dst[e] = __fmul_rn(half_at(b, 0), (float)((low | (fifth << 4)) - 16));
+}
+
+// Q2_K: 84-byte blocks of 256: 16 bytes of 4-bit scale (low) and min (high), 64 bytes of 2-bit
+// codes (per 128 elements, 32 bytes: row r at bits 2r), f16 d, f16 dmin.
+extern "C" __global__ void dq_q2_k(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 84 * (e / 256);
+    int k = e % 256, h = k / 128, r = (k % 128) / 32, i = k % 32;
+    int g = 2 * (4 * h + r) + i / 16;
+    int q = (b[16 + 32 * h + i] >> (2 * r)) & 3;
+    float dl = __fmul_rn(half_at(b, 80), (float)(b[g] & 0x0f));
+    float ml = __fmul_rn(half_at(b, 82), (float)(b[g] >> 4));
+    dst[e] = __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+
+// Q3_K: 110-byte blocks of 256: 32 bytes of high bits (set: no -4 offset; row j at bit j),
+// 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d.
+extern "C" __global__ void dq_q3_k(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 110 * (e / 256);
+    int k = e % 256, h = k / 128, r = (k % 128) / 32, i = k % 32;
+    int row = 4 * h + r, g = 2 * row + i / 16;
+    const u8* s = b + 96;
+    int low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
+    int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+    int scale = (signed char)(low | (high << 4)) - 32;
+    int q = (b[32 + 32 * h + i] >> (2 * r)) & 3;
+    int offset = (((b[i] >> row) & 1) ^ 1) << 2;
+    dst[e] = __fmul_rn(__fmul_rn(half_at(b, 108), (float)scale), (float)(q - offset));
+}
+
+// Q5_K: 176-byte blocks of 256: Q4_K's d, dmin and packed scales, 32 bytes of fifth bits
+// (element l of chunk c, half h at bit 2c + h of byte l), then Q4_K's nibbles.
+extern "C" __global__ void dq_q5_k(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 176 * (e / 256);
+    int k = e % 256, c = k / 64, half = (k % 64) / 32, l = k % 32;
+    int sc, m;
+    scale_min(b + 4, 2 * c + half, &sc, &m);
+    float dl = __fmul_rn(half_at(b, 0), (float)sc);
+    float ml = __fmul_rn(half_at(b, 2), (float)m);
+    u8 byte = b[48 + 32 * c + l];
+    int q = (half ? (byte >> 4) : (byte & 0x0f)) | (((b[16 + l] >> (2 * c + half)) & 1) << 4);
+    dst[e] = __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+
+// The IQ4 codebook's 16 levels.
+__constant__ signed char IQ4NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                             1,    13,   25,  38,  53,  69,  89,  113};
+
+// IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
+extern "C" __global__ void dq_iq4_nl(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 18 * (e / 32);
+    int i = e % 32;
+    int q = i < 16 ? (b[2 + i] & 0x0f) : (b[2 + i - 16] >> 4);
+    dst[e] = __fmul_rn(half_at(b, 0), (float)IQ4NL_LEVELS[q]);
+}
+
+// IQ4_XS: 136-byte blocks of 256: f16 d, a u16 of 2-bit scale tops, 4 bytes of 4-bit scale
+// lows, then per 32 elements 16 bytes of codebook nibbles; scales are 6-bit minus 32.
+extern "C" __global__ void dq_iq4_xs(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 136 * (e / 256);
+    int k = e % 256, j = k / 32, i = k % 32;
+    int tops = (int)b[2] | ((int)b[3] << 8);
+    int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+    int ls = (signed char)(low | (((tops >> (2 * j)) & 3) << 4)) - 32;
+    const u8* q = b + 8 + 16 * j;
+    int code = i < 16 ? (q[i] & 0x0f) : (q[i - 16] >> 4);
+    float dl = __fmul_rn(half_at(b, 0), (float)ls);
+    dst[e] = __fmul_rn(dl, (float)IQ4NL_LEVELS[code]);
+}
+
+// Q4_1: 20-byte blocks of 32: f16 d, f16 m, 16 bytes of nibbles; d * q + m, the product rounded
+// before the sum.
+extern "C" __global__ void dq_q4_1(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 20 * (e / 32);
+    int i = e % 32;
+    int q = i < 16 ? (b[4 + i] & 0x0f) : (b[4 + i - 16] >> 4);
+    dst[e] = __fadd_rn(__fmul_rn(half_at(b, 0), (float)q), half_at(b, 2));
+}
+
+// Q5_1: 24-byte blocks of 32: f16 d, f16 m, a u32 of fifth bits, 16 bytes of low nibbles;
+// d * q + m.
+extern "C" __global__ void dq_q5_1(const u8* src, float* dst, u64 n) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const u8* b = src + 24 * (e / 32);
+    int i = e % 32;
+    int low = i < 16 ? (b[8 + i] & 0x0f) : (b[8 + i - 16] >> 4);
+    int fifth = (b[4 + i / 8] >> (i % 8)) & 1;
+    dst[e] = __fadd_rn(__fmul_rn(half_at(b, 0), (float)(low | (fifth << 4))), half_at(b, 2));
+}

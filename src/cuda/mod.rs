@@ -27,8 +27,16 @@ fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
         GgmlType::BF16 => "dq_bf16",
         GgmlType::Q8_0 => "dq_q8_0",
         GgmlType::Q4_0 => "dq_q4_0",
+        GgmlType::Q4_1 => "dq_q4_1",
+        GgmlType::Q5_0 => "dq_q5_0",
+        GgmlType::Q5_1 => "dq_q5_1",
+        GgmlType::Q2_K => "dq_q2_k",
+        GgmlType::Q3_K => "dq_q3_k",
         GgmlType::Q4_K => "dq_q4_k",
+        GgmlType::Q5_K => "dq_q5_k",
         GgmlType::Q6_K => "dq_q6_k",
+        GgmlType::IQ4_NL => "dq_iq4_nl",
+        GgmlType::IQ4_XS => "dq_iq4_xs",
         _ => return None,
     })
 }
@@ -122,8 +130,16 @@ mod tests {
             GgmlType::BF16,
             GgmlType::Q8_0,
             GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
             GgmlType::Q4_K,
+            GgmlType::Q5_K,
             GgmlType::Q6_K,
+            GgmlType::IQ4_NL,
+            GgmlType::IQ4_XS,
         ];
         for ty in types {
             let name = dequant_kernel(ty).unwrap();
