@@ -36,3 +36,7 @@ fuzz target="gguf_header" seconds="300":
 # On the GPU machine (device tool): every mix's GPU dequantization against the CPU, bit for bit.
 gpu-dequant-check:
     scripts/gpu-dequant-check target/release/glmcheck
+
+# On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
+gpu-dequant-bench:
+    scripts/gpu-dequant-bench target/release/glmcheck

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::output::{num, progress, shape, table};
 use super::{ModelArg, Outcome};
-use crate::cuda::check::check_tensor;
+use crate::cuda::check::{check_tensor, GpuCheck};
 use crate::cuda::Gpu;
 use crate::weights::health::{tensor_health, Health};
 use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
@@ -119,9 +119,12 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
     }
     bar.finish_and_clear();
     let failed = checks.iter().filter(|c| !c.identical()).count();
+    let copy = gpu.copy_bandwidth()?;
+    let rates = throughput(&checks, copy);
     if json {
         let out = json!({"device": gpu.name, "verdict": if failed > 0 { "fail" } else { "pass" },
-                         "tensors": checks, "without_kernel": without_kernel});
+                         "tensors": checks, "without_kernel": without_kernel,
+                         "copy_gb_per_s": copy, "throughput": rates});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         let mut t = table(&["tensor", "type", "values", "GPU against CPU"]);
@@ -141,6 +144,19 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
             ]);
         }
         println!("{t}");
+        let mut r = table(&["type", "GB read", "GB written", "kernel ms", "GB/s", "of copy"]);
+        for x in &rates {
+            r.add_row(vec![
+                x.ty.clone(),
+                format!("{:.3}", x.gb_in),
+                format!("{:.3}", x.gb_out),
+                format!("{:.2}", x.kernel_ms),
+                format!("{:.0}", x.gb_per_s),
+                format!("{:.0}%", 100.0 * x.of_copy),
+            ]);
+        }
+        println!("{r}");
+        println!("device-to-device copy: {copy:.0} GB/s (read + written)");
         println!(
             "{}: {} tensors bit-identical, {failed} differ{}",
             gpu.name,
@@ -157,6 +173,42 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
     } else {
         Outcome::Pass
     })
+}
+
+/// GPU dequantization speed of one type: bytes read and written per kernel second.
+#[derive(serde::Serialize)]
+struct Rate {
+    #[serde(rename = "type")]
+    ty: String,
+    gb_in: f64,
+    gb_out: f64,
+    kernel_ms: f64,
+    gb_per_s: f64,
+    /// Share of the device-to-device copy bandwidth.
+    of_copy: f64,
+}
+
+/// Per storage type, the kernels' throughput over the checked tensors.
+fn throughput(checks: &[GpuCheck], copy_gb_per_s: f64) -> Vec<Rate> {
+    let mut by_type: std::collections::BTreeMap<&str, (u64, u64, f64)> = Default::default();
+    for c in checks {
+        let e = by_type.entry(&c.ty).or_default();
+        *e = (e.0 + c.bytes, e.1 + 4 * c.values, e.2 + c.kernel_ms);
+    }
+    by_type
+        .into_iter()
+        .map(|(ty, (read, written, ms))| {
+            let gb_per_s = (read + written) as f64 / (ms.max(1e-9) * 1e-3) / 1e9;
+            Rate {
+                ty: ty.to_string(),
+                gb_in: read as f64 / 1e9,
+                gb_out: written as f64 / 1e9,
+                kernel_ms: ms,
+                gb_per_s,
+                of_copy: gb_per_s / copy_gb_per_s,
+            }
+        })
+        .collect()
 }
 
 /// Write every dequantized tensor to `out`, chunk by chunk (one chunk in memory at a time).

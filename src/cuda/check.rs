@@ -24,6 +24,9 @@ pub struct GpuCheck {
     pub max_ulp: u64,
     /// The first differing value: its flat index and its block.
     pub first: Option<(u64, u64)>,
+    /// Bytes of blocks read, and the kernels' time in milliseconds.
+    pub bytes: u64,
+    pub kernel_ms: f64,
 }
 
 impl GpuCheck {
@@ -67,13 +70,17 @@ pub fn check_tensor(gpu: &Gpu, files: &ModelFiles, t: &TensorEntry) -> Result<Op
         differing: 0,
         max_ulp: 0,
         first: None,
+        bytes: 0,
+        kernel_ms: 0.0,
     };
     let mut start = 0;
     while start < t.rows() {
         let end = (start + rows_per_chunk).min(t.rows());
         let src = &bytes[(start * row_bytes) as usize..(end * row_bytes) as usize];
         let n = ((end - start) * row_len) as usize;
-        let on_gpu = gpu.dequantize(ty, src, n)?;
+        let (on_gpu, ms) = gpu.dequantize(ty, src, n)?;
+        check.bytes += src.len() as u64;
+        check.kernel_ms += f64::from(ms);
         let mut on_cpu = vec![0f32; n];
         quant::dequantize_rows(ty, src, &mut on_cpu, row_len as usize)?;
         for (i, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {

@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::nvrtc::Ptx;
 
 use crate::weights::GgmlType;
@@ -94,13 +95,14 @@ impl Gpu {
         self.kernel(ty).is_some()
     }
 
-    /// Whole blocks of `ty` in `src` to `n` f32 values, on the GPU.
-    pub fn dequantize(&self, ty: GgmlType, src: &[u8], n: usize) -> Result<Vec<f32>> {
+    /// Whole blocks of `ty` in `src` to `n` f32 values, on the GPU, and the kernel's time in
+    /// milliseconds (the copies to and from the GPU aside).
+    pub fn dequantize(&self, ty: GgmlType, src: &[u8], n: usize) -> Result<(Vec<f32>, f32)> {
         let f = self
             .kernel(ty)
             .ok_or_else(|| anyhow!("no GPU dequantizer for {ty}"))?;
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0.0));
         }
         let expected = (n / ty.block_size()) * ty.type_size();
         if n % ty.block_size() != 0 || src.len() != expected {
@@ -111,10 +113,31 @@ impl Gpu {
         let count = n as u64;
         let mut launch = self.stream.launch_builder(&f);
         launch.arg(&input).arg(&mut out).arg(&count);
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timing)?;
         // SAFETY: the kernel reads `n / block_size` whole blocks of `input` and writes `n`
         // values of `out`, both as sized above.
         unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
-        Ok(self.stream.clone_dtoh(&out)?)
+        let end = self.stream.record_event(timing)?;
+        let ms = start.elapsed_ms(&end)?;
+        Ok((self.stream.clone_dtoh(&out)?, ms))
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written), on a 256 MiB
+    /// buffer, the best of a few copies: what a memory-bound kernel can reach.
+    pub fn copy_bandwidth(&self) -> Result<f64> {
+        const BYTES: usize = 256 << 20;
+        let src = self.stream.alloc_zeros::<u8>(BYTES)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(BYTES)?;
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = f32::INFINITY;
+        for _ in 0..5 {
+            let start = self.stream.record_event(timing)?;
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+            let end = self.stream.record_event(timing)?;
+            best = best.min(start.elapsed_ms(&end)?);
+        }
+        Ok(2.0 * BYTES as f64 / (f64::from(best) * 1e-3) / 1e9)
     }
 }
 
