@@ -108,6 +108,9 @@ impl Gpu {
         if n % ty.block_size() != 0 || src.len() != expected {
             bail!("{ty}: {} bytes do not hold {n} values", src.len());
         }
+        if n > u32::MAX as usize {
+            bail!("{n} values in one launch: at most 2^32 - 1");
+        }
         let input = self.stream.clone_htod(src)?;
         let mut out = self.stream.alloc_zeros::<f32>(n)?;
         let count = n as u64;
