@@ -41,7 +41,8 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Format, metadata, GLM-5 config, tensor table, schema check, quant histogram, bytes per TP rank.
     Inspect(inspect::InspectArgs),
-    /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers).
+    /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers);
+    /// with `--device cuda`, every tensor's GPU dequantization against the CPU's.
     Dequant(dequant::DequantArgs),
     /// Run the CPU reference forward on a prompt and record every stage as a trace.
     Run(run::RunArgs),
@@ -52,7 +53,8 @@ pub enum Command {
     Diff(diff::DiffArgs),
     /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
     Logits(logits::LogitsArgs),
-    /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds.
+    /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds; with
+    /// `--actual`, an engine's shard manifest checked against it.
     Shards(shards::ShardsArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
