@@ -32,6 +32,29 @@ fn probe(hf: &Path, dtype: &str, out: &Path) {
     );
 }
 
+/// A trace standing for an engine's: glmcheck's run at `tp` with `fault` planted, every stage
+/// in full.
+fn engine_run(hf: &Path, tp: &str, fault: &str, out: &Path) {
+    common::glmcheck_json(
+        [
+            "run",
+            hf.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--tp",
+            tp,
+            "--inject",
+            fault,
+            "--full",
+            "**",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        0,
+    );
+}
+
 fn bisect(hf: &Path, trace: &Path, code: i32) -> serde_json::Value {
     common::glmcheck_json(
         [
@@ -78,24 +101,7 @@ fn faulty_traces_are_diagnosed_from_what_they_hold() {
     ];
     for (fault, tp, stage, class) in cases {
         let trace = dir.path().join(format!("{fault}.trace"));
-        common::glmcheck_json(
-            [
-                "run",
-                hf.to_str().unwrap(),
-                "--tokens",
-                TOKENS,
-                "--tp",
-                tp,
-                "--inject",
-                fault,
-                "--full",
-                "**",
-                "--json",
-                "--out",
-                trace.to_str().unwrap(),
-            ],
-            0,
-        );
+        engine_run(&hf, tp, fault, &trace);
         let j = bisect(&hf, &trace, 1);
         assert_eq!(j["first_divergence"]["stage"], stage, "{fault}");
         assert_eq!(j["fault"]["class"], class, "{fault}: {:#}", j["fault"]);
@@ -122,24 +128,7 @@ fn an_engine_trace_with_its_shard_manifest_names_the_unsharded_weight() {
     let hf = dir.path().join("hf");
     synth_hf(&hf);
     let trace = dir.path().join("engine.trace");
-    common::glmcheck_json(
-        [
-            "run",
-            hf.to_str().unwrap(),
-            "--tokens",
-            TOKENS,
-            "--tp",
-            "4",
-            "--inject",
-            "unsharded-column",
-            "--full",
-            "**",
-            "--json",
-            "--out",
-            trace.to_str().unwrap(),
-        ],
-        0,
-    );
+    engine_run(&hf, "4", "unsharded-column", &trace);
     let kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
     let mut manifest = plan_manifest(&common::weight_source(&hf), 4, false, Dtype::Bf16).unwrap();
     let rank0 = manifest.ranks[0]
