@@ -144,7 +144,14 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
             ]);
         }
         println!("{t}");
-        let mut r = table(&["type", "GB read", "GB written", "kernel ms", "GB/s", "of copy"]);
+        let mut r = table(&[
+            "type",
+            "GB read",
+            "GB written",
+            "kernel ms",
+            "GB/s",
+            "of copy",
+        ]);
         for x in &rates {
             r.add_row(vec![
                 x.ty.clone(),

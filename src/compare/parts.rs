@@ -138,9 +138,24 @@ fn collective(
 /// The reference's whole tensor cut into the candidate's blocks along `axis`.
 fn blocks(want: &[f32], shapes: &[Vec<u64>], axis: usize) -> Option<Vec<Vec<f32>>> {
     let first = shapes.first()?;
-    let outer: u64 = first.get(..axis)?.iter().product();
-    let inner: u64 = first.get(axis + 1..)?.iter().product();
-    let total: u64 = shapes.iter().map(|s| s[axis]).sum::<u64>() * outer * inner;
+    // A trace's parts may disagree off the split axis, or overflow: then there is nothing to cut.
+    let same_elsewhere = shapes.iter().all(|s| {
+        s.len() == first.len()
+            && s.iter()
+                .zip(first)
+                .enumerate()
+                .all(|(i, (a, b))| i == axis || a == b)
+    });
+    if !same_elsewhere {
+        return None;
+    }
+    let product = |dims: &[u64]| dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    let outer = product(first.get(..axis)?)?;
+    let inner = product(first.get(axis + 1..)?)?;
+    let along = shapes
+        .iter()
+        .try_fold(0u64, |n, s| n.checked_add(s[axis]))?;
+    let total = along.checked_mul(outer)?.checked_mul(inner)?;
     if total != want.len() as u64 {
         return None;
     }
@@ -215,6 +230,12 @@ mod tests {
         assert_eq!(
             blocks(&want, &shapes, 1).unwrap(),
             vec![vec![1., 3.], vec![2., 4.]]
+        );
+        // Parts of another rank, or sizes past 64 bits, from a hostile trace: no blocks.
+        assert_eq!(blocks(&want, &[vec![2, 1, 1], vec![2]], 1), None);
+        assert_eq!(
+            blocks(&want, &[vec![u64::MAX, 2, 2], vec![u64::MAX, 2, 2]], 1),
+            None
         );
     }
 }

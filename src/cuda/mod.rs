@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::nvrtc::Ptx;
 
 use crate::weights::GgmlType;
