@@ -9,6 +9,7 @@ use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
 use crate::exec::backend::Precision;
+use crate::exec::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
 use crate::model::names::LayerWeight;
@@ -64,6 +65,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         model: Some(path.clone()),
         tp: 4,
         ep: false,
+        backend: BackendKind::Cpu,
         dtype: Precision::F32,
         inject: Some(fault),
         candidate: None,

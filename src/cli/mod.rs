@@ -8,6 +8,7 @@ mod inspect;
 mod logits;
 mod output;
 mod run;
+mod selftest;
 mod shards;
 mod synth;
 
@@ -44,7 +45,8 @@ pub enum Command {
     /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers);
     /// with `--device cuda`, every tensor's GPU dequantization against the CPU's.
     Dequant(dequant::DequantArgs),
-    /// Run the CPU reference forward on a prompt and record every stage as a trace.
+    /// Run the reference forward on a prompt (CPU, or `--backend cuda` on GPUs) and record every
+    /// stage as a trace.
     Run(run::RunArgs),
     /// The one-shot diagnosis: run the reference and a candidate (TP, dtype, a planted fault,
     /// another MODEL or an engine's TRACE), compare, drill down, name the faulty step.
@@ -58,6 +60,9 @@ pub enum Command {
     Shards(shards::ShardsArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
+    /// Every backend op (GEMM, norms, SiLU, add, rounding, all-reduce) on random inputs against
+    /// f64 on the CPU: a table of NMSE per op and dtype with limits; `--backend cuda` on GPUs.
+    Selftest(selftest::SelftestArgs),
 }
 
 /// The model argument shared by the commands that read weights.
@@ -82,5 +87,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Bisect(a) => bisect::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Shards(a) => shards::run(a),
+        Command::Selftest(a) => selftest::run(a),
     }
 }

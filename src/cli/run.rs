@@ -8,6 +8,7 @@ use serde_json::json;
 use super::inspect::glm5_config;
 use super::Outcome;
 use crate::exec::backend::{Backend, Cpu, Precision};
+use crate::exec::engine::{BackendKind, Engine};
 use crate::exec::forward::{generate, ForwardOptions, Hybrid, Runner, HF_LATENT_NORM_EPS};
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
@@ -51,10 +52,14 @@ pub struct RunArgs {
     /// the dtype, f32 accumulation, f32 router).
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
-    /// Tensor-parallel ranks, split as vLLM splits GLM-5 (`glmcheck shards`) and run on the CPU
-    /// one after another: per-rank stages are recorded with their rank.
+    /// Tensor-parallel ranks, split as vLLM splits GLM-5 (`glmcheck shards`): threads on the
+    /// CPU, one GPU each with `--backend cuda`. Per-rank stages are recorded with their rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: u64,
+    /// Where the ops run: `cpu`, or `cuda` (GPUs 0..TP, cuBLAS GEMMs, NCCL all-reduce; CUDA 13
+    /// libraries loaded at run time).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendKind,
     /// Expert parallelism: each rank computes the routed experts it owns whole (experts
     /// `r·E/tp .. (r+1)·E/tp`) instead of its share of every expert's intermediate dimension.
     #[arg(long)]
@@ -93,6 +98,7 @@ pub struct RunSpec<'a> {
     pub dtype: Precision,
     pub tp: u64,
     pub ep: bool,
+    pub backend: BackendKind,
     pub inject: Option<Injection>,
     pub generate: usize,
     pub ties: Option<&'a TieBreaks>,
@@ -179,7 +185,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             extra: Default::default(),
         },
         tokens: spec.tokens.to_vec(),
-        backend: "cpu".into(),
+        backend: spec.backend.name().into(),
         dtype: spec.dtype.name().into(),
         tp: spec.tp as u32,
     };
@@ -198,7 +204,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     };
     let (n, g) = (spec.tokens, spec.generate);
     let recorded = match (spec.dtype, spec.hybrid) {
-        (Precision::F64, None) => {
+        (Precision::F64, None) if spec.backend == BackendKind::Cpu => {
             let be = Cpu::f64();
             let run = Runner {
                 src: &source,
@@ -207,20 +213,20 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             };
             greedy(&Hybrid::single(run), n, g, &mut writer)?
         }
-        (Precision::F64, Some(_)) => bail!("a hybrid run needs an f32, bf16 or f16 candidate"),
+        (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
         (p, hybrid) => {
-            let be = Cpu::new(p);
+            let be = Engine::open(spec.backend, p, spec.tp as usize)?;
             let candidate = Runner {
                 src: &source,
                 be: &be,
                 opts,
             };
-            match hybrid {
+            let recorded = match hybrid {
                 None => greedy(&Hybrid::single(candidate), n, g, &mut writer)?,
                 Some(split) => {
                     let (files, cfg, family) = open_model(split.reference)?;
                     let reference = WeightSource::new(files, cfg, family);
-                    let f32_be = Cpu::new(Precision::F32);
+                    let f32_be = Engine::Cpu(Cpu::new(Precision::F32));
                     let reference = Runner {
                         src: &reference,
                         be: &f32_be,
@@ -243,7 +249,12 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     };
                     greedy(&run, n, g, &mut writer)?
                 }
+            };
+            let peaks = be.peak_bytes();
+            if !peaks.is_empty() {
+                writer.set_producer("gpu_peak_bytes", json!(peaks));
             }
+            recorded
         }
     };
     writer.finish()?;
@@ -268,6 +279,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         dtype: args.dtype,
         tp: args.tp,
         ep: args.ep,
+        backend: args.backend,
         inject: args.inject,
         generate: args.generate,
         ties: None,

@@ -14,11 +14,16 @@ use cudarc::nvrtc::Ptx;
 
 use crate::weights::GgmlType;
 
+pub mod backend;
 pub mod check;
 mod nvrtc;
 
-/// The kernels, as compiled into the binary.
+pub use backend::Cuda;
+
+/// The kernels, as compiled into the binary: file name and source.
 const DEQUANT_SRC: &str = include_str!("../../kernels/dequant.cu");
+const OPS_SRC: &str = include_str!("../../kernels/ops.cu");
+pub const KERNEL_SOURCES: [(&str, &str); 2] = [("dequant.cu", DEQUANT_SRC), ("ops.cu", OPS_SRC)];
 
 /// The name of the kernel in `kernels/dequant.cu` that dequantizes `ty`.
 fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
@@ -42,10 +47,24 @@ fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
+/// Every kernel source compiled by NVRTC for `arch` (`sm_90`): file name and CUBIN size. Needs
+/// NVRTC only, no GPU.
+pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, usize)>> {
+    // SAFETY: only tries to load the library by its usual names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!("no NVRTC found (libnvrtc): put CUDA 13's libraries on LD_LIBRARY_PATH");
+    }
+    KERNEL_SOURCES
+        .iter()
+        .map(|&(file, src)| Ok((file, nvrtc::cubin(src, file, arch)?.len())))
+        .collect()
+}
+
 /// One GPU with the kernels loaded.
 pub struct Gpu {
     stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    dequant: Arc<CudaModule>,
+    ops: Arc<CudaModule>,
     /// `NVIDIA H200 (sm_90)`.
     pub name: String,
 }
@@ -54,7 +73,9 @@ pub struct Gpu {
 fn libraries() -> Result<()> {
     // SAFETY: only tries to load the libraries by their usual names.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        bail!("no CUDA driver found (libcuda): --device cuda needs an NVIDIA GPU and its driver");
+        bail!(
+            "no CUDA driver found (libcuda): the CUDA commands need an NVIDIA GPU and its driver"
+        );
     }
     // SAFETY: as above.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -73,21 +94,30 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).with_context(|| format!("CUDA device {ordinal}"))?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
-        let cubin = nvrtc::cubin(DEQUANT_SRC, "dequant.cu", &arch)?;
-        let module = ctx
-            .load_module(Ptx::from_binary(cubin))
-            .context("loading the compiled kernels")?;
+        let [dequant, ops] = KERNEL_SOURCES.map(|(file, src)| {
+            let cubin = nvrtc::cubin_once(src, file, &arch)?;
+            ctx.load_module(Ptx::from_binary(cubin.to_vec()))
+                .with_context(|| format!("loading the kernels of {file}"))
+        });
         let name = format!("{} ({arch})", ctx.name()?);
         Ok(Gpu {
             stream: ctx.default_stream(),
-            module,
+            dequant: dequant?,
+            ops: ops?,
             name,
         })
     }
 
+    /// Kernel `name` of `kernels/ops.cu`.
+    fn ops_kernel(&self, name: &str) -> Result<CudaFunction> {
+        self.ops
+            .load_function(name)
+            .with_context(|| format!("kernel {name} of ops.cu"))
+    }
+
     /// The kernel dequantizing `ty`, if there is one.
     fn kernel(&self, ty: GgmlType) -> Option<CudaFunction> {
-        self.module.load_function(dequant_kernel(ty)?).ok()
+        self.dequant.load_function(dequant_kernel(ty)?).ok()
     }
 
     /// Whether there is a GPU dequantizer for `ty`.

@@ -1,7 +1,9 @@
 //! CUDA C to CUBIN with NVRTC: CUBIN for the device's own architecture loads on any driver of
 //! its generation, where the PTX of a newer NVRTC may not (CUDA 13.x NVRTC, driver 580).
 
+use std::collections::HashMap;
 use std::ffi::{c_char, CString};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Result};
 use cudarc::nvrtc::sys::{self, nvrtcProgram, nvrtcResult};
@@ -11,6 +13,24 @@ fn check(what: &str, r: nvrtcResult) -> Result<()> {
         bail!("NVRTC {what}: {r:?}");
     }
     Ok(())
+}
+
+/// [`cubin`], compiled once per file and architecture in a process (every GPU of a TP run, every
+/// run of a bisect, loads the same).
+pub fn cubin_once(src: &str, name: &'static str, arch: &str) -> Result<Arc<Vec<u8>>> {
+    static COMPILED: OnceLock<Mutex<HashMap<(&'static str, String), Arc<Vec<u8>>>>> =
+        OnceLock::new();
+    let mut compiled = COMPILED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let key = (name, arch.to_string());
+    if let Some(done) = compiled.get(&key) {
+        return Ok(done.clone());
+    }
+    let done = Arc::new(cubin(src, name, arch)?);
+    compiled.insert(key, done.clone());
+    Ok(done)
 }
 
 /// `src` compiled for `arch` (`sm_90`), products and sums unfused (`--fmad=false`) so that

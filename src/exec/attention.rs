@@ -18,9 +18,7 @@ use super::real::Real;
 use super::rope::{yarn_softmax_factor, Rope};
 use super::source::WeightSource;
 use super::ties::TieBreaks;
-use super::tp::{
-    all_reduce, column_block, column_parallel, concat_columns, row_parallel, Sharder, WithParts,
-};
+use super::tp::{column_block, column_parallel, concat_columns, row_parallel, Sharder, WithParts};
 use crate::model::config::IndexerKind;
 use crate::model::names::{LayerWeight::*, WeightId};
 
@@ -167,7 +165,7 @@ pub fn attention<B: Backend>(
     );
     let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
     let q_a = be.linear(hn, &matrix(QA)?)?;
-    let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps);
+    let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps)?;
     // ColumnParallel up-projections: each rank its whole heads.
     let up = |x: &Mat<B::E>, role| -> Result<WithParts<B::E>> {
         if tp == 1 {
@@ -179,7 +177,7 @@ pub fn attention<B: Backend>(
     };
     let (q, q_parts) = up(&q_a_norm, QB)?;
     let kv_a = be.linear(hn, &matrix(KvA)?)?;
-    let kv_a_norm = be.rms_norm(&kv_a.columns(0, kvl), &vector(KvANorm)?, latent_norm_eps);
+    let kv_a_norm = be.rms_norm(&kv_a.columns(0, kvl), &vector(KvANorm)?, latent_norm_eps)?;
     let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
     let rope = Rope::new(cfg);
@@ -197,8 +195,8 @@ pub fn attention<B: Backend>(
         .chunks_exact(qk)
         .flat_map(|hd| hd[nope..].to_vec())
         .collect();
-    be.round(&mut q_rot.data);
-    be.round(&mut k_rope.data);
+    be.round(&mut q_rot.data)?;
+    be.round(&mut k_rope.data)?;
     cache.kv.extend_from_slice(&kv.data);
     cache.k_rope.extend_from_slice(&k_rope.data);
 
@@ -255,7 +253,7 @@ pub fn attention<B: Backend>(
                 }
             }
         });
-    be.round(&mut ctx);
+    be.round(&mut ctx)?;
     let ctx_mat = Mat::new(t, nh * vd, ctx.clone());
     // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
     let (out, ctx_parts, out_parts) = if tp == 1 {
@@ -275,7 +273,7 @@ pub fn attention<B: Backend>(
             Some(f @ Injection::SkipAllReduce(_)) if f.in_layer(l) => out_parts[0].clone(),
             // The reduced sum, identical on every rank, reduced again.
             Some(f @ Injection::DoubleAllReduce(_)) if f.in_layer(l) => {
-                all_reduce(be, &vec![out; tp])
+                be.all_reduce(&vec![out; tp])?
             }
             _ => out,
         };
@@ -331,7 +329,7 @@ fn indexer<B: Backend>(
         &vector(IndexerKNorm)?,
         &vector(IndexerKNormBias)?,
         INDEXER_NORM_EPS,
-    );
+    )?;
     let weights = be.linear(hn, &matrix(IndexerProj)?)?;
     for i in 0..t {
         rope.rotate(
@@ -343,8 +341,8 @@ fn indexer<B: Backend>(
             rope.rotate(&mut head[..rope_d], start + i, cfg.indexer_rope_interleave);
         }
     }
-    be.round(&mut k.data);
-    be.round(&mut q.data);
+    be.round(&mut k.data)?;
+    be.round(&mut q.data)?;
     cache.index_k.extend_from_slice(&k.data);
     let total = start + t;
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));

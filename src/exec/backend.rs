@@ -49,7 +49,7 @@ impl Precision {
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive dequantized to f32 and the backend holds them its own way (in its dtype, where
 /// it computes).
-pub trait Backend: Sync {
+pub trait Backend: Sync + Clone {
     type E: Real;
     /// A matrix weight `[out, in]` as the backend holds it.
     type Weight;
@@ -67,13 +67,38 @@ pub trait Backend: Sync {
     fn linear(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
     /// `x · wᵀ` left unrounded (the router, which engines run in f32).
     fn linear_exact(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
-    fn rms_norm(&self, x: &Mat<Self::E>, w: &[Self::E], eps: f64) -> Mat<Self::E>;
-    fn layer_norm(&self, x: &Mat<Self::E>, w: &[Self::E], b: &[Self::E], eps: f64) -> Mat<Self::E>;
-    fn silu_mul(&self, gate: &Mat<Self::E>, up: &Mat<Self::E>) -> Mat<Self::E>;
+    fn rms_norm(&self, x: &Mat<Self::E>, w: &[Self::E], eps: f64) -> Result<Mat<Self::E>>;
+    fn layer_norm(
+        &self,
+        x: &Mat<Self::E>,
+        w: &[Self::E],
+        b: &[Self::E],
+        eps: f64,
+    ) -> Result<Mat<Self::E>>;
+    fn silu_mul(&self, gate: &Mat<Self::E>, up: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// A residual add, the sum held in the dtype.
-    fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Mat<Self::E>;
+    fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
-    fn round(&self, xs: &mut [Self::E]);
+    fn round(&self, xs: &mut [Self::E]) -> Result<()>;
+    /// The backend as tensor-parallel rank `rank` runs it: on its own GPU, where there is one
+    /// per rank. Weights held through it live there.
+    fn on_rank(&self, _rank: usize) -> Self {
+        self.clone()
+    }
+    /// The sum of the ranks' partial results (an all-reduce), held in the dtype. By default in
+    /// rank order, one rounding per add.
+    fn all_reduce(&self, parts: &[Mat<Self::E>]) -> Result<Mat<Self::E>> {
+        sum_in_rank_order(self, parts)
+    }
+}
+
+/// `parts` added one after another in rank order, each sum held in the dtype.
+pub fn sum_in_rank_order<B: Backend>(be: &B, parts: &[Mat<B::E>]) -> Result<Mat<B::E>> {
+    let Some((first, rest)) = parts.split_first() else {
+        bail!("all-reduce over no ranks");
+    };
+    rest.iter()
+        .try_fold(first.clone(), |sum, p| be.add(&sum, p))
 }
 
 /// `w[..rows] · xᵀ` for the first `rows` rows of a row-major weight `w` with `x.cols`
@@ -143,9 +168,15 @@ impl Cpu<f64> {
 }
 
 impl<E: Real> Cpu<E> {
-    fn rounded(&self, mut m: Mat<E>) -> Mat<E> {
-        self.round(&mut m.data);
-        m
+    fn round_in_place(&self, xs: &mut [E]) {
+        if !matches!(self.precision, Precision::F32 | Precision::F64) {
+            xs.iter_mut().for_each(|x| *x = x.round_to(self.precision));
+        }
+    }
+
+    fn rounded(&self, mut m: Mat<E>) -> Result<Mat<E>> {
+        self.round(&mut m.data)?;
+        Ok(m)
     }
 }
 
@@ -167,7 +198,7 @@ impl<E: Real> Backend for Cpu<E> {
 
     fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
         let mut v = E::widen_all(v);
-        self.round(&mut v);
+        self.round_in_place(&mut v);
         v
     }
 
@@ -176,7 +207,7 @@ impl<E: Real> Backend for Cpu<E> {
     }
 
     fn linear(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
-        Ok(self.rounded(self.linear_exact(x, w)?))
+        self.rounded(self.linear_exact(x, w)?)
     }
 
     /// `w · xᵀ` in blocks of weight rows, the blocks in parallel, each through the `gemm`
@@ -208,25 +239,24 @@ impl<E: Real> Backend for Cpu<E> {
         Ok(y)
     }
 
-    fn rms_norm(&self, x: &Mat<E>, w: &[E], eps: f64) -> Mat<E> {
+    fn rms_norm(&self, x: &Mat<E>, w: &[E], eps: f64) -> Result<Mat<E>> {
         self.rounded(ops::rms_norm(x, w, eps))
     }
 
-    fn layer_norm(&self, x: &Mat<E>, w: &[E], b: &[E], eps: f64) -> Mat<E> {
+    fn layer_norm(&self, x: &Mat<E>, w: &[E], b: &[E], eps: f64) -> Result<Mat<E>> {
         self.rounded(ops::layer_norm(x, w, b, eps))
     }
 
-    fn silu_mul(&self, gate: &Mat<E>, up: &Mat<E>) -> Mat<E> {
+    fn silu_mul(&self, gate: &Mat<E>, up: &Mat<E>) -> Result<Mat<E>> {
         self.rounded(ops::silu_mul(gate, up))
     }
 
-    fn add(&self, a: &Mat<E>, b: &Mat<E>) -> Mat<E> {
+    fn add(&self, a: &Mat<E>, b: &Mat<E>) -> Result<Mat<E>> {
         self.rounded(a.add(b))
     }
 
-    fn round(&self, xs: &mut [E]) {
-        if !matches!(self.precision, Precision::F32 | Precision::F64) {
-            xs.iter_mut().for_each(|x| *x = x.round_to(self.precision));
-        }
+    fn round(&self, xs: &mut [E]) -> Result<()> {
+        self.round_in_place(xs);
+        Ok(())
     }
 }

@@ -154,12 +154,12 @@ pub fn forward<B: Backend>(
     rec.record("embed", &[t as u64, h as u64], "t d", None, values(&x))?;
     record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
     let mut scale = ResidualScale::of(src, be);
-    x = scale.down(be, x);
+    x = scale.down(be, x)?;
     let start = cache.len();
     let mut prev_topk: Option<Selection> = None;
     for l in 0..cfg.num_hidden_layers {
         let Runner { src, be, opts } = run.at(l as usize + 1);
-        x = scale.convert(be, ResidualScale::of(src, be), x);
+        x = scale.convert(be, ResidualScale::of(src, be), x)?;
         scale = ResidualScale::of(src, be);
         let layer = Layer {
             src,
@@ -181,7 +181,7 @@ pub fn forward<B: Backend>(
         &x,
         &src.vector_in(be, WeightId::FinalNorm)?,
         cfg.rms_norm_eps,
-    );
+    )?;
     rec.record(
         "final_norm",
         &[t as u64, h as u64],
@@ -312,18 +312,18 @@ impl<E: Real> ResidualScale<E> {
     }
 
     /// `m` in the stream's units, held in the dtype.
-    fn down<B: Backend<E = E>>(&self, be: &B, mut m: Mat<E>) -> Mat<E> {
+    fn down<B: Backend<E = E>>(&self, be: &B, mut m: Mat<E>) -> Result<Mat<E>> {
         if let Some(c) = self.0 {
             m.data.iter_mut().for_each(|v| *v /= c);
-            be.round(&mut m.data);
+            be.round(&mut m.data)?;
         }
-        m
+        Ok(m)
     }
 
     /// The stream `x`, held by this scale, as `next` holds it (a hybrid run changing sides).
-    fn convert<B: Backend<E = E>>(&self, be: &B, next: Self, x: Mat<E>) -> Mat<E> {
+    fn convert<B: Backend<E = E>>(&self, be: &B, next: Self, x: Mat<E>) -> Result<Mat<E>> {
         if self.0 == next.0 {
-            return x;
+            return Ok(x);
         }
         next.down(be, self.up(&x).into_owned())
     }
@@ -414,12 +414,12 @@ impl<B: Backend> Layer<'_, B> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let be = self.be;
-        let hn = be.rms_norm(x, &self.vector(AttnNorm)?, cfg.rms_norm_eps);
+        let hn = be.rms_norm(x, &self.vector(AttnNorm)?, cfg.rms_norm_eps)?;
         self.rec("attn_norm", &[t, h], "t d", values(&hn))?;
         let (attn, selection) = self.attention(&hn, prev_topk)?;
-        let x = be.add(x, &self.scale.down(be, attn));
+        let x = be.add(x, &self.scale.down(be, attn)?)?;
         self.rec("attn_resid", &[t, h], "t d", values(&self.scale.up(&x)))?;
-        let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps);
+        let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps)?;
         self.rec("ffn_norm", &[t, h], "t d", values(&fin))?;
         let ffn = if cfg.is_moe_layer(self.l) {
             self.moe(&fin)?
@@ -427,7 +427,7 @@ impl<B: Backend> Layer<'_, B> {
             self.mlp(&fin, Gate, Up, Down)?
         };
         self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
-        let out = be.add(&x, &self.scale.down(be, ffn));
+        let out = be.add(&x, &self.scale.down(be, ffn)?)?;
         self.rec("out", &[t, h], "t d", values(&self.scale.up(&out)))?;
         Ok((out, selection))
     }
@@ -460,7 +460,7 @@ impl<B: Backend> Layer<'_, B> {
         let g = be.linear(x, &self.matrix(gate)?)?;
         let u = be.linear(x, &self.matrix(up)?)?;
         Ok((
-            be.linear(&be.silu_mul(&g, &u), &self.matrix(down)?)?,
+            be.linear(&be.silu_mul(&g, &u)?, &self.matrix(down)?)?,
             Vec::new(),
         ))
     }
@@ -605,25 +605,27 @@ impl<B: Backend> Layer<'_, B> {
                 .iter_mut()
                 .for_each(|p| p.data.iter_mut().for_each(|v| *v *= factor));
         }
-        routed.iter_mut().for_each(|p| be.round(&mut p.data));
+        for p in &mut routed {
+            be.round(&mut p.data)?;
+        }
         let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
             self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
         } else {
             (Mat::zeros(t, h), vec![Mat::zeros(t, h); tp])
         };
-        let routed_whole = super::tp::all_reduce(be, &routed);
+        let routed_whole = be.all_reduce(&routed)?;
         self.rec_parts("moe.routed", &routed_whole, &routed, &[], "t d partial(tp)")?;
         self.rec_parts("moe.shared", &shared_whole, &shared, &[], "t d partial(tp)")?;
         if tp == 1 {
-            return Ok(be.add(&routed[0], &shared_whole));
+            return be.add(&routed[0], &shared_whole);
         }
         // One all-reduce of each rank's routed and shared partial sums, as vLLM's FusedMoE.
         let per_rank: Vec<Mat<B::E>> = routed
             .iter()
             .zip(&shared)
             .map(|(r, s)| be.add(r, s))
-            .collect();
-        Ok(super::tp::all_reduce(be, &per_rank))
+            .collect::<Result<_>>()?;
+        be.all_reduce(&per_rank)
     }
 }
 
@@ -669,13 +671,14 @@ fn routed_expert<B: Backend>(
             parts: y.into_iter().enumerate().collect(),
         });
     }
-    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
-    let y = be.linear(
-        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?),
-        &down,
-    )?;
     let experts = src.cfg.n_routed_experts;
     let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
+    let be = be.on_rank(owner);
+    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
+    let y = be.linear(
+        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?)?,
+        &down,
+    )?;
     Ok(ExpertOutput {
         rows,
         parts: vec![(owner, y)],

@@ -2,12 +2,14 @@
 
 pub mod attention;
 pub mod backend;
+pub mod engine;
 pub mod forward;
 pub mod inject;
 pub mod mat;
 pub mod ops;
 pub mod real;
 pub mod rope;
+pub mod selftest;
 pub mod source;
 pub mod ties;
 pub mod tokenize;

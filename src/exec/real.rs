@@ -60,8 +60,10 @@ impl Real for f64 {
         match p {
             Precision::F64 => self,
             Precision::F32 => f64::from(self as f32),
-            Precision::Bf16 => bf16::from_f64(self).to_f64(),
-            Precision::F16 => f16::from_f64(self).to_f64(),
+            // Through f32 rounded to odd: its 16 (13) extra bits keep the tie information that
+            // `half`'s own f64 conversions drop (they truncate the low 32 bits first).
+            Precision::Bf16 => bf16::from_f32(to_f32_round_odd(self)).to_f64(),
+            Precision::F16 => f16::from_f32(to_f32_round_odd(self)).to_f64(),
         }
     }
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
@@ -69,5 +71,39 @@ impl Real for f64 {
     }
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F64(xs)
+    }
+}
+
+/// `x` as f32 rounded to odd: truncated toward zero, its last bit set when inexact. Rounding
+/// that to nearest at a precision two or more bits narrower equals rounding `x` directly.
+fn to_f32_round_odd(x: f64) -> f32 {
+    let nearest = x as f32;
+    if !x.is_finite() || f64::from(nearest) == x {
+        return nearest;
+    }
+    let toward_zero = if f64::from(nearest).abs() > x.abs() {
+        f32::from_bits(nearest.to_bits() - 1)
+    } else {
+        nearest
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f64_rounds_to_half_precision_directly_not_through_truncation() {
+        // Just above the halfway point between 87 and 87.5 (bf16) and between two f16 values:
+        // `half`'s own f64 conversions round these down.
+        let x = f64::from(f32::from_bits(0x42ae_8007));
+        assert_eq!(x.round_to(Precision::Bf16), 87.5);
+        let y = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(y.round_to(Precision::F16), 1.0 + 2f64.powi(-10));
+        assert_eq!((-x).round_to(Precision::Bf16), -87.5);
+        // Exact ties still go to even.
+        assert_eq!(87.25f64.round_to(Precision::Bf16), 87.0);
+        assert_eq!(f64::MAX.round_to(Precision::Bf16), f64::INFINITY);
     }
 }

@@ -102,7 +102,10 @@ pub fn column_parallel<B: Backend>(
 ) -> Result<Vec<Mat<B::E>>> {
     (0..sharder.tp)
         .into_par_iter()
-        .map(|r| be.linear(x, &be.hold(sharder.shard(w, role, r)?)?))
+        .map(|r| {
+            let be = be.on_rank(r);
+            be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)
+        })
         .collect()
 }
 
@@ -119,15 +122,6 @@ pub fn concat_columns<E: Real>(parts: &[Mat<E>]) -> Mat<E> {
     Mat::new(rows, cols, data)
 }
 
-/// The sum of the ranks' partial results in rank order, held in the dtype (an all-reduce).
-pub fn all_reduce<B: Backend>(be: &B, parts: &[Mat<B::E>]) -> Mat<B::E> {
-    let mut sum = parts[0].clone();
-    for p in &parts[1..] {
-        sum = be.add(&sum, p);
-    }
-    sum
-}
-
 /// A RowParallel layer: the all-reduced sum of the ranks' partial `x_r · W_rᵀ` over their
 /// input columns, and the partials.
 pub fn row_parallel<B: Backend>(
@@ -140,9 +134,12 @@ pub fn row_parallel<B: Backend>(
     let partials = x_parts
         .par_iter()
         .enumerate()
-        .map(|(r, x)| be.linear(x, &be.hold(sharder.shard(w, role, r)?)?))
+        .map(|(r, x)| {
+            let be = be.on_rank(r);
+            be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)
+        })
         .collect::<Result<Vec<_>>>()?;
-    let sum = all_reduce(be, &partials);
+    let sum = be.all_reduce(&partials)?;
     Ok((sum, partials))
 }
 
@@ -156,7 +153,12 @@ pub fn mlp<B: Backend>(
 ) -> Result<WithParts<B::E>> {
     let g = column_parallel(be, x, gate.0, gate.1, sharder)?;
     let u = column_parallel(be, x, up.0, up.1, sharder)?;
-    let h: Vec<Mat<B::E>> = g.iter().zip(&u).map(|(g, u)| be.silu_mul(g, u)).collect();
+    let h = g
+        .iter()
+        .zip(&u)
+        .enumerate()
+        .map(|(r, (g, u))| be.on_rank(r).silu_mul(g, u))
+        .collect::<Result<Vec<_>>>()?;
     row_parallel(be, &h, down.0, down.1, sharder)
 }
 

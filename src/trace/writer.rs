@@ -218,6 +218,12 @@ impl TraceWriter {
         Ok(())
     }
 
+    /// Set `key` of the manifest's `producer` (what a run learnt while running, such as each
+    /// rank's peak GPU memory); written with the next group or at `finish`.
+    pub fn set_producer(&mut self, key: &str, value: serde_json::Value) {
+        self.manifest.producer.insert(key.to_string(), value);
+    }
+
     /// Write the group in progress and the final manifest; the trace as written.
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_group()?;

@@ -119,6 +119,7 @@ impl Hybrids<'_> {
             dtype: self.args.dtype,
             tp: self.args.tp,
             ep: self.args.ep,
+            backend: self.args.backend,
             inject: self.args.inject,
             ties: self.ties,
             hybrid: Some(Split {

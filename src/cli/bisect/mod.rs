@@ -19,6 +19,7 @@ use super::Outcome;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::diagnose::{drill_down, CandidateRun};
 use crate::exec::backend::Precision;
+use crate::exec::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::{Injection, CATALOGUE};
 use crate::exec::source::WeightSource;
@@ -46,6 +47,10 @@ pub struct BisectArgs {
     /// The candidate with expert parallelism: routed experts whole on their owning rank.
     #[arg(long)]
     pub ep: bool,
+    /// Where the candidate's ops run: `cpu`, or `cuda` (one GPU per rank, cuBLAS, NCCL); the
+    /// reference always runs on the CPU.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendKind,
     /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
@@ -262,6 +267,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
                 dtype: args.dtype,
                 tp: args.tp,
                 ep: args.ep,
+                backend: args.backend,
                 inject: args.inject,
                 ties,
                 ..reference_spec(args, &tokens, &cand_model, &paths[2])
@@ -499,6 +505,7 @@ fn reference_spec<'a>(
         dtype: Precision::F32,
         tp: 1,
         ep: false,
+        backend: BackendKind::Cpu,
         inject: None,
         generate: args.generate,
         ties: None,

@@ -1,0 +1,140 @@
+// The element-wise and per-row ops of the CUDA backend, for activations held in f32, bf16 or f16.
+// Each kernel reads its dtype, computes in f32 in the order glmcheck's CPU ops use (the program is
+// compiled with --fmad=false and IEEE division and square root), and rounds its result to the
+// dtype to nearest even: what the CPU backend's emulated bf16/f16 modes do, computed here
+// independently.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct bf16 {
+    u16 bits;
+};
+struct f16 {
+    u16 bits;
+};
+
+__device__ float to_f32(float x) { return x; }
+__device__ float to_f32(bf16 x) { return __uint_as_float((u32)x.bits << 16); }
+__device__ float to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+__device__ void store(float* out, float v) { *out = v; }
+__device__ void store(bf16* out, float v) {
+    u32 u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        out->bits = (u16)((u >> 16) | 0x40);  // NaN stays a quiet NaN
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    out->bits = (u16)(u >> 16);
+}
+__device__ void store(f16* out, float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    out->bits = h;
+}
+
+// Threads per block of the row kernels; a power of two for the tree sum.
+#define ROW_THREADS 256
+
+// The sum of every thread's `v` over the block, in a fixed tree order (the same result on every
+// run), returned to every thread.
+__device__ float block_sum(float v, float* scratch) {
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 half = ROW_THREADS / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
+        __syncthreads();
+    }
+    float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+// RMSNorm of row blockIdx.x: w * (x * 1 / sqrt(mean(x^2) + eps)).
+template <typename T>
+__device__ void rms_norm(const T* x, const T* w, T* y, u32 cols, float eps) {
+    __shared__ float scratch[ROW_THREADS];
+    const T* row = x + (u64)blockIdx.x * cols;
+    T* out = y + (u64)blockIdx.x * cols;
+    float acc = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        float v = to_f32(row[c]);
+        acc += v * v;
+    }
+    float mean_sq = block_sum(acc, scratch) / (float)cols;
+    float inv = 1.0f / sqrtf(mean_sq + eps);
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        store(&out[c], to_f32(w[c]) * (to_f32(row[c]) * inv));
+    }
+}
+
+// LayerNorm of row blockIdx.x with weight and bias, biased variance.
+template <typename T>
+__device__ void layer_norm(const T* x, const T* w, const T* b, T* y, u32 cols, float eps) {
+    __shared__ float scratch[ROW_THREADS];
+    const T* row = x + (u64)blockIdx.x * cols;
+    T* out = y + (u64)blockIdx.x * cols;
+    float acc = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) acc += to_f32(row[c]);
+    float mean = block_sum(acc, scratch) / (float)cols;
+    acc = 0.0f;
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        float d = to_f32(row[c]) - mean;
+        acc += d * d;
+    }
+    float var = block_sum(acc, scratch) / (float)cols;
+    float inv = 1.0f / sqrtf(var + eps);
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        store(&out[c], (to_f32(row[c]) - mean) * inv * to_f32(w[c]) + to_f32(b[c]));
+    }
+}
+
+#define ELEMENT(e, n)                                     \
+    u32 e = blockIdx.x * blockDim.x + threadIdx.x;        \
+    if (e >= n) return
+
+// silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+template <typename T>
+__device__ void silu_mul(const T* gate, const T* up, T* y, u32 n) {
+    ELEMENT(e, n);
+    float g = to_f32(gate[e]);
+    store(&y[e], g / (1.0f + expf(-g)) * to_f32(up[e]));
+}
+
+template <typename T>
+__device__ void add(const T* a, const T* b, T* y, u32 n) {
+    ELEMENT(e, n);
+    store(&y[e], to_f32(a[e]) + to_f32(b[e]));
+}
+
+// f32 values to the dtype.
+template <typename T>
+__device__ void round_to(const float* x, T* y, u32 n) {
+    ELEMENT(e, n);
+    store(&y[e], x[e]);
+}
+
+#define OPS(T)                                                                                   \
+    extern "C" __global__ void rms_norm_##T(const T* x, const T* w, T* y, u32 cols, float eps) { \
+        rms_norm(x, w, y, cols, eps);                                                            \
+    }                                                                                            \
+    extern "C" __global__ void layer_norm_##T(const T* x, const T* w, const T* b, T* y,         \
+                                              u32 cols, float eps) {                             \
+        layer_norm(x, w, b, y, cols, eps);                                                       \
+    }                                                                                            \
+    extern "C" __global__ void silu_mul_##T(const T* gate, const T* up, T* y, u32 n) {          \
+        silu_mul(gate, up, y, n);                                                                \
+    }                                                                                            \
+    extern "C" __global__ void add_##T(const T* a, const T* b, T* y, u32 n) { add(a, b, y, n); } \
+    extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); }
+
+typedef float f32;
+OPS(f32)
+OPS(bf16)
+OPS(f16)

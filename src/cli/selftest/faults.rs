@@ -1,0 +1,131 @@
+//! `glmcheck selftest --faults MODEL`: glmcheck's own diagnosis checked on a backend. Every fault
+//! of the catalogue is planted in turn in a candidate run at the given TP and dtypes, and
+//! `bisect` must name the catalogue's class at its stage; a clean candidate must pass.
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::cli::bisect::{self, BisectArgs, Mode};
+use crate::cli::run::open_model;
+use crate::compare::diff::Status;
+use crate::exec::backend::Precision;
+use crate::exec::engine::BackendKind;
+use crate::exec::forward::HF_LATENT_NORM_EPS;
+use crate::exec::inject::{Injection, CATALOGUE};
+use crate::exec::source::WeightSource;
+use crate::model::stages::{stage_names, stage_weights};
+use crate::weights::GgmlType;
+
+/// The prompt of every case: 12 tokens, enough for the DSA top-k to choose.
+const TOKENS: [u32; 12] = [39, 100, 7, 200, 5, 6, 7, 8, 9, 10, 11, 12];
+
+/// One planted fault (or none) at one dtype, and what bisect made of it.
+#[derive(Debug, Serialize)]
+pub struct FaultCase {
+    /// `clean` for the candidate without a fault.
+    pub fault: String,
+    pub dtype: &'static str,
+    pub expected_class: Option<&'static str>,
+    /// Stages a correct diagnosis may name (any, when empty).
+    pub expected_stages: Vec<String>,
+    pub verdict: String,
+    pub stage: Option<String>,
+    pub class: Option<&'static str>,
+    pub ok: bool,
+}
+
+/// The first stage that reads a Q4_K weight, where a broken Q4_K dequantizer first shows.
+fn first_q4k_stage(model: &std::path::Path) -> Result<(crate::model::Glm5Config, Option<String>)> {
+    let (files, cfg, family) = open_model(model)?;
+    let src = WeightSource::new(files, cfg.clone(), family);
+    let first = stage_names(&cfg).into_iter().find(|s| {
+        stage_weights(&cfg, s)
+            .into_iter()
+            .any(|id| src.storage_type(id) == Some(GgmlType::Q4_K))
+    });
+    Ok((cfg, first))
+}
+
+/// Every catalogue fault that applies at `tp` and one of `dtypes`, and a clean candidate per
+/// dtype, bisected on `backend`.
+pub fn matrix(
+    model: &std::path::Path,
+    backend: BackendKind,
+    tp: u64,
+    dtypes: &[Precision],
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<FaultCase>> {
+    let (cfg, first_q4k) = first_q4k_stage(model)?;
+    let mut cases = Vec::new();
+    let mut planted: Vec<(Option<Injection>, Precision)> =
+        dtypes.iter().map(|&d| (None, d)).collect();
+    for entry in CATALOGUE {
+        if entry.needs_tp && tp < 2 {
+            continue;
+        }
+        let fault = Injection::parse(entry.name)?;
+        for &dtype in dtypes {
+            let fits = entry.dtype.is_none_or(|d| d == dtype.name());
+            if fits && fault.check(&cfg, tp as usize, dtype).is_ok() {
+                planted.push((Some(fault), dtype));
+            }
+        }
+    }
+    for (fault, dtype) in planted {
+        let name = fault.map_or("clean".to_string(), |f| f.spec());
+        progress(&format!("{name} at {}", dtype.name()));
+        let report = bisect::bisect(&BisectArgs {
+            model: Some(model.to_path_buf()),
+            tp,
+            ep: false,
+            backend,
+            dtype,
+            inject: fault,
+            candidate: None,
+            prompt: None,
+            tokens: TOKENS.to_vec(),
+            generate: 0,
+            latent_norm_eps: HF_LATENT_NORM_EPS,
+            actual: None,
+            out: None,
+            list_faults: false,
+            mode: Mode::Stages,
+            json: true,
+        })?;
+        let diff = &report.diff;
+        let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());
+        let class = diff.fault.as_ref().map(|f| f.class.name());
+        let (expected_class, expected_stages) = match fault {
+            Some(f) => (
+                Some(f.entry().class.name()),
+                f.expected_stages(&cfg, first_q4k.as_deref()),
+            ),
+            None => (None, Vec::new()),
+        };
+        let ok = match expected_class {
+            None => diff.verdict == Status::Pass,
+            Some(want) => {
+                diff.verdict == Status::Fail
+                    && class == Some(want)
+                    && (expected_stages.is_empty()
+                        || stage.as_ref().is_some_and(|s| expected_stages.contains(s)))
+            }
+        };
+        cases.push(FaultCase {
+            fault: name,
+            dtype: dtype.name(),
+            expected_class,
+            expected_stages,
+            verdict: if diff.verdict == Status::Pass {
+                "pass"
+            } else {
+                "fail"
+            }
+            .into(),
+            stage,
+            class,
+            ok,
+        });
+    }
+    Ok(cases)
+}

@@ -1,0 +1,629 @@
+//! The CUDA backend: the ops of [`Backend`] on NVIDIA GPUs, one GPU per tensor-parallel rank.
+//! Weights live on their rank's GPU in the run's dtype (f32, bf16 or f16); GEMMs go through
+//! cuBLAS with f32 accumulation, norms and element-wise ops through `kernels/ops.cu`, and the
+//! all-reduce of a TP run through NCCL across the ranks' GPUs. Activations travel as host
+//! matrices between ops (they are a few rows at most), so the same forward and shard plan drive
+//! the CPU and the GPUs, and each op can be checked against the CPU's (`glmcheck selftest`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nccl::{Comm, NcclType, ReduceOp};
+use half::{bf16, f16};
+
+use super::Gpu;
+use crate::exec::backend::{sum_in_rank_order, Backend, Precision};
+use crate::exec::mat::Mat;
+
+/// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
+const ROW_THREADS: u32 = 256;
+/// Threads per block of the element-wise kernels.
+const ELEMENT_THREADS: u32 = 256;
+
+/// A dtype the GPU holds activations and weights in.
+trait Dtype: DeviceRepr + ValidAsZeroBits + NcclType + Copy + Unpin + Send + Sync + 'static {
+    /// The suffix of its kernels in `kernels/ops.cu`.
+    const SUFFIX: &'static str;
+    const CUDA: cudaDataType;
+    /// `v` rounded to nearest even (exact for values the dtype holds).
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Dtype for f32 {
+    const SUFFIX: &'static str = "f32";
+    const CUDA: cudaDataType = cudaDataType::CUDA_R_32F;
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Dtype for bf16 {
+    const SUFFIX: &'static str = "bf16";
+    const CUDA: cudaDataType = cudaDataType::CUDA_R_16BF;
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Dtype for f16 {
+    const SUFFIX: &'static str = "f16";
+    const CUDA: cudaDataType = cudaDataType::CUDA_R_16F;
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// `$body` with the type `$D` standing for the dtype of precision `$p`.
+macro_rules! with_dtype {
+    ($p:expr, $D:ident => $body:expr) => {
+        match $p {
+            Precision::Bf16 => {
+                type $D = bf16;
+                $body
+            }
+            Precision::F16 => {
+                type $D = f16;
+                $body
+            }
+            Precision::F32 | Precision::F64 => {
+                type $D = f32;
+                $body
+            }
+        }
+    };
+}
+
+/// Bytes glmcheck holds on one GPU now and at most so far.
+#[derive(Default)]
+struct Meter {
+    now: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Meter {
+    fn take(&self, bytes: u64) {
+        let now = self.now.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn give(&self, bytes: u64) {
+        self.now.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// A device buffer counted on its GPU's meter while it lives.
+struct Buffer<D: DeviceRepr> {
+    slice: CudaSlice<D>,
+    meter: Arc<Meter>,
+}
+
+impl<D: DeviceRepr> Drop for Buffer<D> {
+    fn drop(&mut self) {
+        self.meter
+            .give((self.slice.len() * std::mem::size_of::<D>()) as u64);
+    }
+}
+
+/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter.
+struct Device {
+    gpu: Gpu,
+    blas: CudaBlas,
+    meter: Arc<Meter>,
+}
+
+// SAFETY: a Device is only used under its mutex, by one thread at a time; its context is bound
+// to that thread before each use.
+unsafe impl Send for Device {}
+
+impl Device {
+    fn bind(&self) -> Result<()> {
+        self.gpu.stream.context().bind_to_thread()?;
+        Ok(())
+    }
+
+    fn alloc<D: Dtype>(&self, n: usize) -> Result<Buffer<D>> {
+        let slice = self
+            .gpu
+            .stream
+            .alloc_zeros::<D>(n.max(1))
+            .with_context(|| format!("allocating {n} values on {}", self.gpu.name))?;
+        self.meter
+            .take((slice.len() * std::mem::size_of::<D>()) as u64);
+        Ok(Buffer {
+            slice,
+            meter: self.meter.clone(),
+        })
+    }
+
+    /// Host f32 values as dtype `D` on this GPU.
+    fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
+        let mut buf = self.alloc::<D>(values.len())?;
+        if !values.is_empty() {
+            let host: Vec<D> = values.iter().map(|&v| D::from_f32(v)).collect();
+            self.gpu.stream.memcpy_htod(&host, &mut buf.slice)?;
+        }
+        Ok(buf)
+    }
+
+    /// The first `n` values of `buf` as host f32.
+    fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
+        let host = self.gpu.stream.clone_dtoh(&buf.slice)?;
+        Ok(host.into_iter().take(n).map(D::to_f32).collect())
+    }
+
+    fn kernel(&self, op: &str, suffix: &str) -> Result<cudarc::driver::CudaFunction> {
+        self.gpu.ops_kernel(&format!("{op}_{suffix}"))
+    }
+
+    /// RMSNorm (no bias) or LayerNorm (`bias` Some) of every row of `x`.
+    fn norm<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        w: &[f32],
+        bias: Option<&[f32]>,
+        eps: f64,
+    ) -> Result<Mat<f32>> {
+        check_len("norm weight", w.len(), x.cols)?;
+        if let Some(b) = bias {
+            check_len("norm bias", b.len(), x.cols)?;
+        }
+        let (input, weight) = (self.upload::<D>(&x.data)?, self.upload::<D>(w)?);
+        let mut out = self.alloc::<D>(x.data.len())?;
+        let (cols, eps) = (to_u32(x.cols)?, eps as f32);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(x.rows)?, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if x.rows == 0 {
+            return Ok(x.clone());
+        }
+        match bias {
+            None => {
+                let f = self.kernel("rms_norm", D::SUFFIX)?;
+                let mut launch = self.gpu.stream.launch_builder(&f);
+                launch
+                    .arg(&input.slice)
+                    .arg(&weight.slice)
+                    .arg(&mut out.slice)
+                    .arg(&cols)
+                    .arg(&eps);
+                // SAFETY: rows × cols values in and out, cols weights, as allocated above.
+                unsafe { launch.launch(cfg) }?;
+            }
+            Some(b) => {
+                let bias = self.upload::<D>(b)?;
+                let f = self.kernel("layer_norm", D::SUFFIX)?;
+                let mut launch = self.gpu.stream.launch_builder(&f);
+                launch
+                    .arg(&input.slice)
+                    .arg(&weight.slice)
+                    .arg(&bias.slice)
+                    .arg(&mut out.slice)
+                    .arg(&cols)
+                    .arg(&eps);
+                // SAFETY: as above, with cols bias values.
+                unsafe { launch.launch(cfg) }?;
+            }
+        }
+        Ok(Mat::new(x.rows, x.cols, self.download(&out, x.data.len())?))
+    }
+
+    /// An element-wise op of two equally shaped matrices (`silu_mul`, `add`).
+    fn elementwise<D: Dtype>(&self, op: &str, a: &Mat<f32>, b: &Mat<f32>) -> Result<Mat<f32>> {
+        if (a.rows, a.cols) != (b.rows, b.cols) {
+            bail!(
+                "{op}: {}×{} and {}×{} differ",
+                a.rows,
+                a.cols,
+                b.rows,
+                b.cols
+            );
+        }
+        let n = a.data.len();
+        if n == 0 {
+            return Ok(a.clone());
+        }
+        let (x, y) = (self.upload::<D>(&a.data)?, self.upload::<D>(&b.data)?);
+        let mut out = self.alloc::<D>(n)?;
+        let count = to_u32(n)?;
+        let f = self.kernel(op, D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&x.slice)
+            .arg(&y.slice)
+            .arg(&mut out.slice)
+            .arg(&count);
+        // SAFETY: n values in each input and the output.
+        unsafe { launch.launch(elements(count)) }?;
+        Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
+    }
+
+    /// f32 values rounded to the dtype by the GPU.
+    fn round<D: Dtype>(&self, xs: &mut [f32]) -> Result<()> {
+        if xs.is_empty() {
+            return Ok(());
+        }
+        let input = self.upload::<f32>(xs)?;
+        let mut out = self.alloc::<D>(xs.len())?;
+        let count = to_u32(xs.len())?;
+        let f = self.kernel("round_to", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(&input.slice).arg(&mut out.slice).arg(&count);
+        // SAFETY: n values in and out.
+        unsafe { launch.launch(elements(count)) }?;
+        xs.copy_from_slice(&self.download(&out, xs.len())?);
+        Ok(())
+    }
+
+    /// `x · wᵀ` through cuBLAS, f32 accumulation; the output in the dtype, or in f32 (`exact`).
+    fn linear<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        w: &Buffer<D>,
+        w_rows: usize,
+        exact: bool,
+    ) -> Result<Mat<f32>> {
+        let input = self.upload::<D>(&x.data)?;
+        let n = x.rows * w_rows;
+        if n == 0 {
+            return Ok(Mat::zeros(x.rows, w_rows));
+        }
+        let data = if exact {
+            let mut out = self.alloc::<f32>(n)?;
+            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.download(&out, n)?
+        } else {
+            let mut out = self.alloc::<D>(n)?;
+            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.download(&out, n)?
+        };
+        Ok(Mat::new(x.rows, w_rows, data))
+    }
+
+    /// `out[t, w_rows] = input[t, k] · w[w_rows, k]ᵀ`: in cuBLAS's column-major terms
+    /// `outᵀ = w · inputᵀ`, with `w` read transposed from its row-major storage.
+    fn gemm<D: Dtype, O: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        input: &Buffer<D>,
+        w: &Buffer<D>,
+        w_rows: usize,
+        out: &mut Buffer<O>,
+    ) -> Result<()> {
+        let (m, n, k) = (to_i32(w_rows)?, to_i32(x.rows)?, to_i32(x.cols)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stream = &self.gpu.stream;
+        let (a, _a) = w.slice.device_ptr(stream);
+        let (b, _b) = input.slice.device_ptr(stream);
+        let (c, _c) = out.slice.device_ptr_mut(stream);
+        // SAFETY: w holds w_rows × k values, input t × k, out t × w_rows, as the leading
+        // dimensions say; alpha and beta are f32 as CUBLAS_COMPUTE_32F needs.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                D::CUDA,
+                k,
+                b as *const _,
+                D::CUDA,
+                k,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                O::CUDA,
+                m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| {
+            anyhow!(
+                "cuBLAS GEMM {w_rows}×{}·{}ᵀ on {}: {e:?}",
+                x.cols,
+                x.rows,
+                self.gpu.name
+            )
+        })
+    }
+}
+
+fn elements(count: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (count.div_ceil(ELEMENT_THREADS), 1, 1),
+        block_dim: (ELEMENT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn to_u32(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| anyhow!("{n} is past a kernel's 2^32 - 1 limit"))
+}
+
+fn to_i32(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| anyhow!("{n} is past cuBLAS's 2^31 - 1 limit"))
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        bail!("{what} has {got} values for {want} columns");
+    }
+    Ok(())
+}
+
+/// The NCCL communicators of the ranks' GPUs, one per rank, made at once (ncclCommInitAll).
+struct Comms(Vec<Comm>);
+
+// SAFETY: the communicators are only used under their mutex, from one thread at a time.
+unsafe impl Send for Comms {}
+
+/// Every rank's GPU.
+struct Ranks {
+    devices: Vec<Mutex<Device>>,
+    comms: Option<Mutex<Comms>>,
+}
+
+/// The CUDA backend as one rank runs it.
+#[derive(Clone)]
+pub struct Cuda {
+    ranks: Arc<Ranks>,
+    rank: usize,
+    precision: Precision,
+}
+
+/// A weight on a rank's GPU.
+pub struct GpuWeight {
+    rank: usize,
+    rows: usize,
+    cols: usize,
+    data: Held,
+}
+
+enum Held {
+    F32(Buffer<f32>),
+    Bf16(Buffer<bf16>),
+    F16(Buffer<f16>),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Whether cuBLAS (and, for several ranks, NCCL) can be loaded.
+fn libraries(ranks: usize) -> Result<()> {
+    // SAFETY: only tries to load the library by its usual names.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        bail!("no cuBLAS found (libcublas): put CUDA 13's libraries on LD_LIBRARY_PATH (scripts/gpu-env does)");
+    }
+    // SAFETY: as above.
+    if ranks > 1 && !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        bail!(
+            "no NCCL found (libnccl.so): --tp {ranks} on GPUs needs it (scripts/gpu-env links it)"
+        );
+    }
+    Ok(())
+}
+
+impl Cuda {
+    /// GPUs 0..`tp`, one per rank, at `precision` (f32, bf16 or f16).
+    pub fn open(precision: Precision, tp: usize) -> Result<Cuda> {
+        if precision == Precision::F64 {
+            bail!("--backend cuda runs f32, bf16 or f16, not f64");
+        }
+        super::libraries()?;
+        libraries(tp)?;
+        let visible = cudarc::driver::CudaContext::device_count()? as usize;
+        if tp > visible {
+            bail!("--tp {tp} on GPUs needs {tp} of them, one per rank; {visible} visible");
+        }
+        let devices = (0..tp)
+            .map(|ordinal| {
+                let gpu = Gpu::open(ordinal)?;
+                let blas = CudaBlas::new(gpu.stream.clone())
+                    .map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
+                Ok(Mutex::new(Device {
+                    gpu,
+                    blas,
+                    meter: Arc::default(),
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let comms = if tp > 1 {
+            let streams = devices.iter().map(|d| lock(d).gpu.stream.clone()).collect();
+            let comms =
+                Comm::from_devices(streams).map_err(|e| anyhow!("NCCL over {tp} GPUs: {e:?}"))?;
+            Some(Mutex::new(Comms(comms)))
+        } else {
+            None
+        };
+        Ok(Cuda {
+            ranks: Arc::new(Ranks { devices, comms }),
+            rank: 0,
+            precision,
+        })
+    }
+
+    /// The GPUs' names, by rank.
+    pub fn device_names(&self) -> Vec<String> {
+        self.ranks
+            .devices
+            .iter()
+            .map(|d| lock(d).gpu.name.clone())
+            .collect()
+    }
+
+    /// Each rank's peak of the bytes glmcheck held on its GPU (weights, activations).
+    pub fn peak_bytes(&self) -> Vec<u64> {
+        self.ranks
+            .devices
+            .iter()
+            .map(|d| lock(d).meter.peak.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// This rank's device, bound to the calling thread.
+    fn device(&self, rank: usize) -> Result<MutexGuard<'_, Device>> {
+        let device = lock(&self.ranks.devices[rank]);
+        device.bind()?;
+        Ok(device)
+    }
+
+    /// The NCCL all-reduce of one part per rank, each on its rank's GPU, in the dtype.
+    fn nccl_all_reduce<D: Dtype>(&self, comms: &Comms, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
+        let devices: Vec<MutexGuard<'_, Device>> = (0..parts.len())
+            .map(|r| self.device(r))
+            .collect::<Result<_>>()?;
+        let sends = devices
+            .iter()
+            .zip(parts)
+            .map(|(d, p)| d.upload::<D>(&p.data))
+            .collect::<Result<Vec<_>>>()?;
+        let mut receives = devices
+            .iter()
+            .map(|d| d.alloc::<D>(parts[0].data.len()))
+            .collect::<Result<Vec<_>>>()?;
+        cudarc::nccl::result::group_start().map_err(|e| anyhow!("NCCL group: {e:?}"))?;
+        let issued = comms.0.iter().zip(&sends).zip(&mut receives).try_for_each(
+            |((comm, send), receive)| {
+                comm.all_reduce(&send.slice, &mut receive.slice, &ReduceOp::Sum)
+                    .map(|_| ())
+            },
+        );
+        let ended = cudarc::nccl::result::group_end();
+        issued
+            .and(ended.map(|_| ()))
+            .map_err(|e| anyhow!("NCCL all-reduce: {e:?}"))?;
+        let first = &parts[0];
+        let sum = devices[0].download(&receives[0], first.data.len())?;
+        Ok(Mat::new(first.rows, first.cols, sum))
+    }
+}
+
+impl Backend for Cuda {
+    type E = f32;
+    type Weight = GpuWeight;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn hold(&self, w: Mat<f32>) -> Result<GpuWeight> {
+        let device = self.device(self.rank)?;
+        let data = match self.precision {
+            Precision::Bf16 => Held::Bf16(device.upload(&w.data)?),
+            Precision::F16 => Held::F16(device.upload(&w.data)?),
+            Precision::F32 | Precision::F64 => Held::F32(device.upload(&w.data)?),
+        };
+        Ok(GpuWeight {
+            rank: self.rank,
+            rows: w.rows,
+            cols: w.cols,
+            data,
+        })
+    }
+
+    fn hold_values(&self, v: Vec<f32>) -> Vec<f32> {
+        with_dtype!(self.precision, D => v.into_iter().map(|x| D::from_f32(x).to_f32()).collect())
+    }
+
+    fn hold_exact(&self, v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+
+    fn linear(&self, x: &Mat<f32>, w: &GpuWeight) -> Result<Mat<f32>> {
+        self.linear_as(x, w, false)
+    }
+
+    fn linear_exact(&self, x: &Mat<f32>, w: &GpuWeight) -> Result<Mat<f32>> {
+        self.linear_as(x, w, true)
+    }
+
+    fn rms_norm(&self, x: &Mat<f32>, w: &[f32], eps: f64) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.norm::<D>(x, w, None, eps))
+    }
+
+    fn layer_norm(&self, x: &Mat<f32>, w: &[f32], b: &[f32], eps: f64) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.norm::<D>(x, w, Some(b), eps))
+    }
+
+    fn silu_mul(&self, gate: &Mat<f32>, up: &Mat<f32>) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.elementwise::<D>("silu_mul", gate, up))
+    }
+
+    fn add(&self, a: &Mat<f32>, b: &Mat<f32>) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.elementwise::<D>("add", a, b))
+    }
+
+    fn round(&self, xs: &mut [f32]) -> Result<()> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.round::<D>(xs))
+    }
+
+    fn on_rank(&self, rank: usize) -> Self {
+        Cuda {
+            rank: rank % self.ranks.devices.len(),
+            ..self.clone()
+        }
+    }
+
+    /// NCCL across the ranks' GPUs when there is one part per GPU.
+    fn all_reduce(&self, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
+        let shapes_agree = parts
+            .iter()
+            .all(|p| (p.rows, p.cols) == (parts[0].rows, parts[0].cols));
+        match &self.ranks.comms {
+            Some(comms) if parts.len() == self.ranks.devices.len() && shapes_agree => {
+                let comms = lock(comms);
+                with_dtype!(self.precision, D => self.nccl_all_reduce::<D>(&comms, parts))
+            }
+            _ => sum_in_rank_order(self, parts),
+        }
+    }
+}
+
+impl Cuda {
+    fn linear_as(&self, x: &Mat<f32>, w: &GpuWeight, exact: bool) -> Result<Mat<f32>> {
+        if x.cols != w.cols {
+            bail!(
+                "linear: input has {} features, weight expects {}",
+                x.cols,
+                w.cols
+            );
+        }
+        let device = self.device(w.rank)?;
+        match &w.data {
+            Held::F32(b) => device.linear(x, b, w.rows, exact),
+            Held::Bf16(b) => device.linear(x, b, w.rows, exact),
+            Held::F16(b) => device.linear(x, b, w.rows, exact),
+        }
+    }
+}

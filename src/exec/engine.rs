@@ -1,0 +1,144 @@
+//! The backend a run picks at run time (`--backend cpu|cuda`): one type, so that a hybrid run can
+//! put the CPU reference on one side of a layer and the GPUs on the other.
+
+use anyhow::Result;
+
+use super::backend::{Backend, Cpu, Precision};
+use super::mat::Mat;
+use crate::cuda::backend::{Cuda, GpuWeight};
+
+/// Where the candidate's ops run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// glmcheck's own CPU ops (bf16/f16 emulated with f32 accumulation), ranks as threads.
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs through CUDA: one GPU per tensor-parallel rank, cuBLAS GEMMs, NCCL
+    /// all-reduce.
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// A CPU or CUDA backend.
+#[derive(Clone)]
+pub enum Engine {
+    Cpu(Cpu<f32>),
+    Cuda(Cuda),
+}
+
+/// A weight as either backend holds it.
+pub enum EngineWeight {
+    Cpu(Mat<f32>),
+    Cuda(GpuWeight),
+}
+
+impl Engine {
+    /// `kind` at `precision` (f32, bf16, f16) with `tp` ranks.
+    pub fn open(kind: BackendKind, precision: Precision, tp: usize) -> Result<Engine> {
+        Ok(match kind {
+            BackendKind::Cpu => Engine::Cpu(Cpu::new(precision)),
+            BackendKind::Cuda => Engine::Cuda(Cuda::open(precision, tp)?),
+        })
+    }
+
+    /// Each rank's peak GPU memory in bytes (none on the CPU).
+    pub fn peak_bytes(&self) -> Vec<u64> {
+        match self {
+            Engine::Cpu(_) => Vec::new(),
+            Engine::Cuda(c) => c.peak_bytes(),
+        }
+    }
+}
+
+/// `$body` on the backend inside `$engine`, bound to `$be`.
+macro_rules! on_backend {
+    ($engine:expr, $be:ident => $body:expr) => {
+        match $engine {
+            Engine::Cpu($be) => $body,
+            Engine::Cuda($be) => $body,
+        }
+    };
+}
+
+impl Backend for Engine {
+    type E = f32;
+    type Weight = EngineWeight;
+
+    fn name(&self) -> &'static str {
+        on_backend!(self, be => be.name())
+    }
+
+    fn precision(&self) -> Precision {
+        on_backend!(self, be => be.precision())
+    }
+
+    fn hold(&self, w: Mat<f32>) -> Result<EngineWeight> {
+        Ok(match self {
+            Engine::Cpu(be) => EngineWeight::Cpu(be.hold(w)?),
+            Engine::Cuda(be) => EngineWeight::Cuda(be.hold(w)?),
+        })
+    }
+
+    fn hold_values(&self, v: Vec<f32>) -> Vec<f32> {
+        on_backend!(self, be => be.hold_values(v))
+    }
+
+    fn hold_exact(&self, v: Vec<f32>) -> Vec<f32> {
+        on_backend!(self, be => be.hold_exact(v))
+    }
+
+    fn linear(&self, x: &Mat<f32>, w: &EngineWeight) -> Result<Mat<f32>> {
+        match (self, w) {
+            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.linear(x, w),
+            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.linear(x, w),
+            _ => anyhow::bail!("a weight held by one backend given to another"),
+        }
+    }
+
+    fn linear_exact(&self, x: &Mat<f32>, w: &EngineWeight) -> Result<Mat<f32>> {
+        match (self, w) {
+            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.linear_exact(x, w),
+            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.linear_exact(x, w),
+            _ => anyhow::bail!("a weight held by one backend given to another"),
+        }
+    }
+
+    fn rms_norm(&self, x: &Mat<f32>, w: &[f32], eps: f64) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.rms_norm(x, w, eps))
+    }
+
+    fn layer_norm(&self, x: &Mat<f32>, w: &[f32], b: &[f32], eps: f64) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.layer_norm(x, w, b, eps))
+    }
+
+    fn silu_mul(&self, gate: &Mat<f32>, up: &Mat<f32>) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.silu_mul(gate, up))
+    }
+
+    fn add(&self, a: &Mat<f32>, b: &Mat<f32>) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.add(a, b))
+    }
+
+    fn round(&self, xs: &mut [f32]) -> Result<()> {
+        on_backend!(self, be => be.round(xs))
+    }
+
+    fn on_rank(&self, rank: usize) -> Self {
+        match self {
+            Engine::Cpu(be) => Engine::Cpu(be.on_rank(rank)),
+            Engine::Cuda(be) => Engine::Cuda(be.on_rank(rank)),
+        }
+    }
+
+    fn all_reduce(&self, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.all_reduce(parts))
+    }
+}

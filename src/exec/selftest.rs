@@ -1,0 +1,380 @@
+//! Every op of a [`Backend`] on fresh random inputs against the same op computed in f64 on the
+//! CPU and rounded once to the op's output dtype, as a table of cases (llama.cpp's
+//! `test-backend-ops` is the model). A case passes when the normalised mean squared error
+//! `Σ(out − ref)² / Σ ref²` stays within what the op's roundings allow (see [`limit`]).
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::backend::{Backend, Cpu, Precision};
+use super::mat::Mat;
+use super::real::Real;
+use crate::synth::rng::SplitMix;
+
+/// One op at one shape.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    /// `x[t, k] · w[n, k]ᵀ`, output in the dtype.
+    Linear {
+        t: usize,
+        k: usize,
+        n: usize,
+    },
+    /// The same, output kept in f32 (the router).
+    LinearExact {
+        t: usize,
+        k: usize,
+        n: usize,
+    },
+    RmsNorm {
+        t: usize,
+        d: usize,
+    },
+    LayerNorm {
+        t: usize,
+        d: usize,
+    },
+    SiluMul {
+        t: usize,
+        d: usize,
+    },
+    Add {
+        t: usize,
+        d: usize,
+    },
+    /// f32 values to the dtype.
+    Round {
+        n: usize,
+    },
+    /// The sum of one `[t, d]` part per rank.
+    AllReduce {
+        t: usize,
+        d: usize,
+    },
+}
+
+/// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
+/// experts' router) and odd sizes that leave partial blocks and warps.
+pub const CASES: [Op; 14] = [
+    Op::Linear {
+        t: 8,
+        k: 6144,
+        n: 512,
+    },
+    Op::Linear {
+        t: 1,
+        k: 2048,
+        n: 2048,
+    },
+    Op::Linear {
+        t: 5,
+        k: 333,
+        n: 77,
+    },
+    Op::LinearExact {
+        t: 8,
+        k: 6144,
+        n: 256,
+    },
+    Op::LinearExact { t: 3, k: 100, n: 9 },
+    Op::RmsNorm { t: 8, d: 6144 },
+    Op::RmsNorm { t: 3, d: 513 },
+    Op::LayerNorm { t: 8, d: 128 },
+    Op::LayerNorm { t: 2, d: 1001 },
+    Op::SiluMul { t: 8, d: 2048 },
+    Op::SiluMul { t: 1, d: 999 },
+    Op::Add { t: 8, d: 6144 },
+    Op::Round { n: 100_003 },
+    Op::AllReduce { t: 8, d: 6144 },
+];
+
+/// One row of the table.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    pub op: &'static str,
+    pub shape: String,
+    pub dtype: &'static str,
+    pub nmse: f64,
+    pub limit: f64,
+    pub max_abs_err: f64,
+    pub pass: bool,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Linear { .. } => "linear",
+            Op::LinearExact { .. } => "linear_exact",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::SiluMul { .. } => "silu_mul",
+            Op::Add { .. } => "add",
+            Op::Round { .. } => "round",
+            Op::AllReduce { .. } => "all_reduce",
+        }
+    }
+
+    fn shape(self, ranks: usize) -> String {
+        match self {
+            Op::Linear { t, k, n } | Op::LinearExact { t, k, n } => format!("[{t},{k}]·[{n},{k}]ᵀ"),
+            Op::RmsNorm { t, d }
+            | Op::LayerNorm { t, d }
+            | Op::SiluMul { t, d }
+            | Op::Add { t, d } => format!("[{t},{d}]"),
+            Op::Round { n } => format!("[{n}]"),
+            Op::AllReduce { t, d } => format!("{ranks}×[{t},{d}]"),
+        }
+    }
+
+    /// Whether the output is held in f32 whatever the dtype.
+    fn exact_output(self) -> bool {
+        matches!(self, Op::LinearExact { .. })
+    }
+
+    /// Roundings to the output dtype between the inputs and the output.
+    fn roundings(self, ranks: usize) -> usize {
+        match self {
+            Op::AllReduce { .. } => ranks.saturating_sub(1).max(1),
+            _ => 1,
+        }
+    }
+}
+
+/// The unit roundoff of `p`: half its spacing at 1.
+fn unit_roundoff(p: Precision) -> f64 {
+    match p {
+        Precision::F64 => f64::EPSILON / 2.0,
+        Precision::F32 => f64::from(f32::EPSILON) / 2.0,
+        Precision::Bf16 => 2f64.powi(-8),
+        Precision::F16 => 2f64.powi(-11),
+    }
+}
+
+/// The NMSE an op may show: each of its `r` roundings moves a value by at most `u` (relative),
+/// the f64 reference is rounded once more, so every value is off by at most `(r + 1)·u` relative
+/// and the NMSE by its square. In f32 the accumulation order of a `k`-term sum adds up to `k·u`
+/// per value (rounding errors of a random-order sum grow as `√k` in practice, so `k·u²` is the
+/// bound used). `round` must be exact.
+pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
+    if matches!(op, Op::Round { .. }) {
+        return 0.0;
+    }
+    let out = if op.exact_output() {
+        Precision::F32
+    } else {
+        dtype
+    };
+    let u = unit_roundoff(out);
+    let r = (op.roundings(ranks) + 1) as f64;
+    let terms = match op {
+        Op::Linear { k, .. } | Op::LinearExact { k, .. } => k,
+        Op::RmsNorm { d, .. } | Op::LayerNorm { d, .. } => d,
+        _ => 1,
+    };
+    let accumulation = terms as f64 * unit_roundoff(Precision::F32).powi(2);
+    (r * u).powi(2) + accumulation
+}
+
+/// `n` random values, roughly normal, held in `dtype`.
+fn values(rng: &mut SplitMix, n: usize, scale: f32, dtype: Precision) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.normal() * scale).round_to(dtype))
+        .collect()
+}
+
+/// The f32 halfway between `x` rounded to `p` and the next value of `p` above it: where
+/// rounding to nearest must break the tie to even.
+fn halfway_above(x: f32, p: Precision) -> f32 {
+    let (low, high) = match p {
+        Precision::Bf16 => {
+            let b = half::bf16::from_f32(x);
+            (b.to_f32(), half::bf16::from_bits(b.to_bits() + 1).to_f32())
+        }
+        Precision::F16 => {
+            let h = half::f16::from_f32(x);
+            (h.to_f32(), half::f16::from_bits(h.to_bits() + 1).to_f32())
+        }
+        Precision::F32 | Precision::F64 => return x,
+    };
+    low + (high - low) / 2.0
+}
+
+fn mat(rng: &mut SplitMix, rows: usize, cols: usize, scale: f32, dtype: Precision) -> Mat<f32> {
+    Mat::new(rows, cols, values(rng, rows * cols, scale, dtype))
+}
+
+/// `op` on the backend and in f64 on the CPU: the backend's output and the reference's, before
+/// the reference's rounding.
+fn run_op<B: Backend<E = f32>>(
+    be: &B,
+    op: Op,
+    rng: &mut SplitMix,
+    ranks: usize,
+) -> Result<(Vec<f32>, Vec<f64>)> {
+    let p = be.precision();
+    let f64s = Cpu::f64();
+    let wide = |m: &Mat<f32>| m.map(f64::from);
+    let wide_v = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+    Ok(match op {
+        Op::Linear { t, k, n } | Op::LinearExact { t, k, n } => {
+            let x = mat(rng, t, k, 1.0, p);
+            let w = mat(rng, n, k, 1.0 / (k as f32).sqrt(), p);
+            let reference = f64s.linear_exact(&wide(&x), &f64s.hold(w.clone())?)?;
+            let held = be.hold(w)?;
+            let out = if op.exact_output() {
+                be.linear_exact(&x, &held)?
+            } else {
+                be.linear(&x, &held)?
+            };
+            (out.data, reference.data)
+        }
+        Op::RmsNorm { t, d } => {
+            let x = mat(rng, t, d, 1.0, p);
+            let w = values(rng, d, 0.5, p);
+            let reference = f64s.rms_norm(&wide(&x), &wide_v(&w), 1e-5)?;
+            (be.rms_norm(&x, &w, 1e-5)?.data, reference.data)
+        }
+        Op::LayerNorm { t, d } => {
+            let x = mat(rng, t, d, 2.0, p);
+            let (w, b) = (values(rng, d, 0.5, p), values(rng, d, 0.1, p));
+            let reference = f64s.layer_norm(&wide(&x), &wide_v(&w), &wide_v(&b), 1e-6)?;
+            (be.layer_norm(&x, &w, &b, 1e-6)?.data, reference.data)
+        }
+        Op::SiluMul { t, d } => {
+            let (g, u) = (mat(rng, t, d, 3.0, p), mat(rng, t, d, 1.0, p));
+            let reference = f64s.silu_mul(&wide(&g), &wide(&u))?;
+            (be.silu_mul(&g, &u)?.data, reference.data)
+        }
+        Op::Add { t, d } => {
+            let (a, b) = (mat(rng, t, d, 1.0, p), mat(rng, t, d, 1.0, p));
+            (be.add(&a, &b)?.data, f64s.add(&wide(&a), &wide(&b))?.data)
+        }
+        Op::Round { n } => {
+            // f32 values, some of them exactly halfway between two values of the dtype.
+            let mut xs: Vec<f32> = (0..n).map(|_| rng.normal() * 100.0).collect();
+            for x in xs.iter_mut().step_by(7) {
+                *x = halfway_above(*x, p);
+            }
+            let reference = wide_v(&xs);
+            be.round(&mut xs)?;
+            (xs, reference)
+        }
+        Op::AllReduce { t, d } => {
+            let parts: Vec<Mat<f32>> = (0..ranks).map(|_| mat(rng, t, d, 1.0, p)).collect();
+            let mut reference = vec![0.0f64; t * d];
+            for part in &parts {
+                reference
+                    .iter_mut()
+                    .zip(&part.data)
+                    .for_each(|(s, &v)| *s += f64::from(v));
+            }
+            (be.all_reduce(&parts)?.data, reference)
+        }
+    })
+}
+
+/// Every case on `be` (with `ranks` ranks for the all-reduce) from random seed `seed`.
+pub fn run<B: Backend<E = f32>>(be: &B, ranks: usize, seed: u64) -> Result<Vec<Outcome>> {
+    let dtype = be.precision();
+    let mut rng = SplitMix::new(seed);
+    let mut outcomes = Vec::new();
+    for op in CASES {
+        if matches!(op, Op::AllReduce { .. }) && ranks < 2 {
+            continue;
+        }
+        let (out, reference) = run_op(be, op, &mut rng, ranks)?;
+        let out_dtype = if op.exact_output() {
+            Precision::F32
+        } else {
+            dtype
+        };
+        let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+        for (&o, &r) in out.iter().zip(&reference) {
+            let r = r.round_to(out_dtype);
+            let d = f64::from(o) - r;
+            err += d * d;
+            norm += r * r;
+            max_abs = max_abs.max(d.abs());
+        }
+        let nmse = if out.len() == reference.len() {
+            err / norm.max(f64::MIN_POSITIVE)
+        } else {
+            f64::INFINITY
+        };
+        let limit = limit(op, dtype, ranks);
+        outcomes.push(Outcome {
+            op: op.name(),
+            shape: op.shape(ranks),
+            dtype: dtype.name(),
+            nmse,
+            limit,
+            max_abs_err: max_abs,
+            pass: nmse <= limit,
+        });
+    }
+    Ok(outcomes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_backend_passes_at_every_precision_and_a_wrong_op_fails() {
+        for p in [Precision::F32, Precision::Bf16, Precision::F16] {
+            let outcomes = run(&Cpu::new(p), 3, 7).unwrap();
+            for o in &outcomes {
+                assert!(o.pass, "{o:?}");
+            }
+            assert_eq!(outcomes.len(), CASES.len());
+        }
+        // Round to bf16 by truncation instead of to nearest: the exact `round` case fails.
+        #[derive(Clone)]
+        struct Truncating(Cpu<f32>);
+        impl Backend for Truncating {
+            type E = f32;
+            type Weight = Mat<f32>;
+            fn name(&self) -> &'static str {
+                "truncating"
+            }
+            fn precision(&self) -> Precision {
+                Precision::Bf16
+            }
+            fn hold(&self, w: Mat<f32>) -> Result<Mat<f32>> {
+                self.0.hold(w)
+            }
+            fn hold_values(&self, v: Vec<f32>) -> Vec<f32> {
+                self.0.hold_values(v)
+            }
+            fn hold_exact(&self, v: Vec<f32>) -> Vec<f32> {
+                v
+            }
+            fn linear(&self, x: &Mat<f32>, w: &Mat<f32>) -> Result<Mat<f32>> {
+                self.0.linear(x, w)
+            }
+            fn linear_exact(&self, x: &Mat<f32>, w: &Mat<f32>) -> Result<Mat<f32>> {
+                self.0.linear_exact(x, w)
+            }
+            fn rms_norm(&self, x: &Mat<f32>, w: &[f32], eps: f64) -> Result<Mat<f32>> {
+                self.0.rms_norm(x, w, eps)
+            }
+            fn layer_norm(&self, x: &Mat<f32>, w: &[f32], b: &[f32], e: f64) -> Result<Mat<f32>> {
+                self.0.layer_norm(x, w, b, e)
+            }
+            fn silu_mul(&self, g: &Mat<f32>, u: &Mat<f32>) -> Result<Mat<f32>> {
+                self.0.silu_mul(g, u)
+            }
+            fn add(&self, a: &Mat<f32>, b: &Mat<f32>) -> Result<Mat<f32>> {
+                self.0.add(a, b)
+            }
+            fn round(&self, xs: &mut [f32]) -> Result<()> {
+                xs.iter_mut()
+                    .for_each(|x| *x = f32::from_bits(x.to_bits() & 0xffff_0000));
+                Ok(())
+            }
+        }
+        let outcomes = run(&Truncating(Cpu::new(Precision::Bf16)), 1, 7).unwrap();
+        let failed: Vec<_> = outcomes.iter().filter(|o| !o.pass).map(|o| o.op).collect();
+        assert_eq!(failed, vec!["round"]);
+    }
+}
