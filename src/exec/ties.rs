@@ -5,12 +5,21 @@
 //! key or expert: not a bug, yet its effect grows through every later stage. A candidate run
 //! given these tie-breaks takes the reference's choice at exactly those positions — so what
 //! still diverges is not a tie — and the diagnosis says how many it took.
+//!
+//! Given the reference re-run at the candidate's dtype (the envelope), a gap is also a near tie
+//! when it is within [`NOISE_FACTOR`] times the most that dtype moved any gap of the layer: the
+//! choice scores of another engine at that dtype carry noise of that size (its GEMMs sum in
+//! another order), so a smaller gap may flip without any bug.
 
 use std::collections::BTreeMap;
 
 use anyhow::Result;
 
 use crate::compare::classify::NEAR_TIE;
+
+/// How many times the envelope's largest gap departure counts as noise: another engine at the
+/// same dtype rounds differently from glmcheck's emulation, by about as much again.
+pub const NOISE_FACTOR: f64 = 2.0;
 use crate::compare::diff::{layer_of, whole_values};
 use crate::trace::Trace;
 
@@ -21,9 +30,44 @@ pub struct TieBreaks {
     pub moe: BTreeMap<u64, Vec<Option<Vec<i32>>>>,
 }
 
+/// The largest departure of the envelope's gap from the reference's at the positions where both
+/// chose the same set (a different set has an unrelated gap).
+fn gap_noise(
+    envelope: &Trace,
+    ids_stage: &str,
+    gap_stage: &str,
+    (ids, gaps): (&[f32], &[f32]),
+    k: usize,
+) -> Result<f64> {
+    let (Some((env_ids, _)), Some((env_gaps, _))) = (
+        whole_values(envelope, ids_stage)?,
+        whole_values(envelope, gap_stage)?,
+    ) else {
+        return Ok(0.0);
+    };
+    let set = |row: &[f32]| {
+        let mut s: Vec<i64> = row.iter().map(|&v| v as i64).collect();
+        s.sort_unstable();
+        s
+    };
+    Ok(gaps
+        .iter()
+        .zip(&env_gaps)
+        .zip(ids.chunks(k).zip(env_ids.chunks(k)))
+        .filter(|((&g, &e), (a, b))| g >= 0.0 && e >= 0.0 && set(a) == set(b))
+        .map(|((&g, &e), _)| f64::from((g - e).abs()))
+        .fold(0.0, f64::max))
+}
+
 impl TieBreaks {
     /// The near ties of a reference trace that holds its top-k ids and gaps in full.
     pub fn from_trace(reference: &Trace) -> Result<TieBreaks> {
+        Self::from_traces(reference, None)
+    }
+
+    /// The near ties of `reference`, with gaps within the noise the `envelope` run shows at the
+    /// candidate's dtype counted as ties too.
+    pub fn from_traces(reference: &Trace, envelope: Option<&Trace>) -> Result<TieBreaks> {
         let mut ties = TieBreaks::default();
         for s in reference.stages() {
             let (map, gap_stage) = if s.name.ends_with(".attn.index_topk") {
@@ -42,11 +86,16 @@ impl TieBreaks {
             };
             let k = shape.last().copied().unwrap_or(1).max(1) as usize;
             let largest = gaps.iter().copied().fold(0f32, f32::max);
+            let noise = match envelope {
+                Some(env) => gap_noise(env, &s.name, &gap_stage, (&ids, &gaps), k)?,
+                None => 0.0,
+            };
+            let limit = (NEAR_TIE * f64::from(largest)).max(NOISE_FACTOR * noise);
             let near: Vec<Option<Vec<i32>>> = gaps
                 .iter()
                 .zip(ids.chunks(k))
                 .map(|(&gap, row)| {
-                    (gap >= 0.0 && f64::from(gap) <= NEAR_TIE * f64::from(largest))
+                    (gap >= 0.0 && f64::from(gap) <= limit)
                         .then(|| row.iter().map(|&v| v as i32).collect())
                 })
                 .collect();

@@ -117,6 +117,8 @@ pub struct BisectInfo {
     pub model: String,
     pub prompt: Option<String>,
     pub candidate: String,
+    /// Where the candidate ran: `cpu`, `cuda`, or the backend an engine trace names.
+    pub backend: String,
     pub tp: u64,
     pub dtype: String,
     pub inject: Option<String>,
@@ -251,6 +253,11 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     } else {
         None
     };
+    // The candidate also takes the reference's choice where a gap is within the envelope's noise.
+    let ties = match &envelope {
+        Some(env) => TieBreaks::from_traces(&reference, Some(env))?,
+        None => ties,
+    };
     let (candidate, cand_run) = match engine {
         Some(t) => (t, None),
         None => {
@@ -338,7 +345,16 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
                 .candidate
                 .as_ref()
                 .map_or_else(|| model.display().to_string(), |c| c.display().to_string()),
-            tp: args.tp,
+            backend: if cand_run.is_some() {
+                args.backend.name().to_string()
+            } else {
+                candidate.manifest().backend.clone()
+            },
+            tp: if cand_run.is_some() {
+                args.tp
+            } else {
+                u64::from(candidate.manifest().tp)
+            },
             dtype: dtype.name().into(),
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
@@ -540,8 +556,13 @@ pub fn print_bisect(out: &BisectReport) {
     let b = &out.bisect;
     print_report(&out.diff);
     println!();
+    let on = match b.backend.as_str() {
+        "cpu" => "on the CPU".to_string(),
+        "cuda" => "on CUDA GPUs".to_string(),
+        other => format!("from {other}"),
+    };
     let setup = format!(
-        "candidate: {} on the CPU at TP {}, {}{}",
+        "candidate: {} {on} at TP {}, {}{}",
         b.candidate,
         b.tp,
         b.dtype,
