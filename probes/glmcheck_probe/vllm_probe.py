@@ -250,7 +250,7 @@ class Probe:
         self.full, self.source = full, source
         self.writer, self.tokens, self.done = None, None, False
         self.layer, self.in_indexer, self.hooks = None, False, []
-        self.notes, self._ropes = [], []
+        self.notes, self._ropes, self.expected = [], [], ["embed", "final_norm", "logits"]
         self.dtype = DTYPES.get(next(model.parameters()).dtype, "f32")
 
     # -- recording ----------------------------------------------------------------------------
@@ -301,6 +301,13 @@ class Probe:
         if self.writer is None:
             raise RuntimeError(f"rank {self.rank}: no forward ran through the hooked modules; "
                                "run vLLM with enforce_eager=True so hooks see the forward")
+        recorded = {s["name"] for s in self.writer.manifest["stages"] + self.writer.stages}
+        missing = [name for name in self.expected if name not in recorded]
+        if missing:
+            note = ("not recorded (the forward did not run these modules, or computed logits at "
+                    f"fewer positions): {', '.join(missing)}")
+            self.notes.append(note)
+            print(f"glmcheck_probe: rank {self.rank}: {note}", file=sys.stderr)
         manifest = self.writer.finish()
         self.done = True
         if len(manifest["stages"]) <= 1:
@@ -358,6 +365,10 @@ class Probe:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         _require(f"{at}.self_attn", attn, ATTENTION)
         L = f"L{n}."
+        self.expected += [L + s for s in (
+            "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
+            "attn.kv", "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
+            "ffn_norm", "ffn.out", "out")]
         heads = cfg.num_attention_heads // self.tp
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self._pre(layer, lambda _a: setattr(self, "layer", n))
@@ -400,6 +411,7 @@ class Probe:
         if indexer is not None:
             _require(f"{at}.self_attn.indexer", indexer, INDEXER)
             self._pre(indexer, lambda _a: setattr(self, "in_indexer", True))
+            self.expected.append(L + "attn.index_topk")
 
             def index(o):
                 self.in_indexer = False
@@ -433,12 +445,14 @@ class Probe:
             _require(f"{at}.mlp.gate", gate, GATE)
             _require(f"{at}.mlp.experts", experts, FUSED_MOE)
             self._out(gate, lambda o: self.take(L + "moe.router_logits", _first(o), "t e", -1))
+            self.expected.append(L + "moe.router_logits")
             shared = getattr(mlp, "shared_experts", None)
             if shared is not None:
                 _require(f"{at}.mlp.shared_experts", shared, MLP)
                 down = getattr(shared, "down_proj", None)
                 _require(f"{at}.mlp.shared_experts.down_proj", down, ROW)
                 partial = not getattr(down, "reduce_results", True) and self.tp > 1
+                self.expected.append(L + "moe.shared")
                 self._out(shared, lambda o: self.take(
                     L + "moe.shared", _first(o), "t d partial(tp)" if partial else "t d", -1,
                     split=partial))
