@@ -117,14 +117,26 @@ fn a_correct_tp2_tree_passes_the_shard_check_and_bisect() {
             "model.layers.0.self_attn.kv_b_proj.weight",
             &[256, 64]
         ));
-        assert!(has(rank, "model.layers.0.self_attn.o_proj.weight", &[256, 128]));
+        assert!(has(
+            rank,
+            "model.layers.0.self_attn.o_proj.weight",
+            &[256, 128]
+        ));
         assert!(has(
             rank,
             "model.layers.0.self_attn.fused_qkv_a_proj.weight",
             &[208, 256]
         ));
-        assert!(has(rank, "model.layers.1.mlp.experts.w13_weight", &[8, 128, 256]));
-        assert!(has(rank, "model.layers.1.mlp.experts.w2_weight", &[8, 256, 64]));
+        assert!(has(
+            rank,
+            "model.layers.1.mlp.experts.w13_weight",
+            &[8, 128, 256]
+        ));
+        assert!(has(
+            rank,
+            "model.layers.1.mlp.experts.w2_weight",
+            &[8, 256, 64]
+        ));
         assert!(has(
             rank,
             "model.layers.2.self_attn.indexer.wk_weights_proj.weight",
@@ -143,7 +155,10 @@ fn a_correct_tp2_tree_passes_the_shard_check_and_bisect() {
     // The trace: glmcheck's reader opens it; split stages hold each rank's part with its dims.
     let trace = Trace::open(&out.join("run.trace")).expect("the merged trace opens");
     let m = trace.manifest();
-    assert_eq!((m.backend.as_str(), m.dtype.as_str(), m.tp), ("vllm", "f32", 2));
+    assert_eq!(
+        (m.backend.as_str(), m.dtype.as_str(), m.tp),
+        ("vllm", "f32", 2)
+    );
     assert_eq!(m.producer["disagree"], Value::Array(vec![]));
     assert_eq!(m.producer["notes"], Value::Array(vec![]));
     let tokens: Vec<u32> = TOKENS.split(',').map(|t| t.parse().unwrap()).collect();
@@ -158,7 +173,9 @@ fn a_correct_tp2_tree_passes_the_shard_check_and_bisect() {
     for (name, dims, shape) in &parts {
         assert!(trace.stage(name, None).is_none(), "{name} whole");
         for rank in 0..2 {
-            let s = trace.stage(name, Some(rank)).unwrap_or_else(|| panic!("{name} {rank}"));
+            let s = trace
+                .stage(name, Some(rank))
+                .unwrap_or_else(|| panic!("{name} {rank}"));
             assert_eq!((s.dims.as_str(), &s.shape), (*dims, shape), "{name} {rank}");
         }
     }
@@ -239,14 +256,21 @@ fn kv_b_proj_left_unsharded_is_named_from_the_manifest_and_the_trace() {
 
     // Every rank holds kv_b_proj whole (its forward cannot run with the wrong head count).
     let whole = dir.path().join("whole");
-    fake_vllm_ok(&hf, &whole, &["--tp", "2", "--fault", "whole-kv-b", "--no-forward"]);
+    fake_vllm_ok(
+        &hf,
+        &whole,
+        &["--tp", "2", "--fault", "whole-kv-b", "--no-forward"],
+    );
     let v = shards(&hf, &whole.join("shards.json"), 1);
     let bad = v["mismatches"].as_array().unwrap();
     assert_eq!(bad.len(), 2 * layers, "{bad:#?}");
     for m in bad {
         assert_eq!(m["class"], "unsharded_weight");
         assert_eq!(m["found"], "all");
-        assert!(m["weight"].as_str().unwrap().ends_with("self_attn.kv_b_proj.weight"));
+        assert!(m["weight"]
+            .as_str()
+            .unwrap()
+            .ends_with("self_attn.kv_b_proj.weight"));
     }
     assert_eq!(
         v["ok"].as_u64().unwrap() + 2 * layers as u64,
@@ -287,6 +311,9 @@ fn a_renamed_vllm_makes_the_probe_fail_naming_the_module() {
         assert_eq!(run.status.code(), Some(1), "{rename}: {stderr}");
         assert!(stderr.contains("UnknownModel"), "{rename}: {stderr}");
         assert!(stderr.contains(message), "{rename}: {stderr}");
-        assert!(!out.join("run.trace").exists(), "{rename}: a trace was written");
+        assert!(
+            !out.join("run.trace").exists(),
+            "{rename}: a trace was written"
+        );
     }
 }
