@@ -1,7 +1,8 @@
 //! `glmcheck bisect MODEL --candidate TRACE`: an engine's trace as the candidate. The
 //! transformers probe's traces of the model (f32, and bf16 judged against the reference re-run
 //! at the trace's dtype) pass; traces with a planted fault are diagnosed from what they hold
-//! (rank parts, inputs that agree).
+//! (rank parts, inputs that agree), and so are the probe's traces of a transformers model with
+//! one module broken (NeoX RoPE patched in, the router's correction bias dropped).
 
 mod common;
 
@@ -115,6 +116,53 @@ fn faulty_traces_are_diagnosed_from_what_they_hold() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// The status of stage `name` in a bisect's JSON.
+fn status<'j>(j: &'j serde_json::Value, name: &str) -> &'j serde_json::Value {
+    let stages = j["stages"].as_array().unwrap();
+    let s = stages.iter().find(|s| s["stage"] == name);
+    &s.unwrap_or_else(|| panic!("{name} not compared"))["status"]
+}
+
+/// transformers itself broken the way an engine breaks (`tests/oracle/broken_hf_probe.py`
+/// patches the loaded model in its own process), recorded by the probe: bisect names the first
+/// stage the break reaches and its class, from the trace alone.
+#[test]
+fn broken_transformers_modules_recorded_by_the_probe_are_diagnosed() {
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    synth_hf(&hf);
+    for (break_, stage, class, agrees) in [
+        ("rope-neox", "L0.attn.q_rope", "rope_mismatch", "L0.attn.q"),
+        (
+            "router-no-bias",
+            "L1.moe.topk_ids",
+            "router_mismatch",
+            "L1.moe.router_logits",
+        ),
+    ] {
+        let trace = dir.path().join(format!("{break_}.trace"));
+        let run = Command::new(common::python())
+            .arg(common::root().join("tests/oracle/broken_hf_probe.py"))
+            .arg(break_)
+            .arg(&hf)
+            .args(["--tokens", TOKENS, "--full", "**", "--out"])
+            .arg(&trace)
+            .output()
+            .expect("start python");
+        assert!(
+            run.status.success(),
+            "{break_}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let j = bisect(&hf, &trace, 1);
+        assert_eq!(j["first_divergence"]["stage"], stage, "{break_}");
+        assert_eq!(j["fault"]["class"], class, "{break_}: {:#}", j["fault"]);
+        assert_eq!(j["bisect"]["classified_by"], "traces", "{break_}");
+        // The stage the break reads from still agrees: the break is where bisect says.
+        assert_eq!(status(&j, agrees), "pass", "{break_}: {agrees}");
+    }
 }
 
 /// The seed story from an engine's side: its trace diverges at `L0.attn.kv`, and its shard

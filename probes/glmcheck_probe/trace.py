@@ -10,6 +10,7 @@ fixed 64 Ki-element chunks whose partial results are added in chunk order (`np.c
 sequentially, unlike `np.sum`), so a Rust reader recomputing them gets the same numbers.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -49,6 +50,15 @@ def _sequential_sum(xs: np.ndarray) -> float:
 def tensor_stats(x: np.ndarray) -> dict:
     """The stats record of `x` (f32 or i32): moments over the finite values, and the hash."""
     flat = np.ascontiguousarray(x).reshape(-1)
+    stats = moments(flat)
+    stats["hash"] = f"{fnv1a(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
+    return stats
+
+
+def moments(x: np.ndarray) -> dict:
+    """count, nan, inf, zeros, and mean, std, min, max, absmax, l2 over the finite values of `x`
+    (summed in `TensorStats::of`'s order), without the hash."""
+    flat = np.ascontiguousarray(x).reshape(-1)
     chunks = [flat[i:i + CHUNK].astype(np.float64) for i in range(0, flat.size, CHUNK)]
     finite = [c[np.isfinite(c)] for c in chunks]
     n = sum(f.size for f in finite)
@@ -69,8 +79,17 @@ def tensor_stats(x: np.ndarray) -> dict:
         hi = max(float(f.max()) for f in finite if f.size)
         stats.update(mean=mean, std=math.sqrt(deviation / n), min=lo, max=hi,
                      absmax=max(abs(lo), abs(hi)), l2=math.sqrt(squares))
-    stats["hash"] = f"{fnv1a(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
     return stats
+
+
+def fingerprint(model_dir: str, config: dict) -> str:
+    """sha256 of the config and the weight files' names and sizes: cheap, and different weights
+    (another checkpoint, a re-quantization) almost always differ in one of them."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith((".safetensors", ".bin", ".gguf")):
+            digest.update(f"\n{name} {os.path.getsize(os.path.join(model_dir, name))}".encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def glob_regex(pattern: str) -> re.Pattern:
@@ -124,8 +143,9 @@ class TraceWriter:
         self.finished = set()
         self._write_manifest()
 
-    def record(self, name: str, values: np.ndarray, dims: str) -> None:
-        """Record whole stage `name` (DESIGN §4) with dims spec `dims`; f32 or i32 values."""
+    def record(self, name: str, values: np.ndarray, dims: str, rank=None) -> None:
+        """Record stage `name` (DESIGN §4) with dims spec `dims`, whole or (`rank`) one
+        tensor-parallel rank's part; f32 or i32 values."""
         if not STAGE_NAME.match(name):
             raise ValueError(f"stage name {name!r}: ASCII letters, digits, `.`, `_` or `-` only")
         values = np.ascontiguousarray(values)
@@ -134,16 +154,21 @@ class TraceWriter:
         group = group_of(name)
         if group in self.finished:
             raise ValueError(f"stage {name}: group {group} was already written")
-        if any(s["name"] == name for s in self.stages):
-            raise ValueError(f"stage {name} recorded twice")
+        if any(s["name"] == name and s.get("rank") == rank for s in self.stages):
+            which = "" if rank is None else f" rank {rank}"
+            raise ValueError(f"stage {name}{which} recorded twice")
         if group != self.group:
             self._close_group()
             self.group = group
         stage = {"name": name, "shape": list(values.shape), "dtype": ELEM_TYPES[values.dtype],
-                 "dims": dims, "stats": tensor_stats(values)}
+                 "dims": dims}
+        if rank is not None:
+            stage["rank"] = int(rank)
+        stage["stats"] = tensor_stats(values)
         if any(p.match(name) for p in self.full):
-            self.held[name] = values
-            stage.update(file=f"{group}.safetensors", tensor=name)
+            tensor = name if rank is None else f"{name}@rank{rank}"
+            self.held[tensor] = values
+            stage.update(file=f"{group}.safetensors", tensor=tensor)
         self.stages.append(stage)
 
     def finish(self) -> dict:

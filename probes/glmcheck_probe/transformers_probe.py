@@ -11,7 +11,6 @@ exactly the one `model(ids)` does.
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -23,7 +22,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
-from .trace import DEFAULT_FULL, TraceWriter
+from .trace import DEFAULT_FULL, TraceWriter, fingerprint
 
 # The DESIGN §4 dims spec of every stage this probe records, by name without its `L{n}.`.
 DIMS = {
@@ -145,16 +144,6 @@ def _hooks(rec: Recorder, model) -> list:
         _on_output(inner.norm, lambda t: rec.take("final_norm", t, -1)),
         _on_output(model.lm_head, lambda t: rec.take("logits", t, -1)),
     ]
-
-
-def fingerprint(model_dir: str, config: dict) -> str:
-    """sha256 of the config and the weight files' names and sizes: cheap, and different weights
-    (another checkpoint, a re-quantization) almost always differ in one of them."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith((".safetensors", ".bin", ".gguf")):
-            digest.update(f"\n{name} {os.path.getsize(os.path.join(model_dir, name))}".encode())
-    return "sha256:" + digest.hexdigest()
 
 
 # The dtypes a probe can run the model in, by their trace names.

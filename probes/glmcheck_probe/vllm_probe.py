@@ -1,0 +1,581 @@
+"""Hook vLLM's GLM-5 / DeepSeek-V2 model classes in each tensor-parallel worker: record the
+DESIGN §4 stages of one forward as a per-rank glmcheck trace, and write the worker's shard
+manifest (every parameter's local shape, dtype, hash and statistics) in the format
+`glmcheck shards --actual` reads.
+
+In each worker, on the loaded model (see probes/README.md for the `collective_rpc` call):
+
+    from glmcheck_probe import vllm_probe
+    probe = vllm_probe.install(model, "out", rank, world_size)       # hooks; records 1 forward
+    vllm_probe.write_shard_manifest(model, f"out/shards.rank{rank}.json", rank, world_size)
+    ... run one prompt ...
+    probe.finish()
+
+then once, anywhere:
+
+    python -m glmcheck_probe.vllm_probe merge-trace run.trace out/rank*.trace
+    python -m glmcheck_probe.vllm_probe merge-shards shards.json out/shards.rank*.json
+
+The module tree is recognised by module path and class name only (no vLLM import), so the probe
+knows exactly the names below; a parameter or a hooked module it does not know raises
+`UnknownModel` naming it, never a trace that silently lacks stages.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+from .trace import DEFAULT_FULL, MANIFEST, TraceWriter, fingerprint, fnv1a, moments
+
+SHARDS_FORMAT = "glmcheck-shards"
+SHARDS_VERSION = 1
+
+# vLLM's classes by role. DeepSeekV2FusedQkvAProjLinear and GateLinear subclass the parallel
+# linear classes; DCPGroupColumnParallelLinear is q_b_proj under decode context parallelism.
+EMBED = {"VocabParallelEmbedding"}
+LM_HEAD = {"ParallelLMHead"}
+COLUMN = {"ColumnParallelLinear", "DCPGroupColumnParallelLinear"}
+MERGED = {"MergedColumnParallelLinear", "DeepSeekV2FusedQkvAProjLinear"}
+ROW = {"RowParallelLinear"}
+REPLICATED = {"ReplicatedLinear"}
+GATE = {"GateLinear", "ReplicatedLinear"}
+RMS_NORM = {"RMSNorm"}
+LAYER_NORM = {"LayerNorm"}
+FUSED_MOE = {"FusedMoE", "SharedFusedMoE"}
+INDEXER = {"Indexer"}
+LAYER = {"DeepseekV2DecoderLayer"}
+ATTENTION = {"DeepseekV2MLAAttention", "DeepseekV2Attention"}
+MOE = {"DeepseekV2MoE"}
+MLP = {"DeepseekV2MLP"}
+ROPE = {"RotaryEmbedding", "DeepseekScalingRotaryEmbedding"}
+LOGITS = {"LogitsProcessor"}
+
+# Every parameter the probe knows, after `model.layers.N.` or at the top: name pattern, the
+# classes of the module that owns it. The names are those `glmcheck shards --actual` reads.
+LAYER_PARAMS = [
+    (r"input_layernorm\.weight", RMS_NORM),
+    (r"post_attention_layernorm\.weight", RMS_NORM),
+    (r"self_attn\.fused_qkv_a_proj\.weight", MERGED),
+    (r"self_attn\.q_a_proj\.weight", REPLICATED),
+    (r"self_attn\.kv_a_proj_with_mqa\.weight", REPLICATED),
+    (r"self_attn\.q_a_layernorm\.weight", RMS_NORM),
+    (r"self_attn\.kv_a_layernorm\.weight", RMS_NORM),
+    (r"self_attn\.q_b_proj\.weight", COLUMN),
+    (r"self_attn\.kv_b_proj\.weight", COLUMN),
+    (r"self_attn\.o_proj\.weight", ROW),
+    (r"self_attn\.indexer\.wq_b\.weight", REPLICATED),
+    (r"self_attn\.indexer\.wk_weights_proj\.weight", MERGED),
+    (r"self_attn\.indexer\.k_norm\.(weight|bias)", LAYER_NORM),
+    (r"mlp\.gate\.weight", GATE),
+    (r"mlp\.gate\.e_score_correction_bias", GATE),
+    (r"mlp\.experts\.w13_weight", FUSED_MOE),
+    (r"mlp\.experts\.w2_weight", FUSED_MOE),
+    (r"mlp\.shared_experts\.gate_up_proj\.weight", MERGED),
+    (r"mlp\.shared_experts\.down_proj\.weight", ROW),
+    (r"mlp\.gate_up_proj\.weight", MERGED),
+    (r"mlp\.down_proj\.weight", ROW),
+]
+TOP_PARAMS = [
+    (r"model\.embed_tokens\.weight", EMBED),
+    (r"model\.norm\.weight", RMS_NORM),
+    (r"lm_head\.weight", LM_HEAD),
+]
+# Quantization companions of a known weight (FP8 block scales, activation scales): listed in
+# the manifest's producer as skipped, since glmcheck checks the dequantized weight.
+QUANT_SUFFIX = re.compile(r"_?(weight_scale_inv|weight_scale|input_scale|scale_inv)$")
+LAYER_NAME = re.compile(r"^model\.layers\.([0-9]+)\.(.+)$")
+
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# Tensors above this many bytes get statistics but no hash by default (the hash is a Python
+# loop, about 0.15 s per MB); glmcheck then identifies the shard from its statistics.
+HASH_LIMIT = 64 << 20
+
+
+class UnknownModel(Exception):
+    """The model holds a module or parameter this probe does not know (a renamed vLLM)."""
+
+
+def _class(module) -> str:
+    return type(module).__name__
+
+
+def _require(path: str, module, classes: set) -> None:
+    if module is None:
+        raise UnknownModel(f"{path}: missing; the probe knows vLLM's GLM-5 / DeepSeek-V2 tree")
+    if _class(module) not in classes:
+        raise UnknownModel(f"{path}: class {_class(module)} is not one this probe knows "
+                           f"({', '.join(sorted(classes))})")
+
+
+def _param_rule(name: str, num_layers: int):
+    """(rule classes, the weight's name without a quantization suffix, skip reason or None)."""
+    stem = QUANT_SUFFIX.sub("", name)
+    quant = stem != name
+    if quant and not stem.endswith(("weight", "w13", "w2")):
+        stem += ".weight"
+    if quant and stem.endswith(("w13", "w2")):
+        stem += "_weight"
+    m = LAYER_NAME.match(stem)
+    if m:
+        if int(m.group(1)) >= num_layers:
+            return None, stem, "MTP layer (glmcheck's forward leaves it out)"
+        rules, tail = LAYER_PARAMS, m.group(2)
+    else:
+        rules, tail = TOP_PARAMS, stem
+    for pattern, classes in rules:
+        if re.fullmatch(pattern, tail):
+            return classes, stem, "quantization scale" if quant else None
+    return None, stem, None
+
+
+def _config(model):
+    cfg = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
+    if cfg is None:
+        raise UnknownModel("model: no `config` on the model or `model.model`; pass the "
+                           "GlmMoeDsaForCausalLM / DeepseekV2ForCausalLM vLLM loaded")
+    return cfg
+
+
+def check_parameters(model) -> list:
+    """Every parameter of `model` against the names the probe knows: (name, tensor) of the
+    weights to list, and (name, reason) of those skipped. Raises `UnknownModel` for any other
+    parameter, or a known name held by a module of an unknown class."""
+    cfg = _config(model)
+    modules = dict(model.named_modules())
+    listed, skipped = [], []
+    for name, param in model.named_parameters():
+        classes, _stem, skip = _param_rule(name, cfg.num_hidden_layers)
+        owner_path = name.rsplit(".", 1)[0]
+        if classes is None and skip is None:
+            raise UnknownModel(f"{name}: a parameter this probe does not know (module "
+                               f"{owner_path}, class {_class(modules.get(owner_path))})")
+        if classes is not None:
+            _require(owner_path, modules.get(owner_path), classes)
+        if skip is not None:
+            skipped.append((name, skip))
+        elif param.dtype not in DTYPES:
+            skipped.append((name, f"dtype {param.dtype}"))
+        else:
+            listed.append((name, param))
+    if not listed:
+        raise UnknownModel("model: no parameter the probe knows")
+    return listed, skipped
+
+
+def shard_entry(name: str, tensor: torch.Tensor, hash_limit: int = HASH_LIMIT) -> dict:
+    """One manifest entry: shape, dtype, statistics of the values as held, and the FNV-1a 64
+    of their little-endian bytes in that dtype (left out above `hash_limit` bytes)."""
+    t = tensor.detach().cpu().contiguous()
+    held = t.to(torch.float32).numpy()
+    s = moments(held)
+    entry = {"name": name, "shape": list(t.shape), "dtype": DTYPES[t.dtype],
+             "stats": {k: s[k] for k in ("count", "mean", "std", "min", "max", "absmax", "l2")}}
+    size = t.numel() * t.element_size()
+    if size <= hash_limit:
+        raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        entry["hash"] = f"{fnv1a(raw.numpy().astype(raw.numpy().dtype.newbyteorder('<')).tobytes()):016x}"
+    return entry
+
+
+def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool = False,
+                         hash_limit: int = HASH_LIMIT) -> dict:
+    """Write this worker's shard manifest (one rank) to `path`; the manifest. Merge the ranks'
+    files with `merge_shard_manifests`."""
+    listed, skipped = check_parameters(model)
+    weights = [shard_entry(n, p, hash_limit) for n, p in listed]
+    manifest = {
+        "format": SHARDS_FORMAT, "version": SHARDS_VERSION,
+        "producer": {"name": "glmcheck_probe", "engine": "vllm", "vllm": _vllm_version(),
+                     "torch": torch.__version__,
+                     "skipped": [{"name": n, "why": w} for n, w in skipped]},
+        "tp": int(world_size), "ep": bool(ep),
+        "ranks": [{"rank": int(rank), "weights": weights}],
+    }
+    _write_json(path, manifest)
+    return manifest
+
+
+def merge_shard_manifests(out: str, paths: list) -> dict:
+    """One manifest from the per-rank files of one run (same tp and ep)."""
+    parts = [json.load(open(p)) for p in paths]
+    if not parts:
+        raise ValueError("merge-shards: no rank manifests given")
+    first = parts[0]
+    for p, m in zip(paths, parts):
+        if m.get("format") != SHARDS_FORMAT:
+            raise ValueError(f"{p}: format {m.get('format')!r} is not {SHARDS_FORMAT!r}")
+        if (m["tp"], m["ep"]) != (first["tp"], first["ep"]):
+            raise ValueError(f"{p}: tp {m['tp']}, ep {m['ep']} differ from {paths[0]}'s")
+    ranks = sorted((r for m in parts for r in m["ranks"]), key=lambda r: r["rank"])
+    seen = [r["rank"] for r in ranks]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"merge-shards: a rank is listed twice ({seen})")
+    merged = {**first, "ranks": ranks}
+    _write_json(out, merged)
+    return merged
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _vllm_version():
+    mod = sys.modules.get("vllm")
+    return getattr(mod, "__version__", None)
+
+
+def _first(output):
+    """A vLLM linear returns (output, bias); a fused-residual RMSNorm (output, residual)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class Probe:
+    """The hooks installed in one worker and the trace they write (`out_dir/rank{r}.trace`)."""
+
+    def __init__(self, model, out_dir: str, rank: int, world_size: int, full=DEFAULT_FULL,
+                 source: str = None):
+        self.model, self.rank, self.tp = model, int(rank), int(world_size)
+        self.cfg = _config(model)
+        self.dir = os.path.join(out_dir, f"rank{self.rank}.trace")
+        self.full, self.source = full, source
+        self.writer, self.tokens, self.done = None, None, False
+        self.layer, self.in_indexer, self.hooks = None, False, []
+        self.notes, self._ropes, self.expected = [], [], ["embed", "final_norm", "logits"]
+        self.dtype = DTYPES.get(next(model.parameters()).dtype, "f32")
+
+    # -- recording ----------------------------------------------------------------------------
+
+    def _start(self, input_ids) -> None:
+        if self.done:
+            return
+        if self.writer is not None:
+            # A second forward (a decode step) ends the recording.
+            self.finish()
+            return
+        ids = input_ids.detach().reshape(-1).cpu().tolist()
+        self.tokens = [int(t) for t in ids]
+        source = self.source or str(getattr(self.cfg, "_name_or_path", ""))
+        config = _config_dict(self.cfg)
+        header = {
+            "producer": {"name": "glmcheck_probe", "engine": "vllm", "vllm": _vllm_version(),
+                         "torch": torch.__version__, "rank": self.rank, "world_size": self.tp,
+                         "notes": self.notes},
+            "model": {"source": source, "config": config,
+                      "fingerprint": fingerprint(source, config) if os.path.isdir(source) else ""},
+            "tokens": self.tokens, "backend": "vllm", "dtype": self.dtype, "tp": self.tp,
+        }
+        self.writer = TraceWriter(self.dir, header, self.full)
+
+    @property
+    def active(self) -> bool:
+        return self.writer is not None and not self.done
+
+    def take(self, name: str, tensor, dims: str, *tail: int, split: bool = False) -> None:
+        """Record `tensor` as stage `name` [T, *tail]; `split` marks this rank's part."""
+        if not self.active:
+            return
+        x = tensor.detach().cpu()
+        x = x.to(torch.float32) if x.is_floating_point() else x.to(torch.int32)
+        x = x.reshape(len(self.tokens), *tail).numpy()
+        rank = self.rank if split and self.tp > 1 else None
+        self.writer.record(name, x, dims, rank)
+
+    def finish(self) -> dict:
+        """Write the trace and remove the hooks; the manifest. Raises when the forward recorded
+        no stage (vLLM ran a compiled graph or CUDA graph the hooks do not see)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.done:
+            return self.writer.manifest
+        if self.writer is None:
+            raise RuntimeError(f"rank {self.rank}: no forward ran through the hooked modules; "
+                               "run vLLM with enforce_eager=True so hooks see the forward")
+        recorded = {s["name"] for s in self.writer.manifest["stages"] + self.writer.stages}
+        missing = [name for name in self.expected if name not in recorded]
+        if missing:
+            note = ("not recorded (the forward did not run these modules, or computed logits at "
+                    f"fewer positions): {', '.join(missing)}")
+            self.notes.append(note)
+            print(f"glmcheck_probe: rank {self.rank}: {note}", file=sys.stderr)
+        manifest = self.writer.finish()
+        self.done = True
+        if len(manifest["stages"]) <= 1:
+            raise RuntimeError(f"{self.dir}: the forward recorded {len(manifest['stages'])} "
+                               "stage(s); run vLLM with enforce_eager=True")
+        return manifest
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _out(self, module, fn):
+        self.hooks.append(module.register_forward_hook(lambda _m, args, out: fn(out)))
+
+    def _pre(self, module, fn):
+        self.hooks.append(module.register_forward_pre_hook(lambda _m, args: fn(args)))
+
+    def install(self) -> "Probe":
+        cfg, model = self.cfg, self.model
+        _require("model", getattr(model, "model", None), {"DeepseekV2Model", "GlmMoeDsaModel"})
+        inner = model.model
+        _require("model.embed_tokens", getattr(inner, "embed_tokens", None), EMBED)
+        _require("model.norm", getattr(inner, "norm", None), RMS_NORM)
+        self._pre(inner, lambda args: self._start(args[0]))
+        self._out(inner.embed_tokens, lambda o: self.take("embed", _first(o), "t d", -1))
+        layers = getattr(inner, "layers", None)
+        if layers is None or len(layers) < cfg.num_hidden_layers:
+            raise UnknownModel(f"model.layers: {0 if layers is None else len(layers)} layers "
+                               f"for num_hidden_layers {cfg.num_hidden_layers}")
+        for n in range(cfg.num_hidden_layers):
+            self._layer(n, layers[n])
+
+        def final(o):
+            self.take("final_norm", _first(o), "t d", -1)
+
+        self._out(inner.norm, final)
+        logits = getattr(model, "logits_processor", None)
+        _require("lm_head", getattr(model, "lm_head", None), LM_HEAD)
+        _require("logits_processor", logits, LOGITS)
+        self._out(logits, self._logits)
+        return self
+
+    def _logits(self, out) -> None:
+        if not self.active or out is None:
+            return
+        rows = out.shape[0] if out.dim() == 2 else -1
+        if rows != len(self.tokens):
+            self.notes.append(f"logits: {rows} rows for {len(self.tokens)} tokens (vLLM computes "
+                              "them at the sampled positions only); not recorded")
+        else:
+            self.take("logits", out, "t v(tp)", -1)
+        self.finish()
+
+    def _layer(self, n: int, layer) -> None:
+        at, cfg = f"model.layers.{n}", self.cfg
+        _require(at, layer, LAYER)
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        _require(f"{at}.self_attn", attn, ATTENTION)
+        L = f"L{n}."
+        self.expected += [L + s for s in (
+            "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
+            "attn.kv", "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
+            "ffn_norm", "ffn.out", "out")]
+        heads = cfg.num_attention_heads // self.tp
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self._pre(layer, lambda _a: setattr(self, "layer", n))
+        _require(f"{at}.input_layernorm", getattr(layer, "input_layernorm", None), RMS_NORM)
+        self._out(layer.input_layernorm, lambda o: self.take(L + "attn_norm", _first(o), "t d", -1))
+
+        fused = getattr(attn, "fused_qkv_a_proj", None)
+        if fused is not None:
+            _require(f"{at}.self_attn.fused_qkv_a_proj", fused, MERGED)
+            q_lora = cfg.q_lora_rank
+
+            def qkv_a(o):
+                o = _first(o)
+                self.take(L + "attn.q_a", o[..., :q_lora], "t d", -1)
+                self.take(L + "attn.kv_a", o[..., q_lora:], "t d", -1)
+
+            self._out(fused, qkv_a)
+        else:
+            for name, stage in (("q_a_proj", "attn.q_a"), ("kv_a_proj_with_mqa", "attn.kv_a")):
+                mod = getattr(attn, name, None)
+                _require(f"{at}.self_attn.{name}", mod, REPLICATED)
+                self._out(mod, lambda o, s=stage: self.take(L + s, _first(o), "t d", -1))
+        for name, classes, stage, dims, tail, split in (
+            ("q_a_layernorm", RMS_NORM, "attn.q_a_norm", "t d", (-1,), False),
+            ("q_b_proj", COLUMN, "attn.q", "t h(tp) d", (heads, qk), True),
+            ("kv_a_layernorm", RMS_NORM, "attn.kv_a_norm", "t d", (-1,), False),
+            ("kv_b_proj", COLUMN, "attn.kv", "t h(tp) d", (heads, -1), True),
+        ):
+            mod = getattr(attn, name, None)
+            _require(f"{at}.self_attn.{name}", mod, classes)
+            self._out(mod, lambda o, s=stage, d=dims, t=tail, p=split:
+                      self.take(L + s, _first(o), d, *t, split=p))
+
+        rope = getattr(attn, "rotary_emb", None)
+        _require(f"{at}.self_attn.rotary_emb", rope, ROPE)
+        if all(rope is not hooked for hooked in self._ropes):
+            self._ropes.append(rope)
+            self._out(rope, self._rope)
+        indexer = getattr(attn, "indexer", None)
+        if indexer is not None:
+            _require(f"{at}.self_attn.indexer", indexer, INDEXER)
+            self._pre(indexer, lambda _a: setattr(self, "in_indexer", True))
+            self.expected.append(L + "attn.index_topk")
+
+            def index(o):
+                self.in_indexer = False
+                ids = _first(o)[: len(self.tokens)].to(torch.int64)
+                # Keys after the query are padding of a short prompt: -1, as DESIGN §4 says.
+                query = torch.arange(len(self.tokens)).unsqueeze(-1)
+                self.take(L + "attn.index_topk", torch.where(ids > query, -1, ids), "t k", -1)
+
+            self._out(indexer, index)
+        o_proj = getattr(attn, "o_proj", None)
+        _require(f"{at}.self_attn.o_proj", o_proj, ROW)
+        self._pre(o_proj, lambda a: self.take(L + "attn.ctx", a[0], "t h(tp) d", heads, -1,
+                                              split=True))
+        reduced = getattr(o_proj, "reduce_results", True) or self.tp == 1
+        self._out(o_proj, lambda o: self.take(L + "attn.out", _first(o),
+                                              "t d" if reduced else "t d partial(tp)", -1,
+                                              split=not reduced))
+        post = getattr(layer, "post_attention_layernorm", None)
+        _require(f"{at}.post_attention_layernorm", post, RMS_NORM)
+
+        def post_norm(o):
+            if not isinstance(o, (tuple, list)):
+                raise UnknownModel(f"{at}.post_attention_layernorm: returned one tensor, not "
+                                   "vLLM's (normed, residual) pair")
+            self.take(L + "attn_resid", o[1], "t d", -1)
+            self.take(L + "ffn_norm", o[0], "t d", -1)
+
+        self._out(post, post_norm)
+        if _class(mlp) in MOE:
+            gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+            _require(f"{at}.mlp.gate", gate, GATE)
+            _require(f"{at}.mlp.experts", experts, FUSED_MOE)
+            self._out(gate, lambda o: self.take(L + "moe.router_logits", _first(o), "t e", -1))
+            self.expected.append(L + "moe.router_logits")
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:
+                _require(f"{at}.mlp.shared_experts", shared, MLP)
+                down = getattr(shared, "down_proj", None)
+                _require(f"{at}.mlp.shared_experts.down_proj", down, ROW)
+                partial = not getattr(down, "reduce_results", True) and self.tp > 1
+                self.expected.append(L + "moe.shared")
+                self._out(shared, lambda o: self.take(
+                    L + "moe.shared", _first(o), "t d partial(tp)" if partial else "t d", -1,
+                    split=partial))
+        else:
+            _require(f"{at}.mlp", mlp, MLP | MOE)
+        self._out(mlp, lambda o: self.take(L + "ffn.out", _first(o), "t d", -1))
+
+        def out(o):
+            if not (isinstance(o, (tuple, list)) and len(o) == 2):
+                raise UnknownModel(f"{at}: returned {type(o).__name__}, not vLLM's "
+                                   "(hidden_states, residual)")
+            self.take(L + "out", o[0] + o[1], "t d", -1)
+
+        self._out(layer, out)
+
+    def _rope(self, out) -> None:
+        """MLA's rotary call records the rotated parts; the indexer's (same module object in
+        vLLM's rope cache) is told apart by the indexer's pre/post hooks."""
+        if self.in_indexer or not self.active:
+            return
+        q, k = out
+        cfg, L = self.cfg, f"L{self.layer}."
+        rope = cfg.qk_rope_head_dim
+        heads = cfg.num_attention_heads // self.tp
+        self.take(L + "attn.q_rope", q[..., -rope:], "t h(tp) d", heads, rope, split=True)
+        self.take(L + "attn.k_rope", k[..., -rope:], "t d", rope)
+
+
+def _config_dict(cfg) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    if hasattr(cfg, "to_dict"):
+        return cfg.to_dict()
+    return {k: v for k, v in vars(cfg).items() if not k.startswith("_")}
+
+
+def install(model, out_dir: str, rank: int, world_size: int, full=DEFAULT_FULL,
+            source: str = None) -> Probe:
+    """Check `model` (vLLM's GlmMoeDsaForCausalLM / DeepseekV2ForCausalLM on this worker) and
+    hook it: the next forward, with the logits computed after it, is written to
+    `out_dir/rank{rank}.trace`. Raises `UnknownModel` naming the first module or parameter the
+    probe does not know."""
+    check_parameters(model)
+    return Probe(model, out_dir, rank, world_size, full, source).install()
+
+
+def merge_traces(out: str, paths: list) -> dict:
+    """One trace from the ranks' traces of one forward: whole stages from the first rank (a
+    replicated stage whose hash differs on another rank is listed in `producer.disagree`),
+    every rank's part of the split stages; tensor files copied as `rank{r}.FILE`."""
+    parts = []
+    for p in paths:
+        with open(os.path.join(p, MANIFEST)) as f:
+            parts.append((p, json.load(f)))
+    if not parts:
+        raise ValueError("merge-trace: no rank traces given")
+    head = parts[0][1]
+    for p, m in parts:
+        for key in ("tokens", "tp", "dtype"):
+            if m[key] != head[key]:
+                raise ValueError(f"{p}: {key} differs from {parts[0][0]}'s")
+    os.makedirs(out, exist_ok=True)
+    if os.listdir(out):
+        raise FileExistsError(f"{out} already holds files; give the trace a new name")
+    ranks = {m["producer"].get("rank", i): (p, m) for i, (p, m) in enumerate(parts)}
+    if sorted(ranks) != list(range(head["tp"])):
+        raise ValueError(f"merge-trace: ranks {sorted(ranks)} for tp {head['tp']}")
+    by_rank = {r: {(s["name"], s.get("rank")): s for s in m["stages"]} for r, (_, m) in ranks.items()}
+    stages, disagree = [], []
+
+    def copy(r, s):
+        s = dict(s)
+        if "file" in s:
+            name = f"rank{r}.{s['file']}"
+            dst = os.path.join(out, name)
+            if not os.path.exists(dst):
+                shutil.copyfile(os.path.join(ranks[r][0], s["file"]), dst)
+            s["file"] = name
+        return s
+
+    names = [(s["name"], s.get("rank")) for s in ranks[0][1]["stages"]]
+    for name, rank in names:
+        if rank is None:
+            first = by_rank[0][(name, None)]
+            stages.append(copy(0, first))
+            for r in range(1, head["tp"]):
+                other = by_rank[r].get((name, None))
+                if other is None:
+                    raise ValueError(f"{ranks[r][0]}: no stage {name}")
+                if other["stats"]["hash"] != first["stats"]["hash"]:
+                    disagree.append({"stage": name, "rank": r})
+        else:
+            for r in range(head["tp"]):
+                s = by_rank[r].get((name, r))
+                if s is None:
+                    raise ValueError(f"{ranks[r][0]}: no rank {r} part of stage {name}")
+                stages.append(copy(r, s))
+    producer = {**head["producer"], "ranks": head["tp"], "disagree": disagree}
+    producer.pop("rank", None)
+    merged = {**head, "producer": producer, "stages": stages}
+    _write_json(os.path.join(out, MANIFEST), merged)
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="merge the per-rank outputs of the vLLM probe")
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("merge-trace", help="one trace from the ranks' rank{r}.trace folders")
+    t.add_argument("out")
+    t.add_argument("parts", nargs="+")
+    s = sub.add_parser("merge-shards", help="one shard manifest from the ranks' files")
+    s.add_argument("out")
+    s.add_argument("parts", nargs="+")
+    args = parser.parse_args()
+    if args.what == "merge-trace":
+        m = merge_traces(args.out, args.parts)
+        print(f"wrote {args.out}: {len(m['stages'])} stage records from {m['tp']} ranks, "
+              f"{len(m['producer']['disagree'])} replicated stages differing across ranks")
+    else:
+        m = merge_shard_manifests(args.out, args.parts)
+        print(f"wrote {args.out}: {sum(len(r['weights']) for r in m['ranks'])} shards "
+              f"on {len(m['ranks'])} ranks")
+
+
+if __name__ == "__main__":
+    main()
