@@ -70,7 +70,11 @@ fn is_trace(path: &Path) -> bool {
 }
 
 /// Run the model candidate as the baseline (or the options) say, into `out`.
-fn record_candidate(args: &GateArgs, baseline: Option<&Baseline>, out: &Path) -> anyhow::Result<()> {
+fn record_candidate(
+    args: &GateArgs,
+    baseline: Option<&Baseline>,
+    out: &Path,
+) -> anyhow::Result<()> {
     let (files, _, _) = open_model(&args.candidate)?;
     let prompt = match (&args.prompt, args.tokens.is_empty(), baseline) {
         (Some(p), _, _) => Some(p.clone()),
@@ -143,10 +147,7 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
         args.candidate.clone()
     } else {
         if !args.candidate.exists() {
-            bail!(
-                "{}: no such trace or model",
-                args.candidate.display()
-            );
+            bail!("{}: no such trace or model", args.candidate.display());
         }
         let out = args
             .out
@@ -260,11 +261,7 @@ fn print_report(r: &GateReport) {
         }
     } else {
         // How close the candidate came: the stages nearest their limits.
-        let mut near: Vec<_> = r
-            .stages
-            .iter()
-            .filter(|s| s.headroom_used > 0.0)
-            .collect();
+        let mut near: Vec<_> = r.stages.iter().filter(|s| s.headroom_used > 0.0).collect();
         near.sort_by(|a, b| b.headroom_used.total_cmp(&a.headroom_used));
         if !near.is_empty() {
             let mut t = table(&["stage", "closest check", "share of its limit used"]);

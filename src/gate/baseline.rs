@@ -299,9 +299,10 @@ impl Baseline {
                 epsilon: None,
             });
         }
-        let logits = match trace.stage("logits", None).or_else(|| {
-            trace.stages().iter().find(|s| s.name == "logits")
-        }) {
+        let logits = match trace
+            .stage("logits", None)
+            .or_else(|| trace.stages().iter().find(|s| s.name == "logits"))
+        {
             Some(_) => whole_values(trace, "logits")?.map(|(values, shape)| {
                 let vocab = shape.last().copied().unwrap_or(1) as usize;
                 logits_rows(&values, vocab)
@@ -381,7 +382,8 @@ impl Baseline {
             Some(VERSION) => {}
             _ => bail!(
                 "version: {}, this glmcheck reads {VERSION}",
-                top.get("version").map_or("missing".into(), Value::to_string)
+                top.get("version")
+                    .map_or("missing".into(), Value::to_string)
             ),
         }
         let stages = match top.remove("stages") {
@@ -391,11 +393,14 @@ impl Baseline {
         };
         let logits = top.remove("logits");
         top.insert("stages".into(), Value::Array(Vec::new()));
-        let mut baseline: Baseline = serde_json::from_value(value).map_err(|e| {
-            anyhow::anyhow!("{}", e.to_string().replace(" at line 0 column 0", ""))
-        })?;
+        let mut baseline: Baseline = serde_json::from_value(value)
+            .map_err(|e| anyhow::anyhow!("{}", e.to_string().replace(" at line 0 column 0", "")))?;
         for (i, s) in stages.into_iter().enumerate() {
-            let name = s.get("name").and_then(Value::as_str).unwrap_or("?").to_string();
+            let name = s
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string();
             let record: StageBaseline = serde_json::from_value(s)
                 .map_err(|e| anyhow::anyhow!("stages[{i}] \"{name}\": {e}"))?;
             baseline.stages.push(record);
@@ -539,7 +544,11 @@ impl Baseline {
         field("ep", j(&self.ep), false);
         field("tokens", j(&self.tokens), false);
         field("limits", j(&self.limits), false);
-        let stages: Vec<String> = self.stages.iter().map(|s| format!("    {}", j(s))).collect();
+        let stages: Vec<String> = self
+            .stages
+            .iter()
+            .map(|s| format!("    {}", j(s)))
+            .collect();
         field(
             "stages",
             format!("[\n{}\n  ]", stages.join(",\n")),
@@ -556,7 +565,11 @@ impl Baseline {
                 format!("\"entropy\": {}", j(&l.entropy)),
                 format!("\"absmax\": {}", j(&l.absmax)),
             ];
-            field("logits", format!("{{\n    {}\n  }}", lines.join(",\n    ")), true);
+            field(
+                "logits",
+                format!("{{\n    {}\n  }}", lines.join(",\n    ")),
+                true,
+            );
         }
         out.push_str("}\n");
         out

@@ -401,7 +401,13 @@ fn judge(b: &StageBaseline, c: &StageRecord, eps: f64, notes: &mut Vec<String>) 
     j.within("max", bs.max, cs.max, eps * bs.absmax, "ε·absmax");
     j.within("absmax", bs.absmax, cs.absmax, eps * bs.absmax, "ε·absmax");
     let slack = ((eps * bs.count as f64).ceil() as u64).max(1);
-    j.not_grown("zeros", bs.zeros, cs.zeros, slack, "max(1, ε·count) exact zeros");
+    j.not_grown(
+        "zeros",
+        bs.zeros,
+        cs.zeros,
+        slack,
+        "max(1, ε·count) exact zeros",
+    );
     j.result(b, Basis::Stats, eps)
 }
 
