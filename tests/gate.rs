@@ -257,7 +257,8 @@ fn planted_faults_fail_naming_the_stage() {
     }
 
     // (baseline, fault, first broken stage and rank, a check that broke there)
-    let cases: [(&PathBuf, &str, (&str, Option<u64>), &str); 6] = [
+    type Case<'a> = (&'a PathBuf, &'a str, (&'a str, Option<u64>), &'a str);
+    let cases: [Case; 6] = [
         (&f32_tp1, "flat-lm-head", ("logits", None), "l2"),
         (&f32_tp1, "dequant-q4k-scales", ("embed", None), "mean"),
         (&f32_tp1, "nan-expert", ("L1.moe.routed", None), "nan"),

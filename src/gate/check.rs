@@ -448,7 +448,7 @@ fn judge_logits(
     };
     let mut j = Judge::new();
     let vocab = shape.last().copied().unwrap_or(0) as usize;
-    let positions = if vocab > 0 { values.len() / vocab } else { 0 };
+    let positions = values.len().checked_div(vocab).unwrap_or(0);
     if vocab != l.vocab || positions != l.positions {
         j.fail(
             "shape",
