@@ -27,6 +27,14 @@ bench:
 demo:
     cargo run --release -- demo
 
+# Rewrite golden/'s gate baselines from this build (tiny and small, f32 and bf16, TP 1/2/4); review the diff.
+golden:
+    scripts/gate-golden --update
+
+# Gate this build against golden/ (what .ci/run does after the tests).
+gate-golden:
+    scripts/gate-golden
+
 # Fuzz a target (gguf_header, safetensors_header, trace_manifest, shard_manifest) for SECONDS; needs nightly and cargo-fuzz (fuzz/README.md).
 fuzz target="gguf_header" seconds="300":
     scripts/setup-venv

@@ -8,6 +8,7 @@ pub mod compare;
 pub mod cuda;
 pub mod diagnose;
 pub mod exec;
+pub mod gate;
 pub mod model;
 pub mod report;
 pub mod shard;

@@ -4,6 +4,7 @@ mod bisect;
 mod demo;
 mod dequant;
 mod diff;
+mod gate;
 mod inspect;
 mod logits;
 mod output;
@@ -53,6 +54,10 @@ pub enum Command {
     Bisect(bisect::BisectArgs),
     /// Compare two traces: metrics per stage, the first divergence, the fault class.
     Diff(diff::DiffArgs),
+    /// CI gate: a candidate (trace, or a model run here) against a reviewed baseline's per-stage
+    /// statistics and per-position logits; exit 1 on a regression, JUnit XML and Markdown
+    /// summaries; `--update` writes the baseline from the candidate.
+    Gate(gate::GateArgs),
     /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
     Logits(logits::LogitsArgs),
     /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds; with
@@ -85,6 +90,7 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Run(a) => run::run(a),
         Command::Diff(a) => diff::run(a),
         Command::Bisect(a) => bisect::run(a),
+        Command::Gate(a) => gate::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Shards(a) => shards::run(a),
         Command::Selftest(a) => selftest::run(a),
