@@ -1,6 +1,7 @@
 //! `glmcheck gate --baseline FILE CAND`: a candidate (a trace, or a model run here) held to a
 //! reviewed baseline; `--update` writes the baseline from the candidate instead.
 
+use crate::exec::engine::BackendKind;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -23,7 +24,7 @@ pub struct GateArgs {
     #[arg(long, value_name = "FILE")]
     pub baseline: PathBuf,
     /// The candidate: a trace folder (`NAME.trace`), or a model (GGUF, Hugging Face folder) to
-    /// run here on the CPU with the options below.
+    /// run here with the options below.
     pub candidate: PathBuf,
     /// Write (or overwrite) the baseline from the candidate instead of checking it.
     #[arg(long)]
@@ -40,12 +41,15 @@ pub struct GateArgs {
     /// Model candidate: its dtype (default: the baseline's, else f32).
     #[arg(long, value_enum)]
     pub dtype: Option<Precision>,
-    /// Model candidate: tensor-parallel ranks on the CPU (default: the baseline's, else 1).
+    /// Model candidate: tensor-parallel ranks (default: the baseline's, else 1).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: Option<u64>,
     /// Model candidate: expert parallelism (default: the baseline's).
     #[arg(long)]
     pub ep: bool,
+    /// Model candidate: where its ops run (`cpu`, or `cuda`: one GPU per rank).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendKind,
     /// Model candidate: plant a fault of the catalogue (`glmcheck bisect --list-faults`).
     #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
     pub inject: Option<Injection>,
@@ -111,6 +115,7 @@ fn record_candidate(
         dtype,
         tp,
         ep,
+        backend: args.backend,
         inject: args.inject,
         generate: 0,
         ties: None,
