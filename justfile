@@ -45,6 +45,11 @@ fuzz target="gguf_header" seconds="300":
 gpu-dequant-check:
     scripts/gpu-dequant-check target/release/glmcheck
 
+# On the GPU machine: the CUDA backend's selftest, clean bisects against the CPU at TP 1/2/4 on
+# tiny, small and glm5-dims, the fault matrix at TP 2/4, per-rank GPU memory (writes OUT/gpu-backend.md).
+gpu-backend-check out="target/gpu-backend":
+    scripts/gpu-env scripts/gpu-backend-check target/release/glmcheck {{out}}
+
 # On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
 gpu-dequant-bench:
     scripts/gpu-dequant-bench target/release/glmcheck

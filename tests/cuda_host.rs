@@ -1,22 +1,132 @@
 //! The CUDA side on a machine without a GPU, as every machine with a Rust toolchain here is:
-//! `dequant --device cuda` says that no CUDA driver was found and exits 2 — it neither panics
-//! nor pretends. The GPU checks themselves run on the GPU machine (`just gpu-dequant-check`).
+//! every CUDA command says that no CUDA driver was found and exits 2 — it neither panics nor
+//! pretends; the embedded kernels compile with NVRTC (the one torch's CUDA wheels carry) for the
+//! GPU generations users run; the CPU backend passes its own selftest. The GPU checks themselves
+//! run on the GPU machine (`just gpu-backend-check`, `just gpu-dequant-check`).
 
 mod common;
 
-use std::process::Command;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn glmcheck(args: &[&str]) -> Output {
+    Command::new(common::glmcheck_bin())
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn says_no_driver(out: &Output, what: &str) {
+    assert_eq!(out.status.code(), Some(2), "{what}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no CUDA driver found"), "{what}: {err}");
+    assert_eq!(err.lines().count(), 1, "{what}: one line: {err}");
+}
 
 #[test]
 fn without_a_driver_cuda_commands_say_so() {
     let dir = common::scratch();
     let model = dir.path().join("m.gguf");
     common::synth_tiny(&model, &["--quant", "q8_0"]);
+    let m = model.to_str().unwrap();
+    let trace = dir.path().join("r.trace");
+    let t = trace.to_str().unwrap();
+    says_no_driver(&glmcheck(&["dequant", m, "--device", "cuda"]), "dequant");
+    says_no_driver(
+        &glmcheck(&["run", m, "--tokens", "1,2", "--backend", "cuda", "--out", t]),
+        "run",
+    );
+    says_no_driver(
+        &glmcheck(&[
+            "bisect",
+            m,
+            "--tokens",
+            "1,2",
+            "--backend",
+            "cuda",
+            "--tp",
+            "2",
+        ]),
+        "bisect",
+    );
+    says_no_driver(&glmcheck(&["selftest", "--backend", "cuda"]), "selftest");
+}
+
+/// The folder of the NVRTC library in the oracle venv's CUDA wheels.
+fn nvrtc_dir() -> PathBuf {
+    let out = Command::new(common::python())
+        .args([
+            "-c",
+            "import glob, site; print(next(d for s in site.getsitepackages() \
+             for d in glob.glob(s + '/nvidia/cu13/lib') if glob.glob(d + '/libnvrtc.so*')))",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "no NVRTC in the oracle venv's nvidia/cu13 wheels: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+#[test]
+fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
+    let lib = nvrtc_dir();
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let out = Command::new(common::glmcheck_bin())
+            .args(["selftest", "--compile-only", arch, "--json"])
+            .env("LD_LIBRARY_PATH", &lib)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{arch}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let files: Vec<&str> = j["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["file"].as_str().unwrap())
+            .collect();
+        assert_eq!(files, ["dequant.cu", "ops.cu"], "{arch}");
+        for k in j["kernels"].as_array().unwrap() {
+            // A CUBIN holds an ELF image of the kernels, tens of KB for these files.
+            assert!(k["cubin_bytes"].as_u64().unwrap() > 10_000, "{arch}: {k}");
+        }
+    }
+    // Without NVRTC on the path: one line saying what is missing.
     let out = Command::new(common::glmcheck_bin())
-        .args(["dequant", model.to_str().unwrap(), "--device", "cuda"])
+        .args(["selftest", "--compile-only", "sm_90"])
+        .env("LD_LIBRARY_PATH", "/nonexistent")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no CUDA driver found"), "{err}");
-    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no NVRTC found"));
+}
+
+#[test]
+fn the_cpu_backend_passes_its_selftest_with_an_all_reduce() {
+    let out = glmcheck(&["selftest", "--tp", "3", "--seed", "11", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let cases = j["cases"].as_array().unwrap();
+    // 14 cases (the all-reduce included) at each of f32, bf16 and f16.
+    assert_eq!(cases.len(), 42);
+    assert_eq!(j["failed"], 0);
+    for c in cases {
+        assert!(
+            c["nmse"].as_f64().unwrap() <= c["limit"].as_f64().unwrap(),
+            "{c}"
+        );
+    }
+    let out = glmcheck(&["selftest", "--dtype", "f64"]);
+    assert_eq!(out.status.code(), Some(2));
 }

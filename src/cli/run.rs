@@ -189,6 +189,11 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         dtype: spec.dtype.name().into(),
         tp: spec.tp as u32,
     };
+    // The GPUs first: without them no trace folder is left behind.
+    let engine = match spec.dtype {
+        Precision::F64 => None,
+        p => Some(Engine::open(spec.backend, p, spec.tp as usize)?),
+    };
     let mut writer = TraceWriter::create(spec.out, header, spec.full)
         .with_context(|| spec.out.display().to_string())?;
     let mut source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
@@ -214,8 +219,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             greedy(&Hybrid::single(run), n, g, &mut writer)?
         }
         (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
-        (p, hybrid) => {
-            let be = Engine::open(spec.backend, p, spec.tp as usize)?;
+        (_, hybrid) => {
+            let Some(be) = engine else {
+                bail!("f64 runs only on the CPU");
+            };
             let candidate = Runner {
                 src: &source,
                 be: &be,

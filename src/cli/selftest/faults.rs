@@ -2,7 +2,7 @@
 //! of the catalogue is planted in turn in a candidate run at the given TP and dtypes, and
 //! `bisect` must name the catalogue's class at its stage; a clean candidate must pass.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use serde::Serialize;
 
 use crate::cli::bisect::{self, BisectArgs, Mode};
@@ -46,21 +46,33 @@ fn first_q4k_stage(model: &std::path::Path) -> Result<(crate::model::Glm5Config,
     Ok((cfg, first))
 }
 
-/// Every catalogue fault that applies at `tp` and one of `dtypes`, and a clean candidate per
-/// dtype, bisected on `backend`.
+/// Every catalogue fault (those named in `only`, when it names any) that applies at `tp` and
+/// one of `dtypes`, and a clean candidate per dtype (unless `only` names faults), bisected on
+/// `backend`.
 pub fn matrix(
     model: &std::path::Path,
     backend: BackendKind,
     tp: u64,
     dtypes: &[Precision],
+    only: &[String],
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<FaultCase>> {
+    if let Some(unknown) = only
+        .iter()
+        .find(|n| !CATALOGUE.iter().any(|e| e.name == n.as_str()))
+    {
+        bail!("--fault {unknown}: not in the catalogue (glmcheck bisect --list-faults)");
+    }
     let (cfg, first_q4k) = first_q4k_stage(model)?;
     let mut cases = Vec::new();
-    let mut planted: Vec<(Option<Injection>, Precision)> =
-        dtypes.iter().map(|&d| (None, d)).collect();
+    let mut planted: Vec<(Option<Injection>, Precision)> = if only.is_empty() {
+        dtypes.iter().map(|&d| (None, d)).collect()
+    } else {
+        Vec::new()
+    };
     for entry in CATALOGUE {
-        if entry.needs_tp && tp < 2 {
+        let chosen = only.is_empty() || only.iter().any(|n| n == entry.name);
+        if !chosen || (entry.needs_tp && tp < 2) {
             continue;
         }
         let fault = Injection::parse(entry.name)?;

@@ -39,6 +39,14 @@ pub struct SelftestArgs {
     /// its stage (and passes the clean one).
     #[arg(long, value_name = "MODEL")]
     pub faults: Option<PathBuf>,
+    /// With `--faults`: only these catalogue faults (comma-separated names), and no clean run.
+    #[arg(
+        long = "fault",
+        value_name = "NAME",
+        value_delimiter = ',',
+        requires = "faults"
+    )]
+    pub only: Vec<String>,
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -48,7 +56,7 @@ pub struct SelftestArgs {
 /// found.
 fn fault_matrix(args: &SelftestArgs, model: &Path, dtypes: &[Precision]) -> Result<Outcome> {
     let bar = progress(0, args.json, "fault matrix");
-    let cases = faults::matrix(model, args.backend, args.tp, dtypes, |what| {
+    let cases = faults::matrix(model, args.backend, args.tp, dtypes, &args.only, |what| {
         bar.set_message(what.to_string());
         bar.tick();
     })?;
