@@ -116,6 +116,7 @@ fn record_candidate(
         tp,
         ep,
         backend: args.backend,
+        process: None,
         inject: args.inject,
         generate: 0,
         ties: None,

@@ -7,9 +7,12 @@ use serde_json::json;
 
 use super::inspect::glm5_config;
 use super::Outcome;
+use crate::cuda::backend::ProcessRank;
 use crate::exec::backend::{Backend, Cpu, Precision};
 use crate::exec::engine::{BackendKind, Engine};
-use crate::exec::forward::{generate, ForwardOptions, Hybrid, Runner, HF_LATENT_NORM_EPS};
+use crate::exec::forward::{
+    generate, Discard, ForwardOptions, Hybrid, Recorder, Runner, HF_LATENT_NORM_EPS,
+};
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
 use crate::exec::source::WeightSource;
@@ -60,6 +63,17 @@ pub struct RunArgs {
     /// libraries loaded at run time).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendKind,
+    /// One process per rank (`--backend cuda`): this process's rank, on GPU RANK. Start one
+    /// process per rank with the same arguments and `--nccl-id`; rank 0 writes the trace.
+    #[arg(long, requires_all = ["world_size", "nccl_id"])]
+    pub rank: Option<usize>,
+    /// The number of rank processes (equal to `--tp`).
+    #[arg(long, requires = "rank")]
+    pub world_size: Option<usize>,
+    /// A file on storage every rank process sees: rank 0 writes the NCCL unique id there, the
+    /// others wait for it (remove it before a new run).
+    #[arg(long, value_name = "FILE", requires = "rank")]
+    pub nccl_id: Option<PathBuf>,
     /// Expert parallelism: each rank computes the routed experts it owns whole (experts
     /// `r·E/tp .. (r+1)·E/tp`) instead of its share of every expert's intermediate dimension.
     #[arg(long)]
@@ -99,6 +113,8 @@ pub struct RunSpec<'a> {
     pub tp: u64,
     pub ep: bool,
     pub backend: BackendKind,
+    /// This process's rank when each rank runs in a process of its own.
+    pub process: Option<ProcessRank>,
     pub inject: Option<Injection>,
     pub generate: usize,
     pub ties: Option<&'a TieBreaks>,
@@ -189,13 +205,40 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         dtype: spec.dtype.name().into(),
         tp: spec.tp as u32,
     };
+    if let Some(p) = &spec.process {
+        if spec.backend != BackendKind::Cuda || spec.ep || spec.hybrid.is_some() {
+            bail!("--rank runs one rank per process with --backend cuda, without --ep");
+        }
+        if p.world_size as u64 != spec.tp {
+            bail!(
+                "--world-size {} differs from --tp {}",
+                p.world_size,
+                spec.tp
+            );
+        }
+    }
     // The GPUs first: without them no trace folder is left behind.
     let engine = match spec.dtype {
         Precision::F64 => None,
-        p => Some(Engine::open(spec.backend, p, spec.tp as usize)?),
+        p => Some(Engine::open(
+            spec.backend,
+            p,
+            spec.tp as usize,
+            spec.process.as_ref(),
+        )?),
     };
-    let mut writer = TraceWriter::create(spec.out, header, spec.full)
-        .with_context(|| spec.out.display().to_string())?;
+    // With a process per rank, rank 0 writes the trace; the others compute their shards.
+    let mut writer = match &spec.process {
+        Some(p) if p.rank != 0 => None,
+        _ => Some(
+            TraceWriter::create(spec.out, header, spec.full)
+                .with_context(|| spec.out.display().to_string())?,
+        ),
+    };
+    let rec: &mut dyn Recorder = match &mut writer {
+        Some(w) => w,
+        None => &mut Discard,
+    };
     let mut source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
     if let Some(other) = spec.stored_as {
         let (files, cfg, family) = open_model(other)?;
@@ -216,7 +259,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 be: &be,
                 opts,
             };
-            greedy(&Hybrid::single(run), n, g, &mut writer)?
+            greedy(&Hybrid::single(run), n, g, rec)?
         }
         (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
         (_, hybrid) => {
@@ -229,7 +272,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 opts,
             };
             let recorded = match hybrid {
-                None => greedy(&Hybrid::single(candidate), n, g, &mut writer)?,
+                None => greedy(&Hybrid::single(candidate), n, g, rec)?,
                 Some(split) => {
                     let (files, cfg, family) = open_model(split.reference)?;
                     let reference = WeightSource::new(files, cfg, family);
@@ -254,17 +297,22 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                         above,
                         switch: split.switch,
                     };
-                    greedy(&run, n, g, &mut writer)?
+                    greedy(&run, n, g, rec)?
                 }
             };
             let peaks = be.peak_bytes();
-            if !peaks.is_empty() {
-                writer.set_producer("gpu_peak_bytes", json!(peaks));
+            if let (Some(w), false) = (&mut writer, peaks.is_empty()) {
+                w.set_producer("gpu_peak_bytes", json!(peaks));
+                if let Some(p) = &spec.process {
+                    w.set_producer("processes", json!(p.world_size));
+                }
             }
             recorded
         }
     };
-    writer.finish()?;
+    if let Some(w) = writer {
+        w.finish()?;
+    }
     Ok(recorded)
 }
 
@@ -287,6 +335,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         tp: args.tp,
         ep: args.ep,
         backend: args.backend,
+        process: match (args.rank, args.world_size, &args.nccl_id) {
+            (Some(rank), Some(world_size), Some(file)) => Some(ProcessRank {
+                rank,
+                world_size,
+                nccl_id: file.clone(),
+            }),
+            _ => None,
+        },
         inject: args.inject,
         generate: args.generate,
         ties: None,
@@ -324,7 +380,7 @@ fn greedy<B: Backend>(
     run: &Hybrid<'_, B>,
     prompt: &[u32],
     n: usize,
-    rec: &mut TraceWriter,
+    rec: &mut dyn Recorder,
 ) -> anyhow::Result<Recorded> {
     let (logits, generated) = generate(run, prompt, n, rec)?;
     let top1 = (0..logits.rows)

@@ -18,7 +18,7 @@ use cudarc::nccl::{Comm, NcclType, ReduceOp};
 use half::{bf16, f16};
 
 use super::Gpu;
-use crate::exec::backend::{sum_in_rank_order, Backend, Precision};
+use crate::exec::backend::{all_computed, sum_in_rank_order, Backend, Precision};
 use crate::exec::mat::Mat;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
@@ -380,8 +380,33 @@ unsafe impl Send for Comms {}
 
 /// Every rank's GPU.
 struct Ranks {
+    /// The GPUs this process drives, one per rank of `local`.
     devices: Vec<Mutex<Device>>,
+    /// One communicator per local rank, in the same order.
     comms: Option<Mutex<Comms>>,
+    /// The tensor-parallel ranks this process computes: all of them, or its own.
+    local: Vec<usize>,
+    tp: usize,
+}
+
+/// One process of a run with a process per rank.
+#[derive(Clone, Debug)]
+pub struct ProcessRank {
+    pub rank: usize,
+    pub world_size: usize,
+    /// Where rank 0 writes the NCCL unique id and the others read it.
+    pub nccl_id: std::path::PathBuf,
+}
+
+fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
+    let gpu = Gpu::open(ordinal)?;
+    let blas =
+        CudaBlas::new(gpu.stream.clone()).map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
+    Ok(Mutex::new(Device {
+        gpu,
+        blas,
+        meter: Arc::default(),
+    }))
 }
 
 /// The CUDA backend as one rank runs it.
@@ -410,8 +435,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Whether cuBLAS (and, for several ranks, NCCL) can be loaded.
-fn libraries(ranks: usize) -> Result<()> {
+/// Whether the precision runs on GPUs and cuBLAS (and, for several ranks, NCCL) can be loaded.
+fn check_setup(precision: Precision, ranks: usize) -> Result<()> {
+    if precision == Precision::F64 {
+        bail!("--backend cuda runs f32, bf16 or f16, not f64");
+    }
+    super::libraries()?;
     // SAFETY: only tries to load the library by its usual names.
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         bail!("no cuBLAS found (libcublas): put CUDA 13's libraries on LD_LIBRARY_PATH (scripts/gpu-env does)");
@@ -428,27 +457,12 @@ fn libraries(ranks: usize) -> Result<()> {
 impl Cuda {
     /// GPUs 0..`tp`, one per rank, at `precision` (f32, bf16 or f16).
     pub fn open(precision: Precision, tp: usize) -> Result<Cuda> {
-        if precision == Precision::F64 {
-            bail!("--backend cuda runs f32, bf16 or f16, not f64");
-        }
-        super::libraries()?;
-        libraries(tp)?;
+        check_setup(precision, tp)?;
         let visible = cudarc::driver::CudaContext::device_count()? as usize;
         if tp > visible {
             bail!("--tp {tp} on GPUs needs {tp} of them, one per rank; {visible} visible");
         }
-        let devices = (0..tp)
-            .map(|ordinal| {
-                let gpu = Gpu::open(ordinal)?;
-                let blas = CudaBlas::new(gpu.stream.clone())
-                    .map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
-                Ok(Mutex::new(Device {
-                    gpu,
-                    blas,
-                    meter: Arc::default(),
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let devices = (0..tp).map(open_device).collect::<Result<Vec<_>>>()?;
         let comms = if tp > 1 {
             let streams = devices.iter().map(|d| lock(d).gpu.stream.clone()).collect();
             let comms =
@@ -458,7 +472,44 @@ impl Cuda {
             None
         };
         Ok(Cuda {
-            ranks: Arc::new(Ranks { devices, comms }),
+            ranks: Arc::new(Ranks {
+                devices,
+                comms,
+                local: (0..tp).collect(),
+                tp,
+            }),
+            rank: 0,
+            precision,
+        })
+    }
+
+    /// Rank `p.rank` of `p.world_size` in a process of its own, on GPU `rank` (modulo the GPUs
+    /// visible), joined to the others through the NCCL id in `p.nccl_id` — the route to
+    /// several nodes.
+    pub fn open_rank(precision: Precision, p: &ProcessRank) -> Result<Cuda> {
+        let ProcessRank {
+            rank, world_size, ..
+        } = *p;
+        if rank >= world_size {
+            bail!("--rank {rank} is not below --world-size {world_size}");
+        }
+        check_setup(precision, world_size)?;
+        let visible = cudarc::driver::CudaContext::device_count()? as usize;
+        if visible == 0 {
+            bail!("no CUDA GPU visible");
+        }
+        let device = open_device(rank % visible)?;
+        let id = super::nccl_id::exchange(&p.nccl_id, rank)?;
+        let stream = lock(&device).gpu.stream.clone();
+        let comm = Comm::from_rank(stream, rank, world_size, id)
+            .map_err(|e| anyhow!("NCCL rank {rank} of {world_size}: {e:?}"))?;
+        Ok(Cuda {
+            ranks: Arc::new(Ranks {
+                devices: vec![device],
+                comms: Some(Mutex::new(Comms(vec![comm]))),
+                local: vec![rank],
+                tp: world_size,
+            }),
             rank: 0,
             precision,
         })
@@ -491,33 +542,68 @@ impl Cuda {
 
     /// The NCCL all-reduce of one part per rank, each on its rank's GPU, in the dtype.
     fn nccl_all_reduce<D: Dtype>(&self, comms: &Comms, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
-        let devices: Vec<MutexGuard<'_, Device>> = (0..parts.len())
-            .map(|r| self.device(r))
+        let local = &self.ranks.local;
+        let devices: Vec<MutexGuard<'_, Device>> = (0..local.len())
+            .map(|d| self.device(d))
             .collect::<Result<_>>()?;
         let sends = devices
             .iter()
-            .zip(parts)
-            .map(|(d, p)| d.upload::<D>(&p.data))
+            .zip(local)
+            .map(|(d, &r)| d.upload::<D>(&parts[r].data))
             .collect::<Result<Vec<_>>>()?;
+        let n = parts[local[0]].data.len();
         let mut receives = devices
             .iter()
-            .map(|d| d.alloc::<D>(parts[0].data.len()))
+            .map(|d| d.alloc::<D>(n))
             .collect::<Result<Vec<_>>>()?;
-        cudarc::nccl::result::group_start().map_err(|e| anyhow!("NCCL group: {e:?}"))?;
-        let issued = comms.0.iter().zip(&sends).zip(&mut receives).try_for_each(
-            |((comm, send), receive)| {
-                comm.all_reduce(&send.slice, &mut receive.slice, &ReduceOp::Sum)
-                    .map(|_| ())
-            },
-        );
-        let ended = cudarc::nccl::result::group_end();
-        issued
-            .and(ended.map(|_| ()))
-            .map_err(|e| anyhow!("NCCL all-reduce: {e:?}"))?;
+        nccl_group(|| {
+            comms
+                .0
+                .iter()
+                .zip(&sends)
+                .zip(&mut receives)
+                .try_for_each(|((comm, send), receive)| {
+                    comm.all_reduce(&send.slice, &mut receive.slice, &ReduceOp::Sum)
+                        .map(|_| ())
+                })
+        })
+        .context("NCCL all-reduce")?;
         let first = &parts[0];
-        let sum = devices[0].download(&receives[0], first.data.len())?;
+        let sum = devices[0].download(&receives[0], n)?;
         Ok(Mat::new(first.rows, first.cols, sum))
     }
+
+    /// This process's part and the other ranks' through an NCCL all-gather (every part has the
+    /// shape of this rank's, as the plan gives them).
+    fn nccl_gather<D: Dtype>(&self, comms: &Comms, own: &Mat<f32>) -> Result<Vec<Mat<f32>>> {
+        let device = self.device(0)?;
+        let send = device.upload::<D>(&own.data)?;
+        let n = own.data.len();
+        let tp = self.ranks.tp;
+        let mut receive = device.alloc::<D>(n * tp)?;
+        nccl_group(|| {
+            comms.0[0]
+                .all_gather(&send.slice, &mut receive.slice)
+                .map(|_| ())
+        })
+        .context("NCCL all-gather")?;
+        let all = device.download(&receive, n * tp)?;
+        Ok(all
+            .chunks(n.max(1))
+            .take(tp)
+            .map(|c| Mat::new(own.rows, own.cols, c.to_vec()))
+            .collect())
+    }
+}
+
+/// NCCL calls issued as one group (one thread drives every local communicator).
+fn nccl_group(calls: impl FnOnce() -> Result<(), cudarc::nccl::result::NcclError>) -> Result<()> {
+    cudarc::nccl::result::group_start().map_err(|e| anyhow!("{e:?}"))?;
+    let issued = calls();
+    let ended = cudarc::nccl::result::group_end();
+    issued.map_err(|e| anyhow!("{e:?}"))?;
+    ended.map_err(|e| anyhow!("{e:?}"))?;
+    Ok(())
 }
 
 impl Backend for Cuda {
@@ -595,13 +681,35 @@ impl Backend for Cuda {
         }
     }
 
-    /// NCCL across the ranks' GPUs when there is one part per GPU.
+    fn computes(&self, rank: usize) -> bool {
+        self.ranks.local.contains(&rank)
+    }
+
+    fn collectives_across_processes(&self) -> bool {
+        self.ranks.local.len() < self.ranks.tp
+    }
+
+    fn gather(&self, parts: Vec<Option<Mat<f32>>>) -> Result<Vec<Mat<f32>>> {
+        let ranks = &self.ranks;
+        match (&ranks.comms, ranks.local.as_slice()) {
+            (Some(comms), &[own]) if ranks.tp > 1 && parts.len() == ranks.tp => {
+                let Some(Some(mine)) = parts.get(own) else {
+                    bail!("rank {own}'s own part is missing");
+                };
+                let comms = lock(comms);
+                with_dtype!(self.precision, D => self.nccl_gather::<D>(&comms, mine))
+            }
+            _ => all_computed(parts),
+        }
+    }
+
+    /// NCCL across the ranks' GPUs (or processes) when there is one part per rank.
     fn all_reduce(&self, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
         let shapes_agree = parts
             .iter()
             .all(|p| (p.rows, p.cols) == (parts[0].rows, parts[0].cols));
         match &self.ranks.comms {
-            Some(comms) if parts.len() == self.ranks.devices.len() && shapes_agree => {
+            Some(comms) if parts.len() == self.ranks.tp && shapes_agree => {
                 let comms = lock(comms);
                 with_dtype!(self.precision, D => self.nccl_all_reduce::<D>(&comms, parts))
             }

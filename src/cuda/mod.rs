@@ -16,6 +16,7 @@ use crate::weights::GgmlType;
 
 pub mod backend;
 pub mod check;
+mod nccl_id;
 mod nvrtc;
 
 pub use backend::Cuda;

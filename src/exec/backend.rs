@@ -85,11 +85,35 @@ pub trait Backend: Sync + Clone {
     fn on_rank(&self, _rank: usize) -> Self {
         self.clone()
     }
+    /// Whether this process computes rank `rank`'s shards: every rank, unless each rank runs in
+    /// a process of its own.
+    fn computes(&self, _rank: usize) -> bool {
+        true
+    }
+    /// Whether collectives cross process boundaries (a process per rank): then every process
+    /// must issue them in the same order, so work that reaches them runs one item at a time.
+    fn collectives_across_processes(&self) -> bool {
+        false
+    }
+    /// Every rank's part from those this process computed (`None` for the others'): an
+    /// all-gather when ranks are processes, so that every process goes on with all of them.
+    fn gather(&self, parts: Vec<Option<Mat<Self::E>>>) -> Result<Vec<Mat<Self::E>>> {
+        all_computed(parts)
+    }
     /// The sum of the ranks' partial results (an all-reduce), held in the dtype. By default in
     /// rank order, one rounding per add.
     fn all_reduce(&self, parts: &[Mat<Self::E>]) -> Result<Mat<Self::E>> {
         sum_in_rank_order(self, parts)
     }
+}
+
+/// Every rank's part, computed in this process.
+pub fn all_computed<E>(parts: Vec<Option<Mat<E>>>) -> Result<Vec<Mat<E>>> {
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(r, p)| p.ok_or_else(|| anyhow::anyhow!("rank {r}'s part was not computed here")))
+        .collect()
 }
 
 /// `parts` added one after another in rank order, each sum held in the dtype.

@@ -5,7 +5,7 @@ use anyhow::Result;
 
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
-use crate::cuda::backend::{Cuda, GpuWeight};
+use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank};
 
 /// Where the candidate's ops run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -41,11 +41,18 @@ pub enum EngineWeight {
 }
 
 impl Engine {
-    /// `kind` at `precision` (f32, bf16, f16) with `tp` ranks.
-    pub fn open(kind: BackendKind, precision: Precision, tp: usize) -> Result<Engine> {
-        Ok(match kind {
-            BackendKind::Cpu => Engine::Cpu(Cpu::new(precision)),
-            BackendKind::Cuda => Engine::Cuda(Cuda::open(precision, tp)?),
+    /// `kind` at `precision` (f32, bf16, f16) with `tp` ranks: all in this process, or on the
+    /// GPUs only `process`'s rank.
+    pub fn open(
+        kind: BackendKind,
+        precision: Precision,
+        tp: usize,
+        process: Option<&ProcessRank>,
+    ) -> Result<Engine> {
+        Ok(match (kind, process) {
+            (BackendKind::Cpu, _) => Engine::Cpu(Cpu::new(precision)),
+            (BackendKind::Cuda, None) => Engine::Cuda(Cuda::open(precision, tp)?),
+            (BackendKind::Cuda, Some(p)) => Engine::Cuda(Cuda::open_rank(precision, p)?),
         })
     }
 
@@ -140,5 +147,17 @@ impl Backend for Engine {
 
     fn all_reduce(&self, parts: &[Mat<f32>]) -> Result<Mat<f32>> {
         on_backend!(self, be => be.all_reduce(parts))
+    }
+
+    fn collectives_across_processes(&self) -> bool {
+        on_backend!(self, be => be.collectives_across_processes())
+    }
+
+    fn computes(&self, rank: usize) -> bool {
+        on_backend!(self, be => be.computes(rank))
+    }
+
+    fn gather(&self, parts: Vec<Option<Mat<f32>>>) -> Result<Vec<Mat<f32>>> {
+        on_backend!(self, be => be.gather(parts))
     }
 }

@@ -575,7 +575,14 @@ impl<B: Backend> Layer<'_, B> {
         used.dedup();
         // A few experts computed at once; their outputs are added in expert order, so the sum
         // does not depend on the thread count.
-        for group in used.chunks(EXPERTS_IN_FLIGHT) {
+        // Ranks in processes of their own must issue their collectives in one order: one
+        // expert at a time there.
+        let in_flight = if be.collectives_across_processes() {
+            1
+        } else {
+            EXPERTS_IN_FLIGHT
+        };
+        for group in used.chunks(in_flight) {
             let outputs = group
                 .par_iter()
                 .map(|&e| {

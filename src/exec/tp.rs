@@ -100,13 +100,27 @@ pub fn column_parallel<B: Backend>(
     role: LayerWeight,
     sharder: Sharder,
 ) -> Result<Vec<Mat<B::E>>> {
-    (0..sharder.tp)
+    let parts = (0..sharder.tp)
         .into_par_iter()
-        .map(|r| {
-            let be = be.on_rank(r);
-            be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)
-        })
-        .collect()
+        .map(|r| rank_linear(be, x, w, role, sharder, r))
+        .collect::<Result<Vec<_>>>()?;
+    be.gather(parts)
+}
+
+/// Rank `r`'s `x · W_rᵀ` on its device, if this process computes that rank.
+fn rank_linear<B: Backend>(
+    be: &B,
+    x: &Mat<B::E>,
+    w: &Mat<f32>,
+    role: LayerWeight,
+    sharder: Sharder,
+    r: usize,
+) -> Result<Option<Mat<B::E>>> {
+    if !be.computes(r) {
+        return Ok(None);
+    }
+    let be = be.on_rank(r);
+    Ok(Some(be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)?))
 }
 
 /// The ranks' column blocks side by side (the all-gather of a ColumnParallel output).
@@ -134,11 +148,9 @@ pub fn row_parallel<B: Backend>(
     let partials = x_parts
         .par_iter()
         .enumerate()
-        .map(|(r, x)| {
-            let be = be.on_rank(r);
-            be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)
-        })
+        .map(|(r, x)| rank_linear(be, x, w, role, sharder, r))
         .collect::<Result<Vec<_>>>()?;
+    let partials = be.gather(partials)?;
     let sum = be.all_reduce(&partials)?;
     Ok((sum, partials))
 }

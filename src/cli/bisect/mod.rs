@@ -522,6 +522,7 @@ fn reference_spec<'a>(
         tp: 1,
         ep: false,
         backend: BackendKind::Cpu,
+        process: None,
         inject: None,
         generate: args.generate,
         ties: None,

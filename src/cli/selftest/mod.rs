@@ -141,7 +141,7 @@ pub fn run(args: SelftestArgs) -> Result<Outcome> {
     let mut outcomes = Vec::new();
     let mut devices = Vec::new();
     for (i, &dtype) in dtypes.iter().enumerate() {
-        let engine = Engine::open(args.backend, dtype, ranks)?;
+        let engine = Engine::open(args.backend, dtype, ranks, None)?;
         if let Engine::Cuda(gpus) = &engine {
             devices = gpus.device_names();
         }
