@@ -130,3 +130,73 @@ fn the_cpu_backend_passes_its_selftest_with_an_all_reduce() {
     let out = glmcheck(&["selftest", "--dtype", "f64"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
+    let dir = common::scratch();
+    let model = dir.path().join("m.gguf");
+    common::synth_tiny(&model, &["--quant", "q8_0"]);
+    let m = model.to_str().unwrap();
+    let id = dir.path().join("nccl.id");
+    let trace = dir.path().join("r.trace");
+    let (id, t) = (id.to_str().unwrap(), trace.to_str().unwrap());
+    let base = ["run", m, "--tokens", "1,2", "--tp", "2", "--out", t];
+    // --rank without --world-size and --nccl-id: a usage error.
+    let out = glmcheck(&[&base[..], &["--backend", "cuda", "--rank", "0"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    // On the CPU, with EP, or with another world size: refused, naming the rule.
+    for extra in [
+        &["--rank", "1", "--world-size", "2", "--nccl-id", id][..],
+        &[
+            "--backend",
+            "cuda",
+            "--ep",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--nccl-id",
+            id,
+        ],
+        &[
+            "--backend",
+            "cuda",
+            "--rank",
+            "0",
+            "--world-size",
+            "4",
+            "--nccl-id",
+            id,
+        ],
+    ] {
+        let out = glmcheck(&[&base[..], extra].concat());
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--rank") || err.contains("--world-size"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // Right arguments, no GPU: the driver is what is missing.
+    says_no_driver(
+        &glmcheck(
+            &[
+                &base[..],
+                &[
+                    "--backend",
+                    "cuda",
+                    "--rank",
+                    "1",
+                    "--world-size",
+                    "2",
+                    "--nccl-id",
+                    id,
+                ],
+            ]
+            .concat(),
+        ),
+        "run --rank",
+    );
+    assert!(!trace.exists(), "no trace folder left behind");
+}
