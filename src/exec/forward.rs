@@ -44,6 +44,10 @@ pub trait Recorder {
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()>;
+
+    /// The wall time a layer (`L3`) or its MLP or MoE block (`L3.ffn`) took, recording
+    /// included.
+    fn layer_seconds(&mut self, _layer: &str, _seconds: f64) {}
 }
 
 /// Records nothing: generation steps after the traced prompt.
@@ -172,7 +176,9 @@ pub fn forward<B: Backend>(
             opts,
             scale,
         };
+        let began = std::time::Instant::now();
         let (out, selection) = layer.run(&x, prev_topk.take())?;
+        rec.layer_seconds(&format!("L{l}"), began.elapsed().as_secs_f64());
         x = out;
         prev_topk = selection;
     }
@@ -421,11 +427,15 @@ impl<B: Backend> Layer<'_, B> {
         self.rec("attn_resid", &[t, h], "t d", values(&self.scale.up(&x)))?;
         let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps)?;
         self.rec("ffn_norm", &[t, h], "t d", values(&fin))?;
+        let began = std::time::Instant::now();
         let ffn = if cfg.is_moe_layer(self.l) {
             self.moe(&fin)?
         } else {
             self.mlp(&fin, Gate, Up, Down)?
         };
+        let ffn_seconds = began.elapsed().as_secs_f64();
+        self.rec
+            .layer_seconds(&format!("L{}.ffn", self.l), ffn_seconds);
         self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
         let out = be.add(&x, &self.scale.down(be, ffn)?)?;
         self.rec("out", &[t, h], "t d", values(&self.scale.up(&out)))?;

@@ -30,4 +30,8 @@ impl forward::Recorder for TraceWriter {
     ) -> Result<()> {
         Ok(TraceWriter::record(self, name, shape, dims, rank, values)?)
     }
+
+    fn layer_seconds(&mut self, layer: &str, seconds: f64) {
+        self.add_layer_seconds(layer, seconds);
+    }
 }

@@ -309,11 +309,16 @@ impl Baseline {
             }),
             None => None,
         };
+        const MEASURED: [&str; 2] = ["layer_seconds", "gpu_peak_bytes"];
         let mut producer = Map::new();
         producer.insert("name".into(), "glmcheck".into());
         producer.insert("version".into(), env!("CARGO_PKG_VERSION").into());
         producer.insert("from".into(), from.into());
-        producer.insert("run".into(), Value::Object(m.producer.clone()));
+        // What the run measured about itself (wall times, GPU memory) differs from run to run:
+        // a baseline keeps only how the run was made.
+        let mut run = m.producer.clone();
+        run.retain(|k, _| !MEASURED.contains(&k.as_str()));
+        producer.insert("run".into(), Value::Object(run));
         Ok(Baseline {
             format: FORMAT.into(),
             version: VERSION,

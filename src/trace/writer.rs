@@ -224,6 +224,20 @@ impl TraceWriter {
         self.manifest.producer.insert(key.to_string(), value);
     }
 
+    /// Add a layer's (or its FFN's) wall time to the manifest's `producer.layer_seconds`: where
+    /// the traced forward spends its time.
+    pub fn add_layer_seconds(&mut self, layer: &str, seconds: f64) {
+        let times = self
+            .manifest
+            .producer
+            .entry("layer_seconds")
+            .or_insert_with(|| serde_json::Value::Object(Map::new()));
+        if let Some(times) = times.as_object_mut() {
+            let total = times.get(layer).and_then(|v| v.as_f64()).unwrap_or(0.0) + seconds;
+            times.insert(layer.to_string(), serde_json::json!(total));
+        }
+    }
+
     /// Write the group in progress and the final manifest; the trace as written.
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_group()?;
