@@ -138,3 +138,75 @@ typedef float f32;
 OPS(f32)
 OPS(bf16)
 OPS(f16)
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// The largest of every thread's `v` over the block, in a fixed tree order.
+__device__ float block_max(float v, float* scratch) {
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 half = ROW_THREADS / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + half]);
+        __syncthreads();
+    }
+    float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+// MLA attention of position blockIdx.x, head blockIdx.y: softmax(q·kᵀ·scale)·v over the keys
+// `keys[i, 0..slots]` (−1: none), each key j's no-RoPE part and value in kv[j] (per head
+// k_nope then v), its RoPE part in k_rope[j]. One score per slot in dynamic shared memory; the
+// context is written unrounded in f32.
+template <typename T>
+__device__ void attention(const T* q, const T* kv, const T* k_rope, const int* keys, float* out,
+                          u32 heads, u32 nope, u32 rope, u32 vd, u32 slots, float scale) {
+    extern __shared__ float probs[];
+    __shared__ float scratch[ROW_THREADS];
+    u32 i = blockIdx.x, head = blockIdx.y;
+    u32 qk = nope + rope, stride = heads * (nope + vd);
+    const T* qh = q + (u64)i * heads * qk + (u64)head * qk;
+    const int* chosen = keys + (u64)i * slots;
+    float best = NEG_INF;
+    for (u32 s = threadIdx.x; s < slots; s += ROW_THREADS) {
+        int j = chosen[s];
+        float score = NEG_INF;
+        if (j >= 0) {
+            const T* k = kv + (u64)j * stride + (u64)head * (nope + vd);
+            const T* kr = k_rope + (u64)j * rope;
+            float dot_nope = 0.0f, dot_rope = 0.0f;
+            for (u32 d = 0; d < nope; d++) dot_nope += to_f32(qh[d]) * to_f32(k[d]);
+            for (u32 d = 0; d < rope; d++) dot_rope += to_f32(qh[nope + d]) * to_f32(kr[d]);
+            score = (dot_nope + dot_rope) * scale;
+        }
+        probs[s] = score;
+        best = fmaxf(best, score);
+    }
+    best = block_max(best, scratch);
+    float sum = 0.0f;
+    for (u32 s = threadIdx.x; s < slots; s += ROW_THREADS) {
+        float e = probs[s] == NEG_INF ? 0.0f : expf(probs[s] - best);
+        probs[s] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, scratch);
+    for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS) {
+        float acc = 0.0f;
+        for (u32 s = 0; s < slots; s++) {
+            float p = probs[s] / sum;
+            if (p != 0.0f) acc += p * to_f32(kv[(u64)chosen[s] * stride + (u64)head * (nope + vd) + nope + d]);
+        }
+        out[((u64)i * heads + head) * vd + d] = acc;
+    }
+}
+
+#define ATTENTION(T)                                                                            \
+    extern "C" __global__ void attention_##T(const T* q, const T* kv, const T* k_rope,         \
+                                             const int* keys, float* out, u32 heads, u32 nope, \
+                                             u32 rope, u32 vd, u32 slots, float scale) {       \
+        attention(q, kv, k_rope, keys, out, heads, nope, rope, vd, slots, scale);               \
+    }
+
+ATTENTION(f32)
+ATTENTION(bf16)
+ATTENTION(f16)

@@ -18,11 +18,14 @@ use cudarc::nccl::{Comm, NcclType, ReduceOp};
 use half::{bf16, f16};
 
 use super::Gpu;
+use crate::exec::attention::AttentionInputs;
 use crate::exec::backend::{all_computed, sum_in_rank_order, Backend, Precision};
 use crate::exec::mat::Mat;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
 const ROW_THREADS: u32 = 256;
+/// Shared memory one attention block may use for its scores (the default limit per block).
+const MAX_SCORES_BYTES: u32 = 40 << 10;
 /// Threads per block of the element-wise kernels.
 const ELEMENT_THREADS: u32 = 256;
 
@@ -270,6 +273,69 @@ impl Device {
         unsafe { launch.launch(elements(count)) }?;
         xs.copy_from_slice(&self.download(&out, xs.len())?);
         Ok(())
+    }
+
+    /// MLA attention (see [`AttentionInputs`]), one block per position and head, the context
+    /// in f32.
+    fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+        let (t, heads) = (a.q.rows, a.heads);
+        let n = t * heads * a.v;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut keys = vec![-1i32; t * slots];
+        for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
+            for (k, &j) in row.iter_mut().zip(chosen) {
+                if j >= 0 && j as usize >= a.positions {
+                    bail!(
+                        "attention: key {j} beyond the {} cached positions",
+                        a.positions
+                    );
+                }
+                *k = j;
+            }
+        }
+        let shared = (slots * std::mem::size_of::<f32>()) as u32;
+        if shared > MAX_SCORES_BYTES {
+            bail!(
+                "attention over {slots} keys: at most {} in one block",
+                MAX_SCORES_BYTES / 4
+            );
+        }
+        let q = self.upload::<D>(&a.q.data)?;
+        let kv = self.upload::<D>(a.kv)?;
+        let k_rope = self.upload::<D>(a.k_rope)?;
+        let mut key_buf = self.gpu.stream.alloc_zeros::<i32>(keys.len())?;
+        self.gpu.stream.memcpy_htod(&keys, &mut key_buf)?;
+        let mut out = self.alloc::<f32>(n)?;
+        let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
+        let (v, slots32) = (to_u32(a.v)?, to_u32(slots)?);
+        let scale = a.scale;
+        let f = self.kernel("attention", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&q.slice)
+            .arg(&kv.slice)
+            .arg(&k_rope.slice)
+            .arg(&key_buf)
+            .arg(&mut out.slice)
+            .arg(&heads32)
+            .arg(&nope)
+            .arg(&rope)
+            .arg(&v)
+            .arg(&slots32)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(t)?, heads32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached position
+        // the keys name (checked above), keys t × slots, out t × heads × v; the scores take
+        // `shared` bytes.
+        unsafe { launch.launch(cfg) }?;
+        self.download(&out, n)
     }
 
     /// `x · wᵀ` through cuBLAS, f32 accumulation; the output in the dtype, or in f32 (`exact`).
@@ -672,6 +738,11 @@ impl Backend for Cuda {
     fn round(&self, xs: &mut [f32]) -> Result<()> {
         let device = self.device(self.rank)?;
         with_dtype!(self.precision, D => device.round::<D>(xs))
+    }
+
+    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.attention::<D>(a))
     }
 
     fn on_rank(&self, rank: usize) -> Self {

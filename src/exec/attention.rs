@@ -218,41 +218,25 @@ pub fn attention<B: Backend>(
 
     let total = start + t;
     let scale = B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(yarn_softmax_factor(cfg));
-    let row = |width: usize, j: usize| j * width..(j + 1) * width;
-    let mut ctx = vec![B::E::zero(); t * nh * vd];
-    let dense: Vec<i32> = (0..total as i32).collect();
-    let cache = &*cache;
-    // Positions in parallel; each position's sums run in one fixed order.
-    ctx.par_chunks_mut(nh * vd)
-        .enumerate()
-        .for_each(|(i, ctx_i)| {
-            let p = start + i;
-            let chosen = match &selection {
-                Some(sel) => &sel[i][..],
-                None => &dense[..=p],
-            };
-            let mut probs = vec![B::E::zero(); p + 1];
-            for (head, out) in ctx_i.chunks_exact_mut(vd).enumerate() {
-                let qh = &q_rot.row(i)[head * qk..(head + 1) * qk];
-                probs.iter_mut().for_each(|v| *v = B::E::neg_infinity());
-                for j in chosen.iter().filter(|&&j| j >= 0).map(|&j| j as usize) {
-                    let kvj = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd)..];
-                    let kr = &cache.k_rope[row(rope_d, j)];
-                    let dot_nope: B::E = qh[..nope]
-                        .iter()
-                        .zip(&kvj[..nope])
-                        .map(|(&a, &b)| a * b)
-                        .sum();
-                    let dot_rope: B::E = qh[nope..].iter().zip(kr).map(|(&a, &b)| a * b).sum();
-                    probs[j] = (dot_nope + dot_rope) * scale;
-                }
-                softmax(&mut probs);
-                for (j, &pr) in probs.iter().enumerate().filter(|(_, pr)| !pr.is_zero()) {
-                    let v = &cache.kv[row(nh * (nope + vd), j)][head * (nope + vd) + nope..][..vd];
-                    out.iter_mut().zip(v).for_each(|(o, &vv)| *o += pr * vv);
-                }
-            }
-        });
+    // The keys each position sees: its DSA selection, else every position up to its own.
+    let keys: Vec<Vec<i32>> = (0..t)
+        .map(|i| match &selection {
+            Some(sel) => sel[i].clone(),
+            None => (0..=(start + i) as i32).collect(),
+        })
+        .collect();
+    let mut ctx = be.attention(&AttentionInputs {
+        q: &q_rot,
+        kv: &cache.kv,
+        k_rope: &cache.k_rope,
+        keys: &keys,
+        heads: nh,
+        nope,
+        rope: rope_d,
+        v: vd,
+        positions: total,
+        scale,
+    })?;
     be.round(&mut ctx)?;
     let ctx_mat = Mat::new(t, nh * vd, ctx.clone());
     // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
@@ -379,4 +363,57 @@ fn indexer<B: Backend>(
         selection.push(chosen);
     }
     Ok((selection, gaps))
+}
+
+/// What MLA attention reads for a batch of new positions: their rotated queries `q` `[t, heads ·
+/// (nope + rope)]`, the cache's `kv` rows `[positions, heads · (nope + v)]` (each head's
+/// `k_nope` then `v`) and shared `k_rope` `[positions, rope]`, and the keys each position may
+/// see (−1: none).
+pub struct AttentionInputs<'a, E> {
+    pub q: &'a Mat<E>,
+    pub kv: &'a [E],
+    pub k_rope: &'a [E],
+    pub keys: &'a [Vec<i32>],
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+    pub positions: usize,
+    pub scale: E,
+}
+
+/// `softmax(q·kᵀ · scale) · v` per position and head, unrounded: the CPU's loops, positions in
+/// parallel, each position's sums in one fixed order.
+pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
+    let (nh, nope, rope_d, vd) = (a.heads, a.nope, a.rope, a.v);
+    let qk = nope + rope_d;
+    let row = |width: usize, j: usize| j * width..(j + 1) * width;
+    let mut ctx = vec![E::zero(); a.q.rows * nh * vd];
+    ctx.par_chunks_mut(nh * vd)
+        .enumerate()
+        .for_each(|(i, ctx_i)| {
+            let mut probs = vec![E::zero(); a.positions];
+            for (head, out) in ctx_i.chunks_exact_mut(vd).enumerate() {
+                let qh = &a.q.row(i)[head * qk..(head + 1) * qk];
+                probs.iter_mut().for_each(|v| *v = E::neg_infinity());
+                let seen = a.keys[i].iter().filter(|&&j| j >= 0).map(|&j| j as usize);
+                for j in seen.filter(|&j| j < a.positions) {
+                    let kvj = &a.kv[row(nh * (nope + vd), j)][head * (nope + vd)..];
+                    let kr = &a.k_rope[row(rope_d, j)];
+                    let dot_nope: E = qh[..nope]
+                        .iter()
+                        .zip(&kvj[..nope])
+                        .map(|(&x, &y)| x * y)
+                        .sum();
+                    let dot_rope: E = qh[nope..].iter().zip(kr).map(|(&x, &y)| x * y).sum();
+                    probs[j] = (dot_nope + dot_rope) * a.scale;
+                }
+                softmax(&mut probs);
+                for (j, &pr) in probs.iter().enumerate().filter(|(_, pr)| !pr.is_zero()) {
+                    let v = &a.kv[row(nh * (nope + vd), j)][head * (nope + vd) + nope..][..vd];
+                    out.iter_mut().zip(v).for_each(|(o, &vv)| *o += pr * vv);
+                }
+            }
+        });
+    ctx
 }

@@ -12,6 +12,7 @@ use std::marker::PhantomData;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
+use super::attention::{attention_core, AttentionInputs};
 use super::mat::Mat;
 use super::ops;
 
@@ -80,6 +81,11 @@ pub trait Backend: Sync + Clone {
     fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
     fn round(&self, xs: &mut [Self::E]) -> Result<()>;
+    /// MLA attention of new positions over the cache, unrounded (see [`AttentionInputs`]); by
+    /// default the CPU's loops.
+    fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
+        Ok(attention_core(a))
+    }
     /// The backend as tensor-parallel rank `rank` runs it: on its own GPU, where there is one
     /// per rank. Weights held through it live there.
     fn on_rank(&self, _rank: usize) -> Self {

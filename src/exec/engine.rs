@@ -3,6 +3,7 @@
 
 use anyhow::Result;
 
+use super::attention::AttentionInputs;
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
 use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank};
@@ -136,6 +137,10 @@ impl Backend for Engine {
 
     fn round(&self, xs: &mut [f32]) -> Result<()> {
         on_backend!(self, be => be.round(xs))
+    }
+
+    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+        on_backend!(self, be => be.attention(a))
     }
 
     fn on_rank(&self, rank: usize) -> Self {

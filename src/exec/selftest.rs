@@ -6,6 +6,7 @@
 use anyhow::Result;
 use serde::Serialize;
 
+use super::attention::AttentionInputs;
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
 use super::real::Real;
@@ -51,11 +52,20 @@ pub enum Op {
         t: usize,
         d: usize,
     },
+    /// MLA attention of `t` new positions over `positions` cached ones (GLM-5's head dims:
+    /// no-RoPE 192, RoPE 64, value 256), each seeing every position up to its own, or (`sparse`)
+    /// a DSA-like choice of `sparse` of them.
+    Attention {
+        t: usize,
+        positions: usize,
+        heads: usize,
+        sparse: usize,
+    },
 }
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 14] = [
+pub const CASES: [Op; 16] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -86,7 +96,22 @@ pub const CASES: [Op; 14] = [
     Op::Add { t: 8, d: 6144 },
     Op::Round { n: 100_003 },
     Op::AllReduce { t: 8, d: 6144 },
+    Op::Attention {
+        t: 5,
+        positions: 12,
+        heads: 8,
+        sparse: 0,
+    },
+    Op::Attention {
+        t: 4,
+        positions: 300,
+        heads: 4,
+        sparse: 64,
+    },
 ];
+
+/// GLM-5's head dims: no-RoPE, RoPE and value.
+const HEAD_DIMS: (usize, usize, usize) = (192, 64, 256);
 
 /// One row of the table.
 #[derive(Clone, Debug, Serialize)]
@@ -111,6 +136,8 @@ impl Op {
             Op::Add { .. } => "add",
             Op::Round { .. } => "round",
             Op::AllReduce { .. } => "all_reduce",
+            Op::Attention { sparse: 0, .. } => "attention",
+            Op::Attention { .. } => "attention_dsa",
         }
     }
 
@@ -123,12 +150,25 @@ impl Op {
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Round { n } => format!("[{n}]"),
             Op::AllReduce { t, d } => format!("{ranks}×[{t},{d}]"),
+            Op::Attention {
+                t,
+                positions,
+                heads,
+                sparse,
+            } => {
+                let seen = if sparse > 0 {
+                    format!(", {sparse} keys")
+                } else {
+                    String::new()
+                };
+                format!("{t} of {positions} positions, {heads} heads{seen}")
+            }
         }
     }
 
     /// Whether the output is held in f32 whatever the dtype.
     fn exact_output(self) -> bool {
-        matches!(self, Op::LinearExact { .. })
+        matches!(self, Op::LinearExact { .. } | Op::Attention { .. })
     }
 
     /// Roundings to the output dtype between the inputs and the output.
@@ -169,10 +209,34 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
     let terms = match op {
         Op::Linear { k, .. } | Op::LinearExact { k, .. } => k,
         Op::RmsNorm { d, .. } | Op::LayerNorm { d, .. } => d,
+        // A score sums no-RoPE and RoPE products; the softmax and the value mix sum over the
+        // positions.
+        Op::Attention { positions, .. } => HEAD_DIMS.0 + HEAD_DIMS.1 + 2 * positions,
         _ => 1,
     };
     let accumulation = terms as f64 * unit_roundoff(Precision::F32).powi(2);
     (r * u).powi(2) + accumulation
+}
+
+/// Attention's inputs from its tensors, keys and `(heads, nope, rope, v, positions)`.
+fn attention_inputs<'a, E: Real>(
+    (q, kv, k_rope): (&'a Mat<E>, &'a [E], &'a [E]),
+    keys: &'a [Vec<i32>],
+    (heads, nope, rope, v, positions): (usize, usize, usize, usize, usize),
+    scale: E,
+) -> AttentionInputs<'a, E> {
+    AttentionInputs {
+        q,
+        kv,
+        k_rope,
+        keys,
+        heads,
+        nope,
+        rope,
+        v,
+        positions,
+        scale,
+    }
 }
 
 /// `n` random values, roughly normal, held in `dtype`.
@@ -258,6 +322,51 @@ fn run_op<B: Backend<E = f32>>(
             let reference = wide_v(&xs);
             be.round(&mut xs)?;
             (xs, reference)
+        }
+        Op::Attention {
+            t,
+            positions,
+            heads,
+            sparse,
+        } => {
+            let (nope, rope, v) = HEAD_DIMS;
+            let q = mat(rng, t, heads * (nope + rope), 1.0, p);
+            let kv = values(rng, positions * heads * (nope + v), 1.0, p);
+            let k_rope = values(rng, positions * rope, 1.0, p);
+            let start = positions - t;
+            let keys: Vec<Vec<i32>> = (0..t)
+                .map(|i| {
+                    let seen = (start + i + 1) as i32;
+                    if sparse == 0 {
+                        return (0..seen).collect();
+                    }
+                    // `sparse` slots of distinct positions it may see, the last few empty.
+                    let mut chosen: Vec<i32> = (0..seen).collect();
+                    for s in 0..sparse.min(chosen.len()) {
+                        let pick = s + (rng.next_u64() as usize) % (chosen.len() - s);
+                        chosen.swap(s, pick);
+                    }
+                    chosen.truncate(sparse - 3);
+                    chosen.extend([-1; 3]);
+                    chosen
+                })
+                .collect();
+            let scale = ((nope + rope) as f64).powf(-0.5);
+            let shape = |heads| (heads, nope, rope, v, positions);
+            let (wq, wkv, wkr) = (wide(&q), wide_v(&kv), wide_v(&k_rope));
+            let reference = f64s.attention(&attention_inputs(
+                (&wq, &wkv, &wkr),
+                &keys,
+                shape(heads),
+                scale,
+            ))?;
+            let out = be.attention(&attention_inputs(
+                (&q, &kv, &k_rope),
+                &keys,
+                shape(heads),
+                scale as f32,
+            ))?;
+            (out, reference)
         }
         Op::AllReduce { t, d } => {
             let parts: Vec<Mat<f32>> = (0..ranks).map(|_| mat(rng, t, d, 1.0, p)).collect();
