@@ -32,8 +32,13 @@ fn bisect(model: &str, tp: u32, dtype: &str, fault: Option<&str>) -> serde_json:
     if let Some(f) = fault {
         args.extend(["--inject", f]);
     }
+    verdict_json(&args)
+}
+
+/// glmcheck's JSON answer to `args`, which must exit 0 (pass) or 1 (a fault found).
+fn verdict_json(args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(common::glmcheck_bin())
-        .args(&args)
+        .args(args)
         .output()
         .unwrap();
     let code = out.status.code().unwrap();
@@ -73,18 +78,7 @@ fn fault_matrix(model: &str, tp: u32, dtypes: &str, only: &[&str]) -> Vec<serde_
     if !only.is_empty() {
         args.extend(["--fault", &only]);
     }
-    let out = std::process::Command::new(common::glmcheck_bin())
-        .args(&args)
-        .output()
-        .unwrap();
-    let code = out.status.code().unwrap();
-    assert!(
-        code == 0 || code == 1,
-        "{args:?}: exit {code}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    j["cases"].as_array().unwrap().clone()
+    verdict_json(&args)["cases"].as_array().unwrap().clone()
 }
 
 /// Through `selftest --faults` (the fault matrix glmcheck runs on any backend): every fault at

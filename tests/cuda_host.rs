@@ -23,14 +23,19 @@ fn says_no_driver(out: &Output, what: &str) {
     assert_eq!(err.lines().count(), 1, "{what}: one line: {err}");
 }
 
-#[test]
-fn without_a_driver_cuda_commands_say_so() {
+/// A scratch folder with a tiny Q8_0 model `m.gguf`; the path of a trace `r.trace` beside it.
+fn tiny_model() -> (tempfile::TempDir, String, std::path::PathBuf) {
     let dir = common::scratch();
     let model = dir.path().join("m.gguf");
     common::synth_tiny(&model, &["--quant", "q8_0"]);
-    let m = model.to_str().unwrap();
     let trace = dir.path().join("r.trace");
-    let t = trace.to_str().unwrap();
+    (dir, model.to_str().unwrap().to_string(), trace)
+}
+
+#[test]
+fn without_a_driver_cuda_commands_say_so() {
+    let (_dir, m, trace) = tiny_model();
+    let (m, t) = (m.as_str(), trace.to_str().unwrap());
     says_no_driver(&glmcheck(&["dequant", m, "--device", "cuda"]), "dequant");
     says_no_driver(
         &glmcheck(&["run", m, "--tokens", "1,2", "--backend", "cuda", "--out", t]),
@@ -133,13 +138,9 @@ fn the_cpu_backend_passes_its_selftest_with_an_all_reduce() {
 
 #[test]
 fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
-    let dir = common::scratch();
-    let model = dir.path().join("m.gguf");
-    common::synth_tiny(&model, &["--quant", "q8_0"]);
-    let m = model.to_str().unwrap();
+    let (dir, m, trace) = tiny_model();
     let id = dir.path().join("nccl.id");
-    let trace = dir.path().join("r.trace");
-    let (id, t) = (id.to_str().unwrap(), trace.to_str().unwrap());
+    let (m, id, t) = (m.as_str(), id.to_str().unwrap(), trace.to_str().unwrap());
     let base = ["run", m, "--tokens", "1,2", "--tp", "2", "--out", t];
     // --rank without --world-size and --nccl-id: a usage error.
     let out = glmcheck(&[&base[..], &["--backend", "cuda", "--rank", "0"]].concat());
