@@ -33,9 +33,21 @@ const TIMED_RUNS: usize = 3;
 /// on an H200), so that each timed launch reads its blocks from device memory.
 const L2_FLUSH_BYTES: usize = 256 << 20;
 
-/// The launch shape of every kernel of `kernels/dequant.cu`: one thread per output value.
+/// Threads per thread block of the kernels of `kernels/dequant.cu` (its `DQ_THREADS`).
+const DQ_THREADS: u32 = 256;
+
+/// Output values per thread block of those kernels (its `DQ_TILE`): 16 per thread, as four
+/// float4s; a quantized type's tile is 128 blocks of 32 or 16 of 256.
+const DQ_TILE: usize = 4096;
+
+/// The launch shape of every kernel of `kernels/dequant.cu` for `n` values: a thread block per
+/// tile of [`DQ_TILE`] values, the last one partly filled.
 fn dequant_launch(n: usize) -> LaunchConfig {
-    LaunchConfig::for_num_elems(n as u32)
+    LaunchConfig {
+        grid_dim: (n.div_ceil(DQ_TILE) as u32, 1, 1),
+        block_dim: (DQ_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// The name of the kernel in `kernels/dequant.cu` that dequantizes `ty`.
@@ -253,5 +265,13 @@ mod tests {
             );
         }
         assert_eq!(dequant_kernel(GgmlType::IQ2_XXS), None);
+    }
+
+    #[test]
+    fn the_launch_shape_is_the_kernels_own() {
+        assert!(DEQUANT_SRC.contains(&format!("#define DQ_THREADS {DQ_THREADS}\n")));
+        assert!(DEQUANT_SRC.contains(&format!("#define DQ_TILE {DQ_TILE}\n")));
+        let c = dequant_launch(DQ_TILE + 32);
+        assert_eq!((c.grid_dim, c.block_dim), ((2, 1, 1), (DQ_THREADS, 1, 1)));
     }
 }
