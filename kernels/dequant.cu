@@ -1,88 +1,367 @@
-// GGUF blocks to f32 on the GPU, one thread per output element. Every product and difference is
-// rounded on its own (__fmul_rn, __fsub_rn; the program is also compiled with --fmad=false), in
-// the order glmcheck's CPU dequantizers use, so that the f32 results are bit-identical to them.
+// GGUF blocks to f32 on the GPU. Every product and difference is rounded on its own (__fmul_rn,
+// __fsub_rn, __fadd_rn; the program is also compiled with --fmad=false), in the order glmcheck's
+// CPU dequantizers use, so that the f32 results are bit-identical to them.
+//
+// Launch shape (src/cuda/mod.rs, `dequant_launch`): thread blocks of DQ_THREADS threads, each
+// block writing DQ_TILE consecutive output values, so ceil(n / DQ_TILE) of them. Each thread
+// writes float4s, the threads of a warp 512 consecutive bytes per store. The quantized types
+// first copy the tile's blocks (a contiguous byte range) into shared memory with aligned 16-byte
+// loads, whatever their block size, then decode four values at a time from there: a block's scale
+// is read once per four values, from shared memory. `src` and `dst` must be 16-byte aligned
+// (cudaMalloc'd); `n` is below 2^32; byte offsets into `src` are 64-bit.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
+typedef unsigned int u32;
 typedef unsigned long long u64;
-typedef unsigned long long usize;
 
-// IEEE half bits to float, exactly (subnormals, infinities and NaN included).
-__device__ float half_to_float(u16 h) {
-    unsigned int sign = (unsigned int)(h & 0x8000) << 16;
-    unsigned int exp = (h >> 10) & 0x1f;
-    unsigned int man = h & 0x3ff;
-    unsigned int bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {
-        // Subnormal: normalise the mantissa.
-        int e = -1;
-        do {
-            man <<= 1;
-            e++;
-        } while ((man & 0x400) == 0);
-        bits = sign | ((unsigned int)(112 - e) << 23) | ((man & 0x3ff) << 13);
+#define DQ_THREADS 256
+#define DQ_TILE 4096
+// float4s per thread per tile.
+#define DQ_VEC (DQ_TILE / 4 / DQ_THREADS)
+
+// IEEE half bits to float, exactly (subnormals, infinities and NaN payloads included), without
+// branches: a subnormal m * 2^-24 is (2^-14 + m * 2^-24) - 2^-14, both exact f32 normals.
+__device__ __forceinline__ float half_to_float(u32 h) {
+    u32 o = (h & 0x7fff) << 13;
+    u32 exp = o & (0x1fu << 23);
+    u32 normal = o + (112u << 23);
+    u32 inf_nan = o + (224u << 23);
+    u32 sub = __float_as_uint(
+        __fsub_rn(__uint_as_float(o + (113u << 23)), __uint_as_float(113u << 23)));
+    u32 bits = exp == (0x1fu << 23) ? inf_nan : (exp == 0 ? sub : normal);
+    return __uint_as_float(((h & 0x8000) << 16) | bits);
+}
+
+// Little-endian loads from shared memory at `p`, aligned as named.
+__device__ __forceinline__ u32 ld16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
+// Four bytes at a 2-byte-aligned `p`.
+__device__ __forceinline__ u32 ld32_2(const u8* p) { return ld16(p) | (ld16(p + 2) << 16); }
+
+__device__ __forceinline__ float half_at(const u8* p) { return half_to_float(ld16(p)); }
+
+// Byte j (0..3) of w.
+#define BYTE(w, j) (((w) >> (8 * (j))) & 0xff)
+
+// The four nibbles of bytes w at bit `shift` (0: low nibbles, 4: high), one per byte.
+__device__ __forceinline__ u32 nibbles4(u32 w, int shift) { return (w >> shift) & 0x0f0f0f0f; }
+
+// The IQ4 codebook's 16 levels as signed bytes, four per word, little-endian.
+#define PACK4(a, b, c, d) \
+    ((u32)(u8)(a) | ((u32)(u8)(b) << 8) | ((u32)(u8)(c) << 16) | ((u32)(u8)(d) << 24))
+#define IQ4_L0 PACK4(-127, -104, -83, -65)
+#define IQ4_L1 PACK4(-49, -35, -22, -10)
+#define IQ4_L2 PACK4(1, 13, 25, 38)
+#define IQ4_L3 PACK4(53, 69, 89, 113)
+
+// The codebook levels of four codes (0..15, one per byte of c), as four signed bytes: byte
+// permutes of the table in registers, where a table in memory indexed per lane would serialize.
+__device__ __forceinline__ u32 iq4_levels(u32 c) {
+    // The four codes as the four nibbles of a selector.
+    u32 s = c | (c >> 4);
+    s = __byte_perm(s, 0, 0x4420);
+    u32 lo = __byte_perm(IQ4_L0, IQ4_L1, s & 0x7777);  // levels 0..7
+    u32 hi = __byte_perm(IQ4_L2, IQ4_L3, s & 0x7777);  // levels 8..15
+    // Byte j from hi where code j has bit 3 set.
+    return __byte_perm(lo, hi, 0x3210 | ((s & 0x8888) >> 1));
+}
+
+// Signed byte j of w as float.
+__device__ __forceinline__ float sbyte(u32 w, int j) { return (float)(signed char)BYTE(w, j); }
+
+// ---------------------------------------------------------------------------------------------
+// Unquantized types: four values per float4, loads of 16 (F32) or 8 (F16, BF16) bytes, all of a
+// thread's loads issued before its stores.
+
+// The float4 slots of this thread in its tile: slot v is float4 `base + threadIdx.x + v *
+// DQ_THREADS` of the output.
+#define SLOT(v) (blockIdx.x * (DQ_TILE / 4) + threadIdx.x + (v) * DQ_THREADS)
+
+extern "C" __global__ void dq_f32(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    const uint4* s = (const uint4*)src;
+    uint4 w[DQ_VEC];
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
     }
-    return __uint_as_float(bits);
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) {
+            ((uint4*)dst)[f] = w[v];
+        } else {
+            // The last, partial float4.
+            const u32* s1 = (const u32*)src;
+            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = __uint_as_float(s1[e]);
+        }
+    }
 }
 
-// The output element of this thread (32-bit index arithmetic: a launch covers fewer than 2^32
-// values; byte offsets are 64-bit), returning when it is past the end.
-#define ELEMENT(e, n)                                         \
-    unsigned int e = blockIdx.x * blockDim.x + threadIdx.x; \
-    if (e >= n) return
-
-__device__ float half_at(const u8* b, usize at) {
-    return half_to_float((u16)b[at] | ((u16)b[at + 1] << 8));
+extern "C" __global__ void dq_f16(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    const uint2* s = (const uint2*)src;
+    uint2 w[DQ_VEC];
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
+    }
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) {
+            ((float4*)dst)[f] =
+                make_float4(half_to_float(w[v].x & 0xffff), half_to_float(w[v].x >> 16),
+                            half_to_float(w[v].y & 0xffff), half_to_float(w[v].y >> 16));
+        } else {
+            const u16* s1 = (const u16*)src;
+            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = half_to_float(s1[e]);
+        }
+    }
 }
 
-// The 4-bit code of element i (of 32) from 16 bytes q: element i low, i + 16 high.
-__device__ int nibble32(const u8* q, int i) {
-    return i < 16 ? (q[i] & 0x0f) : (q[i - 16] >> 4);
+extern "C" __global__ void dq_bf16(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    const uint2* s = (const uint2*)src;
+    uint2 w[DQ_VEC];
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
+    }
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        u32 f = SLOT(v);
+        if ((u64)4 * f + 4 <= n) {
+            ((uint4*)dst)[f] = make_uint4(w[v].x << 16, w[v].x & 0xffff0000u, w[v].y << 16,
+                                          w[v].y & 0xffff0000u);
+        } else {
+            const u16* s1 = (const u16*)src;
+            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = __uint_as_float((u32)s1[e] << 16);
+        }
+    }
 }
 
-extern "C" __global__ void dq_f32(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)4 * e;
-    dst[e] = __uint_as_float((unsigned int)b[0] | ((unsigned int)b[1] << 8) |
-                             ((unsigned int)b[2] << 16) | ((unsigned int)b[3] << 24));
-}
+// ---------------------------------------------------------------------------------------------
+// Quantized types: BS values in TS-byte blocks. The tile's DQ_TILE / BS blocks are copied to
+// shared memory, then each float4 of output is decoded by D::four(block, k): values k..k+3 of
+// the block (k a multiple of 4, so the four share every scale).
 
-extern "C" __global__ void dq_f16(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    dst[e] = half_at(src, (usize)2 * e);
-}
+template <int BS, int TS, class D>
+__device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, float* __restrict__ dst,
+                                             u64 n) {
+    constexpr int BLOCKS = DQ_TILE / BS;
+    // The tile's bytes, plus up to 15 before them to start on a 16-byte boundary.
+    constexpr int WORDS = (BLOCKS * TS + 15) / 16 + 1;
+    __shared__ uint4 tile[WORDS];
 
-extern "C" __global__ void dq_bf16(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    usize at = (usize)2 * e;
-    unsigned int bits = (unsigned int)src[at] | ((unsigned int)src[at + 1] << 8);
-    dst[e] = __uint_as_float(bits << 16);
+    u64 blocks = n / BS;
+    u64 first = (u64)blockIdx.x * BLOCKS;
+    int count = (int)min((u64)BLOCKS, blocks - first);
+    u64 start = first * TS;              // byte offset of the tile's first block
+    u64 end = start + (u64)count * TS;   // one past its last byte
+    u64 total = blocks * TS;             // bytes in `src`
+    u64 aligned = start & ~(u64)15;
+    int words = (int)((end - aligned + 15) / 16);
+    for (int w = threadIdx.x; w < words; w += DQ_THREADS) {
+        u64 at = aligned + (u64)16 * w;
+        uint4 v;
+        if (at + 16 <= total) {
+            v = __ldg((const uint4*)(src + at));
+        } else {
+            // The last word of `src`, read byte by byte so as not to read past it.
+            u32 b[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) b[i] = at + i < total ? src[at + i] : 0;
+            v = make_uint4(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24,
+                           b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24,
+                           b[8] | b[9] << 8 | b[10] << 16 | b[11] << 24,
+                           b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
+        }
+        tile[w] = v;
+    }
+    __syncthreads();
+
+    const u8* base = (const u8*)tile + (start - aligned);
+    float4* out = (float4*)(dst + first * BS);
+    int fours = count * (BS / 4);
+#pragma unroll
+    for (int v = 0; v < DQ_VEC; v++) {
+        int f = threadIdx.x + v * DQ_THREADS;
+        if (f < fours) {
+            int k = 4 * f;
+            out[f] = D::four(base + (k / BS) * TS, k % BS);
+        }
+    }
 }
 
 // Q8_0: 34-byte blocks of 32: f16 d, 32 int8 q; d * q.
-extern "C" __global__ void dq_q8_0(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)34 * (e / 32);
-    dst[e] = __fmul_rn(half_at(b, 0), (float)(signed char)b[2 + e % 32]);
+struct Q8_0 {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b);
+        u32 q = ld32_2(b + 2 + k);
+        return make_float4(__fmul_rn(d, sbyte(q, 0)), __fmul_rn(d, sbyte(q, 1)),
+                           __fmul_rn(d, sbyte(q, 2)), __fmul_rn(d, sbyte(q, 3)));
+    }
+};
+extern "C" __global__ void dq_q8_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 34, Q8_0>(src, dst, n);
 }
 
-// Q4_0: 18-byte blocks of 32: f16 d, 16 bytes of nibbles (element i low, i + 16 high); d * (q - 8).
-extern "C" __global__ void dq_q4_0(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)18 * (e / 32);
-    int i = e % 32;
-    int q = nibble32(b + 2, i);
-    dst[e] = __fmul_rn(half_at(b, 0), (float)(q - 8));
+// Q4_0: 18-byte blocks of 32: f16 d, 16 bytes of nibbles (element i low, i + 16 high);
+// d * (q - 8).
+struct Q4_0 {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b);
+        u32 q = nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0);
+        return make_float4(__fmul_rn(d, (float)((int)BYTE(q, 0) - 8)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 1) - 8)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 2) - 8)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 3) - 8)));
+    }
+};
+extern "C" __global__ void dq_q4_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 18, Q4_0>(src, dst, n);
+}
+
+// Q4_1: 20-byte blocks of 32: f16 d, f16 m, 16 bytes of nibbles; d * q + m, the product
+// rounded before the sum.
+struct Q4_1 {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b), m = half_at(b + 2);
+        u32 q = nibbles4(ld32(b + 4 + (k & 15)), k & 16 ? 4 : 0);
+        return make_float4(__fadd_rn(__fmul_rn(d, (float)BYTE(q, 0)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 1)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 2)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
+    }
+};
+extern "C" __global__ void dq_q4_1(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 20, Q4_1>(src, dst, n);
+}
+
+// The 5-bit codes k..k+3 of a Q5_0/Q5_1 block: fifth bits `qh` (bit i for element i), low
+// nibbles in 16 bytes `ql` (element i low, i + 16 high), one code per byte.
+__device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, int k) {
+    u32 low = nibbles4(ql4, k & 16 ? 4 : 0);
+    u32 h = (qh >> k) & 0xf;  // the fifth bits of elements k..k+3
+    u32 high = (h & 1) | ((h & 2) << 7) | ((h & 4) << 14) | ((h & 8) << 21);
+    return low | (high << 4);
+}
+
+// Q5_0: 22-byte blocks of 32: f16 d, a u32 of fifth bits, 16 bytes of low nibbles;
+// d * (q - 16).
+struct Q5_0 {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b);
+        u32 q = five_bit4(ld32_2(b + 2), ld32_2(b + 6 + (k & 15)), k);
+        return make_float4(__fmul_rn(d, (float)((int)BYTE(q, 0) - 16)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 1) - 16)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 2) - 16)),
+                           __fmul_rn(d, (float)((int)BYTE(q, 3) - 16)));
+    }
+};
+extern "C" __global__ void dq_q5_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 22, Q5_0>(src, dst, n);
+}
+
+// Q5_1: 24-byte blocks of 32: f16 d, f16 m, a u32 of fifth bits, 16 bytes of low nibbles;
+// d * q + m.
+struct Q5_1 {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b), m = half_at(b + 2);
+        u32 q = five_bit4(ld32(b + 4), ld32(b + 8 + (k & 15)), k);
+        return make_float4(__fadd_rn(__fmul_rn(d, (float)BYTE(q, 0)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 1)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 2)), m),
+                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
+    }
+};
+extern "C" __global__ void dq_q5_1(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 24, Q5_1>(src, dst, n);
+}
+
+// IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
+struct IQ4_NL {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        float d = half_at(b);
+        u32 l = iq4_levels(nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0));
+        return make_float4(__fmul_rn(d, sbyte(l, 0)), __fmul_rn(d, sbyte(l, 1)),
+                           __fmul_rn(d, sbyte(l, 2)), __fmul_rn(d, sbyte(l, 3)));
+    }
+};
+extern "C" __global__ void dq_iq4_nl(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<32, 18, IQ4_NL>(src, dst, n);
+}
+
+// IQ4_XS: 136-byte blocks of 256: f16 d, a u16 of 2-bit scale tops, 4 bytes of 4-bit scale
+// lows, then per 32 elements 16 bytes of codebook nibbles; scales are 6-bit minus 32;
+// (d * scale) * level.
+struct IQ4_XS {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int j = k / 32, i = k % 32;
+        u32 tops = ld16(b + 2);
+        u32 low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+        int ls = (int)(low | (((tops >> (2 * j)) & 3) << 4)) - 32;
+        float dl = __fmul_rn(half_at(b), (float)ls);
+        u32 l = iq4_levels(nibbles4(ld32(b + 8 + 16 * j + (i & 15)), i & 16 ? 4 : 0));
+        return make_float4(__fmul_rn(dl, sbyte(l, 0)), __fmul_rn(dl, sbyte(l, 1)),
+                           __fmul_rn(dl, sbyte(l, 2)), __fmul_rn(dl, sbyte(l, 3)));
+    }
+};
+extern "C" __global__ void dq_iq4_xs(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 136, IQ4_XS>(src, dst, n);
+}
+
+// Q2_K: 84-byte blocks of 256: 16 bytes of 4-bit scale (low) and min (high), 64 bytes of
+// 2-bit codes (per 128 elements, 32 bytes: row r at bits 2r), f16 d, f16 dmin;
+// (d * scale) * q - dmin * min.
+struct Q2_K {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int h = k / 128, r = (k % 128) / 32, i = k % 32;
+        u32 sm = b[2 * (4 * h + r) + i / 16];
+        float dl = __fmul_rn(half_at(b + 80), (float)(sm & 0x0f));
+        float ml = __fmul_rn(half_at(b + 82), (float)(sm >> 4));
+        u32 q = (ld32(b + 16 + 32 * h + i) >> (2 * r)) & 0x03030303;
+        return make_float4(__fsub_rn(__fmul_rn(dl, (float)BYTE(q, 0)), ml),
+                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 1)), ml),
+                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 2)), ml),
+                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 3)), ml));
+    }
+};
+extern "C" __global__ void dq_q2_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 84, Q2_K>(src, dst, n);
+}
+
+// Q3_K: 110-byte blocks of 256: 32 bytes of high bits (set: no -4 offset; row j at bit j),
+// 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d; (d * scale) * (q - off).
+struct Q3_K {
+    static __device__ __forceinline__ int q(u32 codes, u32 high, int j, int row) {
+        int offset = (int)((((BYTE(high, j) >> row) & 1) ^ 1) << 2);
+        return (int)BYTE(codes, j) - offset;
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int h = k / 128, r = (k % 128) / 32, i = k % 32;
+        int row = 4 * h + r, g = 2 * row + i / 16;
+        const u8* s = b + 96;
+        u32 low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
+        u32 high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+        int scale = (int)(low | (high << 4)) - 32;
+        float dl = __fmul_rn(half_at(b + 108), (float)scale);
+        u32 codes = (ld32_2(b + 32 + 32 * h + i) >> (2 * r)) & 0x03030303;
+        u32 hm = ld32_2(b + i);
+        return make_float4(__fmul_rn(dl, (float)q(codes, hm, 0, row)),
+                           __fmul_rn(dl, (float)q(codes, hm, 1, row)),
+                           __fmul_rn(dl, (float)q(codes, hm, 2, row)),
+                           __fmul_rn(dl, (float)q(codes, hm, 3, row)));
+    }
+};
+extern "C" __global__ void dq_q3_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 110, Q3_K>(src, dst, n);
 }
 
 // The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 packed bytes.
-__device__ void scale_min(const u8* s, int j, int* sc, int* m) {
+__device__ __forceinline__ void scale_min(const u8* s, int j, u32* sc, u32* m) {
     if (j < 4) {
         *sc = s[j] & 0x3f;
         *m = s[j + 4] & 0x3f;
@@ -92,134 +371,61 @@ __device__ void scale_min(const u8* s, int j, int* sc, int* m) {
     }
 }
 
-// Code q of sub-block j of a Q4_K/Q5_K block b: d * scale * q - dmin * min.
-__device__ float k_scaled(const u8* b, int j, int q) {
-    int sc, m;
+// Codes q (one per byte) of sub-block j of a Q4_K/Q5_K block b: (d * scale) * q - dmin * min.
+__device__ __forceinline__ float4 k_scaled4(const u8* b, int j, u32 q) {
+    u32 sc, m;
     scale_min(b + 4, j, &sc, &m);
-    float dl = __fmul_rn(half_at(b, 0), (float)sc);
-    float ml = __fmul_rn(half_at(b, 2), (float)m);
-    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+    float dl = __fmul_rn(half_at(b), (float)sc);
+    float ml = __fmul_rn(half_at(b + 2), (float)m);
+    return make_float4(__fsub_rn(__fmul_rn(dl, (float)BYTE(q, 0)), ml),
+                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 1)), ml),
+                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 2)), ml),
+                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 3)), ml));
 }
 
 // Q4_K: 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of scales and mins, then 4 chunks of
 // 32 bytes holding 64 elements each (sub-block 2c in the low nibbles, 2c + 1 in the high).
-extern "C" __global__ void dq_q4_k(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)144 * (e / 256);
-    int k = e % 256, c = k / 64, half = (k % 64) / 32, i = k % 32;
-    u8 byte = b[16 + 32 * c + i];
-    dst[e] = k_scaled(b, 2 * c + half, half ? (byte >> 4) : (byte & 0x0f));
-}
-
-// Q6_K: 210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
-// scales, f16 d; per half of 128, four rows of 32.
-extern "C" __global__ void dq_q6_k(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)210 * (e / 256);
-    int k = e % 256, h = k / 128, r = (k % 128) / 32, i = k % 32;
-    int low = (b[64 * h + 32 * (r % 2) + i] >> (4 * (r / 2))) & 0x0f;
-    int high = (b[128 + 32 * h + i] >> (2 * r)) & 3;
-    int q = low | (high << 4);
-    float dl = __fmul_rn(half_at(b, 208), (float)(signed char)b[192 + 8 * h + 2 * r + i / 16]);
-    dst[e] = __fmul_rn(dl, (float)(q - 32));
-}
-
-// Q5_0: 22-byte blocks of 32: f16 d, a u32 of fifth bits (bit i for element i), 16 bytes of low
-// nibbles; d * (q - 16).
-extern "C" __global__ void dq_q5_0(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)22 * (e / 32);
-    int i = e % 32;
-    int low = nibble32(b + 6, i);
-    int fifth = (b[2 + i / 8] >> (i % 8)) & 1;
-    dst[e] = __fmul_rn(half_at(b, 0), (float)((low | (fifth << 4)) - 16));
-}
-
-// Q2_K: 84-byte blocks of 256: 16 bytes of 4-bit scale (low) and min (high), 64 bytes of 2-bit
-// codes (per 128 elements, 32 bytes: row r at bits 2r), f16 d, f16 dmin.
-extern "C" __global__ void dq_q2_k(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)84 * (e / 256);
-    int k = e % 256, h = k / 128, r = (k % 128) / 32, i = k % 32;
-    int g = 2 * (4 * h + r) + i / 16;
-    int q = (b[16 + 32 * h + i] >> (2 * r)) & 3;
-    float dl = __fmul_rn(half_at(b, 80), (float)(b[g] & 0x0f));
-    float ml = __fmul_rn(half_at(b, 82), (float)(b[g] >> 4));
-    dst[e] = __fsub_rn(__fmul_rn(dl, (float)q), ml);
-}
-
-// Q3_K: 110-byte blocks of 256: 32 bytes of high bits (set: no -4 offset; row j at bit j),
-// 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d.
-extern "C" __global__ void dq_q3_k(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)110 * (e / 256);
-    int k = e % 256, h = k / 128, r = (k % 128) / 32, i = k % 32;
-    int row = 4 * h + r, g = 2 * row + i / 16;
-    const u8* s = b + 96;
-    int low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
-    int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-    int scale = (signed char)(low | (high << 4)) - 32;
-    int q = (b[32 + 32 * h + i] >> (2 * r)) & 3;
-    int offset = (((b[i] >> row) & 1) ^ 1) << 2;
-    dst[e] = __fmul_rn(__fmul_rn(half_at(b, 108), (float)scale), (float)(q - offset));
+struct Q4_K {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int c = k / 64, half = (k % 64) / 32, i = k % 32;
+        u32 q = nibbles4(ld32(b + 16 + 32 * c + i), 4 * half);
+        return k_scaled4(b, 2 * c + half, q);
+    }
+};
+extern "C" __global__ void dq_q4_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 144, Q4_K>(src, dst, n);
 }
 
 // Q5_K: 176-byte blocks of 256: Q4_K's d, dmin and packed scales, 32 bytes of fifth bits
 // (element l of chunk c, half h at bit 2c + h of byte l), then Q4_K's nibbles.
-extern "C" __global__ void dq_q5_k(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)176 * (e / 256);
-    int k = e % 256, c = k / 64, half = (k % 64) / 32, l = k % 32;
-    u8 byte = b[48 + 32 * c + l];
-    int q = (half ? (byte >> 4) : (byte & 0x0f)) | (((b[16 + l] >> (2 * c + half)) & 1) << 4);
-    dst[e] = k_scaled(b, 2 * c + half, q);
+struct Q5_K {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int c = k / 64, half = (k % 64) / 32, l = k % 32, j = 2 * c + half;
+        u32 low = nibbles4(ld32(b + 48 + 32 * c + l), 4 * half);
+        u32 high = (ld32(b + 16 + l) >> j) & 0x01010101;
+        return k_scaled4(b, j, low | (high << 4));
+    }
+};
+extern "C" __global__ void dq_q5_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 176, Q5_K>(src, dst, n);
 }
 
-// The IQ4 codebook's 16 levels.
-__constant__ signed char IQ4NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                             1,    13,   25,  38,  53,  69,  89,  113};
-
-// IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
-extern "C" __global__ void dq_iq4_nl(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)18 * (e / 32);
-    int i = e % 32;
-    int q = nibble32(b + 2, i);
-    dst[e] = __fmul_rn(half_at(b, 0), (float)IQ4NL_LEVELS[q]);
-}
-
-// IQ4_XS: 136-byte blocks of 256: f16 d, a u16 of 2-bit scale tops, 4 bytes of 4-bit scale
-// lows, then per 32 elements 16 bytes of codebook nibbles; scales are 6-bit minus 32.
-extern "C" __global__ void dq_iq4_xs(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)136 * (e / 256);
-    int k = e % 256, j = k / 32, i = k % 32;
-    int tops = (int)b[2] | ((int)b[3] << 8);
-    int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
-    int ls = (signed char)(low | (((tops >> (2 * j)) & 3) << 4)) - 32;
-    const u8* q = b + 8 + 16 * j;
-    int code = nibble32(q, i);
-    float dl = __fmul_rn(half_at(b, 0), (float)ls);
-    dst[e] = __fmul_rn(dl, (float)IQ4NL_LEVELS[code]);
-}
-
-// Q4_1: 20-byte blocks of 32: f16 d, f16 m, 16 bytes of nibbles; d * q + m, the product rounded
-// before the sum.
-extern "C" __global__ void dq_q4_1(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)20 * (e / 32);
-    int i = e % 32;
-    int q = nibble32(b + 4, i);
-    dst[e] = __fadd_rn(__fmul_rn(half_at(b, 0), (float)q), half_at(b, 2));
-}
-
-// Q5_1: 24-byte blocks of 32: f16 d, f16 m, a u32 of fifth bits, 16 bytes of low nibbles;
-// d * q + m.
-extern "C" __global__ void dq_q5_1(const u8* src, float* dst, u64 n) {
-    ELEMENT(e, n);
-    const u8* b = src + (usize)24 * (e / 32);
-    int i = e % 32;
-    int low = nibble32(b + 8, i);
-    int fifth = (b[4 + i / 8] >> (i % 8)) & 1;
-    dst[e] = __fadd_rn(__fmul_rn(half_at(b, 0), (float)(low | (fifth << 4))), half_at(b, 2));
+// Q6_K: 210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
+// scales, f16 d; per half of 128, four rows of 32; (d * scale) * (q - 32).
+struct Q6_K {
+    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+        int h = k / 128, r = (k % 128) / 32, i = k % 32;
+        u32 low = nibbles4(ld32_2(b + 64 * h + 32 * (r % 2) + i), 4 * (r / 2));
+        u32 high = (ld32_2(b + 128 + 32 * h + i) >> (2 * r)) & 0x03030303;
+        u32 q = low | (high << 4);
+        float scale = (float)(signed char)b[192 + 8 * h + 2 * r + i / 16];
+        float dl = __fmul_rn(half_at(b + 208), scale);
+        return make_float4(__fmul_rn(dl, (float)((int)BYTE(q, 0) - 32)),
+                           __fmul_rn(dl, (float)((int)BYTE(q, 1) - 32)),
+                           __fmul_rn(dl, (float)((int)BYTE(q, 2) - 32)),
+                           __fmul_rn(dl, (float)((int)BYTE(q, 3) - 32)));
+    }
+};
+extern "C" __global__ void dq_q6_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
+    dequant_tile<256, 210, Q6_K>(src, dst, n);
 }
