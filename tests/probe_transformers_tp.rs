@@ -88,5 +88,9 @@ fn shards_on_the_wrong_rank_are_caught() {
     record(&hf, &out, "f32", &["swap-q-shards"]);
     let j = bisect(&hf, &out, 1);
     assert_eq!(j["first_divergence"]["stage"], "L0.attn.q");
-    assert_eq!(j["fault"]["class"], "wrong_shard_layout", "{:#}", j["fault"]);
+    assert_eq!(
+        j["fault"]["class"], "wrong_shard_layout",
+        "{:#}",
+        j["fault"]
+    );
 }

@@ -18,8 +18,9 @@ fn check(what: &str, r: nvrtcResult) -> Result<()> {
 /// [`cubin`], compiled once per file and architecture in a process (every GPU of a TP run, every
 /// run of a bisect, loads the same).
 pub fn cubin_once(src: &str, name: &'static str, arch: &str) -> Result<Arc<Vec<u8>>> {
-    static COMPILED: OnceLock<Mutex<HashMap<(&'static str, String), Arc<Vec<u8>>>>> =
-        OnceLock::new();
+    /// CUBIN by kernel file and architecture.
+    type Compiled = HashMap<(&'static str, String), Arc<Vec<u8>>>;
+    static COMPILED: OnceLock<Mutex<Compiled>> = OnceLock::new();
     let mut compiled = COMPILED
         .get_or_init(Mutex::default)
         .lock()
