@@ -50,6 +50,10 @@ gpu-dequant-check:
 gpu-backend-check out="target/gpu-backend":
     scripts/gpu-env scripts/gpu-backend-check target/release/glmcheck {{out}}
 
+# On the GPU machine: one glm5-dims MoE block, glmcheck's CUDA backend against transformers' module in PyTorch.
+gpu-moe-bench out="target/gpu-moe":
+    scripts/gpu-env scripts/gpu-moe-bench target/release/glmcheck {{out}}
+
 # On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
 gpu-dequant-bench:
     scripts/gpu-dequant-bench target/release/glmcheck
