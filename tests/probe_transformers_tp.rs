@@ -93,4 +93,20 @@ fn shards_on_the_wrong_rank_are_caught() {
         "{:#}",
         j["fault"]
     );
+    // Every rank's kv_b cut one head late: each head is one of the reference's, at the wrong
+    // offset, which the rank parts show head by head.
+    let out = dir.path().join("shifted.trace");
+    record(&hf, &out, "f32", &["shift-kv-heads"]);
+    let j = bisect(&hf, &out, 1);
+    assert_eq!(j["first_divergence"]["stage"], "L0.attn.kv");
+    assert_eq!(
+        j["fault"]["class"], "wrong_shard_layout",
+        "{:#}",
+        j["fault"]
+    );
+    let evidence = j["fault"]["evidence"].to_string();
+    assert!(
+        evidence.contains("rank 0 holds slices [1, 2, 3, 4] where the plan gives 0..4"),
+        "{evidence}"
+    );
 }

@@ -215,12 +215,90 @@ fn shards(
             )],
         );
     }
-    None
+    moved_slices(at, parts, shapes, axis, want)
+}
+
+/// `values` of `shape` cut into its slices along `axis` (its heads, for `t h d`).
+fn slices(values: &[f32], shape: &[u64], axis: usize) -> Option<Vec<Vec<f32>>> {
+    let n = *shape.get(axis)?;
+    let mut unit = shape.to_vec();
+    unit[axis] = 1;
+    // A hostile trace may claim any count: no more slices than values.
+    if n > values.len() as u64 {
+        return None;
+    }
+    blocks(values, &vec![unit; n as usize], axis)
+}
+
+/// Rank parts whose slices along the split axis (heads) are all the reference's, but not the
+/// ones the plan gives them: shards cut at the wrong offset or with their heads reordered.
+fn moved_slices(
+    at: &str,
+    parts: &[Vec<f32>],
+    shapes: &[Vec<u64>],
+    axis: usize,
+    want: &[f32],
+) -> Option<Fault> {
+    let mut whole_shape = shapes.first()?.clone();
+    *whole_shape.get_mut(axis)? = shapes
+        .iter()
+        .map(|s| s.get(axis).copied().unwrap_or(0))
+        .sum();
+    let reference = slices(want, &whole_shape, axis)?;
+    let mut planned = 0usize;
+    let mut moved = Vec::new();
+    for (r, (part, shape)) in parts.iter().zip(shapes).enumerate() {
+        let held: Vec<usize> = slices(part, shape, axis)?
+            .iter()
+            .map(|h| (0..reference.len()).find(|&g| rel(h, &reference[g]) <= SAME))
+            .collect::<Option<_>>()?;
+        let own: Vec<usize> = (planned..planned + held.len()).collect();
+        if held != own {
+            moved.push(format!(
+                "rank {r} holds slices {:?} where the plan gives {}..{}",
+                held,
+                own.first()?,
+                own.last()? + 1
+            ));
+        }
+        planned += held.len();
+    }
+    if moved.is_empty() {
+        return None;
+    }
+    fault(
+        FaultClass::WrongShardLayout,
+        format!("{at}: slices along axis {axis} sit at other ranks or offsets"),
+        vec![format!(
+            "every slice along axis {axis} (a head, for `t h d`) is one of the reference's,              but {}: the weight was split at the wrong offset or its heads reordered",
+            moved.join("; ")
+        )],
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heads_shifted_inside_a_rank_are_a_wrong_layout() {
+        // [1 token, 4 heads, 2]: rank 0 holds heads 0, 1; rank 1 should hold 2, 3 but holds 3, 2.
+        let want = [0., 1., 10., 11., 20., 21., 30., 31.];
+        let shapes = vec![vec![1, 2, 2], vec![1, 2, 2]];
+        let parts = vec![vec![0., 1., 10., 11.], vec![30., 31., 20., 21.]];
+        let f = shards("L0.attn.kv", &parts, &shapes, 1, &want).unwrap();
+        assert_eq!(f.class, FaultClass::WrongShardLayout);
+        assert!(
+            f.evidence[0].contains("rank 1 holds slices [3, 2] where the plan gives 2..4"),
+            "{:?}",
+            f.evidence
+        );
+        // The planned layout, or a head that is no head of the reference: no layout fault.
+        let right = vec![vec![0., 1., 10., 11.], vec![20., 21., 30., 31.]];
+        assert!(shards("L0.attn.kv", &right, &shapes, 1, &want).is_none());
+        let other = vec![vec![0., 1., 10., 11.], vec![5., 5., 20., 21.]];
+        assert!(shards("L0.attn.kv", &other, &shapes, 1, &want).is_none());
+    }
 
     #[test]
     fn blocks_undo_a_split_along_the_middle_axis() {

@@ -1,14 +1,16 @@
 """The transformers probe's tensor-parallel recording (`transformers_probe.record` at tp > 1) on
 CPU, without transformers' own TP loader (it needs `accelerate` and a GPU backend).
 
-Usage: hf_tp_ranks.py MODEL_DIR TOKENS OUT_TRACE TP DTYPE [swap-q-shards]
+Usage: hf_tp_ranks.py MODEL_DIR TOKENS OUT_TRACE TP DTYPE [swap-q-shards | shift-kv-heads]
 
 Starts TP processes joined by gloo. Each loads the model whole, then keeps only its contiguous
 1/TP of the attention heads in `q_b_proj` and `kv_b_proj` (output rows) and `o_proj` (input
 columns), with `o_proj`'s output summed over the ranks inside its forward, the layout
 transformers' "colwise" / "rowwise" styles give those modules. The rest stays replicated. Every
 rank then records the forward with the probe. `swap-q-shards` gives each rank the next rank's
-`q_b_proj` rows: a wrong shard layout that the attention still runs with.
+`q_b_proj` rows: a wrong shard layout that the attention still runs with. `shift-kv-heads` cuts
+every rank's `kv_b_proj` rows one head later (the last rank wraps to head 0): heads that are all
+the model's, at the wrong offset.
 
 Also checks `head_split` on a few shapes before starting.
 """
@@ -42,20 +44,22 @@ def check_head_split():
     assert tp_probe.stage_dims("L0.attn.q", 2) == "t h(tp) d"
 
 
-def shard(model, rank: int, tp: int, swap_q: bool) -> None:
+def shard(model, rank: int, tp: int, plant: str) -> None:
     heads = model.config.num_attention_heads
     local = heads // tp
 
-    def rows(lin, width, r):
-        w = lin.weight.data.reshape(heads, width, -1)[r * local:(r + 1) * local]
+    def rows(lin, width, r, offset=0):
+        picked = [(r * local + offset + i) % heads for i in range(local)]
+        w = lin.weight.data.reshape(heads, width, -1)[picked]
         lin.weight = torch.nn.Parameter(w.reshape(local * width, -1).clone(), requires_grad=False)
         lin.out_features = local * width
 
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         a = layer.self_attn
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        rows(a.q_b_proj, qk, (rank + 1) % tp if swap_q else rank)
-        rows(a.kv_b_proj, a.qk_nope_head_dim + a.v_head_dim, rank)
+        rows(a.q_b_proj, qk, (rank + 1) % tp if plant == "swap-q-shards" else rank)
+        shift = 1 if plant == "shift-kv-heads" else 0
+        rows(a.kv_b_proj, a.qk_nope_head_dim + a.v_head_dim, rank, shift)
         o = a.o_proj
         w = o.weight.data.reshape(o.out_features, heads, a.v_head_dim)
         w = w[:, rank * local:(rank + 1) * local]
@@ -71,13 +75,13 @@ def shard(model, rank: int, tp: int, swap_q: bool) -> None:
         o.forward = reduced
 
 
-def run(rank, tp, port, model_dir, tokens, out, dtype, swap_q):
+def run(rank, tp, port, model_dir, tokens, out, dtype, plant):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     try:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tp_probe.DTYPES[dtype]).eval()
-        shard(model, rank, tp, swap_q)
+        shard(model, rank, tp, plant)
         tp_probe.record(model, model_dir, tokens, out, ("**",), dtype, rank=rank, tp=tp,
                         barrier=dist.barrier, notes={"tp_plan": "emulated"})
     finally:
@@ -86,14 +90,16 @@ def run(rank, tp, port, model_dir, tokens, out, dtype, swap_q):
 
 def main():
     model_dir, tokens, out, tp, dtype = sys.argv[1:6]
-    swap_q = sys.argv[6:] == ["swap-q-shards"]
+    plant = sys.argv[6] if len(sys.argv) > 6 else ""
+    if plant not in ("", "swap-q-shards", "shift-kv-heads"):
+        sys.exit(f"unknown plant {plant!r}: swap-q-shards or shift-kv-heads")
     check_head_split()
     tokens = [int(t) for t in tokens.split(",")]
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.set_num_threads(1)
-    mp.spawn(run, args=(int(tp), port, model_dir, tokens, out, dtype, swap_q), nprocs=int(tp))
+    mp.spawn(run, args=(int(tp), port, model_dir, tokens, out, dtype, plant), nprocs=int(tp))
 
 
 if __name__ == "__main__":
