@@ -210,3 +210,22 @@ __device__ void attention(const T* q, const T* kv, const T* k_rope, const int* k
 ATTENTION(f32)
 ATTENTION(bf16)
 ATTENTION(f16)
+
+// RoPE on f32 rows in place, one thread per (row, head, pair): each row's heads of `width`
+// values, the rope dims from `offset`, row r at position start + r; pair i rotated by angle
+// position · inv_freq[i] (in f32, as the CPU computes it), cos and sin scaled by `scale`;
+// interleaved pairs (x[2i], x[2i+1]) or NeoX halves (x[i], x[i + half]).
+extern "C" __global__ void rope_f32(float* x, const float* inv_freq, u32 rows, u32 width,
+                                    u32 heads, u32 offset, u32 half, u32 start,
+                                    u32 interleaved, float scale) {
+    u32 n = rows * heads * half;
+    ELEMENT(e, n);
+    u32 i = e % half, head = (e / half) % heads, row = e / (half * heads);
+    float angle = (float)(start + row) * inv_freq[i];
+    float s = sinf(angle) * scale, c = cosf(angle) * scale;
+    float* h = x + (u64)row * heads * width + (u64)head * width + offset;
+    u32 a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    float x0 = h[a], x1 = h[b];
+    h[a] = x0 * c - x1 * s;
+    h[b] = x1 * c + x0 * s;
+}

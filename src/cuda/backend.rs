@@ -21,6 +21,7 @@ use super::Gpu;
 use crate::exec::attention::AttentionInputs;
 use crate::exec::backend::{all_computed, sum_in_rank_order, Backend, Precision};
 use crate::exec::mat::Mat;
+use crate::exec::rope::{Rope, RotateSpec};
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
 const ROW_THREADS: u32 = 256;
@@ -272,6 +273,48 @@ impl Device {
         // SAFETY: n values in and out.
         unsafe { launch.launch(elements(count)) }?;
         xs.copy_from_slice(&self.download(&out, xs.len())?);
+        Ok(())
+    }
+
+    /// RoPE on `m`'s rows in place (f32 in and out, as the caller rounds).
+    fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+        let half = rope.inv_freq().len();
+        if spec.width == 0 || m.cols % spec.width != 0 || spec.offset + 2 * half > spec.width {
+            bail!(
+                "rope: rows of {} values do not hold heads of {} with {} rope dims from {}",
+                m.cols,
+                spec.width,
+                2 * half,
+                spec.offset
+            );
+        }
+        let heads = m.cols / spec.width;
+        let n = m.rows * heads * half;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut x = self.upload::<f32>(&m.data)?;
+        let freq = self.upload::<f32>(rope.inv_freq())?;
+        let f = self.kernel("rope", "f32")?;
+        let (rows, width, heads32) = (to_u32(m.rows)?, to_u32(spec.width)?, to_u32(heads)?);
+        let (offset, half32, start) = (to_u32(spec.offset)?, to_u32(half)?, to_u32(spec.start)?);
+        let (interleaved, scale) = (u32::from(spec.interleaved), rope.scale());
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&mut x.slice)
+            .arg(&freq.slice)
+            .arg(&rows)
+            .arg(&width)
+            .arg(&heads32)
+            .arg(&offset)
+            .arg(&half32)
+            .arg(&start)
+            .arg(&interleaved)
+            .arg(&scale);
+        // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
+        // head (checked above).
+        unsafe { launch.launch(elements(to_u32(n)?)) }?;
+        m.data = self.download(&x, m.data.len())?;
         Ok(())
     }
 
@@ -738,6 +781,10 @@ impl Backend for Cuda {
     fn round(&self, xs: &mut [f32]) -> Result<()> {
         let device = self.device(self.rank)?;
         with_dtype!(self.precision, D => device.round::<D>(xs))
+    }
+
+    fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+        self.device(self.rank)?.rope(m, rope, spec)
     }
 
     fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {

@@ -15,7 +15,7 @@ use num_traits::{Float, Zero};
 
 use super::inject::Injection;
 use super::real::Real;
-use super::rope::{yarn_softmax_factor, Rope};
+use super::rope::{yarn_softmax_factor, Rope, RotateSpec};
 use super::source::WeightSource;
 use super::ties::TieBreaks;
 use super::tp::{column_block, column_parallel, concat_columns, row_parallel, Sharder, WithParts};
@@ -184,12 +184,14 @@ pub fn attention<B: Backend>(
     let interleave = cfg.rope_interleave != (fault == Some(Injection::RopeNeox));
     let mut q_rot = q.clone();
     let mut k_rope = kv_a.columns(kvl, rope_d);
-    for i in 0..t {
-        rope.rotate(k_rope.row_mut(i), start + i, interleave);
-        for head in q_rot.row_mut(i).chunks_exact_mut(qk) {
-            rope.rotate(&mut head[nope..], start + i, interleave);
-        }
-    }
+    let spec = |width, offset| RotateSpec {
+        width,
+        offset,
+        start,
+        interleaved: interleave,
+    };
+    be.rope(&mut k_rope, &rope, spec(rope_d, 0))?;
+    be.rope(&mut q_rot, &rope, spec(qk, nope))?;
     let q_rope: Vec<B::E> = q_rot
         .data
         .chunks_exact(qk)
@@ -301,11 +303,7 @@ fn indexer<B: Backend>(
     let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
     let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
     let t = hn.rows;
-    let (ih, ihd, rope_d) = (
-        cfg.index_n_heads as usize,
-        cfg.index_head_dim as usize,
-        cfg.qk_rope_head_dim as usize,
-    );
+    let (ih, ihd) = (cfg.index_n_heads as usize, cfg.index_head_dim as usize);
     let mut q = be.linear(q_a_norm, &matrix(IndexerQB)?)?;
     let k_lin = be.linear(hn, &matrix(IndexerK)?)?;
     let mut k = be.layer_norm(
@@ -315,16 +313,15 @@ fn indexer<B: Backend>(
         INDEXER_NORM_EPS,
     )?;
     let weights = be.linear(hn, &matrix(IndexerProj)?)?;
-    for i in 0..t {
-        rope.rotate(
-            &mut k.row_mut(i)[..rope_d],
-            start + i,
-            cfg.indexer_rope_interleave,
-        );
-        for head in q.row_mut(i).chunks_exact_mut(ihd) {
-            rope.rotate(&mut head[..rope_d], start + i, cfg.indexer_rope_interleave);
-        }
-    }
+    // The key is one head of `ihd`; the rope dims lead each head.
+    let spec = RotateSpec {
+        width: ihd,
+        offset: 0,
+        start,
+        interleaved: cfg.indexer_rope_interleave,
+    };
+    be.rope(&mut k, rope, spec)?;
+    be.rope(&mut q, rope, spec)?;
     be.round(&mut k.data)?;
     be.round(&mut q.data)?;
     cache.index_k.extend_from_slice(&k.data);

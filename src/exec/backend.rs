@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use super::attention::{attention_core, AttentionInputs};
 use super::mat::Mat;
 use super::ops;
+use super::rope::{Rope, RotateSpec};
 
 use super::real::Real;
 
@@ -81,6 +82,12 @@ pub trait Backend: Sync + Clone {
     fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
     fn round(&self, xs: &mut [Self::E]) -> Result<()>;
+    /// RoPE on the heads of every row of `m` as `spec` says, unrounded; by default the CPU's
+    /// loops.
+    fn rope(&self, m: &mut Mat<Self::E>, rope: &Rope<Self::E>, spec: RotateSpec) -> Result<()> {
+        rope.rotate_rows(m, spec);
+        Ok(())
+    }
     /// MLA attention of new positions over the cache, unrounded (see [`AttentionInputs`]); by
     /// default the CPU's loops.
     fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Vec<Self::E>> {

@@ -6,6 +6,7 @@ use anyhow::Result;
 use super::attention::AttentionInputs;
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
+use super::rope::{Rope, RotateSpec};
 use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank};
 
 /// Where the candidate's ops run.
@@ -137,6 +138,10 @@ impl Backend for Engine {
 
     fn round(&self, xs: &mut [f32]) -> Result<()> {
         on_backend!(self, be => be.round(xs))
+    }
+
+    fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+        on_backend!(self, be => be.rope(m, rope, spec))
     }
 
     fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {

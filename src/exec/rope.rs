@@ -1,6 +1,7 @@
 //! Rotary position embedding of the rope dims: the frequencies (plain, or YaRN-scaled as
 //! transformers computes them), the cos/sin scale, and the rotation in either pair layout.
 
+use super::mat::Mat;
 use super::real::Real;
 use crate::model::config::{Glm5Config, Yarn};
 
@@ -47,6 +48,48 @@ impl<E: Real> Rope<E> {
             let (x0, x1) = (x[a], x[b]);
             x[a] = x0 * c - x1 * s;
             x[b] = x1 * c + x0 * s;
+        }
+    }
+}
+
+/// Which values of each row RoPE rotates: the row's heads of `width` values, in each the rope
+/// dims from `offset`; row `i` at position `start + i`, in interleaved pairs or NeoX halves.
+#[derive(Clone, Copy, Debug)]
+pub struct RotateSpec {
+    pub width: usize,
+    pub offset: usize,
+    pub start: usize,
+    pub interleaved: bool,
+}
+
+impl<E: Real> Rope<E> {
+    /// Plain RoPE of `dims` dims with base `theta` (frequencies rounded through f32 as for a
+    /// model) and `scale` on cos and sin.
+    pub fn plain(theta: f64, dims: usize, scale: f64) -> Self {
+        Rope {
+            inv_freq: inv_freq(theta, dims).into_iter().map(E::lit).collect(),
+            scale: E::lit(scale),
+        }
+    }
+
+    /// The frequencies, one per pair of rope dims.
+    pub fn inv_freq(&self) -> &[E] {
+        &self.inv_freq
+    }
+
+    /// The factor on cos and sin (YaRN's attention factor, else 1).
+    pub fn scale(&self) -> E {
+        self.scale
+    }
+
+    /// Every head of every row of `m` rotated as `spec` says (the CPU's loops).
+    pub fn rotate_rows(&self, m: &mut Mat<E>, spec: RotateSpec) {
+        let dims = 2 * self.inv_freq.len();
+        for i in 0..m.rows {
+            for head in m.row_mut(i).chunks_exact_mut(spec.width) {
+                let rot = &mut head[spec.offset..spec.offset + dims];
+                self.rotate(rot, spec.start + i, spec.interleaved);
+            }
         }
     }
 }

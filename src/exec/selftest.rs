@@ -10,6 +10,7 @@ use super::attention::AttentionInputs;
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
 use super::real::Real;
+use super::rope::{Rope, RotateSpec};
 use crate::synth::rng::SplitMix;
 
 /// One op at one shape.
@@ -52,6 +53,16 @@ pub enum Op {
         t: usize,
         d: usize,
     },
+    /// RoPE on `t` rows of `heads` heads of `width` values, the 64 rope dims from `offset`,
+    /// positions from `start`, interleaved pairs or NeoX halves.
+    Rope {
+        t: usize,
+        heads: usize,
+        width: usize,
+        offset: usize,
+        start: usize,
+        interleaved: bool,
+    },
     /// MLA attention of `t` new positions over `positions` cached ones (GLM-5's head dims:
     /// no-RoPE 192, RoPE 64, value 256), each seeing every position up to its own, or (`sparse`)
     /// a DSA-like choice of `sparse` of them.
@@ -65,7 +76,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 16] = [
+pub const CASES: [Op; 18] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -96,6 +107,22 @@ pub const CASES: [Op; 16] = [
     Op::Add { t: 8, d: 6144 },
     Op::Round { n: 100_003 },
     Op::AllReduce { t: 8, d: 6144 },
+    Op::Rope {
+        t: 5,
+        heads: 8,
+        width: 256,
+        offset: 192,
+        start: 100,
+        interleaved: true,
+    },
+    Op::Rope {
+        t: 3,
+        heads: 32,
+        width: 128,
+        offset: 0,
+        start: 7,
+        interleaved: false,
+    },
     Op::Attention {
         t: 5,
         positions: 12,
@@ -136,6 +163,10 @@ impl Op {
             Op::Add { .. } => "add",
             Op::Round { .. } => "round",
             Op::AllReduce { .. } => "all_reduce",
+            Op::Rope {
+                interleaved: true, ..
+            } => "rope",
+            Op::Rope { .. } => "rope_neox",
             Op::Attention { sparse: 0, .. } => "attention",
             Op::Attention { .. } => "attention_dsa",
         }
@@ -150,6 +181,14 @@ impl Op {
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Round { n } => format!("[{n}]"),
             Op::AllReduce { t, d } => format!("{ranks}×[{t},{d}]"),
+            Op::Rope {
+                t,
+                heads,
+                width,
+                offset,
+                start,
+                ..
+            } => format!("[{t},{heads}×{width}] from {offset}, positions {start}.."),
             Op::Attention {
                 t,
                 positions,
@@ -168,7 +207,10 @@ impl Op {
 
     /// Whether the output is held in f32 whatever the dtype.
     fn exact_output(self) -> bool {
-        matches!(self, Op::LinearExact { .. } | Op::Attention { .. })
+        matches!(
+            self,
+            Op::LinearExact { .. } | Op::Attention { .. } | Op::Rope { .. }
+        )
     }
 
     /// Roundings to the output dtype between the inputs and the output.
@@ -198,6 +240,12 @@ fn unit_roundoff(p: Precision) -> f64 {
 pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
     if matches!(op, Op::Round { .. }) {
         return 0.0;
+    }
+    if let Op::Rope { t, start, .. } = op {
+        // The angle position · frequency is rounded to f32 before its sine and cosine, as
+        // transformers computes it: an error of up to angle · u (the largest frequency is 1).
+        let angle = (start + t) as f64;
+        return ((2.0 + angle) * unit_roundoff(Precision::F32)).powi(2);
     }
     let out = if op.exact_output() {
         Precision::F32
@@ -322,6 +370,28 @@ fn run_op<B: Backend<E = f32>>(
             let reference = wide_v(&xs);
             be.round(&mut xs)?;
             (xs, reference)
+        }
+        Op::Rope {
+            t,
+            heads,
+            width,
+            offset,
+            start,
+            interleaved,
+        } => {
+            const THETA: f64 = 1e6;
+            let rope_dims = HEAD_DIMS.1;
+            let mut x = mat(rng, t, heads * width, 1.0, p);
+            let spec = RotateSpec {
+                width,
+                offset,
+                start,
+                interleaved,
+            };
+            let mut wide_x = wide(&x);
+            Rope::<f64>::plain(THETA, rope_dims, 1.0).rotate_rows(&mut wide_x, spec);
+            be.rope(&mut x, &Rope::plain(THETA, rope_dims, 1.0), spec)?;
+            (x.data, wide_x.data)
         }
         Op::Attention {
             t,
