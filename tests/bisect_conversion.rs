@@ -11,17 +11,12 @@ use std::path::Path;
 
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 fn bisect(hf: &Path, candidate: &Path, extra: &[&str], code: i32) -> serde_json::Value {
-    let mut args = vec![
-        "bisect",
-        hf.to_str().unwrap(),
-        "--candidate",
-        candidate.to_str().unwrap(),
-        "--tokens",
-        TOKENS,
-        "--json",
-    ];
-    args.extend(extra);
-    common::glmcheck_json(args, code)
+    common::bisect_candidate(
+        hf,
+        candidate,
+        &[&["--tokens", TOKENS], extra].concat(),
+        code,
+    )
 }
 
 #[test]

@@ -56,19 +56,6 @@ fn engine_run(hf: &Path, tp: &str, fault: &str, out: &Path) {
     );
 }
 
-fn bisect(hf: &Path, trace: &Path, code: i32) -> serde_json::Value {
-    common::glmcheck_json(
-        [
-            "bisect",
-            hf.to_str().unwrap(),
-            "--candidate",
-            trace.to_str().unwrap(),
-            "--json",
-        ],
-        code,
-    )
-}
-
 #[test]
 fn the_transformers_probe_passes_at_f32_and_bf16() {
     let dir = common::scratch();
@@ -77,7 +64,7 @@ fn the_transformers_probe_passes_at_f32_and_bf16() {
     for dtype in ["f32", "bf16"] {
         let trace = dir.path().join(format!("{dtype}.trace"));
         probe(&hf, dtype, &trace);
-        let j = bisect(&hf, &trace, 0);
+        let j = common::bisect_candidate(&hf, &trace, &[], 0);
         assert_eq!(j["verdict"], "pass", "{dtype}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["dtype"], dtype);
         // The prompt is the trace's.
@@ -103,7 +90,7 @@ fn faulty_traces_are_diagnosed_from_what_they_hold() {
     for (fault, tp, stage, class) in cases {
         let trace = dir.path().join(format!("{fault}.trace"));
         engine_run(&hf, tp, fault, &trace);
-        let j = bisect(&hf, &trace, 1);
+        let j = common::bisect_candidate(&hf, &trace, &[], 1);
         assert_eq!(j["first_divergence"]["stage"], stage, "{fault}");
         assert_eq!(j["fault"]["class"], class, "{fault}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["classified_by"], "traces", "{fault}");
@@ -156,7 +143,7 @@ fn broken_transformers_modules_recorded_by_the_probe_are_diagnosed() {
             "{break_}: {}",
             String::from_utf8_lossy(&run.stderr)
         );
-        let j = bisect(&hf, &trace, 1);
+        let j = common::bisect_candidate(&hf, &trace, &[], 1);
         assert_eq!(j["first_divergence"]["stage"], stage, "{break_}");
         assert_eq!(j["fault"]["class"], class, "{break_}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["classified_by"], "traces", "{break_}");
@@ -192,18 +179,7 @@ fn an_engine_trace_with_its_shard_manifest_names_the_unsharded_weight() {
     }
     let path = dir.path().join("shards.json");
     std::fs::write(&path, serde_json::to_string(&manifest).unwrap()).unwrap();
-    let j = common::glmcheck_json(
-        [
-            "bisect",
-            hf.to_str().unwrap(),
-            "--candidate",
-            trace.to_str().unwrap(),
-            "--actual",
-            path.to_str().unwrap(),
-            "--json",
-        ],
-        1,
-    );
+    let j = common::bisect_candidate(&hf, &trace, &["--actual", path.to_str().unwrap()], 1);
     assert_eq!(j["first_divergence"]["stage"], "L0.attn.kv");
     assert_eq!(j["fault"]["class"], "unsharded_weight");
     assert_eq!(j["fault"]["weight"], kv_b);

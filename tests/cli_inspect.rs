@@ -3,19 +3,12 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use glmcheck::synth::{Preset, SynthSpec};
 use glmcheck::weights::gguf::writer::GgufWriter;
 use glmcheck::weights::ModelFiles;
 use serde_json::Value as Json;
-
-fn glmcheck(args: &[&str]) -> Output {
-    Command::new(common::glmcheck_bin())
-        .args(args)
-        .output()
-        .unwrap()
-}
 
 fn one_line_error(out: &Output, naming: &str) {
     assert_eq!(out.status.code(), Some(2));
@@ -30,19 +23,22 @@ fn one_line_error(out: &Output, naming: &str) {
 #[test]
 fn missing_and_unreadable_inputs_are_one_line_exit_2() {
     one_line_error(
-        &glmcheck(&["inspect", "/no/such/model.gguf"]),
+        &common::glmcheck_output(&["inspect", "/no/such/model.gguf"]),
         "/no/such/model.gguf",
     );
     let dir = common::scratch();
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"GGUF\x03\x00\x00\x00\xff\xff").unwrap();
-    one_line_error(&glmcheck(&["dequant", junk.to_str().unwrap()]), "junk.gguf");
+    one_line_error(
+        &common::glmcheck_output(&["dequant", junk.to_str().unwrap()]),
+        "junk.gguf",
+    );
     let model = dir.path().join("m.gguf");
     SynthSpec::new(Preset::Tiny.config(), 1)
         .write_gguf(&model)
         .unwrap();
     one_line_error(
-        &glmcheck(&["dequant", "--tensor", "nothing*", model.to_str().unwrap()]),
+        &common::glmcheck_output(&["dequant", "--tensor", "nothing*", model.to_str().unwrap()]),
         "m.gguf",
     );
 }

@@ -9,13 +9,6 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn glmcheck(args: &[&str]) -> Output {
-    Command::new(common::glmcheck_bin())
-        .args(args)
-        .output()
-        .unwrap()
-}
-
 fn says_no_driver(out: &Output, what: &str) {
     assert_eq!(out.status.code(), Some(2), "{what}");
     let err = String::from_utf8_lossy(&out.stderr);
@@ -36,13 +29,16 @@ fn tiny_model() -> (tempfile::TempDir, String, std::path::PathBuf) {
 fn without_a_driver_cuda_commands_say_so() {
     let (_dir, m, trace) = tiny_model();
     let (m, t) = (m.as_str(), trace.to_str().unwrap());
-    says_no_driver(&glmcheck(&["dequant", m, "--device", "cuda"]), "dequant");
     says_no_driver(
-        &glmcheck(&["run", m, "--tokens", "1,2", "--backend", "cuda", "--out", t]),
+        &common::glmcheck_output(&["dequant", m, "--device", "cuda"]),
+        "dequant",
+    );
+    says_no_driver(
+        &common::glmcheck_output(&["run", m, "--tokens", "1,2", "--backend", "cuda", "--out", t]),
         "run",
     );
     says_no_driver(
-        &glmcheck(&[
+        &common::glmcheck_output(&[
             "bisect",
             m,
             "--tokens",
@@ -54,7 +50,10 @@ fn without_a_driver_cuda_commands_say_so() {
         ]),
         "bisect",
     );
-    says_no_driver(&glmcheck(&["selftest", "--backend", "cuda"]), "selftest");
+    says_no_driver(
+        &common::glmcheck_output(&["selftest", "--backend", "cuda"]),
+        "selftest",
+    );
 }
 
 /// The folder of the NVRTC library in the oracle venv's CUDA wheels.
@@ -102,6 +101,19 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
             assert!(k["cubin_bytes"].as_u64().unwrap() > 10_000, "{arch}: {k}");
         }
     }
+    // An architecture NVRTC does not know: its complaint, on one line.
+    let out = Command::new(common::glmcheck_bin())
+        .args(["selftest", "--compile-only", "sm_xx"])
+        .env("LD_LIBRARY_PATH", &lib)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("invalid value for --gpu-architecture"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
     // Without NVRTC on the path: one line saying what is missing.
     let out = Command::new(common::glmcheck_bin())
         .args(["selftest", "--compile-only", "sm_90"])
@@ -114,7 +126,7 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
 
 #[test]
 fn the_cpu_backend_passes_its_selftest_with_an_all_reduce() {
-    let out = glmcheck(&["selftest", "--tp", "3", "--seed", "11", "--json"]);
+    let out = common::glmcheck_output(&["selftest", "--tp", "3", "--seed", "11", "--json"]);
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -132,7 +144,7 @@ fn the_cpu_backend_passes_its_selftest_with_an_all_reduce() {
             "{c}"
         );
     }
-    let out = glmcheck(&["selftest", "--dtype", "f64"]);
+    let out = common::glmcheck_output(&["selftest", "--dtype", "f64"]);
     assert_eq!(out.status.code(), Some(2));
 }
 
@@ -141,37 +153,36 @@ fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
     let (dir, m, trace) = tiny_model();
     let id = dir.path().join("nccl.id");
     let (m, id, t) = (m.as_str(), id.to_str().unwrap(), trace.to_str().unwrap());
-    let base = ["run", m, "--tokens", "1,2", "--tp", "2", "--out", t];
+    // `run` at TP 2 with `extra`, as rank `rank` of `world` processes.
+    let run = |extra: &[&str], rank: &str, world: &str| {
+        let base = ["run", m, "--tokens", "1,2", "--tp", "2", "--out", t];
+        let process = ["--rank", rank, "--world-size", world, "--nccl-id", id];
+        common::glmcheck_output(&[&base[..], extra, &process].concat())
+    };
+    let cuda = ["--backend", "cuda"];
     // --rank without --world-size and --nccl-id: a usage error.
-    let out = glmcheck(&[&base[..], &["--backend", "cuda", "--rank", "0"]].concat());
+    let out = common::glmcheck_output(&[
+        "run",
+        m,
+        "--tokens",
+        "1,2",
+        "--tp",
+        "2",
+        "--out",
+        t,
+        "--backend",
+        "cuda",
+        "--rank",
+        "0",
+    ]);
     assert_eq!(out.status.code(), Some(2));
     // On the CPU, with EP, or with another world size: refused, naming the rule.
-    for extra in [
-        &["--rank", "1", "--world-size", "2", "--nccl-id", id][..],
-        &[
-            "--backend",
-            "cuda",
-            "--ep",
-            "--rank",
-            "1",
-            "--world-size",
-            "2",
-            "--nccl-id",
-            id,
-        ],
-        &[
-            "--backend",
-            "cuda",
-            "--rank",
-            "0",
-            "--world-size",
-            "4",
-            "--nccl-id",
-            id,
-        ],
+    for out in [
+        run(&[], "1", "2"),
+        run(&[&cuda[..], &["--ep"]].concat(), "1", "2"),
+        run(&cuda, "0", "4"),
     ] {
-        let out = glmcheck(&[&base[..], extra].concat());
-        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+        assert_eq!(out.status.code(), Some(2));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             err.contains("--rank") || err.contains("--world-size"),
@@ -180,24 +191,6 @@ fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
         assert_eq!(err.lines().count(), 1, "{err}");
     }
     // Right arguments, no GPU: the driver is what is missing.
-    says_no_driver(
-        &glmcheck(
-            &[
-                &base[..],
-                &[
-                    "--backend",
-                    "cuda",
-                    "--rank",
-                    "1",
-                    "--world-size",
-                    "2",
-                    "--nccl-id",
-                    id,
-                ],
-            ]
-            .concat(),
-        ),
-        "run --rank",
-    );
+    says_no_driver(&run(&cuda, "1", "2"), "run --rank");
     assert!(!trace.exists(), "no trace folder left behind");
 }

@@ -14,24 +14,12 @@ use glmcheck::trace::{ElemType, FullSelector, Stage, Trace, TraceHeader, TraceWr
 
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 
-fn glmcheck(args: &[&str]) {
-    let out = Command::new(common::glmcheck_bin())
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A tiny synthetic model (16 indexer heads: no exact DSA ties) run at `dtypes`, every stage
 /// stored in full; the traces' paths in that order.
 fn reference_runs(dir: &Path, dtypes: &[&str]) -> Vec<PathBuf> {
     let hf = dir.join("hf");
     let model = hf.to_str().unwrap();
-    glmcheck(&[
+    common::glmcheck_ok(&[
         "synth",
         "--format",
         "hf",
@@ -48,7 +36,7 @@ fn reference_runs(dir: &Path, dtypes: &[&str]) -> Vec<PathBuf> {
             let args = [
                 "run", model, "--tokens", TOKENS, "--full", "**", "--dtype", dtype,
             ];
-            glmcheck(&[&args[..], &["--out", out.to_str().unwrap()]].concat());
+            common::glmcheck_ok(&[&args[..], &["--out", out.to_str().unwrap()]].concat());
             out
         })
         .collect()

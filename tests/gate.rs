@@ -15,13 +15,6 @@ use glmcheck::trace::{ElemType, FullSelector, Stage, Trace, TraceHeader, TraceWr
 /// The prompt of the golden baselines (scripts/gate-golden).
 const PROMPT: &str = "The capital of France is Paris. The capital of Germany is";
 
-fn glmcheck(args: &[&str]) -> Output {
-    Command::new(common::glmcheck_bin())
-        .args(args)
-        .output()
-        .expect("start glmcheck")
-}
-
 fn code(out: &Output) -> i32 {
     out.status.code().expect("exit code")
 }
@@ -56,7 +49,7 @@ fn tiny(dir: &Path) -> PathBuf {
 /// `glmcheck run` of `model` into `out` with every stage in full.
 fn run_full(model: &Path, out: &Path, dtype: &str, tp: u32) {
     let tp = tp.to_string();
-    let o = glmcheck(&[
+    let o = common::glmcheck_output(&[
         "run",
         p(model),
         "--prompt",
@@ -77,7 +70,7 @@ fn run_full(model: &Path, out: &Path, dtype: &str, tp: u32) {
 fn gate_json(args: &[&str], expect: i32) -> serde_json::Value {
     let mut all = vec!["gate", "--json"];
     all.extend(args);
-    let o = glmcheck(&all);
+    let o = common::glmcheck_output(&all);
     assert_eq!(code(&o), expect, "{all:?}: {}", stderr(&o));
     serde_json::from_slice(&o.stdout).expect("gate --json prints JSON")
 }
@@ -155,7 +148,8 @@ fn a_baseline_passes_itself_and_candidates_one_ulp_away() {
         let reference = d.join(format!("ref-{dtype}.trace"));
         run_full(&model, &reference, dtype, tp);
         let base = d.join(format!("{dtype}.json"));
-        let o = glmcheck(&["gate", "--update", "--baseline", p(&base), p(&reference)]);
+        let o =
+            common::glmcheck_output(&["gate", "--update", "--baseline", p(&base), p(&reference)]);
         assert_eq!(code(&o), 0, "{}", stderr(&o));
         let b = Baseline::load(&base).unwrap();
         assert_eq!((b.dtype.as_str(), b.tp), (dtype, tp));
@@ -232,7 +226,7 @@ fn planted_faults_fail_naming_the_stage() {
     let base = |dtype: &str, tp: u32| {
         let path = d.join(format!("tiny-{dtype}-tp{tp}.json"));
         let tp = tp.to_string();
-        let o = glmcheck(&[
+        let o = common::glmcheck_output(&[
             "gate",
             "--update",
             "--baseline",
@@ -304,7 +298,7 @@ fn planted_faults_fail_naming_the_stage() {
     }
 
     // Flat logits are named as such, position by position, on the terminal too.
-    let o = glmcheck(&[
+    let o = common::glmcheck_output(&[
         "gate",
         "--baseline",
         p(&f32_tp1),
@@ -328,7 +322,7 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
     let d = dir.path();
     let model = tiny(d);
     let base = d.join("b.json");
-    let o = glmcheck(&[
+    let o = common::glmcheck_output(&[
         "gate",
         "--update",
         "--baseline",
@@ -349,18 +343,18 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
 
     // Another dtype, TP or prompt than the baseline's.
     one_line(
-        &glmcheck(&["gate", "--baseline", p(&base), p(&model), "--dtype", "bf16"]),
+        &common::glmcheck_output(&["gate", "--baseline", p(&base), p(&model), "--dtype", "bf16"]),
         &[
             "dtype bf16 differs from the baseline's f32",
             "not a regression",
         ],
     );
     one_line(
-        &glmcheck(&["gate", "--baseline", p(&base), p(&model), "--tp", "2"]),
+        &common::glmcheck_output(&["gate", "--baseline", p(&base), p(&model), "--tp", "2"]),
         &["tp 2 differs from the baseline's 1"],
     );
     one_line(
-        &glmcheck(&[
+        &common::glmcheck_output(&[
             "gate",
             "--baseline",
             p(&base),
@@ -377,13 +371,13 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
         0,
     );
     one_line(
-        &glmcheck(&["gate", "--baseline", p(&base), p(&other)]),
+        &common::glmcheck_output(&["gate", "--baseline", p(&base), p(&other)]),
         &["fingerprint", "differs from the baseline's"],
     );
     // No baseline.
     let absent = d.join("absent.json");
     one_line(
-        &glmcheck(&["gate", "--baseline", p(&absent), p(&model)]),
+        &common::glmcheck_output(&["gate", "--baseline", p(&absent), p(&model)]),
         &[p(&absent), "no such baseline", "--update"],
     );
 
@@ -396,7 +390,7 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
         let mut all = vec![p(&path)];
         all.extend(needles);
         one_line(
-            &glmcheck(&["gate", "--baseline", p(&path), p(&model)]),
+            &common::glmcheck_output(&["gate", "--baseline", p(&path), p(&model)]),
             &all,
         );
     };
@@ -483,7 +477,7 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
     let trace = d.join("t.trace");
     run_full(&model, &trace, "f32", 1);
     one_line(
-        &glmcheck(&["gate", "--baseline", p(&base), p(&trace), "--tp", "2"]),
+        &common::glmcheck_output(&["gate", "--baseline", p(&base), p(&trace), "--tp", "2"]),
         &["--tp applies to a model candidate"],
     );
 }
@@ -495,7 +489,7 @@ fn junit_markdown_and_update_round_trip() {
     let model = tiny(d);
     let base = d.join("b.json");
     let update = |path: &Path| {
-        let o = glmcheck(&[
+        let o = common::glmcheck_output(&[
             "gate",
             "--update",
             "--baseline",

@@ -25,19 +25,6 @@ fn record(hf: &Path, out: &Path, dtype: &str, extra: &[&str]) {
     common::run_oracle("hf_tp_ranks.py", &args);
 }
 
-fn bisect(hf: &Path, trace: &Path, code: i32) -> serde_json::Value {
-    common::glmcheck_json(
-        [
-            "bisect",
-            hf.to_str().unwrap(),
-            "--candidate",
-            trace.to_str().unwrap(),
-            "--json",
-        ],
-        code,
-    )
-}
-
 #[test]
 fn rank_parts_merge_into_a_trace_that_passes_bisect() {
     let dir = common::scratch();
@@ -74,7 +61,7 @@ fn rank_parts_merge_into_a_trace_that_passes_bisect() {
             assert!(trace.stage(name, Some(0)).is_none(), "{name} split");
         }
         assert_eq!(trace.stage("L1.moe.routed", None).unwrap().dims, "t d");
-        let j = bisect(&hf, &out, 0);
+        let j = common::bisect_candidate(&hf, &out, &[], 0);
         assert_eq!(j["verdict"], "pass", "{dtype}: {:#}", j["fault"]);
     }
 }
@@ -86,7 +73,7 @@ fn shards_on_the_wrong_rank_are_caught() {
     common::synth_tiny(&hf, &["--format", "hf"]);
     let out = dir.path().join("swapped.trace");
     record(&hf, &out, "f32", &["swap-q-shards"]);
-    let j = bisect(&hf, &out, 1);
+    let j = common::bisect_candidate(&hf, &out, &[], 1);
     assert_eq!(j["first_divergence"]["stage"], "L0.attn.q");
     assert_eq!(
         j["fault"]["class"], "wrong_shard_layout",
@@ -97,7 +84,7 @@ fn shards_on_the_wrong_rank_are_caught() {
     // offset, which the rank parts show head by head.
     let out = dir.path().join("shifted.trace");
     record(&hf, &out, "f32", &["shift-kv-heads"]);
-    let j = bisect(&hf, &out, 1);
+    let j = common::bisect_candidate(&hf, &out, &[], 1);
     assert_eq!(j["first_divergence"]["stage"], "L0.attn.kv");
     assert_eq!(
         j["fault"]["class"], "wrong_shard_layout",

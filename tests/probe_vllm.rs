@@ -61,17 +61,8 @@ fn shards(hf: &Path, manifest: &Path, code: i32) -> Value {
 
 /// `bisect MODEL --candidate TRACE` with vLLM's q_a/kv_a norm eps (`rms_norm_eps`).
 fn bisect(hf: &Path, trace: &Path, extra: &[&str], code: i32) -> Value {
-    let mut args = vec![
-        "bisect",
-        hf.to_str().unwrap(),
-        "--candidate",
-        trace.to_str().unwrap(),
-        "--latent-norm-eps",
-        "1e-5",
-        "--json",
-    ];
-    args.extend(extra);
-    common::glmcheck_json(args, code)
+    let eps = ["--latent-norm-eps", "1e-5"];
+    common::bisect_candidate(hf, trace, &[&eps[..], extra].concat(), code)
 }
 
 fn manifest_entries(path: &Path) -> Vec<(u64, String, Vec<u64>)> {

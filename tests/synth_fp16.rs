@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use glmcheck::trace::{ElemType, Trace};
 use serde_json::Value as Json;
@@ -22,20 +21,6 @@ const ROUTED_SCALING_FACTOR: f64 = 2.5;
 /// The knob's default target after its layer.
 const VALUE: f64 = 1.1e5;
 
-/// `glmcheck ARGS…`, which must succeed; its stdout.
-fn glmcheck(args: &[&str]) -> String {
-    let out = Command::new(common::glmcheck_bin())
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "glmcheck {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// A synthetic model at `dir/name` (`.gguf` unless `--format hf` is among `args`).
 fn synth(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     let hf = args.contains(&"hf");
@@ -47,7 +32,7 @@ fn synth(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     let mut a = vec!["synth", "--preset", "tiny", "--set", "index_n_heads=16"];
     a.extend_from_slice(args);
     a.extend_from_slice(&["--out", out.to_str().unwrap()]);
-    glmcheck(&a);
+    common::glmcheck_ok(&a);
     out
 }
 
@@ -67,7 +52,7 @@ fn run(model: &Path, name: &str, args: &[&str]) -> (Trace, Vec<u64>) {
         out.to_str().unwrap(),
     ];
     a.extend_from_slice(args);
-    let j: Json = serde_json::from_str(&glmcheck(&a)).unwrap();
+    let j: Json = serde_json::from_str(&common::glmcheck_ok(&a)).unwrap();
     let ids = |k: &str| -> Vec<u64> {
         j[k].as_array()
             .unwrap()

@@ -7,7 +7,7 @@ use anyhow::Result;
 use super::diff::{whole_values, StageDiff};
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
-use super::unshard::Sharding;
+use super::unshard::{same_off_axis, Sharding};
 use crate::trace::Trace;
 
 /// Two tensors this close (`rel_diff`) are the same data at some precision; different data
@@ -139,14 +139,7 @@ fn collective(
 fn blocks(want: &[f32], shapes: &[Vec<u64>], axis: usize) -> Option<Vec<Vec<f32>>> {
     let first = shapes.first()?;
     // A trace's parts may disagree off the split axis, or overflow: then there is nothing to cut.
-    let same_elsewhere = shapes.iter().all(|s| {
-        s.len() == first.len()
-            && s.iter()
-                .zip(first)
-                .enumerate()
-                .all(|(i, (a, b))| i == axis || a == b)
-    });
-    if !same_elsewhere {
+    if !same_off_axis(shapes, axis) {
         return None;
     }
     let product = |dims: &[u64]| dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));

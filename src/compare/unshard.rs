@@ -35,6 +35,20 @@ impl Sharding {
     }
 }
 
+/// Whether every shape has the rank of the first and agrees with it on every axis but `axis`.
+pub fn same_off_axis(shapes: &[Vec<u64>], axis: usize) -> bool {
+    let Some(first) = shapes.first() else {
+        return true;
+    };
+    shapes.iter().all(|s| {
+        s.len() == first.len()
+            && s.iter()
+                .zip(first)
+                .enumerate()
+                .all(|(i, (a, b))| i == axis || a == b)
+    })
+}
+
 /// The whole tensor and its shape from rank-ordered parts of `shapes`.
 pub fn unshard(
     sharding: &Sharding,
@@ -66,14 +80,7 @@ pub fn unshard(
             if axis >= first.len() {
                 bail!("split axis {axis} past the shape {first:?}");
             }
-            let same_elsewhere = shapes.iter().all(|s| {
-                s.len() == first.len()
-                    && s.iter()
-                        .zip(first)
-                        .enumerate()
-                        .all(|(i, (a, b))| i == axis || a == b)
-            });
-            if !same_elsewhere {
+            if !same_off_axis(shapes, axis) {
                 bail!("parts differ off the split axis {axis}: {shapes:?}");
             }
             let outer: u64 = first[..axis].iter().product();

@@ -75,10 +75,17 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
             let mut log = vec![0u8; size];
             sys::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
             let log = String::from_utf8_lossy(&log);
+            // The compiler's log on one line, as every error of glmcheck is.
+            let log: Vec<&str> = log
+                .trim_end_matches('\0')
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
             Err(anyhow::anyhow!(
                 "NVRTC could not compile {}: {}",
                 name.to_string_lossy(),
-                log.trim_end_matches('\0')
+                log.join(" | ")
             ))
         };
         sys::nvrtcDestroyProgram(&mut prog);

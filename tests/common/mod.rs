@@ -49,6 +49,25 @@ pub fn glmcheck_bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_glmcheck"))
 }
 
+/// `glmcheck ARGS…` run to its end: exit code, stdout and stderr.
+pub fn glmcheck_output(args: &[&str]) -> std::process::Output {
+    Command::new(glmcheck_bin())
+        .args(args)
+        .output()
+        .expect("start glmcheck")
+}
+
+/// `glmcheck ARGS…`, which must succeed; its stdout.
+pub fn glmcheck_ok(args: &[&str]) -> String {
+    let out = glmcheck_output(args);
+    assert!(
+        out.status.success(),
+        "glmcheck {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Run `glmcheck ARGS…` (with `--json` among them), assert its exit code, and parse its stdout.
 pub fn glmcheck_json<I, S>(args: I, code: i32) -> serde_json::Value
 where
@@ -66,6 +85,25 @@ where
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("glmcheck --json prints JSON")
+}
+
+/// `glmcheck bisect MODEL --candidate CANDIDATE EXTRA… --json`, its exit code asserted: the
+/// diagnosis of another model or an engine's trace against MODEL's reference.
+pub fn bisect_candidate(
+    model: &Path,
+    candidate: &Path,
+    extra: &[&str],
+    code: i32,
+) -> serde_json::Value {
+    let mut args = vec![
+        "bisect",
+        model.to_str().expect("a UTF-8 path"),
+        "--candidate",
+        candidate.to_str().expect("a UTF-8 path"),
+        "--json",
+    ];
+    args.extend(extra);
+    glmcheck_json(args, code)
 }
 
 /// `glmcheck synth` of the tiny preset with 8 heads (TP 8 splits them) and 16 indexer heads (no
