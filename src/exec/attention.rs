@@ -14,6 +14,7 @@ use super::ops::{softmax, topk};
 use num_traits::{Float, Zero};
 
 use super::inject::Injection;
+use super::lazy_weight::LazyWeight;
 use super::real::Real;
 use super::rope::{yarn_softmax_factor, Rope, RotateSpec};
 use super::source::WeightSource;
@@ -171,8 +172,7 @@ pub fn attention<B: Backend>(
         if tp == 1 {
             return Ok((be.linear(x, &matrix(role)?)?, Vec::new()));
         }
-        let w = src.matrix(WeightId::Layer(l, role))?;
-        let parts = column_parallel(be, x, &w, role, sharder)?;
+        let parts = column_parallel(be, x, &LazyWeight::layer(src, l, role), sharder)?;
         Ok((concat_columns(&parts), parts))
     };
     let (q, q_parts) = up(&q_a_norm, QB)?;
@@ -252,8 +252,8 @@ pub fn attention<B: Backend>(
         let ctx_parts = (0..tp)
             .map(|r| column_block(&ctx_mat, r, tp))
             .collect::<Result<Vec<_>>>()?;
-        let w = src.matrix(WeightId::Layer(l, AttnOut))?;
-        let (out, out_parts) = row_parallel(be, &ctx_parts, &w, AttnOut, sharder)?;
+        let o_proj = LazyWeight::layer(src, l, AttnOut);
+        let (out, out_parts) = row_parallel(be, &ctx_parts, &o_proj, sharder)?;
         let out = match fault {
             // Each rank continues with its own partial sum; rank 0's is what it records.
             Some(f @ Injection::SkipAllReduce(_)) if f.in_layer(l) => out_parts[0].clone(),

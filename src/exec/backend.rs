@@ -16,6 +16,7 @@ use super::attention::{attention_core, AttentionInputs};
 use super::mat::Mat;
 use super::ops;
 use super::rope::{Rope, RotateSpec};
+use super::stored::StoredBlock;
 
 use super::real::Real;
 
@@ -49,8 +50,8 @@ impl Precision {
 }
 
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
-/// weights arrive dequantized to f32 and the backend holds them its own way (in its dtype, where
-/// it computes).
+/// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way
+/// (in its dtype, where it computes).
 pub trait Backend: Sync + Clone {
     type E: Real;
     /// A matrix weight `[out, in]` as the backend holds it.
@@ -61,6 +62,11 @@ pub trait Backend: Sync + Clone {
     fn precision(&self) -> Precision;
     /// A matrix weight, rounded to the dtype.
     fn hold(&self, w: Mat<f32>) -> Result<Self::Weight>;
+    /// A block of a weight as the file stores it, rounded to the dtype: dequantized on the host
+    /// here; a GPU backend dequantizes the blocks on its device.
+    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<Self::Weight> {
+        self.hold(w.dequantize()?)
+    }
     /// Values rounded to the dtype (norm weights, embedding rows).
     fn hold_values(&self, v: Vec<f32>) -> Vec<Self::E>;
     /// Values kept exactly (the expert-choice bias engines keep in f32).

@@ -7,6 +7,7 @@ use super::attention::AttentionInputs;
 use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
 use super::rope::{Rope, RotateSpec};
+use super::stored::StoredBlock;
 use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank};
 
 /// Where the candidate's ops run.
@@ -93,6 +94,13 @@ impl Backend for Engine {
         Ok(match self {
             Engine::Cpu(be) => EngineWeight::Cpu(be.hold(w)?),
             Engine::Cuda(be) => EngineWeight::Cuda(be.hold(w)?),
+        })
+    }
+
+    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<EngineWeight> {
+        Ok(match self {
+            Engine::Cpu(be) => EngineWeight::Cpu(be.hold_stored(w)?),
+            Engine::Cuda(be) => EngineWeight::Cuda(be.hold_stored(w)?),
         })
     }
 

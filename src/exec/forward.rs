@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use super::attention::{attention, KvCache, LayerCache, Selection, Step, NO_BOUNDARY};
 use super::backend::Backend;
+use super::lazy_weight::LazyWeight;
 use super::mat::Mat;
 use super::ops::{sigmoid, softmax, topk};
 
@@ -278,7 +279,7 @@ fn lm_head<B: Backend>(src: &WeightSource, norm: &Mat<B::E>, be: &B) -> Result<M
     let mut logits = Mat::zeros(norm.rows, vocab as usize);
     for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
         let end = (start + LM_HEAD_ROWS).min(vocab);
-        let part = be.linear(norm, &be.hold(src.matrix_rows(id, start..end)?)?)?;
+        let part = be.linear(norm, &src.matrix_rows_in(be, id, start..end)?)?;
         for r in 0..norm.rows {
             logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
         }
@@ -463,8 +464,8 @@ impl<B: Backend> Layer<'_, B> {
     ) -> Result<super::tp::WithParts<B::E>> {
         let be = self.be;
         if self.opts.tp > 1 {
-            let w = |role| self.src.matrix(self.w(role));
-            let weights = [(&w(gate)?, gate), (&w(up)?, up), (&w(down)?, down)];
+            let w = |role| LazyWeight::layer(self.src, self.l, role);
+            let weights = [&w(gate), &w(up), &w(down)];
             return super::tp::mlp(be, x, weights, self.sharder());
         }
         let g = be.linear(x, &self.matrix(gate)?)?;
@@ -665,7 +666,8 @@ fn routed_expert<B: Backend>(
     (ids, weights): (&[Vec<usize>], &[Vec<B::E>]),
     sharder: Sharder,
 ) -> Result<ExpertOutput<B::E>> {
-    let [gate, up, down] = src.expert(l, expert as u64)?;
+    let [gate, up, down] = [ExpertsGate, ExpertsUp, ExpertsDown]
+        .map(|role| LazyWeight::expert(src, l, expert as u64, role));
     let rows: Vec<(usize, B::E)> = (0..x.rows)
         .filter_map(|s| {
             ids[s]
@@ -681,8 +683,7 @@ fn routed_expert<B: Backend>(
     );
     if sharder.tp > 1 && !sharder.ep {
         // Split along the intermediate dimension: each rank a partial output.
-        let weights = [(&gate, ExpertsGate), (&up, ExpertsUp), (&down, ExpertsDown)];
-        let (_, y) = super::tp::mlp(be, &xs, weights, sharder)?;
+        let (_, y) = super::tp::mlp(be, &xs, [&gate, &up, &down], sharder)?;
         return Ok(ExpertOutput {
             rows,
             parts: y.into_iter().enumerate().collect(),
@@ -691,7 +692,7 @@ fn routed_expert<B: Backend>(
     let experts = src.cfg.n_routed_experts;
     let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
     let be = be.on_rank(owner);
-    let (gate, up, down) = (be.hold(gate)?, be.hold(up)?, be.hold(down)?);
+    let (gate, up, down) = (gate.held(&be)?, up.held(&be)?, down.held(&be)?);
     let y = be.linear(
         &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?)?,
         &down,

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use super::backend::Backend;
 use super::inject::{k_then_v_rows, Injection};
 use super::mat::Mat;
+use super::stored::StoredMatrix;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
@@ -184,13 +185,43 @@ impl WeightSource {
         Ok(be.hold_values(self.vector(id)?))
     }
 
-    /// A matrix weight as `be` holds it.
+    /// A matrix weight as `be` holds it: from its stored blocks where it can be read that way
+    /// (see [`Self::stored_matrix`]), else dequantized here.
     pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<B::Weight> {
-        be.hold(self.matrix(id)?)
+        match self.stored_matrix(id) {
+            Some(m) => be.hold_stored(&m.whole()),
+            None => be.hold(self.matrix(id)?),
+        }
     }
 
-    /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be.
+    /// Rows `rows` of a matrix weight as `be` holds them (a slice of lm_head).
+    pub fn matrix_rows_in<B: Backend>(
+        &self,
+        be: &B,
+        id: WeightId,
+        rows: std::ops::Range<u64>,
+    ) -> Result<B::Weight> {
+        let block = self.stored_matrix(id).and_then(|m| {
+            let cols = m.cols;
+            m.block(rows.start as usize..rows.end as usize, 0..cols)
+        });
+        match block {
+            Some(b) => be.hold_stored(&b),
+            None => be.hold(self.matrix_rows(id, rows)?),
+        }
+    }
+
+    /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be,
+    /// a routed expert's read from its stacked tensor.
     pub fn matrix(&self, id: WeightId) -> Result<Mat> {
+        if let WeightId::Expert {
+            layer,
+            expert,
+            which,
+        } = id
+        {
+            return self.expert_matrix(layer, expert, which);
+        }
         if let (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded) =
             (id, self.layout.kv_b)
         {
@@ -247,55 +278,127 @@ impl WeightSource {
 
     /// Routed expert `e` of layer `l`: its (gate, up, down) matrices, reading only that expert.
     pub fn expert(&self, l: u64, e: u64) -> Result<[Mat; 3]> {
+        let one = |which| self.expert_matrix(l, e, which);
+        Ok([
+            one(LayerWeight::ExpertsGate)?,
+            one(LayerWeight::ExpertsUp)?,
+            one(LayerWeight::ExpertsDown)?,
+        ])
+    }
+
+    /// `which` (`ExpertsGate`, `ExpertsUp` or `ExpertsDown`) of routed expert `e` of layer `l`,
+    /// reading only its rows.
+    pub fn expert_matrix(&self, l: u64, e: u64, which: LayerWeight) -> Result<Mat> {
+        let (rows, cols) = self.expert_shape(which);
+        let data = match self.expert_rows(l, e, which)? {
+            Some((name, range)) => self.load_rows(&name, Some(range))?.0,
+            None => self.vector(WeightId::Expert {
+                layer: l,
+                expert: e,
+                which,
+            })?,
+        };
+        if data.len() != rows * cols {
+            bail!("layer {l} expert {e}: sizes do not match moe_intermediate_size × hidden ({rows} × {cols})");
+        }
+        let stored = self.through_storage(WeightId::Layer(l, which), data, cols)?;
+        Ok(Mat::new(rows, cols, stored))
+    }
+
+    /// `[out, in]` of an expert's `which` matrix.
+    fn expert_shape(&self, which: LayerWeight) -> (usize, usize) {
         let inter = self.cfg.moe_intermediate_size as usize;
         let h = self.cfg.hidden_size as usize;
-        let stacked = |w: LayerWeight| -> Result<Vec<f32>> {
-            let name = self.name(WeightId::Layer(l, w));
-            let per_expert = self
-                .files
-                .require(&name)?
-                .shape
-                .get(1)
-                .copied()
-                .unwrap_or(0);
-            Ok(self
-                .load_rows(&name, Some(e * per_expert..(e + 1) * per_expert))?
-                .0)
-        };
-        let (gate, up, down) = match self.layout.experts {
-            ExpertForm::Stacked => (
-                stacked(LayerWeight::ExpertsGate)?,
-                stacked(LayerWeight::ExpertsUp)?,
-                stacked(LayerWeight::ExpertsDown)?,
-            ),
-            ExpertForm::FusedGateUp => {
-                let mut gate_up = stacked(LayerWeight::ExpertsGateUp)?;
-                let up = gate_up.split_off(inter * h);
-                (gate_up, up, stacked(LayerWeight::ExpertsDown)?)
-            }
-            ExpertForm::PerExpert => {
-                let one = |which| {
-                    self.vector(WeightId::Expert {
-                        layer: l,
-                        expert: e,
-                        which,
-                    })
-                };
-                (
-                    one(LayerWeight::ExpertsGate)?,
-                    one(LayerWeight::ExpertsUp)?,
-                    one(LayerWeight::ExpertsDown)?,
-                )
-            }
-        };
-        if gate.len() != inter * h || up.len() != inter * h || down.len() != h * inter {
-            bail!("layer {l} expert {e}: sizes do not match moe_intermediate_size {inter} × hidden {h}");
+        if which == LayerWeight::ExpertsDown {
+            (h, inter)
+        } else {
+            (inter, h)
         }
-        let stored = |w, v, row_len| self.through_storage(WeightId::Layer(l, w), v, row_len);
-        Ok([
-            Mat::new(inter, h, stored(LayerWeight::ExpertsGate, gate, h)?),
-            Mat::new(inter, h, stored(LayerWeight::ExpertsUp, up, h)?),
-            Mat::new(h, inter, stored(LayerWeight::ExpertsDown, down, inter)?),
-        ])
+    }
+
+    /// The stacked tensor holding expert `e`'s `which` matrix and its rows there (gate before
+    /// up in a fused gate_up tensor); `None` where each expert has tensors of its own.
+    fn expert_rows(
+        &self,
+        l: u64,
+        e: u64,
+        which: LayerWeight,
+    ) -> Result<Option<(String, std::ops::Range<u64>)>> {
+        let inter = self.cfg.moe_intermediate_size;
+        let (stacked, offset, rows) = match (self.layout.experts, which) {
+            (ExpertForm::PerExpert, _) => return Ok(None),
+            (ExpertForm::FusedGateUp, LayerWeight::ExpertsGate) => {
+                (LayerWeight::ExpertsGateUp, 0, inter)
+            }
+            (ExpertForm::FusedGateUp, LayerWeight::ExpertsUp) => {
+                (LayerWeight::ExpertsGateUp, inter, inter)
+            }
+            _ => (which, 0, 0),
+        };
+        let name = self.name(WeightId::Layer(l, stacked));
+        let per_expert = self
+            .files
+            .require(&name)?
+            .shape
+            .get(1)
+            .copied()
+            .unwrap_or(0);
+        let rows = if rows == 0 { per_expert } else { rows };
+        let first = e * per_expert + offset;
+        Ok(Some((name, first..first + rows)))
+    }
+
+    /// Where matrix `id` (a layer's weight, a routed expert's, lm_head) lies in the files as
+    /// whole GGML blocks, when a run may read it that way: not through another file set's
+    /// storage, not touched by a planted weight fault, and stored as one matrix (not as
+    /// llama.cpp's split kv_b).
+    pub fn stored_matrix(&self, id: WeightId) -> Option<StoredMatrix<'_>> {
+        if self.storage.is_some() || self.planted_in_weights(id) {
+            return None;
+        }
+        let (name, first, rows, expected) = match id {
+            WeightId::Expert {
+                layer,
+                expert,
+                which,
+            } => {
+                let shape = self.expert_shape(which);
+                match self.expert_rows(layer, expert, which).ok()? {
+                    Some((name, rows)) => (name, rows.start, rows.end - rows.start, Some(shape)),
+                    None => (self.name(id), 0, shape.0 as u64, Some(shape)),
+                }
+            }
+            WeightId::Layer(_, LayerWeight::KvB)
+                if matches!(self.layout.kv_b, KvBForm::Split | KvBForm::SplitFolded) =>
+            {
+                return None
+            }
+            WeightId::Layer(..) | WeightId::LmHead => {
+                let t = self.files.get(&self.name(id))?;
+                let [rows, _] = t.shape[..] else {
+                    return None;
+                };
+                (t.name.clone(), 0, rows, None)
+            }
+            _ => return None,
+        };
+        let t = self.files.get(&name)?;
+        let m = StoredMatrix::new(&self.files, t, first, rows)?;
+        match expected {
+            Some(shape) if shape != (m.rows, m.cols) => None,
+            _ => Some(m),
+        }
+    }
+
+    /// Whether the planted fault changes weight `id`'s values as they are read.
+    fn planted_in_weights(&self, id: WeightId) -> bool {
+        match self.fault {
+            Some(Injection::DequantQ4kScales) => true,
+            Some(Injection::KvBSplitOrder) => {
+                matches!(id, WeightId::Layer(_, LayerWeight::KvB))
+            }
+            Some(Injection::FlatLmHead) => id == WeightId::LmHead,
+            _ => false,
+        }
     }
 }

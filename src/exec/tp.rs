@@ -4,11 +4,14 @@
 //! on its own shard; collectives combine their results in rank order, so a TP run is
 //! deterministic. A planted shard fault ([`Injection`]) changes which slice a rank gets.
 
+use std::ops::Range;
+
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::backend::Backend;
 use super::inject::Injection;
+use super::lazy_weight::LazyWeight;
 use super::mat::Mat;
 use super::real::Real;
 use crate::model::names::LayerWeight::{self, *};
@@ -59,35 +62,46 @@ pub struct Sharder {
 }
 
 impl Sharder {
+    /// The block of a `[rows, cols]` split weight `role` that rank `rank` holds, as row and
+    /// column ranges: the plan's, or another rank's under a planted fault; `None` where the
+    /// planted fault gives it no block of the matrix (the other axis's, reshaped).
+    pub fn block(
+        &self,
+        role: LayerWeight,
+        rank: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<(Range<usize>, Range<usize>)>> {
+        let tp = self.tp;
+        let from = match self.fault {
+            Some(Injection::UnshardedColumn(f)) if f == role => 0,
+            Some(Injection::RankOrder(f)) if f == role => tp - 1 - rank,
+            Some(Injection::ShardAxis(f)) if f == role => return Ok(None),
+            _ => rank,
+        };
+        Ok(Some(if is_column_parallel(role) {
+            let (start, len) = share(rows, from, tp)?;
+            (start..start + len, 0..cols)
+        } else {
+            let (start, len) = share(cols, from, tp)?;
+            (0..rows, start..start + len)
+        }))
+    }
+
     /// Rank `rank`'s shard of the split weight `role` (`w` whole, `[out, in]`).
     pub fn shard(&self, w: &Mat<f32>, role: LayerWeight, rank: usize) -> Result<Mat<f32>> {
+        if let Some((rows, cols)) = self.block(role, rank, w.rows, w.cols)? {
+            let slab = &w.data[rows.start * w.cols..rows.end * w.cols];
+            return Ok(Mat::new(rows.len(), w.cols, slab.to_vec()).columns(cols.start, cols.len()));
+        }
+        // A planted shard-axis fault: the other axis's block, viewed in the planned shape.
         let tp = self.tp;
-        let column = is_column_parallel(role);
-        let planned = |r| {
-            if column {
-                row_block(w, r, tp)
-            } else {
-                column_block(w, r, tp)
-            }
-        };
-        match self.fault {
-            Some(Injection::UnshardedColumn(f)) if f == role => planned(0),
-            Some(Injection::RankOrder(f)) if f == role => planned(tp - 1 - rank),
-            Some(Injection::ShardAxis(f)) if f == role => {
-                // The other axis's block, viewed in the planned shape.
-                let other = if column {
-                    column_block(w, rank, tp)?
-                } else {
-                    row_block(w, rank, tp)?
-                };
-                let (rows, cols) = if column {
-                    (w.rows / tp, w.cols)
-                } else {
-                    (w.rows, w.cols / tp)
-                };
-                Ok(Mat::new(rows, cols, other.data))
-            }
-            _ => planned(rank),
+        if is_column_parallel(role) {
+            let other = column_block(w, rank, tp)?;
+            Ok(Mat::new(w.rows / tp, w.cols, other.data))
+        } else {
+            let other = row_block(w, rank, tp)?;
+            Ok(Mat::new(w.rows, w.cols / tp, other.data))
         }
     }
 }
@@ -96,13 +110,12 @@ impl Sharder {
 pub fn column_parallel<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
-    w: &Mat<f32>,
-    role: LayerWeight,
+    w: &LazyWeight<'_>,
     sharder: Sharder,
 ) -> Result<Vec<Mat<B::E>>> {
     let parts = (0..sharder.tp)
         .into_par_iter()
-        .map(|r| rank_linear(be, x, w, role, sharder, r))
+        .map(|r| rank_linear(be, x, w, sharder, r))
         .collect::<Result<Vec<_>>>()?;
     be.gather(parts)
 }
@@ -111,8 +124,7 @@ pub fn column_parallel<B: Backend>(
 fn rank_linear<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
-    w: &Mat<f32>,
-    role: LayerWeight,
+    w: &LazyWeight<'_>,
     sharder: Sharder,
     r: usize,
 ) -> Result<Option<Mat<B::E>>> {
@@ -120,7 +132,7 @@ fn rank_linear<B: Backend>(
         return Ok(None);
     }
     let be = be.on_rank(r);
-    Ok(Some(be.linear(x, &be.hold(sharder.shard(w, role, r)?)?)?))
+    Ok(Some(be.linear(x, &w.shard_held(&be, sharder, r)?)?))
 }
 
 /// The ranks' column blocks side by side (the all-gather of a ColumnParallel output).
@@ -141,14 +153,13 @@ pub fn concat_columns<E: Real>(parts: &[Mat<E>]) -> Mat<E> {
 pub fn row_parallel<B: Backend>(
     be: &B,
     x_parts: &[Mat<B::E>],
-    w: &Mat<f32>,
-    role: LayerWeight,
+    w: &LazyWeight<'_>,
     sharder: Sharder,
 ) -> Result<WithParts<B::E>> {
     let partials = x_parts
         .par_iter()
         .enumerate()
-        .map(|(r, x)| rank_linear(be, x, w, role, sharder, r))
+        .map(|(r, x)| rank_linear(be, x, w, sharder, r))
         .collect::<Result<Vec<_>>>()?;
     let partials = be.gather(partials)?;
     let sum = be.all_reduce(&partials)?;
@@ -160,18 +171,18 @@ pub fn row_parallel<B: Backend>(
 pub fn mlp<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
-    [gate, up, down]: [(&Mat<f32>, LayerWeight); 3],
+    [gate, up, down]: [&LazyWeight<'_>; 3],
     sharder: Sharder,
 ) -> Result<WithParts<B::E>> {
-    let g = column_parallel(be, x, gate.0, gate.1, sharder)?;
-    let u = column_parallel(be, x, up.0, up.1, sharder)?;
+    let g = column_parallel(be, x, gate, sharder)?;
+    let u = column_parallel(be, x, up, sharder)?;
     let h = g
         .iter()
         .zip(&u)
         .enumerate()
         .map(|(r, (g, u))| be.on_rank(r).silu_mul(g, u))
         .collect::<Result<Vec<_>>>()?;
-    row_parallel(be, &h, down.0, down.1, sharder)
+    row_parallel(be, &h, down, sharder)
 }
 
 #[cfg(test)]
@@ -190,13 +201,14 @@ mod tests {
             ep: false,
             fault: None,
         };
-        let parts = column_parallel(&be, &x, &w, QB, plan).unwrap();
+        let parts = column_parallel(&be, &x, &LazyWeight::given(QB, w.clone()), plan).unwrap();
         assert_eq!(concat_columns(&parts), whole);
         let x_parts = [
             column_block(&x, 0, 2).unwrap(),
             column_block(&x, 1, 2).unwrap(),
         ];
-        let (sum, _) = row_parallel(&be, &x_parts, &w, AttnOut, plan).unwrap();
+        let o_proj = LazyWeight::given(AttnOut, w.clone());
+        let (sum, _) = row_parallel(&be, &x_parts, &o_proj, plan).unwrap();
         sum.data
             .iter()
             .zip(&whole.data)

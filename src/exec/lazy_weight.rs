@@ -1,0 +1,100 @@
+//! A matrix weight as the forward multiplies by it, read only when and as a rank needs it: its
+//! rank's block of stored GGML blocks where the file allows (each rank reads its own shard,
+//! and a GPU backend dequantizes it on the device), else the whole matrix dequantized on the
+//! host once and cut into shards there.
+
+use anyhow::{anyhow, Result};
+use once_cell::sync::OnceCell;
+
+use super::backend::Backend;
+use super::mat::Mat;
+use super::source::WeightSource;
+use super::stored::StoredMatrix;
+use super::tp::Sharder;
+use crate::model::names::{LayerWeight, WeightId};
+
+pub struct LazyWeight<'a> {
+    role: LayerWeight,
+    /// Where its values come from (none for a matrix given whole, in tests).
+    origin: Option<(&'a WeightSource, WeightId)>,
+    stored: Option<StoredMatrix<'a>>,
+    /// The whole matrix in f32, read once for the ranks that cannot take a stored block.
+    host: OnceCell<Mat>,
+}
+
+impl<'a> LazyWeight<'a> {
+    /// Layer `l`'s weight `role`.
+    pub fn layer(src: &'a WeightSource, l: u64, role: LayerWeight) -> Self {
+        Self::of(src, WeightId::Layer(l, role), role)
+    }
+
+    /// Routed expert `expert`'s `role` (`ExpertsGate`, `ExpertsUp` or `ExpertsDown`) in layer
+    /// `l`.
+    pub fn expert(src: &'a WeightSource, l: u64, expert: u64, role: LayerWeight) -> Self {
+        let id = WeightId::Expert {
+            layer: l,
+            expert,
+            which: role,
+        };
+        Self::of(src, id, role)
+    }
+
+    fn of(src: &'a WeightSource, id: WeightId, role: LayerWeight) -> Self {
+        LazyWeight {
+            role,
+            origin: Some((src, id)),
+            stored: src.stored_matrix(id),
+            host: OnceCell::new(),
+        }
+    }
+
+    /// A matrix already in memory, as the weight `role`.
+    #[cfg(test)]
+    pub fn given(role: LayerWeight, w: Mat) -> Self {
+        LazyWeight {
+            role,
+            origin: None,
+            stored: None,
+            host: OnceCell::with_value(w),
+        }
+    }
+
+    pub fn role(&self) -> LayerWeight {
+        self.role
+    }
+
+    /// The whole matrix as `be` holds it.
+    pub fn held<B: Backend>(self, be: &B) -> Result<B::Weight> {
+        if let Some(m) = &self.stored {
+            return be.hold_stored(&m.whole());
+        }
+        match (self.host.into_inner(), self.origin) {
+            (Some(w), _) => be.hold(w),
+            (None, Some((src, id))) => be.hold(src.matrix(id)?),
+            (None, None) => Err(anyhow!("{:?}: no values", self.role)),
+        }
+    }
+
+    /// Rank `rank`'s shard as `be` holds it, the block `sharder` gives it.
+    pub fn shard_held<B: Backend>(
+        &self,
+        be: &B,
+        sharder: Sharder,
+        rank: usize,
+    ) -> Result<B::Weight> {
+        if let Some(m) = &self.stored {
+            let block = sharder.block(self.role, rank, m.rows, m.cols)?;
+            if let Some(b) = block.and_then(|(rows, cols)| m.block(rows, cols)) {
+                return be.hold_stored(&b);
+            }
+        }
+        be.hold(sharder.shard(self.whole()?, self.role, rank)?)
+    }
+
+    fn whole(&self) -> Result<&Mat> {
+        self.host.get_or_try_init(|| match self.origin {
+            Some((src, id)) => src.matrix(id),
+            None => Err(anyhow!("{:?}: no values", self.role)),
+        })
+    }
+}

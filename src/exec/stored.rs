@@ -1,0 +1,156 @@
+//! Weights as the file stores them: a matrix's place in its tensor, and a rank's block of it as
+//! whole GGML blocks. A backend turns such a block into the values it multiplies by — the CPU
+//! by dequantizing it on the host, a GPU by uploading the blocks (once) and dequantizing them on
+//! the device — so a tensor-parallel rank reads only its own shard, never the whole weight.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use super::mat::Mat;
+use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
+
+/// A `[rows, cols]` matrix stored as rows `first_row..first_row + rows` of a GGML tensor's 2-D
+/// view (`[tensor.rows(), tensor.row_len()]`): a weight, or one expert of a stacked tensor.
+#[derive(Clone, Copy)]
+pub struct StoredMatrix<'a> {
+    files: &'a ModelFiles,
+    tensor: &'a TensorEntry,
+    ty: GgmlType,
+    first_row: u64,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> StoredMatrix<'a> {
+    /// Rows `first_row..first_row + rows` of `tensor`, when it is a GGML tensor holding them.
+    pub fn new(
+        files: &'a ModelFiles,
+        tensor: &'a TensorEntry,
+        first_row: u64,
+        rows: u64,
+    ) -> Option<Self> {
+        let Encoding::Ggml(ty) = tensor.encoding else {
+            return None;
+        };
+        let row_len = tensor.row_len();
+        let fits = first_row.checked_add(rows)? <= tensor.rows();
+        let whole_blocks = ty.can_dequantize() && ty.bytes_for(row_len).is_some();
+        (fits && whole_blocks).then_some(StoredMatrix {
+            files,
+            tensor,
+            ty,
+            first_row,
+            rows: usize::try_from(rows).ok()?,
+            cols: usize::try_from(row_len).ok()?,
+        })
+    }
+
+    /// The whole matrix.
+    pub fn whole(&self) -> StoredBlock<'a> {
+        StoredBlock {
+            matrix: *self,
+            rows: 0..self.rows,
+            cols: 0..self.cols,
+        }
+    }
+
+    /// Rows `rows` × columns `cols` of the matrix, when the columns are whole blocks.
+    pub fn block(&self, rows: Range<usize>, cols: Range<usize>) -> Option<StoredBlock<'a>> {
+        let bs = self.ty.block_size();
+        let aligned = cols.start % bs == 0 && cols.end % bs == 0;
+        let inside = rows.start <= rows.end
+            && rows.end <= self.rows
+            && cols.start <= cols.end
+            && cols.end <= self.cols;
+        (aligned && inside).then_some(StoredBlock {
+            matrix: *self,
+            rows,
+            cols,
+        })
+    }
+}
+
+/// What identifies a block's bytes: the file, the tensor's offset in it, and the block.
+pub type BlockKey = (PathBuf, u64, Range<usize>, Range<usize>);
+
+/// A block of a [`StoredMatrix`]: rows × a range of whole GGML blocks of each row.
+pub struct StoredBlock<'a> {
+    matrix: StoredMatrix<'a>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+}
+
+impl StoredBlock<'_> {
+    pub fn ty(&self) -> GgmlType {
+        self.matrix.ty
+    }
+
+    /// `(rows, cols)` of the values it holds.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows.len(), self.cols.len())
+    }
+
+    pub fn key(&self) -> BlockKey {
+        let m = &self.matrix;
+        (
+            m.files.file_of(m.tensor),
+            m.tensor.offset,
+            self.rows.clone(),
+            self.cols.clone(),
+        )
+    }
+
+    /// The tensor's rows this block covers.
+    fn tensor_rows(&self) -> Range<u64> {
+        let first = self.matrix.first_row;
+        first + self.rows.start as u64..first + self.rows.end as u64
+    }
+
+    /// Bytes of one stored row, and the byte range of the block's columns within it.
+    fn row_bytes(&self) -> (usize, Range<usize>) {
+        let ty = self.matrix.ty;
+        let per_value = |n: usize| n / ty.block_size() * ty.type_size();
+        (
+            per_value(self.matrix.cols),
+            per_value(self.cols.start)..per_value(self.cols.end),
+        )
+    }
+
+    /// The block's GGML blocks, row after row: a `[rows, cols]` tensor of the same type. Reads
+    /// only those bytes and gives their mapped pages back after.
+    pub fn blocks(&self) -> Vec<u8> {
+        let m = &self.matrix;
+        let (row_bytes, within) = self.row_bytes();
+        let rows = self.tensor_rows();
+        let stored = m.files.bytes(m.tensor);
+        let span = rows.start as usize * row_bytes..rows.end as usize * row_bytes;
+        let out = if within.len() == row_bytes {
+            stored[span].to_vec()
+        } else {
+            stored[span]
+                .chunks_exact(row_bytes.max(1))
+                .flat_map(|row| &row[within.clone()])
+                .copied()
+                .collect()
+        };
+        m.files.release_rows(m.tensor, rows);
+        out
+    }
+
+    /// The block's values in f32, dequantized on the host.
+    pub fn dequantize(&self) -> Result<Mat<f32>> {
+        let (rows, cols) = self.shape();
+        let mut out = vec![0.0f32; rows * cols];
+        if !out.is_empty() {
+            quant::dequantize_rows(self.matrix.ty, &self.blocks(), &mut out, cols).with_context(
+                || {
+                    let m = &self.matrix;
+                    format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
+                },
+            )?;
+        }
+        Ok(Mat::new(rows, cols, out))
+    }
+}

@@ -1,0 +1,172 @@
+//! A rank's shard read as stored GGML blocks (what a GPU rank uploads and dequantizes on its
+//! device) holds exactly the values of the whole weight dequantized and cut on the host, for
+//! every split weight, rank, TP degree, file layout and planted shard fault; weights a planted
+//! weight fault or another file set's storage changes are never read that way.
+
+mod common;
+
+use std::path::Path;
+
+use glmcheck::exec::inject::Injection;
+use glmcheck::exec::source::WeightSource;
+use glmcheck::exec::tp::{is_column_parallel, Sharder};
+use glmcheck::model::names::{LayerWeight, LayerWeight::*, WeightId};
+
+/// Every split matrix of the model: attention's, the dense MLP's, the shared expert's and two
+/// routed experts' per MoE layer.
+fn split_matrices(src: &WeightSource) -> Vec<(WeightId, LayerWeight)> {
+    let cfg = &src.cfg;
+    let mut out = Vec::new();
+    for l in 0..cfg.num_hidden_layers {
+        for role in [QB, KvB, AttnOut] {
+            out.push((WeightId::Layer(l, role), role));
+        }
+        if !cfg.is_moe_layer(l) {
+            for role in [Gate, Up, Down] {
+                out.push((WeightId::Layer(l, role), role));
+            }
+            continue;
+        }
+        for role in [SharedGate, SharedUp, SharedDown] {
+            out.push((WeightId::Layer(l, role), role));
+        }
+        for expert in [0, cfg.n_routed_experts - 1] {
+            for which in [ExpertsGate, ExpertsUp, ExpertsDown] {
+                let id = WeightId::Expert {
+                    layer: l,
+                    expert,
+                    which,
+                };
+                out.push((id, which));
+            }
+        }
+    }
+    out
+}
+
+/// How many shards were read as stored blocks, as row blocks and as column blocks, after
+/// checking each against the host's cut of the whole weight.
+#[derive(Debug, Default, PartialEq)]
+struct Counts {
+    row_blocks: usize,
+    column_blocks: usize,
+    host_only: usize,
+}
+
+fn check_every_shard(src: &WeightSource, faults: &[Option<Injection>]) -> Counts {
+    let mut counts = Counts::default();
+    for (id, role) in split_matrices(src) {
+        let whole = src.matrix(id).expect("the weight dequantizes");
+        let stored = src.stored_matrix(id);
+        for tp in [1, 2, 4] {
+            for &fault in faults {
+                let sharder = Sharder {
+                    tp,
+                    ep: false,
+                    fault,
+                };
+                for rank in 0..tp {
+                    let host = sharder.shard(&whole, role, rank).unwrap();
+                    let block = stored.and_then(|m| {
+                        let (rows, cols) = sharder.block(role, rank, m.rows, m.cols).unwrap()?;
+                        m.block(rows, cols)
+                    });
+                    let Some(block) = block else {
+                        counts.host_only += 1;
+                        continue;
+                    };
+                    let values = block.dequantize().unwrap();
+                    assert_eq!(
+                        values, host,
+                        "{id:?} rank {rank} of {tp} under {fault:?}: stored block differs"
+                    );
+                    if is_column_parallel(role) || tp == 1 {
+                        counts.row_blocks += 1;
+                    } else {
+                        counts.column_blocks += 1;
+                    }
+                }
+            }
+        }
+    }
+    counts
+}
+
+fn shard_faults() -> Vec<Option<Injection>> {
+    vec![
+        None,
+        Some(Injection::UnshardedColumn(KvB)),
+        Some(Injection::UnshardedColumn(ExpertsUp)),
+        Some(Injection::RankOrder(AttnOut)),
+        Some(Injection::RankOrder(ExpertsDown)),
+        Some(Injection::ShardAxis(QB)),
+    ]
+}
+
+fn synth(dir: &Path, name: &str, extra: &[&str]) -> WeightSource {
+    let model = dir.join(name);
+    common::synth_tiny(&model, extra);
+    common::weight_source(&model)
+}
+
+#[test]
+fn stored_shards_equal_the_host_cut_in_every_layout() {
+    let dir = common::scratch();
+    let faults = shard_faults();
+    // Q8_0's 32-value blocks: every split, of rows or of columns, falls on whole blocks.
+    let q8 = synth(dir.path(), "q8.gguf", &["--quant", "q8_0"]);
+    let c = check_every_shard(&q8, &faults);
+    // llama.cpp's split kv_b is assembled on the host, and shard-axis reshapes on the host.
+    assert!(c.row_blocks > 0 && c.column_blocks > 0, "{c:?}");
+    let layers = q8.cfg.num_hidden_layers as usize;
+    let rank_cases = 1 + 2 + 4;
+    let kv_b_cases = layers * rank_cases * faults.len();
+    // q_b under shard-axis (kv_b's counted above).
+    let shard_axis_cases = layers * rank_cases;
+    assert_eq!(c.host_only, kv_b_cases + shard_axis_cases, "{c:?}");
+
+    // Q4_K_M's 256-value super-blocks: column splits narrower than a block stay on the host.
+    let q4 = synth(dir.path(), "q4.gguf", &["--quant", "q4_k_m"]);
+    let c = check_every_shard(&q4, &faults);
+    assert!(c.row_blocks > 0, "{c:?}");
+
+    // Hugging Face bf16, one tensor per expert, and transformers' fused gate_up.
+    for (name, experts) in [("hf-per", "per-expert"), ("hf-fused", "fused")] {
+        let hf = synth(
+            dir.path(),
+            name,
+            &["--format", "hf", "--hf-experts", experts],
+        );
+        let c = check_every_shard(&hf, &faults);
+        let layers = hf.cfg.num_hidden_layers as usize;
+        assert_eq!(c.host_only, layers * (1 + 2 + 4), "{name}: {c:?}");
+        assert!(c.column_blocks > 0, "{name}: {c:?}");
+    }
+}
+
+#[test]
+fn weights_a_fault_or_another_storage_changes_are_read_on_the_host() {
+    let dir = common::scratch();
+    let model = dir.path().join("hf");
+    common::synth_tiny(&model, &["--format", "hf"]);
+    let plain = common::weight_source(&model);
+    let kv_b = WeightId::Layer(0, KvB);
+    assert!(plain.stored_matrix(kv_b).is_some());
+    assert!(plain.stored_matrix(WeightId::LmHead).is_some());
+
+    let split = common::weight_source(&model).with_fault(Some(Injection::KvBSplitOrder));
+    assert!(split.stored_matrix(kv_b).is_none());
+    assert!(split.stored_matrix(WeightId::Layer(0, QB)).is_some());
+    let flat = common::weight_source(&model).with_fault(Some(Injection::FlatLmHead));
+    assert!(flat.stored_matrix(WeightId::LmHead).is_none());
+    let misread = common::weight_source(&model).with_fault(Some(Injection::DequantQ4kScales));
+    assert!(misread.stored_matrix(WeightId::Layer(0, QB)).is_none());
+
+    let gguf = dir.path().join("q4.gguf");
+    common::synth_tiny(&gguf, &["--quant", "q4_k_m"]);
+    let through = common::weight_source(&model).stored_as(&common::weight_source(&gguf));
+    assert!(through.stored_matrix(WeightId::Layer(0, QB)).is_none());
+    // Norms and the embedding are not matrices read as blocks.
+    assert!(plain.stored_matrix(WeightId::Layer(0, AttnNorm)).is_none());
+    assert!(plain.stored_matrix(WeightId::Embed).is_none());
+}
