@@ -119,6 +119,7 @@ fn record_candidate(
         process: None,
         inject: args.inject,
         generate: 0,
+        warm_up: 0,
         ties: None,
         stored_as: None,
         hybrid: None,

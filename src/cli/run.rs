@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::inspect::glm5_config;
 use super::Outcome;
-use crate::cuda::backend::ProcessRank;
+use crate::cuda::backend::{ProcessRank, RankMemory};
 use crate::exec::backend::{Backend, Cpu, Precision};
 use crate::exec::engine::{BackendKind, Engine};
 use crate::exec::forward::{
@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// traced).
     #[arg(long, default_value_t = 0)]
     pub generate: usize,
+    /// Forward passes run first and left unrecorded: on the GPUs they leave the weights they
+    /// read resident, so the recorded pass times the forward without loading (benchmarks).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warm_up: usize,
     /// Print the top-1 token of every position as JSON.
     #[arg(long)]
     pub json: bool,
@@ -117,6 +121,8 @@ pub struct RunSpec<'a> {
     pub process: Option<ProcessRank>,
     pub inject: Option<Injection>,
     pub generate: usize,
+    /// Unrecorded forward passes before the recorded one.
+    pub warm_up: usize,
     pub ties: Option<&'a TieBreaks>,
     /// Pass every weight through the storage types of this model's files (the quantization
     /// envelope of a conversion to it).
@@ -272,7 +278,13 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 opts,
             };
             let recorded = match hybrid {
-                None => greedy(&Hybrid::single(candidate), n, g, rec)?,
+                None => {
+                    let run = Hybrid::single(candidate);
+                    for _ in 0..spec.warm_up {
+                        greedy(&run, n, 0, &mut Discard)?;
+                    }
+                    greedy(&run, n, g, rec)?
+                }
                 Some(split) => {
                     let (files, cfg, family) = open_model(split.reference)?;
                     let reference = WeightSource::new(files, cfg, family);
@@ -300,9 +312,15 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     greedy(&run, n, g, rec)?
                 }
             };
-            let peaks = be.peak_bytes();
-            if let (Some(w), false) = (&mut writer, peaks.is_empty()) {
-                w.set_producer("gpu_peak_bytes", json!(peaks));
+            let memory = be.gpu_memory();
+            if let (Some(w), false) = (&mut writer, memory.is_empty()) {
+                let per_rank = |f: fn(&RankMemory) -> serde_json::Value| -> serde_json::Value {
+                    memory.iter().map(f).collect()
+                };
+                w.set_producer("gpu_peak_bytes", per_rank(|m| json!(m.peak_bytes)));
+                w.set_producer("gpu_resident_bytes", per_rank(|m| json!(m.resident_bytes)));
+                w.set_producer("gpu_loaded_bytes", per_rank(|m| json!(m.loaded_bytes)));
+                w.set_producer("gpu_load_seconds", per_rank(|m| json!(m.load_seconds)));
                 if let Some(p) = &spec.process {
                     w.set_producer("processes", json!(p.world_size));
                 }
@@ -345,6 +363,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         },
         inject: args.inject,
         generate: args.generate,
+        warm_up: args.warm_up,
         ties: None,
         stored_as: None,
         hybrid: None,

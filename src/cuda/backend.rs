@@ -5,6 +5,7 @@
 //! matrices between ops (they are a few rows at most), so the same forward and shard plan drive
 //! the CPU and the GPUs, and each op can be checked against the CPU's (`glmcheck selftest`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -17,11 +18,12 @@ use cudarc::driver::{
 use cudarc::nccl::{Comm, NcclType, ReduceOp};
 use half::{bf16, f16};
 
-use super::Gpu;
+use super::{DequantOutput, Gpu};
 use crate::exec::attention::AttentionInputs;
 use crate::exec::backend::{all_computed, sum_in_rank_order, Backend, Precision};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
+use crate::exec::stored::{BlockKey, StoredBlock};
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
 const ROW_THREADS: u32 = 256;
@@ -30,46 +32,43 @@ const MAX_SCORES_BYTES: u32 = 40 << 10;
 /// Threads per block of the element-wise kernels.
 const ELEMENT_THREADS: u32 = 256;
 
-/// A dtype the GPU holds activations and weights in.
-trait Dtype: DeviceRepr + ValidAsZeroBits + NcclType + Copy + Unpin + Send + Sync + 'static {
-    /// The suffix of its kernels in `kernels/ops.cu`.
-    const SUFFIX: &'static str;
+/// A dtype the GPU holds activations and weights in (its kernels' suffix and widening come
+/// from [`DequantOutput`]).
+trait Dtype: DequantOutput + NcclType + Unpin + Send + Sync + 'static {
     const CUDA: cudaDataType;
     /// `v` rounded to nearest even (exact for values the dtype holds).
     fn from_f32(v: f32) -> Self;
-    fn to_f32(self) -> f32;
+    /// A weight buffer of this dtype.
+    fn held(buf: Buffer<Self>) -> Held;
 }
 
 impl Dtype for f32 {
-    const SUFFIX: &'static str = "f32";
     const CUDA: cudaDataType = cudaDataType::CUDA_R_32F;
     fn from_f32(v: f32) -> Self {
         v
     }
-    fn to_f32(self) -> f32 {
-        self
+    fn held(buf: Buffer<Self>) -> Held {
+        Held::F32(buf)
     }
 }
 
 impl Dtype for bf16 {
-    const SUFFIX: &'static str = "bf16";
     const CUDA: cudaDataType = cudaDataType::CUDA_R_16BF;
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
+    fn held(buf: Buffer<Self>) -> Held {
+        Held::Bf16(buf)
     }
 }
 
 impl Dtype for f16 {
-    const SUFFIX: &'static str = "f16";
     const CUDA: cudaDataType = cudaDataType::CUDA_R_16F;
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+    fn held(buf: Buffer<Self>) -> Held {
+        Held::F16(buf)
     }
 }
 
@@ -111,6 +110,50 @@ impl Meter {
     }
 }
 
+/// Stored weight blocks kept on one GPU after their first use, up to a budget: a rank's shards
+/// stay on its GPU as the file stores them (a quarter of bf16's bytes at Q4_K), and each use
+/// only dequantizes them there. Blocks past the budget are uploaded for one use and freed.
+struct Resident {
+    blocks: HashMap<BlockKey, Buffer<u8>>,
+    /// Bytes of blocks it may keep: the GPU's free memory at start, less a reserve for the
+    /// dequantized weights and activations of the op running.
+    budget: u64,
+    kept: u64,
+    /// Bytes read from the files and uploaded, and the seconds that took.
+    loaded: u64,
+    load_seconds: f64,
+}
+
+/// GPU memory left free for the working set of one op (dequantized weights, activations):
+/// a tenth of the GPU, at least 4 GiB.
+fn working_reserve(total: u64) -> u64 {
+    (total / 10).max(4 << 30)
+}
+
+impl Resident {
+    fn new(free: u64, total: u64) -> Self {
+        Resident {
+            blocks: HashMap::new(),
+            budget: free.saturating_sub(working_reserve(total)),
+            kept: 0,
+            loaded: 0,
+            load_seconds: 0.0,
+        }
+    }
+}
+
+/// One rank's use of its GPU in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankMemory {
+    /// The most bytes glmcheck held on the GPU at once.
+    pub peak_bytes: u64,
+    /// Bytes of stored weight blocks kept on the GPU.
+    pub resident_bytes: u64,
+    /// Bytes of stored blocks read from the model files and uploaded, and the seconds taken.
+    pub loaded_bytes: u64,
+    pub load_seconds: f64,
+}
+
 /// A device buffer counted on its GPU's meter while it lives.
 struct Buffer<D: DeviceRepr> {
     slice: CudaSlice<D>,
@@ -124,11 +167,12 @@ impl<D: DeviceRepr> Drop for Buffer<D> {
     }
 }
 
-/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter.
+/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks.
 struct Device {
     gpu: Gpu,
     blas: CudaBlas,
     meter: Arc<Meter>,
+    resident: Resident,
 }
 
 // SAFETY: a Device is only used under its mutex, by one thread at a time; its context is bound
@@ -141,7 +185,7 @@ impl Device {
         Ok(())
     }
 
-    fn alloc<D: Dtype>(&self, n: usize) -> Result<Buffer<D>> {
+    fn alloc<D: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buffer<D>> {
         let slice = self
             .gpu
             .stream
@@ -169,6 +213,34 @@ impl Device {
     fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
         let host = self.gpu.stream.clone_dtoh(&buf.slice)?;
         Ok(host.into_iter().take(n).map(D::to_f32).collect())
+    }
+
+    /// A stored block of a weight dequantized on this GPU to dtype `D`: from its blocks kept
+    /// here, or read from the file and uploaded first (and kept, within the budget).
+    fn dequantize_stored<D: Dtype>(&mut self, w: &StoredBlock<'_>) -> Result<Buffer<D>> {
+        let (rows, cols) = w.shape();
+        let n = rows * cols;
+        let mut out = self.alloc::<D>(n)?;
+        let key = w.key();
+        if let Some(blocks) = self.resident.blocks.get(&key) {
+            self.gpu.launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+            return Ok(out);
+        }
+        let began = std::time::Instant::now();
+        let host = w.blocks();
+        let mut blocks = self.alloc::<u8>(host.len())?;
+        if !host.is_empty() {
+            self.gpu.stream.memcpy_htod(&host, &mut blocks.slice)?;
+        }
+        self.gpu.launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+        let r = &mut self.resident;
+        r.loaded += host.len() as u64;
+        r.load_seconds += began.elapsed().as_secs_f64();
+        if r.kept + host.len() as u64 <= r.budget {
+            r.kept += host.len() as u64;
+            r.blocks.insert(key, blocks);
+        }
+        Ok(out)
     }
 
     fn kernel(&self, op: &str, suffix: &str) -> Result<cudarc::driver::CudaFunction> {
@@ -511,10 +583,14 @@ fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
     let gpu = Gpu::open(ordinal)?;
     let blas =
         CudaBlas::new(gpu.stream.clone()).map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
+    gpu.stream.context().bind_to_thread()?;
+    let (free, total) = cudarc::driver::result::mem_get_info()
+        .map_err(|e| anyhow!("free memory of {}: {e:?}", gpu.name))?;
     Ok(Mutex::new(Device {
         gpu,
         blas,
         meter: Arc::default(),
+        resident: Resident::new(free as u64, total as u64),
     }))
 }
 
@@ -633,12 +709,20 @@ impl Cuda {
             .collect()
     }
 
-    /// Each rank's peak of the bytes glmcheck held on its GPU (weights, activations).
-    pub fn peak_bytes(&self) -> Vec<u64> {
+    /// How each local rank used its GPU so far.
+    pub fn memory(&self) -> Vec<RankMemory> {
         self.ranks
             .devices
             .iter()
-            .map(|d| lock(d).meter.peak.load(Ordering::Relaxed))
+            .map(|d| {
+                let d = lock(d);
+                RankMemory {
+                    peak_bytes: d.meter.peak.load(Ordering::Relaxed),
+                    resident_bytes: d.resident.kept,
+                    loaded_bytes: d.resident.loaded,
+                    load_seconds: d.resident.load_seconds,
+                }
+            })
             .collect()
     }
 
@@ -729,15 +813,28 @@ impl Backend for Cuda {
 
     fn hold(&self, w: Mat<f32>) -> Result<GpuWeight> {
         let device = self.device(self.rank)?;
-        let data = match self.precision {
-            Precision::Bf16 => Held::Bf16(device.upload(&w.data)?),
-            Precision::F16 => Held::F16(device.upload(&w.data)?),
-            Precision::F32 | Precision::F64 => Held::F32(device.upload(&w.data)?),
-        };
+        let data = with_dtype!(self.precision, D => D::held(device.upload::<D>(&w.data)?));
         Ok(GpuWeight {
             rank: self.rank,
             rows: w.rows,
             cols: w.cols,
+            data,
+        })
+    }
+
+    /// Dequantized on this rank's GPU, from blocks kept there where it can.
+    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<GpuWeight> {
+        let mut device = self.device(self.rank)?;
+        if !device.gpu.dequantizes(w.ty()) {
+            drop(device);
+            return self.hold(w.dequantize()?);
+        }
+        let data = with_dtype!(self.precision, D => D::held(device.dequantize_stored::<D>(w)?));
+        let (rows, cols) = w.shape();
+        Ok(GpuWeight {
+            rank: self.rank,
+            rows,
+            cols,
             data,
         })
     }

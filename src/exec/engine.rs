@@ -8,7 +8,7 @@ use super::backend::{Backend, Cpu, Precision};
 use super::mat::Mat;
 use super::rope::{Rope, RotateSpec};
 use super::stored::StoredBlock;
-use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank};
+use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank, RankMemory};
 
 /// Where the candidate's ops run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -59,11 +59,11 @@ impl Engine {
         })
     }
 
-    /// Each rank's peak GPU memory in bytes (none on the CPU).
-    pub fn peak_bytes(&self) -> Vec<u64> {
+    /// How each rank used its GPU (none on the CPU).
+    pub fn gpu_memory(&self) -> Vec<RankMemory> {
         match self {
             Engine::Cpu(_) => Vec::new(),
-            Engine::Cuda(c) => c.peak_bytes(),
+            Engine::Cuda(c) => c.memory(),
         }
     }
 }

@@ -309,7 +309,13 @@ impl Baseline {
             }),
             None => None,
         };
-        const MEASURED: [&str; 2] = ["layer_seconds", "gpu_peak_bytes"];
+        const MEASURED: [&str; 5] = [
+            "layer_seconds",
+            "gpu_peak_bytes",
+            "gpu_resident_bytes",
+            "gpu_loaded_bytes",
+            "gpu_load_seconds",
+        ];
         let mut producer = Map::new();
         producer.insert("name".into(), "glmcheck".into());
         producer.insert("version".into(), env!("CARGO_PKG_VERSION").into());

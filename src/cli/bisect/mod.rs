@@ -525,6 +525,7 @@ fn reference_spec<'a>(
         process: None,
         inject: None,
         generate: args.generate,
+        warm_up: 0,
         ties: None,
         stored_as: None,
         hybrid: None,
