@@ -27,6 +27,11 @@ const DEQUANT_SRC: &str = include_str!("../../kernels/dequant.cu");
 const OPS_SRC: &str = include_str!("../../kernels/ops.cu");
 pub const KERNEL_SOURCES: [(&str, &str); 2] = [("dequant.cu", DEQUANT_SRC), ("ops.cu", OPS_SRC)];
 
+/// The headers the kernels include, as compiled into the binary: the name they are included by,
+/// and source. NVRTC gets them with every kernel file.
+pub const KERNEL_HEADERS: [(&str, &str); 1] =
+    [("dtypes.cuh", include_str!("../../kernels/dtypes.cuh"))];
+
 /// Timed launches per [`Gpu::dequantize`] call; their median is its time.
 const TIMED_RUNS: usize = 3;
 
