@@ -1,23 +1,24 @@
-// GGUF blocks to f32 on the GPU. Every product and difference is rounded on its own (__fmul_rn,
-// __fsub_rn, __fadd_rn; the program is also compiled with --fmad=false), in the order glmcheck's
-// CPU dequantizers use, so that the f32 results are bit-identical to them.
+// GGUF blocks to f32, bf16 or f16 on the GPU. Every value is decoded in f32 with every product
+// and difference rounded on its own (__fmul_rn, __fsub_rn, __fadd_rn; the program is also
+// compiled with --fmad=false), in the order glmcheck's CPU dequantizers use, so that the f32
+// results are bit-identical to them; the bf16 and f16 kernels then round that f32 value with
+// dtypes.cuh's `store` (to nearest even). Each source type has a kernel per output,
+// `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
 //
 // Launch shape (src/cuda/mod.rs, `dequant_launch`): thread blocks of DQ_THREADS threads, each
 // block writing DQ_TILE consecutive output values, so ceil(n / DQ_TILE) of them. Each thread
-// writes float4s, the threads of a warp 512 consecutive bytes per store. The quantized types
-// first copy the tile's blocks (a contiguous byte range) into shared memory with aligned 16-byte
-// loads, whatever their block size, then decode four values at a time from there: a block's scale
-// is read once per four values, from shared memory. `src` and `dst` must be 16-byte aligned
+// writes four values at a time, a float4 (f32) or four 16-bit values in one uint2 (bf16, f16),
+// the threads of a warp 512 (256) consecutive bytes per store. The quantized types first copy
+// the tile's blocks (a contiguous byte range) into shared memory with aligned 16-byte loads,
+// whatever their block size, then decode four values at a time from there: a block's scale is
+// read once per four values, from shared memory. `src` and `dst` must be 16-byte aligned
 // (cudaMalloc'd); `n` is below 2^32; byte offsets into `src` are 64-bit.
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "dtypes.cuh"
 
 #define DQ_THREADS 256
 #define DQ_TILE 4096
-// float4s per thread per tile.
+// float4s (four values each, whatever the output) per thread per tile.
 #define DQ_VEC (DQ_TILE / 4 / DQ_THREADS)
 
 // IEEE half bits to float, exactly (subnormals, infinities and NaN payloads included), without
@@ -70,86 +71,107 @@ __device__ __forceinline__ u32 iq4_levels(u32 c) {
 // Signed byte j of w as float.
 __device__ __forceinline__ float sbyte(u32 w, int j) { return (float)(signed char)BYTE(w, j); }
 
-// ---------------------------------------------------------------------------------------------
-// Unquantized types: four values per float4, loads of 16 (F32) or 8 (F16, BF16) bytes, all of a
-// thread's loads issued before its stores.
+// Four values decoded in f32 (positions 4f..4f+3 of the output) written to `dst` as one
+// 16-byte store of f32 ...
+__device__ __forceinline__ void store4(float* dst, u32 f, float4 v) { ((float4*)dst)[f] = v; }
 
-// The float4 slots of this thread in its tile: slot v is float4 `base + threadIdx.x + v *
-// DQ_THREADS` of the output.
+// ... or as four 16-bit values (bf16 or f16), each rounded by `store` exactly as a single value
+// is, packed little-endian into one 8-byte store (aligned: 4f values of 2 bytes).
+template <class T>
+__device__ __forceinline__ u32 bits_of(float v) {
+    T t;
+    store(&t, v);
+    return t.bits;
+}
+template <class T>
+__device__ __forceinline__ void store4(T* dst, u32 f, float4 v) {
+    ((uint2*)dst)[f] = make_uint2(bits_of<T>(v.x) | (bits_of<T>(v.y) << 16),
+                                  bits_of<T>(v.z) | (bits_of<T>(v.w) << 16));
+}
+
+// The kernel `dq_<name>_<O>`: `run` (a dequant_plain or dequant_tile) writing O values.
+#define DQ_OUT(name, O, run)                                                                   \
+    extern "C" __global__ void dq_##name##_##O(const u8* __restrict__ src, O* __restrict__ dst, \
+                                               u64 n) {                                         \
+        run(src, dst, n);                                                                       \
+    }
+// The three kernels of source type `name`: dq_<name>_f32, dq_<name>_bf16, dq_<name>_f16.
+#define DQ(name, run) DQ_OUT(name, f32, run) DQ_OUT(name, bf16, run) DQ_OUT(name, f16, run)
+
+// ---------------------------------------------------------------------------------------------
+// Unquantized types: four values per D::Word loaded (16 bytes for F32, 8 for F16 and BF16), all
+// of a thread's loads issued before its stores; a last, partial four (n not a multiple of 4)
+// value by value, each a D::Value decoded by D::one.
+
+// The float4 slots (four values each) of this thread in its tile: slot v is float4 `base +
+// threadIdx.x + v * DQ_THREADS` of the output.
 #define SLOT(v) (blockIdx.x * (DQ_TILE / 4) + threadIdx.x + (v) * DQ_THREADS)
 
-extern "C" __global__ void dq_f32(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    const uint4* s = (const uint4*)src;
-    uint4 w[DQ_VEC];
+template <class D, class O>
+__device__ __forceinline__ void dequant_plain(const u8* __restrict__ src, O* __restrict__ dst,
+                                              u64 n) {
+    typedef typename D::Word Word;
+    typedef typename D::Value Value;
+    Word w[DQ_VEC];
 #pragma unroll
     for (int v = 0; v < DQ_VEC; v++) {
         u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
+        if ((u64)4 * f + 4 <= n) w[v] = __ldg((const Word*)src + f);
     }
 #pragma unroll
     for (int v = 0; v < DQ_VEC; v++) {
         u32 f = SLOT(v);
         if ((u64)4 * f + 4 <= n) {
-            ((uint4*)dst)[f] = w[v];
+            store4(dst, f, D::four(w[v]));
         } else {
             // The last, partial float4.
-            const u32* s1 = (const u32*)src;
-            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = __uint_as_float(s1[e]);
+            for (u64 e = (u64)4 * f; e < n; e++) store(dst + e, D::one(((const Value*)src)[e]));
         }
     }
 }
 
-extern "C" __global__ void dq_f16(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    const uint2* s = (const uint2*)src;
-    uint2 w[DQ_VEC];
-#pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
+struct F32 {
+    typedef uint4 Word;
+    typedef u32 Value;
+    static __device__ __forceinline__ float4 four(uint4 w) {
+        return make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z),
+                           __uint_as_float(w.w));
     }
-#pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) {
-            ((float4*)dst)[f] =
-                make_float4(half_to_float(w[v].x & 0xffff), half_to_float(w[v].x >> 16),
-                            half_to_float(w[v].y & 0xffff), half_to_float(w[v].y >> 16));
-        } else {
-            const u16* s1 = (const u16*)src;
-            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = half_to_float(s1[e]);
-        }
-    }
-}
+    static __device__ __forceinline__ float one(u32 x) { return __uint_as_float(x); }
+};
+DQ(f32, dequant_plain<F32>)
 
-extern "C" __global__ void dq_bf16(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    const uint2* s = (const uint2*)src;
-    uint2 w[DQ_VEC];
-#pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) w[v] = __ldg(s + f);
+struct F16 {
+    typedef uint2 Word;
+    typedef u16 Value;
+    static __device__ __forceinline__ float4 four(uint2 w) {
+        return make_float4(half_to_float(w.x & 0xffff), half_to_float(w.x >> 16),
+                           half_to_float(w.y & 0xffff), half_to_float(w.y >> 16));
     }
-#pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) {
-            ((uint4*)dst)[f] = make_uint4(w[v].x << 16, w[v].x & 0xffff0000u, w[v].y << 16,
-                                          w[v].y & 0xffff0000u);
-        } else {
-            const u16* s1 = (const u16*)src;
-            for (u64 e = (u64)4 * f; e < n; e++) dst[e] = __uint_as_float((u32)s1[e] << 16);
-        }
+    static __device__ __forceinline__ float one(u32 x) { return half_to_float(x); }
+};
+DQ(f16, dequant_plain<F16>)
+
+struct BF16 {
+    typedef uint2 Word;
+    typedef u16 Value;
+    static __device__ __forceinline__ float4 four(uint2 w) {
+        return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
     }
-}
+    static __device__ __forceinline__ float one(u32 x) { return __uint_as_float(x << 16); }
+};
+DQ(bf16, dequant_plain<BF16>)
 
 // ---------------------------------------------------------------------------------------------
-// Quantized types: BS values in TS-byte blocks. The tile's DQ_TILE / BS blocks are copied to
-// shared memory, then each float4 of output is decoded by D::four(block, k): values k..k+3 of
-// the block (k a multiple of 4, so the four share every scale).
+// Quantized types: D::BS values in D::TS-byte blocks. The tile's DQ_TILE / BS blocks are copied
+// to shared memory, then each four values of output are decoded by D::four(block, k): values
+// k..k+3 of the block (k a multiple of 4, so the four share every scale).
 
-template <int BS, int TS, class D>
-__device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, float* __restrict__ dst,
+template <class D, class O>
+__device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __restrict__ dst,
                                              u64 n) {
+    constexpr int BS = D::BS, TS = D::TS;
     constexpr int BLOCKS = DQ_TILE / BS;
     // The tile's bytes, plus up to 15 before them to start on a 16-byte boundary.
     constexpr int WORDS = (BLOCKS * TS + 15) / 16 + 1;
@@ -183,20 +205,21 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, float* 
     __syncthreads();
 
     const u8* base = (const u8*)tile + (start - aligned);
-    float4* out = (float4*)(dst + first * BS);
+    O* out = dst + first * BS;
     int fours = count * (BS / 4);
 #pragma unroll
     for (int v = 0; v < DQ_VEC; v++) {
         int f = threadIdx.x + v * DQ_THREADS;
         if (f < fours) {
             int k = 4 * f;
-            out[f] = D::four(base + (k / BS) * TS, k % BS);
+            store4(out, f, D::four(base + (k / BS) * TS, k % BS));
         }
     }
 }
 
 // Q8_0: 34-byte blocks of 32: f16 d, 32 int8 q; d * q.
 struct Q8_0 {
+    static constexpr int BS = 32, TS = 34;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b);
         u32 q = ld32_2(b + 2 + k);
@@ -204,13 +227,12 @@ struct Q8_0 {
                            __fmul_rn(d, sbyte(q, 2)), __fmul_rn(d, sbyte(q, 3)));
     }
 };
-extern "C" __global__ void dq_q8_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 34, Q8_0>(src, dst, n);
-}
+DQ(q8_0, dequant_tile<Q8_0>)
 
 // Q4_0: 18-byte blocks of 32: f16 d, 16 bytes of nibbles (element i low, i + 16 high);
 // d * (q - 8).
 struct Q4_0 {
+    static constexpr int BS = 32, TS = 18;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b);
         u32 q = nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0);
@@ -220,13 +242,12 @@ struct Q4_0 {
                            __fmul_rn(d, (float)((int)BYTE(q, 3) - 8)));
     }
 };
-extern "C" __global__ void dq_q4_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 18, Q4_0>(src, dst, n);
-}
+DQ(q4_0, dequant_tile<Q4_0>)
 
 // Q4_1: 20-byte blocks of 32: f16 d, f16 m, 16 bytes of nibbles; d * q + m, the product
 // rounded before the sum.
 struct Q4_1 {
+    static constexpr int BS = 32, TS = 20;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b), m = half_at(b + 2);
         u32 q = nibbles4(ld32(b + 4 + (k & 15)), k & 16 ? 4 : 0);
@@ -236,9 +257,7 @@ struct Q4_1 {
                            __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
     }
 };
-extern "C" __global__ void dq_q4_1(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 20, Q4_1>(src, dst, n);
-}
+DQ(q4_1, dequant_tile<Q4_1>)
 
 // The 5-bit codes k..k+3 of a Q5_0/Q5_1 block: fifth bits `qh` (bit i for element i), low
 // nibbles in 16 bytes `ql` (element i low, i + 16 high), one code per byte.
@@ -252,6 +271,7 @@ __device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, int k) {
 // Q5_0: 22-byte blocks of 32: f16 d, a u32 of fifth bits, 16 bytes of low nibbles;
 // d * (q - 16).
 struct Q5_0 {
+    static constexpr int BS = 32, TS = 22;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b);
         u32 q = five_bit4(ld32_2(b + 2), ld32_2(b + 6 + (k & 15)), k);
@@ -261,13 +281,12 @@ struct Q5_0 {
                            __fmul_rn(d, (float)((int)BYTE(q, 3) - 16)));
     }
 };
-extern "C" __global__ void dq_q5_0(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 22, Q5_0>(src, dst, n);
-}
+DQ(q5_0, dequant_tile<Q5_0>)
 
 // Q5_1: 24-byte blocks of 32: f16 d, f16 m, a u32 of fifth bits, 16 bytes of low nibbles;
 // d * q + m.
 struct Q5_1 {
+    static constexpr int BS = 32, TS = 24;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b), m = half_at(b + 2);
         u32 q = five_bit4(ld32(b + 4), ld32(b + 8 + (k & 15)), k);
@@ -277,12 +296,11 @@ struct Q5_1 {
                            __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
     }
 };
-extern "C" __global__ void dq_q5_1(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 24, Q5_1>(src, dst, n);
-}
+DQ(q5_1, dequant_tile<Q5_1>)
 
 // IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
 struct IQ4_NL {
+    static constexpr int BS = 32, TS = 18;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         float d = half_at(b);
         u32 l = iq4_levels(nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0));
@@ -290,14 +308,13 @@ struct IQ4_NL {
                            __fmul_rn(d, sbyte(l, 2)), __fmul_rn(d, sbyte(l, 3)));
     }
 };
-extern "C" __global__ void dq_iq4_nl(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<32, 18, IQ4_NL>(src, dst, n);
-}
+DQ(iq4_nl, dequant_tile<IQ4_NL>)
 
 // IQ4_XS: 136-byte blocks of 256: f16 d, a u16 of 2-bit scale tops, 4 bytes of 4-bit scale
 // lows, then per 32 elements 16 bytes of codebook nibbles; scales are 6-bit minus 32;
 // (d * scale) * level.
 struct IQ4_XS {
+    static constexpr int BS = 256, TS = 136;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         int j = k / 32, i = k % 32;
         u32 tops = ld16(b + 2);
@@ -309,14 +326,13 @@ struct IQ4_XS {
                            __fmul_rn(dl, sbyte(l, 2)), __fmul_rn(dl, sbyte(l, 3)));
     }
 };
-extern "C" __global__ void dq_iq4_xs(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 136, IQ4_XS>(src, dst, n);
-}
+DQ(iq4_xs, dequant_tile<IQ4_XS>)
 
 // Q2_K: 84-byte blocks of 256: 16 bytes of 4-bit scale (low) and min (high), 64 bytes of
 // 2-bit codes (per 128 elements, 32 bytes: row r at bits 2r), f16 d, f16 dmin;
 // (d * scale) * q - dmin * min.
 struct Q2_K {
+    static constexpr int BS = 256, TS = 84;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         int h = k / 128, r = (k % 128) / 32, i = k % 32;
         u32 sm = b[2 * (4 * h + r) + i / 16];
@@ -329,13 +345,12 @@ struct Q2_K {
                            __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 3)), ml));
     }
 };
-extern "C" __global__ void dq_q2_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 84, Q2_K>(src, dst, n);
-}
+DQ(q2_k, dequant_tile<Q2_K>)
 
 // Q3_K: 110-byte blocks of 256: 32 bytes of high bits (set: no -4 offset; row j at bit j),
 // 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d; (d * scale) * (q - off).
 struct Q3_K {
+    static constexpr int BS = 256, TS = 110;
     static __device__ __forceinline__ int q(u32 codes, u32 high, int j, int row) {
         int offset = (int)((((BYTE(high, j) >> row) & 1) ^ 1) << 2);
         return (int)BYTE(codes, j) - offset;
@@ -356,9 +371,7 @@ struct Q3_K {
                            __fmul_rn(dl, (float)q(codes, hm, 3, row)));
     }
 };
-extern "C" __global__ void dq_q3_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 110, Q3_K>(src, dst, n);
-}
+DQ(q3_k, dequant_tile<Q3_K>)
 
 // The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 packed bytes.
 __device__ __forceinline__ void scale_min(const u8* s, int j, u32* sc, u32* m) {
@@ -386,19 +399,19 @@ __device__ __forceinline__ float4 k_scaled4(const u8* b, int j, u32 q) {
 // Q4_K: 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of scales and mins, then 4 chunks of
 // 32 bytes holding 64 elements each (sub-block 2c in the low nibbles, 2c + 1 in the high).
 struct Q4_K {
+    static constexpr int BS = 256, TS = 144;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         int c = k / 64, half = (k % 64) / 32, i = k % 32;
         u32 q = nibbles4(ld32(b + 16 + 32 * c + i), 4 * half);
         return k_scaled4(b, 2 * c + half, q);
     }
 };
-extern "C" __global__ void dq_q4_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 144, Q4_K>(src, dst, n);
-}
+DQ(q4_k, dequant_tile<Q4_K>)
 
 // Q5_K: 176-byte blocks of 256: Q4_K's d, dmin and packed scales, 32 bytes of fifth bits
 // (element l of chunk c, half h at bit 2c + h of byte l), then Q4_K's nibbles.
 struct Q5_K {
+    static constexpr int BS = 256, TS = 176;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         int c = k / 64, half = (k % 64) / 32, l = k % 32, j = 2 * c + half;
         u32 low = nibbles4(ld32(b + 48 + 32 * c + l), 4 * half);
@@ -406,13 +419,12 @@ struct Q5_K {
         return k_scaled4(b, j, low | (high << 4));
     }
 };
-extern "C" __global__ void dq_q5_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 176, Q5_K>(src, dst, n);
-}
+DQ(q5_k, dequant_tile<Q5_K>)
 
 // Q6_K: 210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
 // scales, f16 d; per half of 128, four rows of 32; (d * scale) * (q - 32).
 struct Q6_K {
+    static constexpr int BS = 256, TS = 210;
     static __device__ __forceinline__ float4 four(const u8* b, int k) {
         int h = k / 128, r = (k % 128) / 32, i = k % 32;
         u32 low = nibbles4(ld32_2(b + 64 * h + 32 * (r % 2) + i), 4 * (r / 2));
@@ -426,6 +438,4 @@ struct Q6_K {
                            __fmul_rn(dl, (float)((int)BYTE(q, 3) - 32)));
     }
 };
-extern "C" __global__ void dq_q6_k(const u8* __restrict__ src, float* __restrict__ dst, u64 n) {
-    dequant_tile<256, 210, Q6_K>(src, dst, n);
-}
+DQ(q6_k, dequant_tile<Q6_K>)

@@ -1,43 +1,10 @@
 // The element-wise and per-row ops of the CUDA backend, for activations held in f32, bf16 or f16.
 // Each kernel reads its dtype, computes in f32 in the order glmcheck's CPU ops use (the program is
 // compiled with --fmad=false and IEEE division and square root), and rounds its result to the
-// dtype to nearest even: what the CPU backend's emulated bf16/f16 modes do, computed here
-// independently.
+// dtype to nearest even (`store` of dtypes.cuh): what the CPU backend's emulated bf16/f16 modes
+// do, computed here independently.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-struct bf16 {
-    u16 bits;
-};
-struct f16 {
-    u16 bits;
-};
-
-__device__ float to_f32(float x) { return x; }
-__device__ float to_f32(bf16 x) { return __uint_as_float((u32)x.bits << 16); }
-__device__ float to_f32(f16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-__device__ void store(float* out, float v) { *out = v; }
-__device__ void store(bf16* out, float v) {
-    u32 u = __float_as_uint(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        out->bits = (u16)((u >> 16) | 0x40);  // NaN stays a quiet NaN
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    out->bits = (u16)(u >> 16);
-}
-__device__ void store(f16* out, float v) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    out->bits = h;
-}
+#include "dtypes.cuh"
 
 // Threads per block of the row kernels; a power of two for the tree sum.
 #define ROW_THREADS 256
@@ -134,7 +101,6 @@ __device__ void round_to(const float* x, T* y, u32 n) {
     extern "C" __global__ void add_##T(const T* a, const T* b, T* y, u32 n) { add(a, b, y, n); } \
     extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); }
 
-typedef float f32;
 OPS(f32)
 OPS(bf16)
 OPS(f16)

@@ -1,13 +1,18 @@
 //! The CUDA side on a machine without a GPU, as every machine with a Rust toolchain here is:
 //! every CUDA command says that no CUDA driver was found and exits 2 — it neither panics nor
 //! pretends; the embedded kernels compile with NVRTC (the one torch's CUDA wheels carry) for the
-//! GPU generations users run; the CPU backend passes its own selftest. The GPU checks themselves
+//! GPU generations users run, with every dequantization kernel the host loads; the CPU backend
+//! passes its own selftest. The GPU checks themselves
 //! run on the GPU machine (`just gpu-backend-check`, `just gpu-dequant-check`).
 
 mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+
+use glmcheck::cuda::{dequant_kernel, DequantOutput};
+use glmcheck::weights::GgmlType;
+use half::{bf16, f16};
 
 fn says_no_driver(out: &Output, what: &str) {
     assert_eq!(out.status.code(), Some(2), "{what}");
@@ -74,6 +79,13 @@ fn nvrtc_dir() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
+/// Whether the ELF image `cubin` names kernel `name`: its symbol and section names are
+/// NUL-terminated strings in it.
+fn names(cubin: &[u8], name: &str) -> bool {
+    let name = format!("{name}\0");
+    cubin.windows(name.len()).any(|w| w == name.as_bytes())
+}
+
 #[test]
 fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
     let lib = nvrtc_dir();
@@ -101,6 +113,29 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
             assert!(k["cubin_bytes"].as_u64().unwrap() > 10_000, "{arch}: {k}");
         }
     }
+    // Every dequantization kernel the host loads, each type to each output, is in the CUBIN.
+    let dir = common::scratch();
+    let out = Command::new(common::glmcheck_bin())
+        .args(["selftest", "--compile-only", "sm_90", "--cubin-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", &lib)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cubin = std::fs::read(dir.path().join("dequant.cu.cubin")).unwrap();
+    let bases: Vec<&str> = GgmlType::all().filter_map(dequant_kernel).collect();
+    assert_eq!(bases.len(), 15, "{bases:?}");
+    for base in bases {
+        for suffix in [f32::SUFFIX, bf16::SUFFIX, f16::SUFFIX] {
+            let name = format!("{base}_{suffix}");
+            assert!(names(&cubin, &name), "{name} is not in the CUBIN");
+        }
+    }
+    assert!(!names(&cubin, "dq_q4_k"), "only the kernels per output");
     // An architecture NVRTC does not know: its complaint, on one line.
     let out = Command::new(common::glmcheck_bin())
         .args(["selftest", "--compile-only", "sm_xx"])

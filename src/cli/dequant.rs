@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::output::{num, progress, shape, table};
 use super::{ModelArg, Outcome};
-use crate::cuda::check::{check_tensor, GpuCheck};
+use crate::cuda::check::{check_tensor, GpuCheck, OutputCheck};
 use crate::cuda::Gpu;
 use crate::weights::health::{tensor_health, Health};
 use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
@@ -25,9 +25,10 @@ pub struct DequantArgs {
     /// Write the dequantized f32 tensors to this safetensors file, in the file's element order.
     #[arg(long, value_name = "OUT.safetensors")]
     pub dump: Option<PathBuf>,
-    /// `cuda`: dequantize every tensor on the GPU too (kernels compiled by NVRTC for it) and
-    /// check each against the CPU reference: bit-identical f32, or the ULP distance and the first
-    /// block that differs. Types without a GPU kernel are listed.
+    /// `cuda`: dequantize every tensor on the GPU too, to f32, bf16 and f16 (kernels compiled by
+    /// NVRTC for it), and check each against the CPU reference: f32 bit-identical to the CPU's,
+    /// bf16 and f16 to the CPU's f32 rounded to nearest even; or, per output, the ULP distance and
+    /// the first block that differs. Types without a GPU kernel are listed.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: Device,
 }
@@ -127,25 +128,24 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
                          "copy_gb_per_s": copy, "throughput": rates});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        let mut t = table(&["tensor", "type", "values", "GPU against CPU"]);
+        let mut t = table(&[
+            "tensor",
+            "type",
+            "values",
+            "GPU against CPU (f32, bf16, f16)",
+        ]);
         for c in &checks {
-            let verdict = match c.first {
-                None => "bit-identical".to_string(),
-                Some((at, block)) => format!(
-                    "{} differ, up to {} ulp; first at value {at} (block {block})",
-                    c.differing, c.max_ulp
-                ),
-            };
             t.add_row(vec![
                 c.name.clone(),
                 c.ty.clone(),
                 c.values.to_string(),
-                verdict,
+                verdict(c),
             ]);
         }
         println!("{t}");
         let mut r = table(&[
             "type",
+            "output",
             "GB read",
             "GB written",
             "kernel ms",
@@ -155,6 +155,7 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
         for x in &rates {
             r.add_row(vec![
                 x.ty.clone(),
+                x.output.to_string(),
                 format!("{:.3}", x.gb_in),
                 format!("{:.3}", x.gb_out),
                 format!("{:.2}", x.kernel_ms),
@@ -165,7 +166,7 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
         println!("{r}");
         println!("device-to-device copy: {copy:.0} GB/s (read + written)");
         println!(
-            "{}: {} tensors bit-identical, {failed} differ{}",
+            "{}: {} tensors bit-identical as f32, bf16 and f16, {failed} differ{}",
             gpu.name,
             checks.len() - failed,
             if without_kernel.is_empty() {
@@ -182,11 +183,29 @@ fn gpu_check(files: &ModelFiles, chosen: &[&TensorEntry], json: bool) -> anyhow:
     })
 }
 
-/// GPU dequantization speed of one type: bytes read and written per kernel second.
+/// `bit-identical` when every output of `c` is, else what differs in each output that does.
+fn verdict(c: &GpuCheck) -> String {
+    if c.identical() {
+        return "bit-identical".to_string();
+    }
+    let differ = |(output, o): (&str, &OutputCheck)| {
+        let (at, block) = o.first?;
+        Some(format!(
+            "{output}: {} differ, up to {} ulp, first at value {at} (block {block})",
+            o.differing, o.max_ulp
+        ))
+    };
+    let outputs: Vec<String> = c.by_output().into_iter().filter_map(differ).collect();
+    outputs.join("; ")
+}
+
+/// GPU dequantization speed of one type to one output dtype: bytes read and written per kernel
+/// second.
 #[derive(serde::Serialize)]
 struct Rate {
     #[serde(rename = "type")]
     ty: String,
+    output: &'static str,
     gb_in: f64,
     gb_out: f64,
     kernel_ms: f64,
@@ -195,19 +214,24 @@ struct Rate {
     of_copy: f64,
 }
 
-/// Per storage type, the kernels' throughput over the checked tensors.
+/// Per storage type and output dtype (in [`GpuCheck::by_output`]'s order), the kernels'
+/// throughput over the checked tensors.
 fn throughput(checks: &[GpuCheck], copy_gb_per_s: f64) -> Vec<Rate> {
-    let mut by_type: std::collections::BTreeMap<&str, (u64, u64, f64)> = Default::default();
+    // Bytes read and written and kernel ms by type, output's place and output.
+    type Key<'a> = (&'a str, usize, &'static str);
+    let mut sums: std::collections::BTreeMap<Key, (u64, u64, f64)> = Default::default();
     for c in checks {
-        let e = by_type.entry(&c.ty).or_default();
-        *e = (e.0 + c.bytes, e.1 + 4 * c.values, e.2 + c.kernel_ms);
+        for (i, (output, o)) in c.by_output().into_iter().enumerate() {
+            let e = sums.entry((&c.ty, i, output)).or_default();
+            *e = (e.0 + c.bytes, e.1 + o.bytes_written, e.2 + o.kernel_ms);
+        }
     }
-    by_type
-        .into_iter()
-        .map(|(ty, (read, written, ms))| {
+    sums.into_iter()
+        .map(|((ty, _, output), (read, written, ms))| {
             let gb_per_s = (read + written) as f64 / (ms.max(1e-9) * 1e-3) / 1e9;
             Rate {
                 ty: ty.to_string(),
+                output,
                 gb_in: read as f64 / 1e9,
                 gb_out: written as f64 / 1e9,
                 kernel_ms: ms,
@@ -323,4 +347,81 @@ fn print_json(
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::check::HalfOutputs;
+
+    /// A Q4_K tensor of 512 values (288 bytes) whose bf16 output differs from value 300 on.
+    fn q4_k_check() -> GpuCheck {
+        let written = |bytes| OutputCheck {
+            bytes_written: bytes,
+            kernel_ms: 1.0,
+            ..OutputCheck::default()
+        };
+        let bf16 = OutputCheck {
+            differing: 2,
+            max_ulp: 1,
+            first: Some((300, 1)),
+            ..written(1024)
+        };
+        GpuCheck {
+            name: "blk.0.ffn_up.weight".into(),
+            ty: "Q4_K".into(),
+            values: 512,
+            bytes: 288,
+            f32: written(2048),
+            outputs: HalfOutputs {
+                bf16,
+                f16: written(1024),
+            },
+        }
+    }
+
+    #[test]
+    fn the_verdict_names_the_outputs_that_differ() {
+        let mut c = q4_k_check();
+        assert!(!c.identical());
+        assert_eq!(
+            verdict(&c),
+            "bf16: 2 differ, up to 1 ulp, first at value 300 (block 1)"
+        );
+        c.outputs.bf16 = c.outputs.f16.clone();
+        assert_eq!(verdict(&c), "bit-identical");
+    }
+
+    #[test]
+    fn json_keeps_the_f32_fields_and_adds_the_16_bit_outputs() {
+        let j = serde_json::to_value(q4_k_check()).unwrap();
+        assert_eq!(j["type"], "Q4_K");
+        assert_eq!(j["differing"], 0);
+        assert_eq!(j["first"], serde_json::Value::Null);
+        assert_eq!(j["bytes"], 288);
+        assert_eq!(j["kernel_ms"], 1.0);
+        assert_eq!(j["outputs"]["bf16"]["differing"], 2);
+        assert_eq!(j["outputs"]["bf16"]["first"], json!([300, 1]));
+        assert_eq!(j["outputs"]["f16"]["bytes_written"], 1024);
+    }
+
+    #[test]
+    fn throughput_has_a_row_per_type_and_output() {
+        let rates = throughput(&[q4_k_check(), q4_k_check()], 1000.0);
+        let rows: Vec<(&str, &str, u64, u64)> = rates
+            .iter()
+            .map(|r| {
+                let bytes = |gb: f64| (gb * 1e9).round() as u64;
+                (r.ty.as_str(), r.output, bytes(r.gb_in), bytes(r.gb_out))
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("Q4_K", "f32", 576, 4096),
+                ("Q4_K", "bf16", 576, 2048),
+                ("Q4_K", "f16", 576, 2048)
+            ]
+        );
+    }
 }

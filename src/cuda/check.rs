@@ -1,55 +1,151 @@
-//! Every tensor's GPU dequantization against the CPU reference's: f32 output must be
-//! bit-identical; otherwise the distance in units in the last place and the first block that
-//! differs.
+//! Every tensor's GPU dequantization against the CPU reference's, for each output dtype of the
+//! kernels: f32 must be bit-identical to the CPU's f32, bf16 and f16 to the CPU's f32 rounded to
+//! nearest even by `half` (where any NaN matches any NaN: the GPU writes f16's canonical one);
+//! otherwise the distance in units in the last place and the first block that differs.
 
 use anyhow::Result;
+use half::{bf16, f16};
 use serde::Serialize;
 
-use super::Gpu;
-use crate::weights::{quant, Encoding, ModelFiles, TensorEntry};
+use super::{DequantOutput, Gpu};
+use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
 /// Values dequantized per GPU call: rows of the tensor up to about 16 M values.
 const CHUNK_VALUES: u64 = 1 << 24;
 
-/// One tensor's GPU dequantization against the CPU's.
+/// One tensor dequantized to one output dtype on the GPU, against the CPU.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OutputCheck {
+    /// Values whose bits differ.
+    pub differing: u64,
+    /// The largest distance in units in the last place of the output dtype.
+    pub max_ulp: u64,
+    /// The first differing value: its flat index and its block.
+    pub first: Option<(u64, u64)>,
+    /// Bytes of output written, and the kernels' time in milliseconds.
+    pub bytes_written: u64,
+    pub kernel_ms: f64,
+}
+
+/// The 16-bit outputs, under their names in JSON.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HalfOutputs {
+    pub bf16: OutputCheck,
+    pub f16: OutputCheck,
+}
+
+/// One tensor's GPU dequantization against the CPU's, for every output dtype.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuCheck {
     pub name: String,
     #[serde(rename = "type")]
     pub ty: String,
     pub values: u64,
-    /// Values whose f32 bits differ.
-    pub differing: u64,
-    /// The largest distance in units in the last place.
-    pub max_ulp: u64,
-    /// The first differing value: its flat index and its block.
-    pub first: Option<(u64, u64)>,
-    /// Bytes of blocks read, and the kernels' time in milliseconds.
+    /// Bytes of blocks read (by each output's kernels).
     pub bytes: u64,
-    pub kernel_ms: f64,
+    /// The f32 output, its fields beside the tensor's as they were before the 16-bit outputs.
+    #[serde(flatten)]
+    pub f32: OutputCheck,
+    pub outputs: HalfOutputs,
 }
 
 impl GpuCheck {
+    /// Every output's check under the output's name: f32, bf16, f16.
+    pub fn by_output(&self) -> [(&'static str, &OutputCheck); 3] {
+        [
+            (f32::SUFFIX, &self.f32),
+            (bf16::SUFFIX, &self.outputs.bf16),
+            (f16::SUFFIX, &self.outputs.f16),
+        ]
+    }
+
+    /// Whether every output is bit-identical to the CPU's.
     pub fn identical(&self) -> bool {
-        self.differing == 0
+        self.by_output().iter().all(|(_, o)| o.differing == 0)
     }
 }
 
-/// Distance between two f32 in units in the last place (sign-aware).
-fn ulp(a: f32, b: f32) -> u64 {
-    let key = |x: f32| {
-        let i = x.to_bits() as i32;
-        if i < 0 {
-            i64::from(i32::MIN) - i64::from(i)
+/// An output dtype as the check compares it with the CPU's f32 values.
+trait Compared: DequantOutput {
+    /// Bits in its pattern.
+    const WIDTH: u32;
+    /// `v` rounded to the dtype to nearest even, as its bit pattern: exactly its bits for a
+    /// value the GPU wrote (widened to f32).
+    fn pattern(v: f32) -> u32;
+}
+
+impl Compared for f32 {
+    const WIDTH: u32 = 32;
+    fn pattern(v: f32) -> u32 {
+        v.to_bits()
+    }
+}
+
+impl Compared for bf16 {
+    const WIDTH: u32 = 16;
+    fn pattern(v: f32) -> u32 {
+        u32::from(bf16::from_f32(v).to_bits())
+    }
+}
+
+impl Compared for f16 {
+    const WIDTH: u32 = 16;
+    fn pattern(v: f32) -> u32 {
+        u32::from(f16::from_f32(v).to_bits())
+    }
+}
+
+/// Whether the GPU's value `gpu` of dtype `O` is the CPU's f32 `cpu` rounded to `O`: the same
+/// bits, or in a 16-bit dtype both NaN, whatever the payload.
+fn same<O: Compared>(gpu: f32, cpu: f32) -> bool {
+    O::pattern(gpu) == O::pattern(cpu) || (O::WIDTH < 32 && gpu.is_nan() && cpu.is_nan())
+}
+
+/// Distance in units in the last place between two floats given as bit patterns `width` bits
+/// wide (32 or 16), sign and magnitude: +0 and -0 are 0 apart, the least positive and negative
+/// subnormals 2.
+fn ulp(a: u32, b: u32, width: u32) -> u64 {
+    let sign = 1u32 << (width - 1);
+    let key = |x: u32| {
+        let magnitude = i64::from(x & (sign - 1));
+        if x & sign != 0 {
+            -magnitude
         } else {
-            i64::from(i)
+            magnitude
         }
     };
     key(a).abs_diff(key(b))
 }
 
-/// `t` dequantized on `gpu` and on the CPU, chunk by chunk; `None` when the GPU has no
-/// dequantizer for its type.
+/// Blocks `src` of `ty` (values `at..` of their tensor) dequantized to `O` on `gpu`, against
+/// the CPU's f32 values `cpu` of them, added to `check`.
+fn compare<O: Compared>(
+    gpu: &Gpu,
+    ty: GgmlType,
+    src: &[u8],
+    cpu: &[f32],
+    at: u64,
+    check: &mut OutputCheck,
+) -> Result<()> {
+    let (on_gpu, ms) = gpu.dequantize::<O>(ty, src, cpu.len())?;
+    check.bytes_written += (cpu.len() * std::mem::size_of::<O>()) as u64;
+    check.kernel_ms += f64::from(ms);
+    for (i, (&g, &c)) in on_gpu.iter().zip(cpu).enumerate() {
+        if !same::<O>(g, c) {
+            let value = at + i as u64;
+            check.differing += 1;
+            let distance = ulp(O::pattern(g), O::pattern(c), O::WIDTH);
+            check.max_ulp = check.max_ulp.max(distance);
+            check
+                .first
+                .get_or_insert((value, value / ty.block_size() as u64));
+        }
+    }
+    Ok(())
+}
+
+/// `t` dequantized on `gpu` to every output dtype and on the CPU, chunk by chunk; `None` when
+/// the GPU has no dequantizer for its type.
 pub fn check_tensor(gpu: &Gpu, files: &ModelFiles, t: &TensorEntry) -> Result<Option<GpuCheck>> {
     let Encoding::Ggml(ty) = t.encoding else {
         return Ok(None);
@@ -67,30 +163,22 @@ pub fn check_tensor(gpu: &Gpu, files: &ModelFiles, t: &TensorEntry) -> Result<Op
         name: t.name.clone(),
         ty: ty.name().to_string(),
         values: 0,
-        differing: 0,
-        max_ulp: 0,
-        first: None,
         bytes: 0,
-        kernel_ms: 0.0,
+        f32: OutputCheck::default(),
+        outputs: HalfOutputs::default(),
     };
     let mut start = 0;
     while start < t.rows() {
         let end = (start + rows_per_chunk).min(t.rows());
         let src = &bytes[(start * row_bytes) as usize..(end * row_bytes) as usize];
         let n = ((end - start) * row_len) as usize;
-        let (on_gpu, ms) = gpu.dequantize(ty, src, n)?;
-        check.bytes += src.len() as u64;
-        check.kernel_ms += f64::from(ms);
         let mut on_cpu = vec![0f32; n];
         quant::dequantize_rows(ty, src, &mut on_cpu, row_len as usize)?;
-        for (i, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
-            if g.to_bits() != c.to_bits() {
-                let at = check.values + i as u64;
-                check.differing += 1;
-                check.max_ulp = check.max_ulp.max(ulp(*g, *c));
-                check.first.get_or_insert((at, at / ty.block_size() as u64));
-            }
-        }
+        let at = check.values;
+        compare::<f32>(gpu, ty, src, &on_cpu, at, &mut check.f32)?;
+        compare::<bf16>(gpu, ty, src, &on_cpu, at, &mut check.outputs.bf16)?;
+        compare::<f16>(gpu, ty, src, &on_cpu, at, &mut check.outputs.f16)?;
+        check.bytes += src.len() as u64;
         check.values += n as u64;
         files.release_rows(t, start..end);
         start = end;
@@ -100,13 +188,39 @@ pub fn check_tensor(gpu: &Gpu, files: &ModelFiles, t: &TensorEntry) -> Result<Op
 
 #[cfg(test)]
 mod tests {
-    use super::ulp;
+    use super::*;
 
     #[test]
     fn ulps_count_across_zero() {
-        assert_eq!(ulp(1.0, 1.0), 0);
-        assert_eq!(ulp(1.0, f32::from_bits(1.0f32.to_bits() + 3)), 3);
-        assert_eq!(ulp(0.0, -0.0), 0);
-        assert_eq!(ulp(f32::from_bits(1), -f32::from_bits(1)), 2);
+        let f = |a: f32, b: f32| ulp(a.to_bits(), b.to_bits(), 32);
+        assert_eq!(f(1.0, 1.0), 0);
+        assert_eq!(f(1.0, f32::from_bits(1.0f32.to_bits() + 3)), 3);
+        assert_eq!(f(0.0, -0.0), 0);
+        assert_eq!(f(f32::from_bits(1), -f32::from_bits(1)), 2);
+    }
+
+    #[test]
+    fn ulps_count_in_16_bit_patterns() {
+        let h = |a: f16, b: f16| ulp(a.to_bits().into(), b.to_bits().into(), 16);
+        assert_eq!(h(f16::ONE, f16::from_bits(f16::ONE.to_bits() + 5)), 5);
+        assert_eq!(h(f16::ZERO, f16::NEG_ZERO), 0);
+        assert_eq!(h(f16::from_bits(1), -f16::from_bits(1)), 2);
+        let b = |a: bf16, b: bf16| ulp(a.to_bits().into(), b.to_bits().into(), 16);
+        assert_eq!(b(bf16::from_bits(2), -bf16::from_bits(1)), 3);
+        assert_eq!(b(bf16::MAX, bf16::INFINITY), 1);
+    }
+
+    #[test]
+    fn sixteen_bit_outputs_match_the_rounded_cpu_value_and_any_nan() {
+        // 1 + 2^-8 lies halfway between bf16 1 and its successor (ties to even: 1); f16 holds it.
+        let cpu = 1.0 + 2f32.powi(-8);
+        assert!(same::<bf16>(1.0, cpu));
+        assert!(!same::<bf16>(bf16::from_bits(0x3f81).to_f32(), cpu));
+        assert!(same::<f16>(cpu, cpu));
+        assert!(!same::<f32>(1.0, cpu));
+        let (nan, other_nan) = (f32::NAN, f32::from_bits(0x7fc0_0123));
+        assert!(same::<f16>(other_nan, nan) && same::<bf16>(other_nan, nan));
+        assert!(!same::<f32>(other_nan, nan));
+        assert!(!same::<f16>(nan, 0.0));
     }
 }

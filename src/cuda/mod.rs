@@ -8,8 +8,8 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -26,6 +26,11 @@ pub use backend::Cuda;
 const DEQUANT_SRC: &str = include_str!("../../kernels/dequant.cu");
 const OPS_SRC: &str = include_str!("../../kernels/ops.cu");
 pub const KERNEL_SOURCES: [(&str, &str); 2] = [("dequant.cu", DEQUANT_SRC), ("ops.cu", OPS_SRC)];
+
+/// The headers the kernels include, as compiled into the binary: the name they are included by,
+/// and source. NVRTC gets them with every kernel file.
+pub const KERNEL_HEADERS: [(&str, &str); 1] =
+    [("dtypes.cuh", include_str!("../../kernels/dtypes.cuh"))];
 
 /// Timed launches per [`Gpu::dequantize`] call; their median is its time.
 const TIMED_RUNS: usize = 3;
@@ -51,8 +56,39 @@ fn dequant_launch(n: usize) -> LaunchConfig {
     }
 }
 
-/// The name of the kernel in `kernels/dequant.cu` that dequantizes `ty`.
-fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
+/// An output dtype of the kernels of `kernels/dequant.cu`: `dq_q4_k_bf16` writes bf16, each value
+/// the f32 one rounded to nearest even (`store` of `kernels/dtypes.cuh`).
+pub trait DequantOutput: DeviceRepr + ValidAsZeroBits + Copy {
+    /// The suffix of its kernels' names after the type's base name ([`dequant_kernel`]).
+    const SUFFIX: &'static str;
+    /// The value, exactly.
+    fn to_f32(self) -> f32;
+}
+
+impl DequantOutput for f32 {
+    const SUFFIX: &'static str = "f32";
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl DequantOutput for half::bf16 {
+    const SUFFIX: &'static str = "bf16";
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl DequantOutput for half::f16 {
+    const SUFFIX: &'static str = "f16";
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+/// The base name of the kernels in `kernels/dequant.cu` that dequantize `ty`: `dq_q4_k`, whose
+/// kernel writing output `O` is `dq_q4_k_{O::SUFFIX}`.
+pub fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
         GgmlType::F32 => "dq_f32",
         GgmlType::F16 => "dq_f16",
@@ -73,16 +109,16 @@ fn dequant_kernel(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
-/// Every kernel source compiled by NVRTC for `arch` (`sm_90`): file name and CUBIN size. Needs
-/// NVRTC only, no GPU.
-pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, usize)>> {
+/// Every kernel source compiled by NVRTC for `arch` (`sm_90`): file name and CUBIN. Needs NVRTC
+/// only, no GPU.
+pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
     // SAFETY: only tries to load the library by its usual names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         bail!("no NVRTC found (libnvrtc): put CUDA 13's libraries on LD_LIBRARY_PATH");
     }
     KERNEL_SOURCES
         .iter()
-        .map(|&(file, src)| Ok((file, nvrtc::cubin(src, file, arch)?.len())))
+        .map(|&(file, src)| Ok((file, nvrtc::cubin(src, file, arch)?)))
         .collect()
 }
 
@@ -141,51 +177,76 @@ impl Gpu {
             .with_context(|| format!("kernel {name} of ops.cu"))
     }
 
-    /// The kernel dequantizing `ty`, if there is one.
-    fn kernel(&self, ty: GgmlType) -> Option<CudaFunction> {
-        self.dequant.load_function(dequant_kernel(ty)?).ok()
+    /// The kernel dequantizing `ty` to `O`.
+    fn dequant_function<O: DequantOutput>(&self, ty: GgmlType) -> Result<CudaFunction> {
+        let base = dequant_kernel(ty).ok_or_else(|| anyhow!("no GPU dequantizer for {ty}"))?;
+        let name = format!("{base}_{}", O::SUFFIX);
+        self.dequant
+            .load_function(&name)
+            .with_context(|| format!("kernel {name} of dequant.cu"))
     }
 
     /// Whether there is a GPU dequantizer for `ty`.
     pub fn dequantizes(&self, ty: GgmlType) -> bool {
-        self.kernel(ty).is_some()
+        self.dequant_function::<f32>(ty).is_ok()
     }
 
-    /// Whole blocks of `ty` in `src` to `n` f32 values, on the GPU, and the kernel's time in
-    /// milliseconds (the copies to and from the GPU aside): the median of [`TIMED_RUNS`] launches,
-    /// each after an untimed warm-up launch and a write of [`L2_FLUSH_BYTES`] that leaves neither
-    /// the blocks nor the output in the L2 cache. The output is poisoned (all bits set) before
-    /// the first launch, so a value the kernel never writes shows up in the check.
-    pub fn dequantize(&self, ty: GgmlType, src: &[u8], n: usize) -> Result<(Vec<f32>, f32)> {
-        let f = self
-            .kernel(ty)
-            .ok_or_else(|| anyhow!("no GPU dequantizer for {ty}"))?;
-        if n == 0 {
-            return Ok((Vec::new(), 0.0));
-        }
+    /// Queues on this GPU's stream the dequantization of whole blocks of `ty` in `src` to the
+    /// first `n` values of `dst`, in one launch. Both are allocations of their own, so 16-byte
+    /// aligned as the kernels need.
+    pub fn launch_dequant<O: DequantOutput>(
+        &self,
+        ty: GgmlType,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<O>,
+        n: usize,
+    ) -> Result<()> {
+        let f = self.dequant_function::<O>(ty)?;
         let expected = (n / ty.block_size()) * ty.type_size();
         if n % ty.block_size() != 0 || src.len() != expected {
             bail!("{ty}: {} bytes do not hold {n} values", src.len());
         }
+        if dst.len() < n {
+            bail!("{n} values do not fit in {} of output", dst.len());
+        }
         if n > u32::MAX as usize {
             bail!("{n} values in one launch: at most 2^32 - 1");
         }
+        if n == 0 {
+            // No blocks, and a launch of no thread blocks is an error.
+            return Ok(());
+        }
+        let count = n as u64;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(src).arg(dst).arg(&count);
+        // SAFETY: the kernel reads the `n / block_size` whole blocks of `src` and writes the first
+        // `n` values of `dst`, both sized as checked above.
+        unsafe { launch.launch(dequant_launch(n)) }?;
+        Ok(())
+    }
+
+    /// Whole blocks of `ty` in `src` to `n` values of `O` on the GPU, returned widened to f32,
+    /// and the kernel's time in milliseconds (the copies to and from the GPU aside): the median
+    /// of [`TIMED_RUNS`] launches, each after an untimed warm-up launch and a write of
+    /// [`L2_FLUSH_BYTES`] that leaves neither the blocks nor the output in the L2 cache. The
+    /// output is poisoned (all bits set: a NaN in every dtype) before the first launch, so a
+    /// value the kernel never writes shows up in the check.
+    pub fn dequantize<O: DequantOutput>(
+        &self,
+        ty: GgmlType,
+        src: &[u8],
+        n: usize,
+    ) -> Result<(Vec<f32>, f32)> {
+        if n == 0 {
+            self.dequant_function::<O>(ty)?;
+            return Ok((Vec::new(), 0.0));
+        }
         let input = self.stream.clone_htod(src)?;
         // SAFETY: every byte is set by the memset right after.
-        let mut out = unsafe { self.stream.alloc::<f32>(n) }?;
+        let mut out = unsafe { self.stream.alloc::<O>(n) }?;
         self.poison(&mut out)?;
-        let count = n as u64;
-        let config = dequant_launch(n);
-        let launch = |out: &mut CudaSlice<f32>| -> Result<()> {
-            let mut launch = self.stream.launch_builder(&f);
-            launch.arg(&input).arg(out).arg(&count);
-            // SAFETY: the kernel reads `n / block_size` whole blocks of `input` and writes `n`
-            // values of `out`, both as sized above.
-            unsafe { launch.launch(config) }?;
-            Ok(())
-        };
         // Untimed: the first launch of a kernel in a process also loads it.
-        launch(&mut out)?;
+        self.launch_dequant(ty, &input, &mut out, n)?;
         // SAFETY: only ever written (by the memsets below), never read.
         let mut flush = unsafe { self.stream.alloc::<u8>(L2_FLUSH_BYTES) }?;
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -195,7 +256,7 @@ impl Gpu {
             // time between the events is the kernel's alone, not the host's launch latency.
             self.stream.memset_zeros(&mut flush)?;
             let start = self.stream.record_event(timing)?;
-            launch(&mut out)?;
+            self.launch_dequant(ty, &input, &mut out, n)?;
             events.push((start, self.stream.record_event(timing)?));
         }
         let mut ms = events
@@ -203,11 +264,15 @@ impl Gpu {
             .map(|(start, end)| start.elapsed_ms(end))
             .collect::<Result<Vec<f32>, _>>()?;
         ms.sort_by(f32::total_cmp);
-        Ok((self.stream.clone_dtoh(&out)?, ms[TIMED_RUNS / 2]))
+        let values = self.stream.clone_dtoh(&out)?;
+        Ok((
+            values.into_iter().map(O::to_f32).collect(),
+            ms[TIMED_RUNS / 2],
+        ))
     }
 
     /// Every bit of `out` set: a NaN that no real weights decode to.
-    fn poison(&self, out: &mut CudaSlice<f32>) -> Result<()> {
+    fn poison<T: DeviceRepr>(&self, out: &mut CudaSlice<T>) -> Result<()> {
         let bytes = out.num_bytes();
         let (ptr, _record) = out.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is `bytes` bytes of device memory owned by `out`, on this stream.
@@ -259,13 +324,21 @@ mod tests {
             GgmlType::IQ4_XS,
         ];
         for ty in types {
-            let name = dequant_kernel(ty).unwrap();
+            let base = dequant_kernel(ty).unwrap();
+            let name = base.strip_prefix("dq_").unwrap();
+            assert!(DEQUANT_SRC.contains(&format!("\nDQ({name}, ")), "{base}");
+        }
+        // No source type the host does not know of.
+        assert_eq!(DEQUANT_SRC.matches("\nDQ(").count(), types.len());
+        assert_eq!(dequant_kernel(GgmlType::IQ2_XXS), None);
+        // `DQ` emits a kernel per output, named with the host's suffixes.
+        assert!(DEQUANT_SRC.contains("__global__ void dq_##name##_##O("));
+        for suffix in [f32::SUFFIX, half::bf16::SUFFIX, half::f16::SUFFIX] {
             assert!(
-                DEQUANT_SRC.contains(&format!("extern \"C\" __global__ void {name}(")),
-                "{name}"
+                DEQUANT_SRC.contains(&format!("DQ_OUT(name, {suffix}, run)")),
+                "{suffix}"
             );
         }
-        assert_eq!(dequant_kernel(GgmlType::IQ2_XXS), None);
     }
 
     #[test]

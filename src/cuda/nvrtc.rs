@@ -8,6 +8,21 @@ use std::sync::{Arc, Mutex, OnceLock};
 use anyhow::{bail, Result};
 use cudarc::nvrtc::sys::{self, nvrtcProgram, nvrtcResult};
 
+use super::KERNEL_HEADERS;
+
+/// `strings` as NUL-terminated C strings.
+fn c_strings<S: Into<Vec<u8>>>(strings: impl IntoIterator<Item = S>) -> Result<Vec<CString>> {
+    Ok(strings
+        .into_iter()
+        .map(CString::new)
+        .collect::<Result<_, _>>()?)
+}
+
+/// Pointers to `strings`, valid while they live.
+fn pointers(strings: &[CString]) -> Vec<*const c_char> {
+    strings.iter().map(|s| s.as_ptr()).collect()
+}
+
 fn check(what: &str, r: nvrtcResult) -> Result<()> {
     if r != nvrtcResult::NVRTC_SUCCESS {
         bail!("NVRTC {what}: {r:?}");
@@ -35,14 +50,15 @@ pub fn cubin_once(src: &str, name: &'static str, arch: &str) -> Result<Arc<Vec<u
 }
 
 /// `src` compiled for `arch` (`sm_90`), products and sums unfused (`--fmad=false`) so that
-/// results round as the CPU's do.
+/// results round as the CPU's do. NVRTC reads no files: `#include "dtypes.cuh"` resolves to the
+/// embedded [`KERNEL_HEADERS`], handed to it with the source.
 pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     let (src, name) = (CString::new(src)?, CString::new(name)?);
-    let options: Vec<CString> = [format!("--gpu-architecture={arch}"), "--fmad=false".into()]
-        .into_iter()
-        .map(CString::new)
-        .collect::<Result<_, _>>()?;
-    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let options = c_strings([format!("--gpu-architecture={arch}"), "--fmad=false".into()])?;
+    let header_names = c_strings(KERNEL_HEADERS.map(|(file, _)| file))?;
+    let header_srcs = c_strings(KERNEL_HEADERS.map(|(_, text)| text))?;
+    let option_ptrs = pointers(&options);
+    let (header_name_ptrs, header_src_ptrs) = (pointers(&header_names), pointers(&header_srcs));
     let mut prog: nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer is to a live NUL-terminated string; the program is destroyed below.
     unsafe {
@@ -52,9 +68,9 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
                 &mut prog,
                 src.as_ptr(),
                 name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
+                header_src_ptrs.len() as i32,
+                header_src_ptrs.as_ptr(),
+                header_name_ptrs.as_ptr(),
             ),
         )?;
         let compiled =

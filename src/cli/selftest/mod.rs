@@ -4,7 +4,7 @@
 
 mod faults;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use comfy_table::Cell;
 use serde_json::json;
 
@@ -34,6 +34,10 @@ pub struct SelftestArgs {
     /// the embedded sources on a machine without a GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_only: Option<String>,
+    /// With `--compile-only`: also write each file's CUBIN to DIR/FILE.cubin (say, for
+    /// `cuobjdump -sass`).
+    #[arg(long, value_name = "DIR", requires = "compile_only")]
+    pub cubin_dir: Option<PathBuf>,
     /// Instead of the ops: plant every catalogue fault in turn (and none) in a candidate of
     /// MODEL on the backend at `--tp` and each dtype, and check that `bisect` names its class at
     /// its stage (and passes the clean one).
@@ -107,15 +111,19 @@ fn fault_matrix(args: &SelftestArgs, model: &Path, dtypes: &[Precision]) -> Resu
 pub fn run(args: SelftestArgs) -> Result<Outcome> {
     if let Some(arch) = &args.compile_only {
         let compiled = crate::cuda::compile_kernels(arch)?;
-        for (file, bytes) in &compiled {
+        for (file, cubin) in &compiled {
+            if let Some(dir) = &args.cubin_dir {
+                let path = dir.join(format!("{file}.cubin"));
+                std::fs::write(&path, cubin).with_context(|| path.display().to_string())?;
+            }
             if !args.json {
-                println!("{file}: {} bytes of CUBIN for {arch}", bytes);
+                println!("{file}: {} bytes of CUBIN for {arch}", cubin.len());
             }
         }
         if args.json {
             let files: Vec<_> = compiled
                 .iter()
-                .map(|(f, b)| json!({"file": f, "cubin_bytes": b}))
+                .map(|(f, c)| json!({"file": f, "cubin_bytes": c.len()}))
                 .collect();
             println!("{}", json!({"arch": arch, "kernels": files}));
         }
