@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use glmcheck::exec::inject::Injection;
@@ -55,6 +56,8 @@ struct Counts {
 
 fn check_every_shard(src: &WeightSource, faults: &[Option<Injection>]) -> Counts {
     let mut counts = Counts::default();
+    // What a GPU keeps each block's bytes under: one key, one content.
+    let mut by_key = HashMap::new();
     for (id, role) in split_matrices(src) {
         let whole = src.matrix(id).expect("the weight dequantizes");
         let stored = src.stored_matrix(id);
@@ -76,6 +79,8 @@ fn check_every_shard(src: &WeightSource, faults: &[Option<Injection>]) -> Counts
                         continue;
                     };
                     let values = block.dequantize().unwrap();
+                    let kept = by_key.entry(block.key()).or_insert_with(|| values.clone());
+                    assert_eq!(*kept, values, "{id:?}: one key for two blocks");
                     assert_eq!(
                         values, host,
                         "{id:?} rank {rank} of {tp} under {fault:?}: stored block differs"

@@ -72,8 +72,9 @@ impl<'a> StoredMatrix<'a> {
     }
 }
 
-/// What identifies a block's bytes: the file, the tensor's offset in it, and the block.
-pub type BlockKey = (PathBuf, u64, Range<usize>, Range<usize>);
+/// What identifies a block's bytes: the file, the tensor's offset in it, the tensor's rows and
+/// the columns.
+pub type BlockKey = (PathBuf, u64, Range<u64>, Range<usize>);
 
 /// A block of a [`StoredMatrix`]: rows × a range of whole GGML blocks of each row.
 pub struct StoredBlock<'a> {
@@ -97,7 +98,7 @@ impl StoredBlock<'_> {
         (
             m.files.file_of(m.tensor),
             m.tensor.offset,
-            self.rows.clone(),
+            self.tensor_rows(),
             self.cols.clone(),
         )
     }
