@@ -13,7 +13,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    ValidAsZeroBits,
 };
 use cudarc::nccl::{Comm, NcclType, ReduceOp};
 use half::{bf16, f16};
@@ -114,6 +115,9 @@ impl Meter {
 /// stay on its GPU as the file stores them (a quarter of bf16's bytes at Q4_K), and each use
 /// only dequantizes them there. Blocks past the budget are uploaded for one use and freed.
 struct Resident {
+    /// Page-locked host memory blocks pass through on their way up: the DMA engine copies it
+    /// at the link's speed, where pageable memory goes through the driver's own staging.
+    staging: Option<PinnedHostSlice<u8>>,
     blocks: HashMap<BlockKey, Buffer<u8>>,
     /// Bytes of blocks it may keep: the GPU's free memory at start, less a reserve for the
     /// dequantized weights and activations of the op running.
@@ -133,12 +137,30 @@ fn working_reserve(total: u64) -> u64 {
 impl Resident {
     fn new(free: u64, total: u64) -> Self {
         Resident {
+            staging: None,
             blocks: HashMap::new(),
             budget: free.saturating_sub(working_reserve(total)),
             kept: 0,
             loaded: 0,
             load_seconds: 0.0,
         }
+    }
+}
+
+impl Resident {
+    /// The staging buffer, grown to at least `bytes` (to the next power of two, so that a run
+    /// allocates it a few times at most).
+    fn staging(&mut self, gpu: &Gpu, bytes: usize) -> Result<&mut [u8]> {
+        if self.staging.as_ref().is_none_or(|s| s.len() < bytes) {
+            self.staging = None;
+            let ctx = gpu.stream.context();
+            // SAFETY: every byte the caller reads is written first (`read_into` fills it).
+            let pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0) }
+                .with_context(|| format!("{} bytes of page-locked memory", bytes))?;
+            self.staging = Some(pinned);
+        }
+        let staging = self.staging.as_mut().expect("allocated above");
+        Ok(staging.as_mut_slice()?)
     }
 }
 
@@ -227,17 +249,27 @@ impl Device {
             return Ok(out);
         }
         let began = std::time::Instant::now();
-        let host = w.blocks();
-        let mut blocks = self.alloc::<u8>(host.len())?;
-        if !host.is_empty() {
-            self.gpu.stream.memcpy_htod(&host, &mut blocks.slice)?;
+        let bytes = w.nbytes();
+        let mut blocks = self.alloc::<u8>(bytes)?;
+        if bytes > 0 {
+            let staging = self.resident.staging(&self.gpu, bytes)?;
+            w.read_into(&mut staging[..bytes])?;
+            let stream = &self.gpu.stream;
+            stream.context().bind_to_thread()?;
+            let (dst, _record) = blocks.slice.device_ptr_mut(stream);
+            // SAFETY: `dst` holds `bytes` bytes; the copy is waited for before the staging buffer
+            // is written again.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, &staging[..bytes], stream.cu_stream())
+            }?;
+            stream.synchronize()?;
         }
         self.gpu.launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
         let r = &mut self.resident;
-        r.loaded += host.len() as u64;
+        r.loaded += bytes as u64;
         r.load_seconds += began.elapsed().as_secs_f64();
-        if r.kept + host.len() as u64 <= r.budget {
-            r.kept += host.len() as u64;
+        if r.kept + bytes as u64 <= r.budget {
+            r.kept += bytes as u64;
             r.blocks.insert(key, blocks);
         }
         Ok(out)

@@ -466,7 +466,8 @@ impl<B: Backend> Layer<'_, B> {
         if self.opts.tp > 1 {
             let w = |role| LazyWeight::layer(self.src, self.l, role);
             let weights = [&w(gate), &w(up), &w(down)];
-            return super::tp::mlp(be, x, weights, self.sharder());
+            let parts = super::tp::mlp_partials(be, x, weights, self.sharder())?;
+            return Ok((be.all_reduce(&parts)?, parts));
         }
         let g = be.linear(x, &self.matrix(gate)?)?;
         let u = be.linear(x, &self.matrix(up)?)?;
@@ -683,7 +684,7 @@ fn routed_expert<B: Backend>(
     );
     if sharder.tp > 1 && !sharder.ep {
         // Split along the intermediate dimension: each rank a partial output.
-        let (_, y) = super::tp::mlp(be, &xs, [&gate, &up, &down], sharder)?;
+        let y = super::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
         return Ok(ExpertOutput {
             rows,
             parts: y.into_iter().enumerate().collect(),

@@ -119,25 +119,29 @@ impl StoredBlock<'_> {
         )
     }
 
-    /// The block's GGML blocks, row after row: a `[rows, cols]` tensor of the same type. Reads
-    /// only those bytes and gives their mapped pages back after.
-    pub fn blocks(&self) -> Vec<u8> {
+    /// Bytes of the block's GGML blocks.
+    pub fn nbytes(&self) -> usize {
+        let (_, within) = self.row_bytes();
+        self.rows.len() * within.len()
+    }
+
+    /// The block's GGML blocks, row after row, into `out` ([`Self::nbytes`] long): a
+    /// `[rows, cols]` tensor of the same type. Reads the rows' bytes from the file (positioned
+    /// reads, not through the map) and keeps the block's columns of each.
+    pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
         let m = &self.matrix;
         let (row_bytes, within) = self.row_bytes();
-        let rows = self.tensor_rows();
-        let stored = m.files.bytes(m.tensor);
-        let span = rows.start as usize * row_bytes..rows.end as usize * row_bytes;
-        let out = if within.len() == row_bytes {
-            stored[span].to_vec()
-        } else {
-            stored[span]
-                .chunks_exact(row_bytes.max(1))
-                .flat_map(|row| &row[within.clone()])
-                .copied()
-                .collect()
-        };
-        m.files.release_rows(m.tensor, rows);
-        out
+        let first = self.tensor_rows().start * row_bytes as u64;
+        if within.len() == row_bytes {
+            return Ok(m.files.read_into(m.tensor, first, out)?);
+        }
+        let mut rows = vec![0u8; self.rows.len() * row_bytes];
+        m.files.read_into(m.tensor, first, &mut rows)?;
+        let kept = rows.chunks_exact(row_bytes).map(|row| &row[within.clone()]);
+        for (dst, src) in out.chunks_exact_mut(within.len().max(1)).zip(kept) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     /// The block's values in f32, dequantized on the host.
@@ -145,7 +149,9 @@ impl StoredBlock<'_> {
         let (rows, cols) = self.shape();
         let mut out = vec![0.0f32; rows * cols];
         if !out.is_empty() {
-            quant::dequantize_rows(self.matrix.ty, &self.blocks(), &mut out, cols).with_context(
+            let mut blocks = vec![0u8; self.nbytes()];
+            self.read_into(&mut blocks)?;
+            quant::dequantize_rows(self.matrix.ty, &blocks, &mut out, cols).with_context(
                 || {
                     let m = &self.matrix;
                     format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)

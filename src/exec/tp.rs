@@ -156,24 +156,34 @@ pub fn row_parallel<B: Backend>(
     w: &LazyWeight<'_>,
     sharder: Sharder,
 ) -> Result<WithParts<B::E>> {
+    let partials = row_partials(be, x_parts, w, sharder)?;
+    let sum = be.all_reduce(&partials)?;
+    Ok((sum, partials))
+}
+
+/// The ranks' partial `x_r · W_rᵀ` of a RowParallel layer, before their all-reduce.
+fn row_partials<B: Backend>(
+    be: &B,
+    x_parts: &[Mat<B::E>],
+    w: &LazyWeight<'_>,
+    sharder: Sharder,
+) -> Result<Vec<Mat<B::E>>> {
     let partials = x_parts
         .par_iter()
         .enumerate()
         .map(|(r, x)| rank_linear(be, x, w, sharder, r))
         .collect::<Result<Vec<_>>>()?;
-    let partials = be.gather(partials)?;
-    let sum = be.all_reduce(&partials)?;
-    Ok((sum, partials))
+    be.gather(partials)
 }
 
 /// An MLP (`down(silu(gate·x) ⊙ up·x)`) with gate/up ColumnParallel and down RowParallel: the
-/// all-reduced output and the ranks' partial outputs.
-pub fn mlp<B: Backend>(
+/// ranks' partial outputs, before their all-reduce (routed experts add theirs up first).
+pub fn mlp_partials<B: Backend>(
     be: &B,
     x: &Mat<B::E>,
     [gate, up, down]: [&LazyWeight<'_>; 3],
     sharder: Sharder,
-) -> Result<WithParts<B::E>> {
+) -> Result<Vec<Mat<B::E>>> {
     let g = column_parallel(be, x, gate, sharder)?;
     let u = column_parallel(be, x, up, sharder)?;
     let h = g
@@ -182,7 +192,7 @@ pub fn mlp<B: Backend>(
         .enumerate()
         .map(|(r, (g, u))| be.on_rank(r).silu_mul(g, u))
         .collect::<Result<Vec<_>>>()?;
-    row_parallel(be, &h, down, sharder)
+    row_partials(be, &h, down, sharder)
 }
 
 #[cfg(test)]

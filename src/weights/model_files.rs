@@ -14,6 +14,10 @@ use super::{Encoding, Result, TensorEntry, WeightError};
 /// Values dequantized at a time by [`ModelFiles::for_each_chunk`] (64 MiB of f32).
 pub const CHUNK_ELEMS: u64 = 1 << 24;
 
+/// [`ModelFiles::read_into`] reads on up to this many threads, at least this many bytes each.
+const READ_THREADS: usize = 8;
+const READ_CHUNK: usize = 1 << 20;
+
 /// FP8 checkpoints (GLM-5-FP8, DeepSeek-V3) scale 128×128 tiles.
 const FP8_BLOCK: usize = 128;
 
@@ -121,6 +125,42 @@ impl ModelFiles {
             Source::Gguf(g) => g.bytes(t),
             Source::Safetensors(s) => s.bytes(t),
         }
+    }
+
+    /// Bytes of `t` from offset `start` (within the tensor) into `out`, by a positioned read of
+    /// its file, not through the map: one bulk copy out of the page cache, without faulting
+    /// each page into this process (for bytes that are only passed on, as to a GPU).
+    pub fn read_into(&self, t: &TensorEntry, start: u64, out: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let path = self.file_of(t);
+        let end = start.checked_add(out.len() as u64);
+        if end.is_none_or(|end| end > t.nbytes) {
+            let why = format!(
+                "{} bytes from {start} are outside its {} bytes",
+                out.len(),
+                t.nbytes
+            );
+            return Err(WeightError::tensor(&path, &t.name, why));
+        }
+        let file = std::fs::File::open(&path).map_err(|e| WeightError::io(&path, e))?;
+        let at = t.offset + start;
+        // Several reads at once (one thread copies out of the page cache at a few GB/s), on
+        // threads of their own: callers may hold a lock that a pool's stolen task would want.
+        let per_thread = out.len().div_ceil(READ_THREADS).max(READ_CHUNK);
+        std::thread::scope(|scope| {
+            let reads: Vec<_> = out
+                .chunks_mut(per_thread)
+                .enumerate()
+                .map(|(i, part)| {
+                    let file = &file;
+                    scope.spawn(move || file.read_exact_at(part, at + (i * per_thread) as u64))
+                })
+                .collect();
+            reads
+                .into_iter()
+                .try_for_each(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        })
+        .map_err(|e| WeightError::io(&path, e))
     }
 
     /// Tell the kernel rows `rows` of `t` are done with: their mapped pages leave this process's
