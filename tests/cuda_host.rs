@@ -86,21 +86,32 @@ fn names(cubin: &[u8], name: &str) -> bool {
     cubin.windows(name.len()).any(|w| w == name.as_bytes())
 }
 
+/// `glmcheck selftest --compile-only ARGS` with `lib` as the library path.
+fn compile_only(args: &[&str], lib: &std::ffi::OsStr) -> std::process::Output {
+    Command::new(common::glmcheck_bin())
+        .args(["selftest", "--compile-only"])
+        .args(args)
+        .env("LD_LIBRARY_PATH", lib)
+        .output()
+        .unwrap()
+}
+
+/// [`compile_only`] with NVRTC on the path: its output, after checking that it succeeded.
+fn compiled(args: &[&str]) -> Vec<u8> {
+    let out = compile_only(args, nvrtc_dir().as_os_str());
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 #[test]
 fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
-    let lib = nvrtc_dir();
     for arch in ["sm_80", "sm_90", "sm_100"] {
-        let out = Command::new(common::glmcheck_bin())
-            .args(["selftest", "--compile-only", arch, "--json"])
-            .env("LD_LIBRARY_PATH", &lib)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{arch}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let out = compiled(&[arch, "--json"]);
+        let j: serde_json::Value = serde_json::from_slice(&out).unwrap();
         let files: Vec<&str> = j["kernels"]
             .as_array()
             .unwrap()
@@ -115,17 +126,7 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
     }
     // Every dequantization kernel the host loads, each type to each output, is in the CUBIN.
     let dir = common::scratch();
-    let out = Command::new(common::glmcheck_bin())
-        .args(["selftest", "--compile-only", "sm_90", "--cubin-dir"])
-        .arg(dir.path())
-        .env("LD_LIBRARY_PATH", &lib)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    compiled(&["sm_90", "--cubin-dir", dir.path().to_str().unwrap()]);
     let cubin = std::fs::read(dir.path().join("dequant.cu.cubin")).unwrap();
     let bases: Vec<&str> = GgmlType::all().filter_map(dequant_kernel).collect();
     assert_eq!(bases.len(), 15, "{bases:?}");
@@ -137,11 +138,7 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
     }
     assert!(!names(&cubin, "dq_q4_k"), "only the kernels per output");
     // An architecture NVRTC does not know: its complaint, on one line.
-    let out = Command::new(common::glmcheck_bin())
-        .args(["selftest", "--compile-only", "sm_xx"])
-        .env("LD_LIBRARY_PATH", &lib)
-        .output()
-        .unwrap();
+    let out = compile_only(&["sm_xx"], nvrtc_dir().as_os_str());
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -150,11 +147,7 @@ fn the_embedded_kernels_compile_for_ampere_hopper_and_blackwell() {
     );
     assert_eq!(err.lines().count(), 1, "{err}");
     // Without NVRTC on the path: one line saying what is missing.
-    let out = Command::new(common::glmcheck_bin())
-        .args(["selftest", "--compile-only", "sm_90"])
-        .env("LD_LIBRARY_PATH", "/nonexistent")
-        .output()
-        .unwrap();
+    let out = compile_only(&["sm_90"], "/nonexistent".as_ref());
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no NVRTC found"));
 }

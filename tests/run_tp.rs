@@ -126,3 +126,41 @@ fn tensor_parallel_runs_equal_one_rank() {
         "no trace left behind"
     );
 }
+
+/// `run --warm-up N` runs N unrecorded forward passes first (on the GPUs they leave the weights
+/// resident); the recorded pass is the same run, stage for stage.
+#[test]
+fn warm_up_passes_leave_the_recorded_run_unchanged() {
+    let dir = common::scratch();
+    let model = dir.path().join("tiny.gguf");
+    common::synth_tiny(&model, &["--quant", "q4_k_m"]);
+    let traces: Vec<Trace> = ["0", "2"]
+        .iter()
+        .map(|warm_up| {
+            let out = dir.path().join(format!("warm-{warm_up}.trace"));
+            common::glmcheck_ok(&[
+                "run",
+                model.to_str().unwrap(),
+                "--tokens",
+                TOKENS,
+                "--tp",
+                "2",
+                "--dtype",
+                "bf16",
+                "--warm-up",
+                warm_up,
+                "--out",
+                out.to_str().unwrap(),
+            ]);
+            Trace::open(&out).unwrap()
+        })
+        .collect();
+    let hashes = |t: &Trace| -> Vec<(String, Option<u32>, u64)> {
+        t.stages()
+            .iter()
+            .map(|s| (s.name.clone(), s.rank, s.stats.hash))
+            .collect()
+    };
+    assert!(traces[0].stages().len() > 50);
+    assert_eq!(hashes(&traces[0]), hashes(&traces[1]));
+}

@@ -175,3 +175,23 @@ fn weights_a_fault_or_another_storage_changes_are_read_on_the_host() {
     assert!(plain.stored_matrix(WeightId::Layer(0, AttnNorm)).is_none());
     assert!(plain.stored_matrix(WeightId::Embed).is_none());
 }
+
+#[test]
+fn a_read_past_a_tensor_names_it_and_reads_nothing() {
+    let dir = common::scratch();
+    let model = dir.path().join("q8.gguf");
+    common::synth_tiny(&model, &["--quant", "q8_0"]);
+    let files = glmcheck::weights::ModelFiles::open(&model).unwrap();
+    let t = files.require("blk.0.attn_q_b.weight").unwrap();
+    let mut two = [7u8; 2];
+    let err = files
+        .read_into(t, t.nbytes - 1, &mut two)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.0.attn_q_b.weight"), "{err}");
+    assert!(err.contains("outside its"), "{err}");
+    assert_eq!(two, [7, 7]);
+    let mut last = [0u8; 1];
+    files.read_into(t, t.nbytes - 1, &mut last).unwrap();
+    assert_eq!(last[0], files.bytes(t)[t.nbytes as usize - 1]);
+}

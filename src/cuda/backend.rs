@@ -245,7 +245,8 @@ impl Device {
         let mut out = self.alloc::<D>(n)?;
         let key = w.key();
         if let Some(blocks) = self.resident.blocks.get(&key) {
-            self.gpu.launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+            self.gpu
+                .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
             return Ok(out);
         }
         let began = std::time::Instant::now();
@@ -260,11 +261,16 @@ impl Device {
             // SAFETY: `dst` holds `bytes` bytes; the copy is waited for before the staging buffer
             // is written again.
             unsafe {
-                cudarc::driver::result::memcpy_htod_async(dst, &staging[..bytes], stream.cu_stream())
+                cudarc::driver::result::memcpy_htod_async(
+                    dst,
+                    &staging[..bytes],
+                    stream.cu_stream(),
+                )
             }?;
             stream.synchronize()?;
         }
-        self.gpu.launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+        self.gpu
+            .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
         let r = &mut self.resident;
         r.loaded += bytes as u64;
         r.load_seconds += began.elapsed().as_secs_f64();

@@ -151,12 +151,10 @@ impl StoredBlock<'_> {
         if !out.is_empty() {
             let mut blocks = vec![0u8; self.nbytes()];
             self.read_into(&mut blocks)?;
-            quant::dequantize_rows(self.matrix.ty, &blocks, &mut out, cols).with_context(
-                || {
-                    let m = &self.matrix;
-                    format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
-                },
-            )?;
+            quant::dequantize_rows(self.matrix.ty, &blocks, &mut out, cols).with_context(|| {
+                let m = &self.matrix;
+                format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
+            })?;
         }
         Ok(Mat::new(rows, cols, out))
     }
