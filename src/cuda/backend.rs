@@ -244,6 +244,9 @@ impl Device {
         let (rows, cols) = w.shape();
         let n = rows * cols;
         let mut out = self.alloc::<D>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
         let key = w.key();
         if let Some(blocks) = self.resident.blocks.get(&key) {
             self.gpu
@@ -253,20 +256,17 @@ impl Device {
         let began = std::time::Instant::now();
         let bytes = w.nbytes();
         let mut blocks = self.alloc::<u8>(bytes)?;
-        if bytes > 0 {
+        {
             let staging = self.resident.staging(&self.gpu, bytes)?;
             w.read_into(&mut staging[..bytes])?;
             let stream = &self.gpu.stream;
             stream.context().bind_to_thread()?;
             let (dst, _record) = blocks.slice.device_ptr_mut(stream);
-            // SAFETY: `dst` holds `bytes` bytes; the copy is waited for before the staging buffer
-            // is written again.
+            // SAFETY: `dst` holds `bytes` bytes (n > 0 values need some); the copy is waited
+            // for before the staging buffer is written again.
             unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst,
-                    &staging[..bytes],
-                    stream.cu_stream(),
-                )
+                let to = stream.cu_stream();
+                cudarc::driver::result::memcpy_htod_async(dst, &staging[..bytes], to)
             }?;
             stream.synchronize()?;
         }
