@@ -196,7 +196,7 @@ pub fn forward<B: Backend>(
         None,
         values(&norm),
     )?;
-    let logits = lm_head(src, &norm, be)?;
+    let logits = lm_head(src, &norm, be, opts.tp)?;
     let shape = [t as u64, logits.cols as u64];
     rec.record("logits", &shape, "t v(tp)", None, values(&logits))?;
     if opts.tp > 1 {
@@ -268,20 +268,47 @@ pub fn generate<B: Backend>(
 const LM_HEAD_ROWS: u64 = 8192;
 
 /// `norm · lm_headᵀ`, in slices of the vocabulary; GGUFs without `output.weight` tie it to the
-/// embedding, as llama.cpp does.
-fn lm_head<B: Backend>(src: &WeightSource, norm: &Mat<B::E>, be: &B) -> Result<Mat<B::E>> {
+/// embedding, as llama.cpp does. Vocab-parallel over `tp` ranks as vLLM runs it: each rank its
+/// share of the vocabulary on its device (ranks in processes of their own each compute the
+/// whole, so that no collective is added).
+fn lm_head<B: Backend>(
+    src: &WeightSource,
+    norm: &Mat<B::E>,
+    be: &B,
+    tp: usize,
+) -> Result<Mat<B::E>> {
     let id = if src.has(WeightId::LmHead) {
         WeightId::LmHead
     } else {
         WeightId::Embed
     };
     let vocab = src.cfg.vocab_size;
+    let ranks = if be.collectives_across_processes() {
+        1
+    } else {
+        tp
+    } as u64;
+    let share = vocab / ranks;
+    let slices = (0..ranks)
+        .into_par_iter()
+        .map(|r| {
+            let be = be.on_rank(r as usize);
+            let first = r * share;
+            let end = if r + 1 == ranks { vocab } else { first + share };
+            (first..end)
+                .step_by(LM_HEAD_ROWS as usize)
+                .map(|start| {
+                    let rows = start..(start + LM_HEAD_ROWS).min(end);
+                    Ok((start, be.linear(norm, &src.matrix_rows_in(&be, id, rows)?)?))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut logits = Mat::zeros(norm.rows, vocab as usize);
-    for start in (0..vocab).step_by(LM_HEAD_ROWS as usize) {
-        let end = (start + LM_HEAD_ROWS).min(vocab);
-        let part = be.linear(norm, &src.matrix_rows_in(be, id, start..end)?)?;
+    for (start, part) in slices.into_iter().flatten() {
+        let cols = start as usize..start as usize + part.cols;
         for r in 0..norm.rows {
-            logits.row_mut(r)[start as usize..end as usize].copy_from_slice(part.row(r));
+            logits.row_mut(r)[cols.clone()].copy_from_slice(part.row(r));
         }
     }
     Ok(logits)
