@@ -93,6 +93,7 @@ impl StoredBlock<'_> {
         (self.rows.len(), self.cols.len())
     }
 
+    /// What a device keeps these bytes under: no two blocks of any file share it.
     pub fn key(&self) -> BlockKey {
         let m = &self.matrix;
         (
