@@ -174,10 +174,7 @@ fn shards(
 ) -> Option<Fault> {
     let expected = blocks(want, shapes, axis)?;
     // For each rank, the reference block it holds, if any.
-    let held: Vec<Option<usize>> = parts
-        .iter()
-        .map(|p| (0..expected.len()).find(|&b| rel(p, &expected[b]) <= SAME))
-        .collect();
+    let held: Vec<Option<usize>> = parts.iter().map(|p| same_as(p, &expected)).collect();
     let tp = parts.len();
     if held.iter().all(|h| *h == Some(0)) {
         return fault(
@@ -209,6 +206,11 @@ fn shards(
         );
     }
     moved_slices(at, parts, shapes, axis, want)
+}
+
+/// The first of `candidates` that `values` equals up to [`SAME`].
+fn same_as(values: &[f32], candidates: &[Vec<f32>]) -> Option<usize> {
+    candidates.iter().position(|c| rel(values, c) <= SAME)
 }
 
 /// `values` of `shape` cut into its slices along `axis` (its heads, for `t h d`).
@@ -243,7 +245,7 @@ fn moved_slices(
     for (r, (part, shape)) in parts.iter().zip(shapes).enumerate() {
         let held: Vec<usize> = slices(part, shape, axis)?
             .iter()
-            .map(|h| (0..reference.len()).find(|&g| rel(h, &reference[g]) <= SAME))
+            .map(|h| same_as(h, &reference))
             .collect::<Option<_>>()?;
         let own: Vec<usize> = (planned..planned + held.len()).collect();
         if held != own {
@@ -263,7 +265,8 @@ fn moved_slices(
         FaultClass::WrongShardLayout,
         format!("{at}: slices along axis {axis} sit at other ranks or offsets"),
         vec![format!(
-            "every slice along axis {axis} (a head, for `t h d`) is one of the reference's,              but {}: the weight was split at the wrong offset or its heads reordered",
+            "every slice along axis {axis} (a head, for `t h d`) is one of the reference's, \
+             but {}: the weight was split at the wrong offset or its heads reordered",
             moved.join("; ")
         )],
     )
@@ -282,7 +285,9 @@ mod tests {
         let f = shards("L0.attn.kv", &parts, &shapes, 1, &want).unwrap();
         assert_eq!(f.class, FaultClass::WrongShardLayout);
         assert!(
-            f.evidence[0].contains("rank 1 holds slices [3, 2] where the plan gives 2..4"),
+            f.evidence[0].contains(
+                "is one of the reference's, but rank 1 holds slices [3, 2] where the plan gives 2..4"
+            ),
             "{:?}",
             f.evidence
         );
