@@ -194,4 +194,26 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let mut last = [0u8; 1];
     files.read_into(t, t.nbytes - 1, &mut last).unwrap();
     assert_eq!(last[0], files.bytes(t)[t.nbytes as usize - 1]);
+
+    // A read of several MiB goes out on several threads: the bytes are the map's, in order.
+    let big = dir.path().join("small.gguf");
+    common::glmcheck_json(
+        [
+            "synth",
+            "--preset",
+            "small",
+            "--quant",
+            "f32",
+            "--json",
+            "--out",
+            big.to_str().unwrap(),
+        ],
+        0,
+    );
+    let files = glmcheck::weights::ModelFiles::open(&big).unwrap();
+    let t = files.tensors().iter().max_by_key(|t| t.nbytes).unwrap();
+    assert!(t.nbytes > 8 << 20, "{} is {} bytes", t.name, t.nbytes);
+    let mut whole = vec![0u8; t.nbytes as usize - 3];
+    files.read_into(t, 3, &mut whole).unwrap();
+    assert!(whole == files.bytes(t)[3..], "{}", t.name);
 }

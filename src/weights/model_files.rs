@@ -147,6 +147,12 @@ impl ModelFiles {
         // Several reads at once (one thread copies out of the page cache at a few GB/s), on
         // threads of their own: callers may hold a lock that a pool's stolen task would want.
         let per_thread = out.len().div_ceil(READ_THREADS).max(READ_CHUNK);
+        if out.len() <= per_thread {
+            // One read: no thread to start.
+            return file
+                .read_exact_at(out, at)
+                .map_err(|e| WeightError::io(&path, e));
+        }
         std::thread::scope(|scope| {
             let reads: Vec<_> = out
                 .chunks_mut(per_thread)
