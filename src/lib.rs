@@ -14,4 +14,5 @@ pub mod report;
 pub mod shard;
 pub mod synth;
 pub mod trace;
+pub mod verify;
 pub mod weights;

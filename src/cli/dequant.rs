@@ -40,7 +40,7 @@ pub enum Device {
     Cuda,
 }
 
-fn selector(globs: &[String]) -> anyhow::Result<Option<GlobSet>> {
+pub(super) fn selector(globs: &[String]) -> anyhow::Result<Option<GlobSet>> {
     if globs.is_empty() {
         return Ok(None);
     }

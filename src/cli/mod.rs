@@ -12,6 +12,7 @@ mod run;
 mod selftest;
 mod shards;
 mod synth;
+mod verify;
 
 use std::path::PathBuf;
 
@@ -63,6 +64,11 @@ pub enum Command {
     /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds; with
     /// `--actual`, an engine's shard manifest checked against it.
     Shards(shards::ShardsArgs),
+    /// Every tensor of a checkpoint (a conversion, a quantization) against the checkpoint it was
+    /// made from: bit-exact where glmcheck reproduces ggml's quantizer, else against the noise its
+    /// storage type gives; a departure is named by its relation (a scalar multiple, experts,
+    /// heads or rows in another order, a transpose, zeros, NaN, another tensor's bytes, garbage).
+    Verify(verify::VerifyArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
     /// Every backend op (GEMM, norms, SiLU, add, rounding, all-reduce) on random inputs against
@@ -94,5 +100,6 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Logits(a) => logits::run(a),
         Command::Shards(a) => shards::run(a),
         Command::Selftest(a) => selftest::run(a),
+        Command::Verify(a) => verify::run(a),
     }
 }

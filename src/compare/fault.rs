@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "snake_case")]
 pub enum FaultClass {
     WrongDequant,
+    /// A checkpoint tensor far from the reference beyond its type's noise, in no other class's
+    /// relation (garbage blocks, zeroed blocks, rows of another tensor).
+    CorruptWeight,
     UnshardedWeight,
     WrongShardLayout,
     MissingAllReduce,
@@ -26,6 +29,7 @@ impl FaultClass {
     pub fn name(self) -> &'static str {
         match self {
             FaultClass::WrongDequant => "wrong_dequant",
+            FaultClass::CorruptWeight => "corrupt_weight",
             FaultClass::UnshardedWeight => "unsharded_weight",
             FaultClass::WrongShardLayout => "wrong_shard_layout",
             FaultClass::MissingAllReduce => "missing_all_reduce",

@@ -69,6 +69,11 @@ impl WeightSource {
         }
     }
 
+    /// How the files store `kv_b_proj` and the experts, and whose names they use.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
     /// The GGML type `id` is stored as (its first stored tensor's).
     pub fn storage_type(&self, id: WeightId) -> Option<GgmlType> {
         let name = self.tensor_names(id).into_iter().next()?;
