@@ -129,19 +129,26 @@ pub fn compare(
     };
     let (block, type_size) = ty.map_or((1, 1), |t| (t.block_size(), t.type_size()));
     let block_bytes = type_size * SEGMENT / block;
-    let blocks_per_segment = (SEGMENT / block) as u64;
-    let per_segment: Vec<(Sums, bool, bool, u64, Option<usize>)> = x
+    let per_segment: Vec<(Sums, u64, bool, u64, Option<usize>)> = x
         .par_chunks(SEGMENT)
         .enumerate()
         .map(|(i, xs)| {
             let cs = &c[i * SEGMENT..i * SEGMENT + xs.len()];
             let qs = q.map(|q| &q[i * SEGMENT..i * SEGMENT + xs.len()]);
+            // Blocks of this segment whose bytes are the re-quantization's.
             let exact = match (q_bytes, stored) {
                 (Some(a), Some(b)) => {
                     let r = i * block_bytes..(i * block_bytes + block_bytes).min(a.len());
-                    a.get(r.clone()) == b.get(r)
+                    match (a.get(r.clone()), b.get(r)) {
+                        (Some(a), Some(b)) => a
+                            .chunks(type_size)
+                            .zip(b.chunks(type_size))
+                            .filter(|(x, y)| x == y)
+                            .count() as u64,
+                        _ => 0,
+                    }
                 }
-                _ => false,
+                _ => 0,
             };
             let mut s = Sums::default();
             let mut nonfinite = 0u64;
@@ -177,8 +184,8 @@ pub fn compare(
     for (s, exact, zeros, nonfinite, first) in &per_segment {
         st.sums.add(s);
         st.segments += 1;
-        st.blocks += blocks_per_segment;
-        st.blocks_exact += if *exact { blocks_per_segment } else { 0 };
+        st.blocks += (s_len(x.len(), st.segments) / block) as u64;
+        st.blocks_exact += exact;
         st.candidate_all_zero &= *zeros;
         st.nonfinite += nonfinite;
         if st.first_nonfinite.is_none() {
@@ -200,7 +207,8 @@ pub fn compare(
         let allowed = BAND * noise.max(NOISE_FLOOR_SHARE * typical * s.xx)
             + F32_FLOOR * s.xx
             + f64::from(f32::MIN_POSITIVE);
-        let past = *nonfinite > 0 || s.dd > allowed || (strict && !exact);
+        let all_exact = *exact == (s_len(x.len(), i as u64 + 1) / block) as u64;
+        let past = *nonfinite > 0 || s.dd > allowed || (strict && !all_exact);
         if !past {
             continue;
         }
@@ -215,9 +223,13 @@ pub fn compare(
             });
         }
     }
-    st.blocks = st.blocks.min(x.len().div_ceil(block) as u64);
-    st.blocks_exact = st.blocks_exact.min(st.blocks);
     Ok(st)
+}
+
+/// Values in segment `n` (counted from 1) of a unit of `len` values.
+fn s_len(len: usize, n: u64) -> usize {
+    let start = (n as usize - 1) * SEGMENT;
+    len.saturating_sub(start).min(SEGMENT)
 }
 
 /// The reference's values stored as `ty` and read back, with those bytes; `None` where
@@ -237,7 +249,7 @@ pub fn restore(
 }
 
 /// The median over segments of Σ(x−c)²/Σx².
-fn median_ratio(per_segment: &[(Sums, bool, bool, u64, Option<usize>)]) -> f64 {
+fn median_ratio(per_segment: &[(Sums, u64, bool, u64, Option<usize>)]) -> f64 {
     let mut r: Vec<f64> = per_segment
         .iter()
         .filter(|(s, ..)| s.xx > 0.0)

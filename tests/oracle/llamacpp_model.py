@@ -48,10 +48,12 @@ EOS_ID = 256 + len(MERGES)  # <|endoftext|>
 GMASK_ID = EOS_ID + 2  # [gMASK]
 
 
-def config(rms_norm_eps: float):
+def config(rms_norm_eps: float, **sizes):
+    """The oracle's GLM-5 config; `sizes` replaces any of its keyword values (another script of
+    tests/oracle makes a wider model with the same constraints)."""
     from transformers import GlmMoeDsaConfig
 
-    return GlmMoeDsaConfig(
+    values = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -78,6 +80,8 @@ def config(rms_norm_eps: float):
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,
     )
+    values.update(sizes)
+    return GlmMoeDsaConfig(**values)
 
 
 def reinit(model, seed: int) -> None:

@@ -1,4 +1,6 @@
-//! F32, F16 and BF16: one value a block, converted as gguf-py converts it.
+//! F32, F16 and BF16: one value a block, converted as `ggml_quantize_chunk` converts it.
+
+use super::block::f16_bits;
 
 /// F32: the values' own little-endian bytes.
 pub(super) fn to_f32(src: &[f32], dst: &mut [u8]) {
@@ -7,14 +9,15 @@ pub(super) fn to_f32(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// F16: round to nearest even, as numpy's `astype(np.float16)`.
+/// F16: ggml's `ggml_fp32_to_fp16_row`, round to nearest even, overflow to infinity, every NaN
+/// the quiet NaN 0x7e00 with its sign.
 pub(super) fn to_f16(src: &[f32], dst: &mut [u8]) {
     for (&x, b) in src.iter().zip(dst.chunks_exact_mut(2)) {
-        b.copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
+        b.copy_from_slice(&f16_bits(x).to_le_bytes());
     }
 }
 
-/// BF16 as gguf-py (and ggml's `ggml_compute_fp32_to_bf16`) make it: NaNs quieted, keeping
+/// BF16: ggml's `ggml_fp32_to_bf16_row_ref` (`ggml_compute_fp32_to_bf16`): NaNs quieted, keeping
 /// their top bits; everything else rounded to nearest even, so large finite values may round up
 /// to infinity.
 pub(super) fn to_bf16(src: &[f32], dst: &mut [u8]) {

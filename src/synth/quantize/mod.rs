@@ -1,10 +1,24 @@
 //! From f32 weights to GGML blocks, for synthetic models in any storage type.
 //!
-//! The legacy types, the ternary types, MXFP4 and the float types follow gguf-py 0.19's
-//! `gguf.quants.quantize` bit for bit (it is our oracle, and it reproduces ggml's reference
-//! quantizers); the K-quants come from candle's ports of ggml's reference quantizers; IQ4_NL and
-//! IQ4_XS use a small scale search of our own. Types without a quantizer are written as
-//! [`random_blocks`] instead.
+//! Every quantizer here writes llama.cpp's bytes bit for bit: what ggml's
+//! `ggml_quantize_chunk(type, …, imatrix = NULL)` writes, which is what `llama-quantize` stores
+//! without `--imatrix`. That holds for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+//! Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 and MXFP4. Each follows the C function that
+//! path runs (`quantize_row_<type>_ref` for the legacy, K, ternary and MXFP4 types, with ggml's
+//! `make_qkx2_quants`, `make_q3_quants` and `make_qx_quants` scale fits;
+//! `quantize_row_iq4_nl_impl` for IQ4_NL and IQ4_XS; ggml's own f16 and bf16 conversions), in
+//! f32 with C's order of operations, ggml's `nearest_int` rounding and x86-64's float to integer
+//! casts. `tests/quantize_llamacpp.rs` holds every type to the bytes of ggml itself (the
+//! llama.cpp that `scripts/setup-llamacpp` builds) over Gaussian rows of several scales,
+//! heavy-tailed and outlier rows, zero, constant, one-signed, subnormal and rounding-tie blocks.
+//!
+//! Bit-exactness assumes ggml compiled as llama.cpp builds it for x86-64: without `-ffast-math`
+//! and without fused multiply-adds in `ggml-quants.c`. A ggml built where the C compiler
+//! contracts `a * b + c` into FMA (some AArch64 builds) can differ in the last bit of a scale fit
+//! and so in a code. NaN inputs are outside the promise too: which NaN an operation returns is
+//! not fixed across compilers.
+//!
+//! Types without a quantizer are written as [`random_blocks`] instead.
 
 mod block;
 mod float;

@@ -1,13 +1,15 @@
-//! TQ1_0 and TQ2_0: ternary codes {-1, 0, 1} of x / absmax, as gguf-py packs them.
+//! TQ1_0 and TQ2_0: ternary codes {-1, 0, 1} of x / absmax, as ggml's `quantize_row_tq1_0_ref`
+//! and `quantize_row_tq2_0_ref` pack them.
 
-use super::block::{absmax, each_block, inverse, np_round_byte, put_f16};
+use super::block::{c_max, each_block, inverse, lround_low, put_f16};
 
-/// The 256 codes `roundf(x / absmax) + 1` in {0, 1, 2}, and the absmax that is `d`.
+/// The 256 codes `lroundf(x / absmax) + 1` (in {0, 1, 2} but for degenerate blocks), and the
+/// absmax that is `d`.
 #[inline(always)]
-fn ternary_codes(x: &[f32; 256]) -> ([u8; 256], f32) {
-    let d = absmax(x);
+fn ternary_codes(x: &[f32; 256]) -> ([i32; 256], f32) {
+    let d = x.iter().fold(0.0f32, |m, v| c_max(m, v.abs()));
     let id = inverse(d);
-    (x.map(|v| np_round_byte(v * id).wrapping_add(1)), d)
+    (x.map(|v| lround_low(v * id).wrapping_add(1)), d)
 }
 
 /// TQ1_0: five codes a byte in base 3 (160 codes in 32 bytes, 80 in 16), then four a byte (16
@@ -20,8 +22,10 @@ pub(super) fn tq1_0(src: &[f32], dst: &mut [u8]) {
         let mut at = 0;
         for (first, digits, bytes) in groups {
             for j in 0..bytes {
+                // ggml's uint8_t accumulator: `q = q * 3 + xi`, first code most significant.
                 let value = (0..digits).fold(0u8, |acc, i| {
-                    acc.wrapping_mul(3).wrapping_add(q[first + i * bytes + j])
+                    acc.wrapping_mul(3)
+                        .wrapping_add(q[first + i * bytes + j] as u8)
                 });
                 // Four-digit bytes hold their digits as the top four of five.
                 let value = if digits == 4 {
@@ -43,7 +47,9 @@ pub(super) fn tq2_0(src: &[f32], dst: &mut [u8]) {
         let (q, d) = ternary_codes(x);
         for (half, out) in q.chunks_exact(128).zip(b.chunks_exact_mut(32)) {
             for (j, o) in out.iter_mut().enumerate() {
-                *o = (0..4).fold(0u8, |acc, i| acc | (half[32 * i + j] << (2 * i)));
+                *o = (0..4).fold(0u8, |acc, i| {
+                    acc.wrapping_add(((half[32 * i + j] & 3) << (2 * i)) as u8)
+                });
             }
         }
         put_f16(b, 64, d);
