@@ -76,6 +76,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         actual: None,
         out: None,
         list_faults: false,
+        weights: bisect::WeightCheck::Auto,
         mode: bisect::Mode::Stages,
         json: args.json,
     })?;

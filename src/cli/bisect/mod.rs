@@ -11,13 +11,14 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 mod hybrid;
+mod weights;
 
 use super::diff::print_report;
 use super::output::{progress, table};
 use super::run::{open_model, prompt_tokens, record, RunSpec};
 use super::Outcome;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
-use crate::diagnose::{drill_down, CandidateRun};
+use crate::diagnose::{check_shards, drill_down, CandidateRun};
 use crate::exec::backend::Precision;
 use crate::exec::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
@@ -31,6 +32,7 @@ use crate::model::Glm5Config;
 use crate::shard::actual::{check_only, ShardManifest};
 use crate::trace::{FullSelector, Trace};
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
+pub use weights::{WeightCheck, WeightsInfo};
 
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
@@ -84,6 +86,11 @@ pub struct BisectArgs {
     /// default: a temporary folder, removed after.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// A conversion's weights checked as `glmcheck verify` checks them (a corrupted tensor fails
+    /// the run even inside the envelope): `all` before the runs, `divergent` only those the first
+    /// divergent stage reads, `auto` all up to 32 GiB of candidate files, else divergent.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub weights: WeightCheck,
     /// List the fault catalogue (name, ARG, class and stage a correct diagnosis gives).
     #[arg(long)]
     pub list_faults: bool,
@@ -127,9 +134,11 @@ pub struct BisectInfo {
     pub conversion: bool,
     /// Top-k positions where the candidate took the reference's choice (near ties).
     pub ties_taken: usize,
-    /// Where the class came from: `drill-down` (weights, shards), `shard manifest` or
-    /// `traces`.
+    /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
+    /// weight check), `shard manifest` or `traces`.
     pub classified_by: &'static str,
+    /// A conversion's weight check (`--weights`): what was checked and found.
+    pub weights: Option<WeightsInfo>,
     /// `--mode logits`: the hybrid runs of the search, in the order they ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hybrids: Vec<HybridRun>,
@@ -228,8 +237,18 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         None => args.dtype,
     };
     let lower = conversion || !matches!(dtype, Precision::F32 | Precision::F64);
-    let steps = 3 + u64::from(lower);
+    let check_all = conversion && {
+        let (files, cfg, family) = open_model(&cand_model)?;
+        weights::check_all(args.weights, &WeightSource::new(files, cfg, family))
+    };
+    let steps = 3 + u64::from(lower) + u64::from(check_all);
     let bar = progress(steps, args.json, "bisect");
+    let mut weight_check = None;
+    if check_all {
+        bar.set_message("weight check: every candidate tensor against the reference");
+        weight_check = Some(weights::check_every_tensor(&model, &cand_model)?);
+        bar.inc(1);
+    }
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
     bar.set_message("reference run (CPU, TP 1, f32)");
     let ref_run = record(reference_spec(args, &tokens, &model, &paths[0]))?;
@@ -325,7 +344,22 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         candidate: &candidate,
         glmcheck_ran: cand_run.is_some(),
     };
-    let classified_by = cause.explain(&mut report)?;
+    let mut classified_by = cause.explain(&mut report)?;
+    if conversion && args.weights != WeightCheck::Off {
+        if let (None, Some(d)) = (&weight_check, &report.first_divergence) {
+            bar.set_message("weight check: the divergent stage's tensors");
+            let ids = match (args.mode, d.layer) {
+                (Mode::Logits, Some(l)) => layer_weights(&cfg, l),
+                _ => stage_weights(&cfg, &d.stage),
+            };
+            weight_check = Some(weights::check_tensors_of(&model, &cand_model, &ids)?);
+        }
+        if let Some(info) = &weight_check {
+            if weights::apply(&mut report, info, &model, &cand_model, merge)? {
+                classified_by = "weights";
+            }
+        }
+    }
     if let (Some(f), Some(r)) = (&mut report.fault, &replay) {
         f.evidence.push(r.evidence());
     }
@@ -361,6 +395,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             conversion,
             ties_taken: if lower { ties.count() } else { 0 },
             classified_by,
+            weights: weight_check,
             hybrids,
             replay,
             reference_text: text(&ref_run.generated)?,
@@ -427,6 +462,13 @@ impl Cause<'_> {
             same_files: self.cand_model == self.model,
             experts: chosen_experts(self.candidate, layer)?,
         };
+        if !cand.same_files {
+            // A conversion's weights are the weight check's (`--weights`); its shards are here.
+            return match cand.tp {
+                1 => Ok(None),
+                _ => check_shards(&ref_src, &cand, ids),
+            };
+        }
         drill_down(&ref_src, &cand, ids)
     }
 }
@@ -585,6 +627,18 @@ pub fn print_bisect(out: &BisectReport) {
             b.dtype
         );
     }
+    if let Some(w) = &b.weights {
+        let which = if w.checked == "all" {
+            "every tensor"
+        } else {
+            "the divergent stage's tensors"
+        };
+        println!(
+            "weight check ({which}): {} tensors, {} exact (ggml's bytes), {} within their type's \
+             noise, {} failed",
+            w.tensors, w.exact, w.within_noise, w.failed
+        );
+    }
     if b.ties_taken > 0 {
         println!(
             "{} top-k positions were near ties in the reference; the candidate took the \
@@ -597,6 +651,7 @@ pub fn print_bisect(out: &BisectReport) {
             let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
             let source = match b.classified_by {
                 "drill-down" => "from the weights and shards behind that stage",
+                "weights" => "from the check of the candidate's weights against the reference",
                 "shard manifest" => "from the engine's shard manifest",
                 _ => "from the traces",
             };

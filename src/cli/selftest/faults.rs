@@ -101,6 +101,7 @@ pub fn matrix(
             actual: None,
             out: None,
             list_faults: false,
+            weights: bisect::WeightCheck::Auto,
             mode: Mode::Stages,
             json: true,
         })?;
