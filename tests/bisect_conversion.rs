@@ -1,9 +1,10 @@
 //! `glmcheck bisect HF --candidate GGUF`: a conversion is judged against the reference with
-//! every weight stored as the GGUF stores it, so a correct conversion passes at f32, q8_0 and
-//! q4_k_m, while a GGUF whose kv_b was split wrongly, or whose attn_k_b lacks its per-head
-//! transpose (written by gguf-py from the correct F32 file), is a `weight_layout` at
-//! `L0.attn.kv`; a candidate whose Q4_K dequantizer is broken is a `wrong_dequant` beyond the
-//! type's noise.
+//! every weight stored as the GGUF stores it, and its weights checked as `glmcheck verify` checks
+//! them, so a correct conversion passes at f32, q8_0 and q4_k_m (every tensor ggml's bytes),
+//! while a GGUF whose kv_b was split wrongly (rows of the re-assembled kv_b moved), or whose
+//! attn_k_b lacks its per-head transpose (written by gguf-py from the correct F32 file), is a
+//! `weight_layout` at `L0.attn.kv` naming `blk.0.attn_k_b.weight`; a candidate whose Q4_K
+//! dequantizer is broken is a `wrong_dequant`: its reading of its own bytes differs.
 
 mod common;
 
@@ -30,6 +31,9 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
         let j = bisect(&hf, &gguf, &[], 0);
         assert_eq!(j["verdict"], "pass", "{quant}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["conversion"], true);
+        let w = &j["bisect"]["weights"];
+        assert_eq!((&w["checked"], &w["failed"]), (&"all".into(), &0.into()), "{quant}");
+        assert_eq!(w["exact"], w["tensors"], "{quant}: every tensor is ggml's bytes");
         assert!(j["bisect"]["envelope"].is_string());
         if quant == "q4_k_m" {
             // The noise is real: far beyond f32's, yet inside the storage envelope.
@@ -50,21 +54,28 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
             "{mode}: {:#}",
             j["fault"]
         );
+        assert_eq!(j["fault"]["weight"], "blk.0.attn_k_b.weight", "{mode}");
+        assert_eq!(j["bisect"]["classified_by"], "weights");
+        let relation = if mode == "split-order" {
+            "row_permutation"
+        } else {
+            "transpose"
+        };
         assert_eq!(
-            j["fault"]["weight"], "model.layers.0.self_attn.kv_b_proj.weight",
+            j["bisect"]["weights"]["findings"][0]["relation"], relation,
             "{mode}"
         );
-        assert_eq!(j["bisect"]["classified_by"], "drill-down");
     }
     let q4 = dir.path().join("q4_k_m.gguf");
     let j = bisect(&hf, &q4, &["--inject", "dequant-q4k-scales"], 1);
     assert_eq!(j["fault"]["class"], "wrong_dequant", "{:#}", j["fault"]);
     assert!(
-        j["fault"]["evidence"][0]
+        j["fault"]["summary"]
             .as_str()
             .unwrap()
-            .contains("storing the reference's values as Q4_K departs"),
+            .contains("dequantization of the same bytes differs"),
         "{:#}",
         j["fault"]
     );
+    assert_eq!(j["bisect"]["weights"]["failed"], 0, "the file itself is honest");
 }

@@ -262,7 +262,7 @@ fn planted_faults_fail_naming_the_stage() {
             &bf16_tp2,
             "unsharded-column",
             ("L0.attn.kv", Some(1)),
-            "absmax",
+            "max",
         ),
     ];
     for (b, fault, (stage, rank), check) in cases {

@@ -9,6 +9,7 @@
 //! by that relation and the weight's role. Memory stays at one unit (an expert, a block of
 //! rows) whatever the model's size.
 
+mod kv_b;
 pub mod relation;
 pub mod segments;
 pub mod units;
@@ -123,6 +124,7 @@ pub fn verify(
         tensors.push(check);
         findings.extend(finding);
     }
+    kv_b::regroup(reference, cand, &mut findings)?;
     let count = |s: Status| tensors.iter().filter(|t| t.status == s).count();
     let summary = Summary {
         tensors: tensors.len(),

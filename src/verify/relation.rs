@@ -461,29 +461,13 @@ impl Departure<'_> {
         let mut map: Vec<(u64, u64)> = Vec::new();
         for (u, _) in self.departing().take(4) {
             let (x, c) = both(self.reference, self.cand, self.t(), u)?;
-            let rows = x.len() / row_len.max(1);
-            if rows < 2 {
-                return Ok(None);
-            }
-            let noise = row_noise(self.ty(), row_len, &x)?;
-            let sketch_x = sketches(&x, row_len);
-            let sketch_c = sketches(&c, row_len);
-            for r in 0..rows {
-                let (xr, cr) = (&x[r * row_len..][..row_len], &c[r * row_len..][..row_len]);
-                if within(xr, cr, noise[r]) {
-                    continue;
-                }
-                let best = (0..rows)
-                    .filter(|&o| o != r)
-                    .min_by(|&a, &b| {
-                        distance(&sketch_c[r], &sketch_x[a])
-                            .total_cmp(&distance(&sketch_c[r], &sketch_x[b]))
-                    })
-                    .filter(|&o| within(&x[o * row_len..][..row_len], cr, noise[o]));
-                match best {
-                    Some(o) => map.push((u.rows.start + r as u64, u.rows.start + o as u64)),
-                    None => return Ok(None),
-                }
+            match moved_rows(self.ty(), row_len, &x, &c)? {
+                Some(moved) => map.extend(
+                    moved
+                        .into_iter()
+                        .map(|(r, o)| (u.rows.start + r as u64, u.rows.start + o as u64)),
+                ),
+                None => return Ok(None),
             }
         }
         if map.is_empty() {
@@ -645,6 +629,41 @@ fn rel(num: f64, den: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// For each row of `c` that departs from the same row of `x`, the other row of `x` it holds
+/// (within the band of `ty`'s noise); `None` when some departing row holds no row of `x`.
+pub fn moved_rows(
+    ty: Option<GgmlType>,
+    row_len: usize,
+    x: &[f32],
+    c: &[f32],
+) -> Result<Option<Vec<(usize, usize)>>> {
+    let rows = x.len() / row_len.max(1);
+    if rows < 2 || c.len() != x.len() {
+        return Ok(None);
+    }
+    let noise = row_noise(ty, row_len, x)?;
+    let sketch_x = sketches(x, row_len);
+    let sketch_c = sketches(c, row_len);
+    let mut moved = Vec::new();
+    for r in 0..rows {
+        let (xr, cr) = (&x[r * row_len..][..row_len], &c[r * row_len..][..row_len]);
+        if within(xr, cr, noise[r]) {
+            continue;
+        }
+        let best = (0..rows)
+            .filter(|&o| o != r)
+            .min_by(|&a, &b| {
+                distance(&sketch_c[r], &sketch_x[a]).total_cmp(&distance(&sketch_c[r], &sketch_x[b]))
+            })
+            .filter(|&o| within(&x[o * row_len..][..row_len], cr, noise[o]));
+        match best {
+            Some(o) => moved.push((r, o)),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(moved))
 }
 
 /// Per row, the noise Σ(x−q)² storing it in `ty` leaves (0 without a quantizer: exact rows).

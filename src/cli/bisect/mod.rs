@@ -462,14 +462,24 @@ impl Cause<'_> {
             same_files: self.cand_model == self.model,
             experts: chosen_experts(self.candidate, layer)?,
         };
-        if !cand.same_files {
-            // A conversion's weights are the weight check's (`--weights`); its shards are here.
-            return match cand.tp {
-                1 => Ok(None),
-                _ => check_shards(&ref_src, &cand, ids),
-            };
+        if cand.same_files {
+            return drill_down(&ref_src, &cand, ids);
         }
-        drill_down(&ref_src, &cand, ids)
+        // A conversion's stored values are the weight check's (`--weights`); here are its
+        // shards, and the candidate's reading of its own bytes against a correct one (a planted
+        // dequantizer fault).
+        if cand.tp > 1 {
+            if let Some(f) = check_shards(&ref_src, &cand, ids)? {
+                return Ok(Some(f));
+            }
+        }
+        let (files, cfg, family) = open_model(self.cand_model)?;
+        let own_bytes = WeightSource::new(files, cfg, family);
+        let read_wrong = CandidateRun {
+            same_files: true,
+            ..cand
+        };
+        drill_down(&own_bytes, &read_wrong, ids)
     }
 }
 

@@ -28,7 +28,8 @@ pub(super) fn each_block<const BS: usize, const TS: usize, F: Fn(&[f32; BS], &mu
 #[inline(always)]
 pub(super) fn group<const BS: usize, const N: usize>(x: &[f32; BS], j: usize) -> &[f32; N] {
     let g: &[f32] = &x[N * j..N * (j + 1)];
-    g.try_into().unwrap_or_else(|_| unreachable!("a group of {N} lies inside the block"))
+    g.try_into()
+        .unwrap_or_else(|_| unreachable!("a group of {N} lies inside the block"))
 }
 
 /// ggml's `GGML_FP32_TO_FP16`: round to nearest even with the exponent-bias trick of its
@@ -45,7 +46,12 @@ pub(super) fn f16_bits(f: f32) -> u16 {
     base += f32::from_bits((bias >> 1) + 0x0780_0000);
     let bits = base.to_bits();
     let nonsign = ((bits >> 13) & 0x7c00) + (bits & 0x0fff);
-    ((sign >> 16) | if shl1_w > 0xff00_0000 { 0x7e00 } else { nonsign }) as u16
+    ((sign >> 16)
+        | if shl1_w > 0xff00_0000 {
+            0x7e00
+        } else {
+            nonsign
+        }) as u16
 }
 
 /// The f32 value of f16 bits (exact, as ggml's `GGML_FP16_TO_FP32`).
@@ -205,7 +211,14 @@ mod tests {
 
     #[test]
     fn nearest_int_rounds_ties_to_even() {
-        for (v, want) in [(0.5, 0), (1.5, 2), (2.5, 2), (-0.5, 0), (-1.5, -2), (3.49, 3)] {
+        for (v, want) in [
+            (0.5, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (3.49, 3),
+        ] {
             assert_eq!(nearest_int(v), want, "{v}");
         }
         for i in -100_000..100_000 {

@@ -3,99 +3,143 @@
 //! Q5_K), `make_q3_quants` (Q3_K) and `make_qx_quants` (Q6_K). Each is reproduced here in f32
 //! with ggml's order of operations, so the bytes are ggml's.
 
-use super::block::{
-    abs_and_signed_max, each_block, f16_value, group, nearest_int, put_f16,
-};
+use super::block::{abs_and_signed_max, each_block, f16_value, group, nearest_int, put_f16};
 
 /// ggml's `GROUP_MAX_EPS`: groups whose absmax is below it count as all zero.
 const GROUP_MAX_EPS: f32 = 1e-15;
 
-/// ggml's `make_qkx2_quants`: codes `L` in `0..=nmax` and a scale and offset with
-/// `x ≈ scale · L - min`, fitted by weighted least squares over `nstep + 1` trial inverse scales
-/// `(rmin + rdelta · is + nmax) / (max - min)`, keeping the trial of least weighted error (sum of
-/// absolute errors if `use_mad`, of squares otherwise). Returns `(scale, min)`; the group minimum
-/// is never above zero, so `min` (its negation) is never below.
+/// `G` groups of `N` values side by side: `v[i][g]` is value `i` of group `g`. The fits below
+/// run on all groups at once, lane by lane: each lane does exactly the scalar C function's
+/// operations in its order (so its result is ggml's, bit for bit), and the independent lanes
+/// let the compiler use SIMD and keep several dependency chains in flight.
+type Lanes<T, const G: usize, const N: usize> = [[T; G]; N];
+
+/// The groups of `N` values of a block, side by side (see [`Lanes`]).
+#[inline(always)]
+fn transpose<const BS: usize, const G: usize, const N: usize>(x: &[f32; BS]) -> Lanes<f32, G, N> {
+    std::array::from_fn(|i| std::array::from_fn(|g| x[N * g + i]))
+}
+
+/// ggml's `make_qkx2_quants` for `G` groups at once: codes `L` in `0..=nmax` and a scale and
+/// offset with `x ≈ scale · L - min`, fitted by weighted least squares over `nstep + 1` trial
+/// inverse scales `(rmin + rdelta · is + nmax) / (max - min)`, keeping the trial of least
+/// weighted error (sum of absolute errors if `use_mad`, of squares otherwise). A trial that wins
+/// moves `min`, which the later trials start from. Returns per group `(scale, min)`; the group
+/// minimum is never above zero, so `min` (its negation) is never below.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn make_qkx2<const N: usize>(
+fn make_qkx2<const G: usize, const N: usize>(
     nmax: i32,
-    x: &[f32; N],
-    weights: &[f32; N],
-    l: &mut [u8],
+    x: &Lanes<f32, G, N>,
+    weights: &Lanes<f32, G, N>,
+    l: &mut Lanes<u8, G, N>,
     rmin: f32,
     rdelta: f32,
     nstep: i32,
     use_mad: bool,
-) -> (f32, f32) {
-    let l = &mut l[..N];
+) -> ([f32; G], [f32; G]) {
+    let err = |diff: f32| if use_mad { diff.abs() } else { diff * diff };
     let mut min = x[0];
     let mut max = x[0];
     let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
+    let mut sum_x: [f32; G] = std::array::from_fn(|g| sum_w[g] * x[0][g]);
     for i in 1..N {
-        if x[i] < min {
-            min = x[i];
+        for g in 0..G {
+            let v = x[i][g];
+            min[g] = if v < min[g] { v } else { min[g] };
+            max[g] = if v > max[g] { v } else { max[g] };
+            let w = weights[i][g];
+            sum_w[g] += w;
+            sum_x[g] += w * v;
         }
-        if x[i] > max {
-            max = x[i];
-        }
-        let w = weights[i];
-        sum_w += w;
-        sum_x += w * x[i];
     }
-    if min > 0.0 {
-        min = 0.0;
+    for m in &mut min {
+        *m = if *m > 0.0 { 0.0 } else { *m };
     }
-    if max == min {
-        l.fill(0);
-        return (0.0, -min);
-    }
-    let err = |diff: f32| if use_mad { diff.abs() } else { diff * diff };
+    // ggml returns at once for a group whose max equals its (clamped) min; its lane computes
+    // on (with infinite scales) and is overwritten at the end.
+    let flat: [bool; G] = std::array::from_fn(|g| max[g] == min[g]);
+    let flat_min = min;
     let nmaxf = nmax as f32;
-    let iscale = nmaxf / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_error = 0.0f32;
+    let mut scale = [0f32; G];
+    let mut best_error = [0f32; G];
+    let mut iscale: [f32; G] = std::array::from_fn(|g| nmaxf / (max[g] - min[g]));
+    for g in 0..G {
+        scale[g] = 1.0 / iscale[g];
+    }
     for i in 0..N {
-        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l[i] = q as u8;
-        best_error += weights[i] * err(scale * q as f32 + min - x[i]);
-    }
-    if nstep < 1 {
-        return (scale, -min);
-    }
-    let mut laux = [0u8; N];
-    for is in 0..=nstep {
-        let iscale = (rmin + rdelta * is as f32 + nmaxf) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0.0f32, 0.0f32, 0.0f32);
-        for i in 0..N {
-            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            laux[i] = q as u8;
-            let (w, q) = (weights[i], q as f32);
-            sum_l += w * q;
-            sum_l2 += w * q * q;
-            sum_xl += w * q * x[i];
+        for g in 0..G {
+            let q = nearest_int(iscale[g] * (x[i][g] - min[g])).clamp(0, nmax);
+            l[i][g] = q as u8;
+            let diff = scale[g] * q as f32 + min[g] - x[i][g];
+            best_error[g] += weights[i][g] * err(diff);
         }
-        let d = sum_w * sum_l2 - sum_l * sum_l;
-        if d > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
+    }
+    if nstep >= 1 {
+        let mut laux = [[0f32; G]; N];
+        for is in 0..=nstep {
+            for g in 0..G {
+                iscale[g] = (rmin + rdelta * is as f32 + nmaxf) / (max[g] - min[g]);
             }
-            let mut cur_error = 0.0f32;
+            let (mut sum_l, mut sum_l2, mut sum_xl) = ([0f32; G], [0f32; G], [0f32; G]);
             for i in 0..N {
-                cur_error += weights[i] * err(this_scale * f32::from(laux[i]) + this_min - x[i]);
+                for g in 0..G {
+                    let q = nearest_int(iscale[g] * (x[i][g] - min[g])).clamp(0, nmax) as f32;
+                    laux[i][g] = q;
+                    let w = weights[i][g];
+                    sum_l[g] += w * q;
+                    sum_l2[g] += w * q * q;
+                    sum_xl[g] += w * q * x[i][g];
+                }
             }
-            if cur_error < best_error {
-                l.copy_from_slice(&laux);
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
+            let mut this_scale = [0f32; G];
+            let mut this_min = [0f32; G];
+            let mut fits = [false; G];
+            for g in 0..G {
+                let d = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+                let s = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / d;
+                let m = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / d;
+                let above = m > 0.0;
+                this_scale[g] = if above { sum_xl[g] / sum_l2[g] } else { s };
+                this_min[g] = if above { 0.0 } else { m };
+                fits[g] = d > 0.0;
+            }
+            let mut cur_error = [0f32; G];
+            for i in 0..N {
+                for g in 0..G {
+                    let diff = this_scale[g] * laux[i][g] + this_min[g] - x[i][g];
+                    cur_error[g] += weights[i][g] * err(diff);
+                }
+            }
+            let take: [bool; G] = std::array::from_fn(|g| fits[g] && cur_error[g] < best_error[g]);
+            if take.iter().any(|&t| t) {
+                for i in 0..N {
+                    for g in 0..G {
+                        l[i][g] = if take[g] { laux[i][g] as u8 } else { l[i][g] };
+                    }
+                }
+                for g in 0..G {
+                    if take[g] {
+                        best_error[g] = cur_error[g];
+                        scale[g] = this_scale[g];
+                        min[g] = this_min[g];
+                    }
+                }
             }
         }
     }
-    (scale, -min)
+    let mut neg_min = [0f32; G];
+    for g in 0..G {
+        if flat[g] {
+            scale[g] = 0.0;
+            min[g] = flat_min[g];
+            for row in l.iter_mut() {
+                row[g] = 0;
+            }
+        }
+        neg_min[g] = -min[g];
+    }
+    (scale, neg_min)
 }
 
 /// ggml's `make_q3_quants` with `do_rmse`: codes in `-nmax..nmax` (returned offset by `nmax`)
@@ -154,9 +198,15 @@ fn make_q3(nmax: i32, x: &[f32; 16], out: &mut [u8]) -> f32 {
     }
 }
 
+/// The inverse scales `make_qx_quants` tries: its first, then `is` in -9..=9 but 0.
+const QX_TRIALS: usize = 19;
+
 /// ggml's `make_qx_quants` with `rmse_type` 1 and no weights (as `quantize_row_q6_K_ref` calls
 /// it): codes in `-nmax..nmax` (returned offset by `nmax`) for the best of 19 trial inverse
-/// scales `-(nmax + 0.1 · is) / max` by the x²-weighted fit. Returns the fitted scale.
+/// scales (`-nmax / max`, then `-(nmax + 0.1 · is) / max`) by the x²-weighted fit. Returns the
+/// fitted scale. The trials' sums do not depend on one another, so they run side by side, each
+/// in ggml's order; the choice among them goes in ggml's order of trials, and the codes are
+/// those of the last trial chosen, as ggml's rewrites leave them.
 #[inline(always)]
 fn make_qx(nmax: i32, x: &[f32; 16], out: &mut [u8]) -> f32 {
     let out = &mut out[..16];
@@ -167,34 +217,37 @@ fn make_qx(nmax: i32, x: &[f32; 16], out: &mut [u8]) -> f32 {
     }
     let nmaxf = nmax as f32;
     let code = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
-    let fit = |iscale: f32| {
-        let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
-        for &v in x {
-            let q = code(iscale, v) as f32;
-            let w = v * v;
-            sumlx += w * v * q;
-            suml2 += w * q * q;
+    let mut iscales = [0f32; QX_TRIALS];
+    iscales[0] = -nmaxf / max;
+    for (t, iscale) in iscales.iter_mut().enumerate().skip(1) {
+        let is = if t <= 9 { t as i32 - 10 } else { t as i32 - 9 };
+        *iscale = -(nmaxf + 0.1 * is as f32) / max;
+    }
+    let (mut sumlx, mut suml2) = ([0f32; QX_TRIALS], [0f32; QX_TRIALS]);
+    for &v in x {
+        let w = v * v;
+        for t in 0..QX_TRIALS {
+            let q = code(iscales[t], v) as f32;
+            sumlx[t] += w * v * q;
+            suml2[t] += w * q * q;
         }
-        (sumlx, suml2)
+    }
+    let mut scale = if suml2[0] != 0.0 {
+        sumlx[0] / suml2[0]
+    } else {
+        0.0
     };
-    let fill = |out: &mut [u8], iscale: f32| {
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = (nmax + code(iscale, v)) as u8;
+    let mut best = scale * sumlx[0];
+    let mut chosen = 0;
+    for t in 1..QX_TRIALS {
+        if suml2[t] > 0.0 && sumlx[t] * sumlx[t] > best * suml2[t] {
+            scale = sumlx[t] / suml2[t];
+            best = scale * sumlx[t];
+            chosen = t;
         }
-    };
-    let iscale = -nmaxf / max;
-    fill(out, iscale);
-    let (sumlx, suml2) = fit(iscale);
-    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
-    let mut best = scale * sumlx;
-    for is in (-9..=9).filter(|&is| is != 0) {
-        let iscale = -(nmaxf + 0.1 * is as f32) / max;
-        let (sumlx, suml2) = fit(iscale);
-        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
-            fill(out, iscale);
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
+    }
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = (nmax + code(iscales[chosen], v)) as u8;
     }
     scale
 }
@@ -205,15 +258,12 @@ fn make_qx(nmax: i32, x: &[f32; 16], out: &mut [u8]) -> f32 {
 /// stored scales.
 pub(super) fn q2_k(src: &[f32], dst: &mut [u8]) {
     each_block(src, dst, |x: &[f32; 256], b: &mut [u8; 84]| {
-        let mut l = [0u8; 256];
-        let mut scales = [0f32; 16];
-        let mut mins = [0f32; 16];
+        let xt: Lanes<f32, 16, 16> = transpose(x);
+        let weights = xt.map(|row| row.map(f32::abs));
+        let mut lt = [[0u8; 16]; 16];
+        let (scales, mins) = make_qkx2(3, &xt, &weights, &mut lt, -0.5, 0.1, 15, true);
         let (mut max_scale, mut max_min) = (0f32, 0f32);
-        for j in 0..16 {
-            let xs: &[f32; 16] = group(x, j);
-            let weights = xs.map(f32::abs);
-            let (scale, min) = make_qkx2(3, xs, &weights, &mut l[16 * j..], -0.5, 0.1, 15, true);
-            (scales[j], mins[j]) = (scale, min);
+        for (&scale, &min) in scales.iter().zip(&mins) {
             if scale > max_scale {
                 max_scale = scale;
             }
@@ -221,6 +271,7 @@ pub(super) fn q2_k(src: &[f32], dst: &mut [u8]) {
                 max_min = min;
             }
         }
+        let mut l: [u8; 256] = std::array::from_fn(|k| lt[k % 16][k / 16]);
         let (sc, rest) = b.split_at_mut(16);
         let (qs, dm) = rest.split_at_mut(64);
         let d = if max_scale > 0.0 {
@@ -249,7 +300,10 @@ pub(super) fn q2_k(src: &[f32], dst: &mut [u8]) {
                 continue;
             }
             let ml = dmin * f32::from(sc[j] >> 4);
-            for (o, &v) in l[16 * j..16 * (j + 1)].iter_mut().zip(group::<256, 16>(x, j)) {
+            for (o, &v) in l[16 * j..16 * (j + 1)]
+                .iter_mut()
+                .zip(group::<256, 16>(x, j))
+            {
                 *o = nearest_int((v + ml) / dl).clamp(0, 3) as u8;
             }
         }
@@ -312,7 +366,10 @@ pub(super) fn q3_k(src: &[f32], dst: &mut [u8]) {
             if dl == 0.0 {
                 continue;
             }
-            for (o, &v) in l[16 * j..16 * (j + 1)].iter_mut().zip(group::<256, 16>(x, j)) {
+            for (o, &v) in l[16 * j..16 * (j + 1)]
+                .iter_mut()
+                .zip(group::<256, 16>(x, j))
+            {
                 *o = (nearest_int(v / dl).clamp(-4, 3) + 4) as u8;
             }
         }
@@ -330,13 +387,15 @@ pub(super) fn q3_k(src: &[f32], dst: &mut [u8]) {
 /// The weights `quantize_row_q4_K_ref` and `quantize_row_q5_K_ref` give `make_qkx2_quants`:
 /// the group's RMS plus each value's magnitude.
 #[inline(always)]
-fn rms_plus_abs(xs: &[f32; 32]) -> [f32; 32] {
-    let mut sum_x2 = 0f32;
-    for &v in xs {
-        sum_x2 += v * v;
+fn rms_plus_abs(xt: &Lanes<f32, 8, 32>) -> Lanes<f32, 8, 32> {
+    let mut sum_x2 = [0f32; 8];
+    for row in xt {
+        for (s, &v) in sum_x2.iter_mut().zip(row) {
+            *s += v * v;
+        }
     }
-    let av_x = (sum_x2 / 32.0).sqrt();
-    xs.map(|v| av_x + v.abs())
+    let av_x = sum_x2.map(|s| (s / 32.0).sqrt());
+    xt.map(|row| std::array::from_fn(|g| av_x[g] + row[g].abs()))
 }
 
 /// What Q4_K and Q5_K share: eight groups of 32 fitted by `make_qkx2_quants` (`nmax`, RMS plus
@@ -344,22 +403,13 @@ fn rms_plus_abs(xs: &[f32; 32]) -> [f32; 32] {
 /// 12 bytes, `d` and `dmin` at bytes 0 and 2, then the codes requantized against the stored
 /// scales. Returns the codes.
 #[inline(always)]
-fn scale_min_k4(
-    x: &[f32; 256],
-    b: &mut [u8],
-    nmax: i32,
-    rmin: f32,
-    nstep: i32,
-) -> [u8; 256] {
-    let mut l = [0u8; 256];
-    let mut scales = [0f32; 8];
-    let mut mins = [0f32; 8];
+fn scale_min_k4(x: &[f32; 256], b: &mut [u8], nmax: i32, rmin: f32, nstep: i32) -> [u8; 256] {
+    let xt: Lanes<f32, 8, 32> = transpose(x);
+    let weights = rms_plus_abs(&xt);
+    let mut lt = [[0u8; 8]; 32];
+    let (scales, mins) = make_qkx2(nmax, &xt, &weights, &mut lt, rmin, 0.1, nstep, false);
     let (mut max_scale, mut max_min) = (0f32, 0f32);
-    for j in 0..8 {
-        let xs: &[f32; 32] = group(x, j);
-        let weights = rms_plus_abs(xs);
-        let (scale, min) = make_qkx2(nmax, xs, &weights, &mut l[32 * j..], rmin, 0.1, nstep, false);
-        (scales[j], mins[j]) = (scale, min);
+    for (&scale, &min) in scales.iter().zip(&mins) {
         if scale > max_scale {
             max_scale = scale;
         }
@@ -367,7 +417,12 @@ fn scale_min_k4(
             max_min = min;
         }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let mut l: [u8; 256] = std::array::from_fn(|k| lt[k % 32][k / 32]);
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let sc = &mut b[4..16];
     for j in 0..8 {
@@ -400,7 +455,10 @@ fn scale_min_k4(
             continue;
         }
         let ml = dmin * f32::from(m);
-        for (o, &v) in l[32 * j..32 * (j + 1)].iter_mut().zip(group::<256, 32>(x, j)) {
+        for (o, &v) in l[32 * j..32 * (j + 1)]
+            .iter_mut()
+            .zip(group::<256, 32>(x, j))
+        {
             *o = nearest_int((v + ml) / dl).clamp(0, nmax) as u8;
         }
     }
@@ -479,7 +537,10 @@ pub(super) fn q6_k(src: &[f32], dst: &mut [u8]) {
             if dl == 0.0 {
                 continue;
             }
-            for (o, &v) in l[16 * j..16 * (j + 1)].iter_mut().zip(group::<256, 16>(x, j)) {
+            for (o, &v) in l[16 * j..16 * (j + 1)]
+                .iter_mut()
+                .zip(group::<256, 16>(x, j))
+            {
                 *o = (nearest_int(v / dl).clamp(-32, 31) + 32) as u8;
             }
         }

@@ -3,8 +3,7 @@
 //! offset of one half, and C's float to byte casts.
 
 use super::block::{
-    c_i8, c_max, c_u8, each_block, inverse, pack_nibbles, put_f16, round_i8,
-    signed_absmax_first,
+    c_i8, c_max, c_u8, each_block, inverse, pack_nibbles, put_f16, round_i8, signed_absmax_first,
 };
 
 /// ggml's `MIN(max, (int8_t)(v * id + offset))` stored as a byte, for the 32 values.
