@@ -25,6 +25,12 @@ pub use relation::{Finding, Relation};
 use segments::{compare, Sums, UnitStats};
 use units::{both, candidate_bytes, plan, Mismatch, Plan};
 
+/// A whole tensor whose least-squares factor to the reference re-stored in its type is further
+/// from 1 than this is scaled, even where each segment stays within the band (a 5% scale
+/// error hides inside 4-bit noise segment by segment). Honest files give exactly 1 without an
+/// importance matrix, and within 0.7% of it with one (llama.cpp's imatrix Q4_K_M).
+const SCALE_TOLERANCE: f64 = 0.02;
+
 /// What one candidate tensor showed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -53,6 +59,12 @@ pub struct TensorCheck {
     pub blocks_exact: u64,
     /// Segments (256 values) past the band.
     pub blocks_beyond: u64,
+    /// The largest departure of a segment over its type's noise (a fault past 8).
+    pub worst: f64,
+    /// Σqc/Σq²: the least-squares factor between the candidate and the reference re-stored in
+    /// its type (1 for an honest file; absent without a quantizer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub why: Option<String>,
     #[serde(skip)]
@@ -167,6 +179,8 @@ pub fn check_tensor(
         blocks: 0,
         blocks_exact: 0,
         blocks_beyond: 0,
+        worst: 0.0,
+        factor: None,
         why: None,
         bytes: t.nbytes,
     };
@@ -210,10 +224,16 @@ pub fn check_tensor(
         line.blocks += s.blocks;
         line.blocks_exact += s.blocks_exact;
         line.blocks_beyond += s.beyond;
+        line.worst = line.worst.max(s.worst);
     }
+    line.factor = (sums.qq > 0.0).then(|| sums.qc / sums.qq);
     line.rel_diff = sums.rel_diff();
     line.noise = sums.noise();
     let departs = stats.iter().any(|s| s.beyond > 0 || s.nonfinite > 0);
+    if let Some(factor) = line.factor.filter(|f| !departs && (f - 1.0).abs() > SCALE_TOLERANCE) {
+        line.status = Status::Fail;
+        return Ok((line, Some(scaled_finding(&p, factor, &sums))));
+    }
     if !departs {
         line.status = if line.blocks_exact == line.blocks {
             Status::Exact
@@ -232,6 +252,33 @@ pub fn check_tensor(
     }
     .explain()?;
     Ok((line, Some(finding)))
+}
+
+/// A whole tensor that is the re-stored reference times `factor`, each segment within the band.
+fn scaled_finding(p: &Plan, factor: f64, sums: &Sums) -> Finding {
+    let t = p.tensor;
+    let relation = Relation::ScalarMultiple;
+    Finding {
+        tensor: t.name.clone(),
+        class: relation::class_of(relation, p.id, true),
+        relation,
+        summary: format!(
+            "{} ({}): the reference's values times {factor:.4}",
+            t.name,
+            t.encoding.name()
+        ),
+        evidence: vec![format!(
+            "{}: candidate = {factor:.6} × the reference stored as {} by ggml's quantizer \
+             (an honest file is within {SCALE_TOLERANCE} of 1); rel_diff {:.3e} against a noise \
+             of {:.3e}",
+            t.name,
+            t.encoding.name(),
+            sums.rel_diff(),
+            sums.noise()
+        )],
+        factor: Some(factor),
+        map: Vec::new(),
+    }
 }
 
 /// A tensor whose shape holds another number of values than the config gives.

@@ -106,6 +106,8 @@ pub struct UnitStats {
     pub candidate_all_zero: bool,
     /// Whether the noise came from a re-quantization (else from the unit's own spread).
     pub requantized: bool,
+    /// The largest departure of any segment over the noise allowed it (past [`BAND`]: a fault).
+    pub worst: f64,
 }
 
 /// Compare one unit: `x` the reference's values in the candidate's layout, `c` the candidate's,
@@ -208,6 +210,7 @@ pub fn compare(
             + F32_FLOOR * s.xx
             + f64::from(f32::MIN_POSITIVE);
         let all_exact = *exact == (s_len(x.len(), i as u64 + 1) / block) as u64;
+        st.worst = st.worst.max(s.dd / (allowed / BAND));
         let past = *nonfinite > 0 || s.dd > allowed || (strict && !all_exact);
         if !past {
             continue;
