@@ -16,12 +16,14 @@ llamacpp-oracle:
 
 # Dequantization throughput of glmcheck, candle and gguf-py (bench-results/dequant.md); then the
 # reference executor against transformers on `small`, and its peak memory on glm5-dims with 2 and 6
-# layers (bench-results/reference.md; writes and deletes multi-GB files in the temp dir).
+# layers (bench-results/reference.md); `verify` GB/s and peak RSS on glm5-dims with 2 and 4 layers
+# (bench-results/verify.md). Writes and deletes multi-GB files in the temp dir.
 bench:
     scripts/setup-venv
     cargo bench --bench dequant
     cargo build --release
     .venv/bin/python benches/reference.py
+    .venv/bin/python benches/verify.py
 
 # The demo: a tiny synthetic GLM-5 GGUF inspected, then a TP=4 candidate with a planted fault bisected.
 demo:

@@ -248,7 +248,7 @@ fn perturbed_stages_are_located_and_classified() {
     }
 }
 
-/// The JSON of a failing diff carries DESIGN §7's fields and exit code 1; a missing trace is a
+/// The JSON of a failing diff carries docs/design.md §7's fields and exit code 1; a missing trace is a
 /// one-line error with exit code 2.
 #[test]
 fn json_fields_and_exit_codes() {

@@ -1,4 +1,4 @@
-//! glmcheck against llama.cpp (DESIGN.md §9) and transformers on the same weights: a tiny random
+//! glmcheck against llama.cpp (docs/design.md §10) and transformers on the same weights: a tiny random
 //! `GlmMoeDsaForCausalLM` made and saved by transformers, converted to an F32 GGUF by llama.cpp's
 //! own converter (`tests/oracle/llamacpp_model.py`), then run by glmcheck, by llama.cpp
 //! (`tests/oracle/llamacpp/dump_logits.cpp`: F32 K/V cache, flash attention off, the whole prompt

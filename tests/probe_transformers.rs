@@ -54,7 +54,7 @@ fn f32s(trace: &Trace, name: &str) -> Vec<f32> {
         .unwrap_or_else(|| panic!("{name} not stored in full"))
 }
 
-/// Whether `name` is a DESIGN §4 stage name.
+/// Whether `name` is a docs/design.md §4 stage name.
 fn design_name(name: &str) -> bool {
     if ["embed", "final_norm", "logits"].contains(&name) {
         return true;
@@ -98,7 +98,7 @@ fn probe_trace_matches_transformers_and_itself() {
 
     // Names, stats recomputed in Rust (exact), whole tensors.
     for s in trace.stages() {
-        assert!(design_name(&s.name), "{} is not a DESIGN §4 name", s.name);
+        assert!(design_name(&s.name), "{} is not a docs/design.md §4 name", s.name);
         assert_eq!(s.rank, None, "{}", s.name);
         let stats = match s.dtype {
             ElemType::F32 => TensorStats::of(&f32s(&trace, &s.name)),

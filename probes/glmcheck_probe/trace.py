@@ -1,4 +1,4 @@
-"""Write a glmcheck trace (DESIGN §5) from Python, in exactly the format `src/trace/` reads.
+"""Write a glmcheck trace (docs/design.md §5) from Python, in exactly the format `src/trace/` reads.
 
 Stages are grouped by layer (`L{n}.…`; any other stage is a group of its own). A group is written
 when the next one starts and at `finish()`: its full tensors to `GROUP.safetensors`, then the
@@ -144,7 +144,7 @@ class TraceWriter:
         self._write_manifest()
 
     def record(self, name: str, values: np.ndarray, dims: str, rank=None) -> None:
-        """Record stage `name` (DESIGN §4) with dims spec `dims`, whole or (`rank`) one
+        """Record stage `name` (docs/design.md §4) with dims spec `dims`, whole or (`rank`) one
         tensor-parallel rank's part; f32 or i32 values."""
         if not STAGE_NAME.match(name):
             raise ValueError(f"stage name {name!r}: ASCII letters, digits, `.`, `_` or `-` only")

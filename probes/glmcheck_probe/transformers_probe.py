@@ -1,4 +1,4 @@
-"""Record the DESIGN §4 stages of a Hugging Face `GlmMoeDsaForCausalLM` forward as a glmcheck trace.
+"""Record the docs/design.md §4 stages of a Hugging Face `GlmMoeDsaForCausalLM` forward as a glmcheck trace.
 
 Usage: python -m glmcheck_probe.transformers_probe MODEL_DIR --tokens 1,2,3 --out run.trace
        [--full GLOB ...] [--dtype f32|bf16|f16]
@@ -33,7 +33,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 from .trace import DEFAULT_FULL, TraceWriter, fingerprint
 from .vllm_probe import merge_traces
 
-# The DESIGN §4 dims spec of every stage this probe records, by name without its `L{n}.`.
+# The docs/design.md §4 dims spec of every stage this probe records, by name without its `L{n}.`.
 DIMS = {
     "embed": "t d", "final_norm": "t d", "logits": "t v(tp)",
     "attn_norm": "t d", "attn.q_a": "t d", "attn.q_a_norm": "t d", "attn.q": "t h(tp) d",

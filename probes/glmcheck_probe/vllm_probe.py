@@ -1,5 +1,5 @@
 """Hook vLLM's GLM-5 / DeepSeek-V2 model classes in each tensor-parallel worker: record the
-DESIGN §4 stages of one forward as a per-rank glmcheck trace, and write the worker's shard
+docs/design.md §4 stages of one forward as a per-rank glmcheck trace, and write the worker's shard
 manifest (every parameter's local shape, dtype, hash and statistics) in the format
 `glmcheck shards --actual` reads.
 
@@ -416,7 +416,7 @@ class Probe:
             def index(o):
                 self.in_indexer = False
                 ids = _first(o)[: len(self.tokens)].to(torch.int64)
-                # Keys after the query are padding of a short prompt: -1, as DESIGN §4 says.
+                # Keys after the query are padding of a short prompt: -1, as docs/design.md §4 says.
                 query = torch.arange(len(self.tokens)).unsqueeze(-1)
                 self.take(L + "attn.index_topk", torch.where(ids > query, -1, ids), "t k", -1)
 

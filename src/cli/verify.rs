@@ -178,10 +178,15 @@ fn print_text(report: &VerifyReport) {
     }
     match report.verdict {
         Verdict::Pass => println!("\nverdict: pass — every tensor holds the reference's values"),
-        Verdict::Fail => println!(
-            "\nverdict: FAIL — {} tensors depart from the reference beyond their type's noise",
-            report.findings.len()
-        ),
+        Verdict::Fail => {
+            let n = report.findings.len();
+            let (tensors, their) = if n == 1 {
+                ("tensor departs", "its")
+            } else {
+                ("tensors depart", "their")
+            };
+            println!("\nverdict: FAIL — {n} {tensors} from the reference beyond {their} type's noise")
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The fault class of a first divergence, from what two traces alone show (DESIGN §7):
+//! The fault class of a first divergence, from what two traces alone show (docs/design.md §7):
 //! new NaN or Inf, a constant scale, the same values in another order, flat logits, another
 //! expert choice, or error that grew without a jump (precision).
 

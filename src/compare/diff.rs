@@ -114,7 +114,7 @@ pub struct Divergence {
     pub rank: Option<u32>,
 }
 
-/// The verdict, DESIGN §7's JSON.
+/// The verdict, docs/design.md §7's JSON.
 #[derive(Clone, Debug, Serialize)]
 pub struct DiffReport {
     pub verdict: Status,

@@ -1,4 +1,4 @@
-//! DESIGN §7's fault classes and what a diagnosis carries.
+//! docs/design.md §7's fault classes and what a diagnosis carries.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,4 +1,4 @@
-//! DESIGN §6's per-stage metrics between a reference and a candidate tensor, in f64 over the
+//! docs/design.md §6's per-stage metrics between a reference and a candidate tensor, in f64 over the
 //! positions where both are finite (NaN and Inf are counted, not averaged).
 
 use serde::{Deserialize, Serialize};

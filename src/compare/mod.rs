@@ -1,4 +1,4 @@
-//! Comparing traces (DESIGN §6–§7): metrics per stage, unsharding of tensor-parallel parts,
+//! Comparing traces (docs/design.md §6–§7): metrics per stage, unsharding of tensor-parallel parts,
 //! logits statistics, the first divergence and its fault class.
 
 pub mod classify;

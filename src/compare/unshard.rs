@@ -1,4 +1,4 @@
-//! Whole tensors from tensor-parallel parts, by the stage's dims spec (DESIGN §4): an axis
+//! Whole tensors from tensor-parallel parts, by the stage's dims spec (docs/design.md §4): an axis
 //! marked `(tp)` (`t h(tp) d`) is concatenated in rank order, `partial(tp)` parts are summed.
 
 use anyhow::{bail, Result};

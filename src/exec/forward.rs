@@ -1,5 +1,5 @@
 //! The GLM-5 forward over all prompt positions at once, on any [`Backend`], recording every
-//! DESIGN §4 stage.
+//! docs/design.md §4 stage.
 //!
 //! It follows transformers' `GlmMoeDsaForCausalLM`: RMSNorms in f32 (`q_a`/`kv_a` norms with eps
 //! 1e-6 by default, as transformers builds them), MLA with interleaved (or NeoX) RoPE on the

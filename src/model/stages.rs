@@ -1,11 +1,11 @@
-//! The stages of DESIGN §4 in execution order, and the weights each one reads: what a
+//! The stages of docs/design.md §4 in execution order, and the weights each one reads: what a
 //! diagnosis checks when a stage is the first to diverge.
 
 use super::names::LayerWeight::{self, *};
 use super::names::WeightId;
 use super::Glm5Config;
 
-/// A layer's stages (after `L{n}.`) in the order the forward records them, DESIGN §4's names
+/// A layer's stages (after `L{n}.`) in the order the forward records them, docs/design.md §4's names
 /// (`attn.index_topk` only with DSA; `moe.*` only in MoE layers).
 pub const LAYER_STAGES: &[&str] = &[
     "attn_norm",

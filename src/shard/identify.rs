@@ -1,6 +1,6 @@
 //! Which slice of the full weight a rank's shard is — the plan's block for that rank, another
 //! rank's block, the whole tensor, a block along an axis the plan does not split, or one
-//! contiguous block of a tensor the plan splits part by part — and the DESIGN §7 class that
+//! contiguous block of a tensor the plan splits part by part — and the docs/design.md §7 class that
 //! follows (`unsharded_weight`, `wrong_shard_layout`).
 //!
 //! A shard is recognised from its values, else its hash, else its statistics, each within one

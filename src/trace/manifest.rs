@@ -1,4 +1,4 @@
-//! `manifest.json`, the index of a trace (DESIGN §5): the run's header and one record per
+//! `manifest.json`, the index of a trace (docs/design.md §5): the run's header and one record per
 //! stage, with its statistics and, for full tensors, where the values are stored.
 //!
 //! Reading is strict about what tools rely on (format, version, names, shapes, file paths) and
@@ -72,7 +72,7 @@ pub enum ElemType {
     I32,
 }
 
-/// One recorded stage (DESIGN §4 names), whole or one tensor-parallel rank's part.
+/// One recorded stage (docs/design.md §4 names), whole or one tensor-parallel rank's part.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StageRecord {
     pub name: String,

@@ -1,4 +1,4 @@
-//! Traces (DESIGN §5): a folder `NAME.trace/` holding `manifest.json` (the run and, for every
+//! Traces (docs/design.md §5): a folder `NAME.trace/` holding `manifest.json` (the run and, for every
 //! stage, its statistics) and safetensors files with the full tensors of the selected stages.
 //! Anything that writes JSON and safetensors can produce one, so engine probes need no Rust.
 

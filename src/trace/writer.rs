@@ -132,7 +132,7 @@ impl TraceWriter {
         Ok(writer)
     }
 
-    /// Record stage `name` (DESIGN §4) of row-major `shape` with dims spec `dims`, whole
+    /// Record stage `name` (docs/design.md §4) of row-major `shape` with dims spec `dims`, whole
     /// (`rank` None) or one rank's part. Its stats are kept; its values too when `--full`
     /// selects it. Starting a new layer writes the previous one.
     pub fn record(

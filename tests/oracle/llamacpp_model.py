@@ -15,7 +15,7 @@ SRC is the llama.cpp source tree that scripts/setup-llamacpp unpacks (.oracles/l
 Prints JSON: {"hf", "gguf", "vocab_size", "sequences": [{"tokens", "logits", "generated"}]}, with
 `generated` the `--generate N` greedy tokens of transformers after that sequence.
 
-The config follows the oracle notes (shared/research/llamacpp-oracle.md): 16 indexer heads (so
+The config keeps clear of what llama.cpp cannot run or breaks ties on: 16 indexer heads (so
 DSA scores have no exact ties), index_head_dim 64 (llama.cpp's indexer Hadamard rotation needs a
 power of two >= 64), index_topk 4 (sequences longer than 4 really select), kv_lora_rank + rope
 (24) != index_head_dim, no MTP layer. Weights are re-drawn from the seed at scales that give

@@ -262,15 +262,7 @@ pub(super) fn q2_k(src: &[f32], dst: &mut [u8]) {
         let weights = xt.map(|row| row.map(f32::abs));
         let mut lt = [[0u8; 16]; 16];
         let (scales, mins) = make_qkx2(3, &xt, &weights, &mut lt, -0.5, 0.1, 15, true);
-        let (mut max_scale, mut max_min) = (0f32, 0f32);
-        for (&scale, &min) in scales.iter().zip(&mins) {
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
+        let (max_scale, max_min) = largest(&scales, &mins);
         let mut l: [u8; 256] = std::array::from_fn(|k| lt[k % 16][k / 16]);
         let (sc, rest) = b.split_at_mut(16);
         let (qs, dm) = rest.split_at_mut(64);
@@ -402,14 +394,11 @@ fn rms_plus_abs(xt: &Lanes<f32, 8, 32>) -> Lanes<f32, 8, 32> {
 /// |x| weights, squared error), 6-bit scales and minima against the largest over 63 packed in
 /// 12 bytes, `d` and `dmin` at bytes 0 and 2, then the codes requantized against the stored
 /// scales. Returns the codes.
+/// The largest scale and the largest min of a block's groups, from 0 (ggml's `>` scan).
 #[inline(always)]
-fn scale_min_k4(x: &[f32; 256], b: &mut [u8], nmax: i32, rmin: f32, nstep: i32) -> [u8; 256] {
-    let xt: Lanes<f32, 8, 32> = transpose(x);
-    let weights = rms_plus_abs(&xt);
-    let mut lt = [[0u8; 8]; 32];
-    let (scales, mins) = make_qkx2(nmax, &xt, &weights, &mut lt, rmin, 0.1, nstep, false);
+fn largest(scales: &[f32], mins: &[f32]) -> (f32, f32) {
     let (mut max_scale, mut max_min) = (0f32, 0f32);
-    for (&scale, &min) in scales.iter().zip(&mins) {
+    for (&scale, &min) in scales.iter().zip(mins) {
         if scale > max_scale {
             max_scale = scale;
         }
@@ -417,6 +406,16 @@ fn scale_min_k4(x: &[f32; 256], b: &mut [u8], nmax: i32, rmin: f32, nstep: i32) 
             max_min = min;
         }
     }
+    (max_scale, max_min)
+}
+
+#[inline(always)]
+fn scale_min_k4(x: &[f32; 256], b: &mut [u8], nmax: i32, rmin: f32, nstep: i32) -> [u8; 256] {
+    let xt: Lanes<f32, 8, 32> = transpose(x);
+    let weights = rms_plus_abs(&xt);
+    let mut lt = [[0u8; 8]; 32];
+    let (scales, mins) = make_qkx2(nmax, &xt, &weights, &mut lt, rmin, 0.1, nstep, false);
+    let (max_scale, max_min) = largest(&scales, &mins);
     let mut l: [u8; 256] = std::array::from_fn(|k| lt[k % 32][k / 32]);
     let inv_scale = if max_scale > 0.0 {
         63.0 / max_scale
