@@ -32,8 +32,15 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
         assert_eq!(j["verdict"], "pass", "{quant}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["conversion"], true);
         let w = &j["bisect"]["weights"];
-        assert_eq!((&w["checked"], &w["failed"]), (&"all".into(), &0.into()), "{quant}");
-        assert_eq!(w["exact"], w["tensors"], "{quant}: every tensor is ggml's bytes");
+        assert_eq!(
+            (&w["checked"], &w["failed"]),
+            (&"all".into(), &0.into()),
+            "{quant}"
+        );
+        assert_eq!(
+            w["exact"], w["tensors"],
+            "{quant}: every tensor is ggml's bytes"
+        );
         assert!(j["bisect"]["envelope"].is_string());
         if quant == "q4_k_m" {
             // The noise is real: far beyond f32's, yet inside the storage envelope.
@@ -77,5 +84,8 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
         "{:#}",
         j["fault"]
     );
-    assert_eq!(j["bisect"]["weights"]["failed"], 0, "the file itself is honest");
+    assert_eq!(
+        j["bisect"]["weights"]["failed"], 0,
+        "the file itself is honest"
+    );
 }

@@ -98,7 +98,11 @@ fn probe_trace_matches_transformers_and_itself() {
 
     // Names, stats recomputed in Rust (exact), whole tensors.
     for s in trace.stages() {
-        assert!(design_name(&s.name), "{} is not a docs/design.md §4 name", s.name);
+        assert!(
+            design_name(&s.name),
+            "{} is not a docs/design.md §4 name",
+            s.name
+        );
         assert_eq!(s.rank, None, "{}", s.name);
         let stats = match s.dtype {
             ElemType::F32 => TensorStats::of(&f32s(&trace, &s.name)),

@@ -443,7 +443,8 @@ fn honest(a: &Artifacts, key: &str, reference: &'static str) -> Row {
     // itself is no conversion and has none).
     let weights = &b["bisect"]["weights"];
     let conversion = reference_path != candidate;
-    let clean = weights["checked"] == "all" && weights["failed"] == 0 && weights["findings"] == json!([]);
+    let clean =
+        weights["checked"] == "all" && weights["failed"] == 0 && weights["findings"] == json!([]);
     if (conversion && !clean) || (!conversion && !weights.is_null()) {
         problems.push(format!("bisect weight check: {weights}"));
     }

@@ -118,7 +118,15 @@ fn by_type(report: &VerifyReport) -> Vec<(String, [usize; 4], u64)> {
 }
 
 fn print_text(report: &VerifyReport) {
-    let mut types = table(&["type", "tensors", "bytes", "exact", "within noise", "failed", "skipped"]);
+    let mut types = table(&[
+        "type",
+        "tensors",
+        "bytes",
+        "exact",
+        "within noise",
+        "failed",
+        "skipped",
+    ]);
     for (ty, n, b) in by_type(report) {
         types.add_row(vec![
             ty,
@@ -137,7 +145,14 @@ fn print_text(report: &VerifyReport) {
         .filter(|t| matches!(t.status, Status::Fail | Status::Skipped))
         .collect();
     if !notable.is_empty() {
-        let mut t = table(&["tensor", "type", "status", "rel_diff", "noise", "segments past the band"]);
+        let mut t = table(&[
+            "tensor",
+            "type",
+            "status",
+            "rel_diff",
+            "noise",
+            "segments past the band",
+        ]);
         for c in notable {
             t.add_row(vec![
                 c.tensor.clone(),
@@ -185,7 +200,9 @@ fn print_text(report: &VerifyReport) {
             } else {
                 ("tensors depart", "their")
             };
-            println!("\nverdict: FAIL — {n} {tensors} from the reference beyond {their} type's noise")
+            println!(
+                "\nverdict: FAIL — {n} {tensors} from the reference beyond {their} type's noise"
+            )
         }
     }
 }
@@ -211,7 +228,10 @@ fn markdown(report: &VerifyReport) -> String {
         s.skipped
     );
     if !report.findings.is_empty() {
-        let _ = writeln!(md, "| tensor | class | relation | summary |\n|---|---|---|---|");
+        let _ = writeln!(
+            md,
+            "| tensor | class | relation | summary |\n|---|---|---|---|"
+        );
         for f in &report.findings {
             let _ = writeln!(
                 md,

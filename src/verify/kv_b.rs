@@ -16,7 +16,11 @@ use crate::weights::Encoding;
 
 /// Replace unexplained findings on a layer's `attn_k_b`/`attn_v_b` by one row map of the
 /// re-assembled `kv_b_proj`, where there is one.
-pub fn regroup(reference: &WeightSource, cand: &WeightSource, findings: &mut Vec<Finding>) -> Result<()> {
+pub fn regroup(
+    reference: &WeightSource,
+    cand: &WeightSource,
+    findings: &mut Vec<Finding>,
+) -> Result<()> {
     let family = cand.layout().family;
     let split_layer = |f: &Finding| match role(family, &f.tensor) {
         Some(WeightId::Layer(l, LayerWeight::KB | LayerWeight::VB))
@@ -70,7 +74,10 @@ pub fn regroup(reference: &WeightSource, cand: &WeightSource, findings: &mut Vec
             factor: None,
             map: moved.iter().map(|&(r, o)| (r as u64, o as u64)).collect(),
         };
-        let at = findings.iter().position(|f| split_layer(f) == Some(l)).unwrap_or(0);
+        let at = findings
+            .iter()
+            .position(|f| split_layer(f) == Some(l))
+            .unwrap_or(0);
         findings.retain(|f| split_layer(f) != Some(l));
         findings.insert(at.min(findings.len()), merged);
     }

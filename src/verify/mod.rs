@@ -106,9 +106,11 @@ pub struct Options<'a> {
 
 /// Whether the candidate GGUF records an importance matrix.
 pub fn uses_imatrix(cand: &WeightSource) -> bool {
-    cand.files
-        .gguf()
-        .is_some_and(|g| g.metadata().iter().any(|(k, _)| k.starts_with("quantize.imatrix.")))
+    cand.files.gguf().is_some_and(|g| {
+        g.metadata()
+            .iter()
+            .any(|(k, _)| k.starts_with("quantize.imatrix."))
+    })
 }
 
 /// The tensors of `cand` [`verify`] would check with `select`.
@@ -230,7 +232,10 @@ pub fn check_tensor(
     line.rel_diff = sums.rel_diff();
     line.noise = sums.noise();
     let departs = stats.iter().any(|s| s.beyond > 0 || s.nonfinite > 0);
-    if let Some(factor) = line.factor.filter(|f| !departs && (f - 1.0).abs() > SCALE_TOLERANCE) {
+    if let Some(factor) = line
+        .factor
+        .filter(|f| !departs && (f - 1.0).abs() > SCALE_TOLERANCE)
+    {
         line.status = Status::Fail;
         return Ok((line, Some(scaled_finding(&p, factor, &sums))));
     }

@@ -147,7 +147,10 @@ impl Departure<'_> {
         let row = u.rows.start + (at / row_len) as u64;
         let col = at % row_len;
         let block = self.ty().map_or(1, |t| t.block_size());
-        let expert = u.expert.map(|e| format!(" (expert {e})")).unwrap_or_default();
+        let expert = u
+            .expert
+            .map(|e| format!(" (expert {e})"))
+            .unwrap_or_default();
         format!(
             "row {row}, column {col}: block {} of the row{expert}",
             col / block
@@ -655,7 +658,8 @@ pub fn moved_rows(
         let best = (0..rows)
             .filter(|&o| o != r)
             .min_by(|&a, &b| {
-                distance(&sketch_c[r], &sketch_x[a]).total_cmp(&distance(&sketch_c[r], &sketch_x[b]))
+                distance(&sketch_c[r], &sketch_x[a])
+                    .total_cmp(&distance(&sketch_c[r], &sketch_x[b]))
             })
             .filter(|&o| within(&x[o * row_len..][..row_len], cr, noise[o]));
         match best {
@@ -786,9 +790,7 @@ mod tests {
     #[test]
     fn rows_moved_by_whole_heads_are_a_head_map() {
         // Heads of 4 rows: head 0 and head 2 swapped.
-        let rows: Vec<(u64, u64)> = (0..4)
-            .flat_map(|i| [(i, 8 + i), (8 + i, i)])
-            .collect();
+        let rows: Vec<(u64, u64)> = (0..4).flat_map(|i| [(i, 8 + i), (8 + i, i)]).collect();
         assert_eq!(head_map(&rows, 4), Some(vec![(0, 2), (2, 0)]));
         // A row moved to another offset within its head is no head map.
         assert_eq!(head_map(&[(1, 6)], 4), None);

@@ -201,11 +201,7 @@ pub fn compare(
         median_ratio(&per_segment)
     };
     for (i, (s, exact, zeros, nonfinite, _)) in per_segment.iter().enumerate() {
-        let noise = if st.requantized {
-            s.nn
-        } else {
-            typical * s.xx
-        };
+        let noise = if st.requantized { s.nn } else { typical * s.xx };
         let allowed = BAND * noise.max(NOISE_FLOOR_SHARE * typical * s.xx)
             + F32_FLOOR * s.xx
             + f64::from(f32::MIN_POSITIVE);

@@ -97,17 +97,36 @@ pub fn plan<'a>(
     let heads = cfg.num_attention_heads;
     let whole = |r: Reference| vec![unit(0..t.rows(), None, r)];
     let (units, head_rows) = match id {
-        WeightId::Layer(l, w @ (LayerWeight::ExpertsGate | LayerWeight::ExpertsUp | LayerWeight::ExpertsDown)) => {
-            (per_expert(t, |e| Reference::Expert { layer: l, expert: e, which: w }), None)
-        }
-        WeightId::Layer(l, LayerWeight::ExpertsGateUp) => {
-            (per_expert(t, |e| Reference::ExpertGateUp { layer: l, expert: e }), None)
-        }
+        WeightId::Layer(
+            l,
+            w @ (LayerWeight::ExpertsGate | LayerWeight::ExpertsUp | LayerWeight::ExpertsDown),
+        ) => (
+            per_expert(t, |e| Reference::Expert {
+                layer: l,
+                expert: e,
+                which: w,
+            }),
+            None,
+        ),
+        WeightId::Layer(l, LayerWeight::ExpertsGateUp) => (
+            per_expert(t, |e| Reference::ExpertGateUp {
+                layer: l,
+                expert: e,
+            }),
+            None,
+        ),
         WeightId::Expert {
             layer,
             expert,
             which,
-        } => (whole(Reference::Expert { layer, expert, which }), None),
+        } => (
+            whole(Reference::Expert {
+                layer,
+                expert,
+                which,
+            }),
+            None,
+        ),
         WeightId::Layer(l, LayerWeight::KB) => (
             whole(Reference::KvBPart { layer: l, k: true }),
             Some(cfg.kv_lora_rank),
@@ -228,8 +247,8 @@ pub fn reference_values(reference: &WeightSource, u: &Unit) -> Result<Vec<f32>> 
                 nope: cfg.qk_nope_head_dim as usize,
                 v: cfg.v_head_dim as usize,
             };
-            let (k_b, v_b) = split_kv_b(&kv_b.data, dims)
-                .with_context(|| format!("layer {layer} kv_b_proj"))?;
+            let (k_b, v_b) =
+                split_kv_b(&kv_b.data, dims).with_context(|| format!("layer {layer} kv_b_proj"))?;
             if k {
                 k_b
             } else {

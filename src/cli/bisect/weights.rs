@@ -183,7 +183,10 @@ pub fn apply(
             // A finding upstream of (or at) the divergence explains it: the first in the
             // forward's order is the cause.
             let names = tensor_names(&cand, &stage_weights(&cfg, &d.stage));
-            let at = order.iter().position(|o| *o == d.stage).unwrap_or(usize::MAX);
+            let at = order
+                .iter()
+                .position(|o| *o == d.stage)
+                .unwrap_or(usize::MAX);
             let cause = fed
                 .iter()
                 .find(|(s, f)| rank(s) < at || names.contains(&f.tensor));
