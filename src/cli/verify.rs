@@ -173,6 +173,13 @@ fn print_text(report: &VerifyReport) {
         "{} tensors: {} exact (ggml's bytes), {} within their type's noise, {} failed, {} skipped",
         s.tensors, s.exact, s.within_noise, s.failed, s.skipped
     );
+    if s.blocks_requantized < s.blocks {
+        println!(
+            "re-quantized {} of {} blocks from the reference: a sample and every block whose \
+             verdict needed it (--exact: all)",
+            s.blocks_requantized, s.blocks
+        );
+    }
     if report.candidate_imatrix {
         println!(
             "the candidate was quantized with an importance matrix: its blocks are judged by \

@@ -35,7 +35,8 @@ const SCALE_TOLERANCE: f64 = 0.02;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
-    /// Every block is the bytes glmcheck's (ggml's) quantization of the reference gives.
+    /// Every block re-quantized (all with `--exact`, else a sample and every block whose
+    /// verdict needed it) is the bytes glmcheck's (ggml's) quantization of the reference gives.
     Exact,
     /// Not those bytes everywhere, but every segment within the type's noise.
     Noise,
@@ -56,13 +57,17 @@ pub struct TensorCheck {
     pub rel_diff: f64,
     pub noise: f64,
     pub blocks: u64,
+    /// Blocks the reference's values were re-quantized for, and of those the ones whose bytes
+    /// are the re-quantization's.
+    pub blocks_requantized: u64,
     pub blocks_exact: u64,
     /// Segments (256 values) past the band.
     pub blocks_beyond: u64,
     /// The largest departure of a segment over its type's noise (a fault past 8).
     pub worst: f64,
-    /// Σqc/Σq²: the least-squares factor between the candidate and the reference re-stored in
-    /// its type (1 for an honest file; absent without a quantizer).
+    /// Σqc/Σq² over the re-quantized sample: the least-squares factor between the candidate
+    /// and the reference re-stored in its type (1 for an honest file; absent without a
+    /// quantizer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub factor: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -78,6 +83,9 @@ pub struct Summary {
     pub within_noise: usize,
     pub failed: usize,
     pub skipped: usize,
+    /// Blocks checked, and those re-quantized from the reference to judge them.
+    pub blocks: u64,
+    pub blocks_requantized: u64,
 }
 
 /// The whole check.
@@ -146,6 +154,8 @@ pub fn verify(
         within_noise: count(Status::Noise),
         failed: count(Status::Fail),
         skipped: count(Status::Skipped),
+        blocks: tensors.iter().map(|t| t.blocks).sum(),
+        blocks_requantized: tensors.iter().map(|t| t.blocks_requantized).sum(),
     };
     Ok(VerifyReport {
         verdict: if findings.is_empty() {
@@ -179,6 +189,7 @@ pub fn check_tensor(
         rel_diff: 0.0,
         noise: 0.0,
         blocks: 0,
+        blocks_requantized: 0,
         blocks_exact: 0,
         blocks_beyond: 0,
         worst: 0.0,
@@ -219,28 +230,33 @@ pub fn check_tensor(
         };
         let stored = candidate_bytes(cand, t, u);
         stats.push(compare(ty, t.row_len() as usize, &x, &c, stored, strict)?);
+        // The bytes were read through the map: let them go, or the process keeps every page.
+        cand.files.release_rows(t, u.rows.clone());
     }
-    let mut sums = Sums::default();
+    let (mut sums, mut sample) = (Sums::default(), Sums::default());
     for s in &stats {
         sums.add(&s.sums);
+        sample.add(&s.sample);
         line.blocks += s.blocks;
+        line.blocks_requantized += s.blocks_requantized;
         line.blocks_exact += s.blocks_exact;
         line.blocks_beyond += s.beyond;
         line.worst = line.worst.max(s.worst);
     }
-    line.factor = (sums.qq > 0.0).then(|| sums.qc / sums.qq);
+    line.factor = (sample.qq > 0.0).then(|| sample.qc / sample.qq);
     line.rel_diff = sums.rel_diff();
-    line.noise = sums.noise();
+    line.noise = sample.noise();
     let departs = stats.iter().any(|s| s.beyond > 0 || s.nonfinite > 0);
     if let Some(factor) = line
         .factor
         .filter(|f| !departs && (f - 1.0).abs() > SCALE_TOLERANCE)
     {
         line.status = Status::Fail;
-        return Ok((line, Some(scaled_finding(&p, factor, &sums))));
+        return Ok((line, Some(scaled_finding(&p, factor, &sums, &sample))));
     }
     if !departs {
-        line.status = if line.blocks_exact == line.blocks {
+        line.status = if line.blocks_requantized > 0 && line.blocks_exact == line.blocks_requantized
+        {
             Status::Exact
         } else {
             Status::Noise
@@ -260,7 +276,7 @@ pub fn check_tensor(
 }
 
 /// A whole tensor that is the re-stored reference times `factor`, each segment within the band.
-fn scaled_finding(p: &Plan, factor: f64, sums: &Sums) -> Finding {
+fn scaled_finding(p: &Plan, factor: f64, sums: &Sums, sample: &Sums) -> Finding {
     let t = p.tensor;
     let relation = Relation::ScalarMultiple;
     Finding {
@@ -279,7 +295,7 @@ fn scaled_finding(p: &Plan, factor: f64, sums: &Sums) -> Finding {
             t.name,
             t.encoding.name(),
             sums.rel_diff(),
-            sums.noise()
+            sample.noise()
         )],
         factor: Some(factor),
         map: Vec::new(),

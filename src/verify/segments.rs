@@ -1,15 +1,25 @@
 //! One unit of a candidate tensor against the reference, segment by segment.
 //!
-//! A segment is 256 consecutive stored values (whole blocks of every GGML type). For each one
-//! the reference's values are stored in the candidate's type again with ggml's own quantizer:
-//! where the candidate's bytes are those bytes the segment is `exact`; else its departure from
-//! the reference (Σ(x−c)²) is judged against what that storage leaves of the reference
-//! (Σ(x−q)²) — a quantizer with other choices (an importance matrix, another rounding) departs
-//! by about as much, a corrupted segment by far more.
+//! A segment is 256 consecutive stored values (whole blocks of every GGML type). Every segment's
+//! departure from the reference (Σ(x−c)²) is measured; the reference's values of a segment are
+//! stored in the candidate's type again with ggml's own quantizer (re-quantized) where that
+//! can decide something: where the candidate's bytes are those bytes the segment is `exact`,
+//! else its departure is judged against what that storage leaves of the reference (Σ(x−q)²) —
+//! a quantizer with other choices (an importance matrix, another rounding) departs by about as
+//! much, a corrupted segment by far more.
+//!
+//! Re-quantizing is ggml's scale search, about a hundred times the cost of reading a value, so
+//! it runs where it matters: on a fixed pseudo-random sample of the segments (which measures the
+//! unit's typical noise, the factor and exactness), on every segment whose departure is past
+//! what that typical noise lets through whatever its own noise is, and on every segment with
+//! `strict` (`--exact`) or in a small unit. A segment left out departs by at most
+//! [`BAND`] × [`NOISE_FLOOR_SHARE`] of the typical noise, which passes under the rule whatever
+//! its own re-quantization would show: the rule is the one re-quantizing everything applies,
+//! with the unit's typical noise measured on the sample.
 
 use rayon::prelude::*;
 
-use crate::synth::quantize::{has_quantizer, quantize};
+use crate::synth::quantize::{has_quantizer, quantize, quantize_blocks};
 use crate::weights::quant::dequantize_rows;
 use crate::weights::GgmlType;
 
@@ -26,11 +36,18 @@ const NOISE_FLOOR_SHARE: f64 = 0.25;
 /// The relative error of f32 arithmetic on the way (converters that compute in f64 and round).
 const F32_FLOOR: f64 = 1e-12;
 
+/// One segment in this many is in the re-quantized sample.
+const SAMPLE_ONE_IN: u64 = 32;
+
+/// Units of at most this many segments are re-quantized whole (a sample would be too few).
+const WHOLE_UNIT_SEGMENTS: usize = 256;
+
 /// Sums over some values of both sides.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Sums {
     /// Σx² (reference), Σc² (candidate), Σxc, Σ(x−c)², Σ(x−q)² (reference re-stored), and
-    /// Σqc, Σq² (for a factor between the candidate and the re-stored reference).
+    /// Σqc, Σq² (for a factor between the candidate and the re-stored reference). The last
+    /// three cover the re-quantized segments only.
     pub xx: f64,
     pub cc: f64,
     pub xc: f64,
@@ -79,8 +96,6 @@ pub struct Beyond {
     pub at: usize,
     /// Σ(x−c)² over the Σ(x−q)² allowed there (how far past its noise).
     pub ratio: f64,
-    /// The candidate's values there are all zero.
-    pub zeros: bool,
 }
 
 /// Segments past the band kept as evidence per unit.
@@ -90,9 +105,13 @@ const BEYOND_KEPT: usize = 16;
 #[derive(Clone, Debug, Default)]
 pub struct UnitStats {
     pub sums: Sums,
+    /// Over the re-quantized sample only: the unit's typical noise and factor.
+    pub sample: Sums,
     /// Over the segments past the band only.
     pub beyond_sums: Sums,
     pub blocks: u64,
+    /// Blocks re-quantized, and of those the ones whose bytes are the re-quantization's.
+    pub blocks_requantized: u64,
     pub blocks_exact: u64,
     pub segments: u64,
     pub beyond: u64,
@@ -110,6 +129,20 @@ pub struct UnitStats {
     pub worst: f64,
 }
 
+/// One segment's measures.
+#[derive(Clone, Copy, Debug, Default)]
+struct Segment {
+    sums: Sums,
+    /// Blocks, and of those (when re-quantized) the ones with the re-quantization's bytes.
+    blocks: u64,
+    exact: u64,
+    requantized: bool,
+    in_sample: bool,
+    zeros: bool,
+    nonfinite: u64,
+    first_nonfinite: Option<usize>,
+}
+
 /// Compare one unit: `x` the reference's values in the candidate's layout, `c` the candidate's,
 /// `stored` the candidate's bytes (GGML type `ty`, rows of `row_len`; `None` for an encoding
 /// that is no GGML type, FP8), `strict`: every block must be the re-quantization's bytes.
@@ -121,114 +154,213 @@ pub fn compare(
     stored: Option<&[u8]>,
     strict: bool,
 ) -> anyhow::Result<UnitStats> {
-    let requant = match ty {
-        Some(ty) => restore(ty, row_len, x)?,
-        None => None,
-    };
-    let (q, q_bytes) = match &requant {
-        Some((q, b)) => (Some(q.as_slice()), Some(b.as_slice())),
-        None => (None, None),
-    };
-    let (block, type_size) = ty.map_or((1, 1), |t| (t.block_size(), t.type_size()));
-    let block_bytes = type_size * SEGMENT / block;
-    let per_segment: Vec<(Sums, u64, bool, u64, Option<usize>)> = x
+    judge(ty, row_len, x, c, stored, strict, strict)
+}
+
+/// [`compare`], re-quantizing every segment when `whole`.
+fn judge(
+    ty: Option<GgmlType>,
+    row_len: usize,
+    x: &[f32],
+    c: &[f32],
+    stored: Option<&[u8]>,
+    strict: bool,
+    whole: bool,
+) -> anyhow::Result<UnitStats> {
+    let block = ty.map_or(1, |t| t.block_size());
+    let mut segs: Vec<Segment> = x
         .par_chunks(SEGMENT)
+        .zip(c.par_chunks(SEGMENT))
         .enumerate()
-        .map(|(i, xs)| {
-            let cs = &c[i * SEGMENT..i * SEGMENT + xs.len()];
-            let qs = q.map(|q| &q[i * SEGMENT..i * SEGMENT + xs.len()]);
-            // Blocks of this segment whose bytes are the re-quantization's.
-            let exact = match (q_bytes, stored) {
-                (Some(a), Some(b)) => {
-                    let r = i * block_bytes..(i * block_bytes + block_bytes).min(a.len());
-                    match (a.get(r.clone()), b.get(r)) {
-                        (Some(a), Some(b)) => a
-                            .chunks(type_size)
-                            .zip(b.chunks(type_size))
-                            .filter(|(x, y)| x == y)
-                            .count() as u64,
-                        _ => 0,
-                    }
-                }
-                _ => 0,
-            };
-            let mut s = Sums::default();
-            let mut nonfinite = 0u64;
-            let mut first = None;
-            let mut zeros = true;
-            for (k, (&xv, &cv)) in xs.iter().zip(cs).enumerate() {
-                let (xd, cd) = (f64::from(xv), f64::from(cv));
-                zeros &= cv == 0.0;
-                if !cv.is_finite() && xv.is_finite() {
-                    nonfinite += 1;
-                    first.get_or_insert(i * SEGMENT + k);
-                    continue;
-                }
-                s.xx += xd * xd;
-                s.cc += cd * cd;
-                s.xc += xd * cd;
-                s.dd += (xd - cd) * (xd - cd);
-                if let Some(qs) = qs {
-                    let qd = f64::from(qs[k]);
-                    s.nn += (xd - qd) * (xd - qd);
-                    s.qc += qd * cd;
-                    s.qq += qd * qd;
-                }
-            }
-            (s, exact, zeros, nonfinite, first)
-        })
+        .map(|(i, (xs, cs))| measure(i, xs, cs, block))
         .collect();
+    let requant = ty.filter(|&t| has_quantizer(t) && row_len % t.block_size() == 0);
+    let typical = match requant {
+        Some(ty) => {
+            let whole = whole || segs.len() <= WHOLE_UNIT_SEGMENTS;
+            requantize_where(ty, x, c, stored, &mut segs, |i, _| {
+                whole || in_sample(i as u64)
+            })?;
+            for s in segs.iter_mut().filter(|s| s.requantized) {
+                s.in_sample = true;
+            }
+            let sample = sum_of(segs.iter().filter(|s| s.in_sample));
+            let typical = sample.nn / sample.xx.max(f64::MIN_POSITIVE);
+            // Past what the floor lets through: the verdict needs the segment's own noise.
+            requantize_where(ty, x, c, stored, &mut segs, |_, s| {
+                s.nonfinite > 0 || s.sums.dd > BAND * NOISE_FLOOR_SHARE * typical * s.sums.xx
+            })?;
+            typical
+        }
+        // Without a quantizer, the unit's own median relative departure stands for its noise.
+        None => median_ratio(&segs),
+    };
     let mut st = UnitStats {
         requantized: requant.is_some(),
         candidate_all_zero: true,
+        sample: sum_of(segs.iter().filter(|s| s.in_sample)),
         ..UnitStats::default()
     };
-    for (s, exact, zeros, nonfinite, first) in &per_segment {
-        st.sums.add(s);
+    for (i, s) in segs.iter().enumerate() {
+        st.sums.add(&s.sums);
         st.segments += 1;
-        st.blocks += (s_len(x.len(), st.segments) / block) as u64;
-        st.blocks_exact += exact;
-        st.candidate_all_zero &= *zeros;
-        st.nonfinite += nonfinite;
+        st.blocks += s.blocks;
+        st.blocks_exact += s.exact;
+        st.blocks_requantized += if s.requantized { s.blocks } else { 0 };
+        st.candidate_all_zero &= s.zeros;
+        st.nonfinite += s.nonfinite;
         if st.first_nonfinite.is_none() {
-            st.first_nonfinite = *first;
+            st.first_nonfinite = s.first_nonfinite;
         }
-    }
-    // Without a quantizer, the unit's own median relative departure stands for its noise.
-    let typical = if st.requantized {
-        st.sums.nn / st.sums.xx.max(f64::MIN_POSITIVE)
-    } else {
-        median_ratio(&per_segment)
-    };
-    for (i, (s, exact, zeros, nonfinite, _)) in per_segment.iter().enumerate() {
-        let noise = if st.requantized { s.nn } else { typical * s.xx };
-        let allowed = BAND * noise.max(NOISE_FLOOR_SHARE * typical * s.xx)
-            + F32_FLOOR * s.xx
+        let own = if s.requantized {
+            s.sums.nn
+        } else {
+            typical * s.sums.xx
+        };
+        let allowed = BAND * own.max(NOISE_FLOOR_SHARE * typical * s.sums.xx)
+            + F32_FLOOR * s.sums.xx
             + f64::from(f32::MIN_POSITIVE);
-        let all_exact = *exact == (s_len(x.len(), i as u64 + 1) / block) as u64;
-        st.worst = st.worst.max(s.dd / (allowed / BAND));
-        let past = *nonfinite > 0 || s.dd > allowed || (strict && !all_exact);
+        st.worst = st.worst.max(s.sums.dd / (allowed / BAND));
+        let past = s.nonfinite > 0 || s.sums.dd > allowed || (strict && s.exact < s.blocks);
         if !past {
             continue;
         }
         st.beyond += 1;
-        st.beyond_sums.add(s);
-        st.beyond_zeros += u64::from(*zeros && s.xx > 0.0);
+        st.beyond_sums.add(&s.sums);
+        st.beyond_zeros += u64::from(s.zeros && s.sums.xx > 0.0);
         if st.first_beyond.len() < BEYOND_KEPT {
             st.first_beyond.push(Beyond {
                 at: i * SEGMENT,
-                ratio: s.dd / (allowed / BAND),
-                zeros: *zeros,
+                ratio: s.sums.dd / (allowed / BAND),
             });
         }
     }
     Ok(st)
 }
 
-/// Values in segment `n` (counted from 1) of a unit of `len` values.
-fn s_len(len: usize, n: u64) -> usize {
-    let start = (n as usize - 1) * SEGMENT;
-    len.saturating_sub(start).min(SEGMENT)
+/// Segment `i`'s sums of both sides (no re-quantization yet).
+fn measure(i: usize, xs: &[f32], cs: &[f32], block: usize) -> Segment {
+    let mut seg = Segment {
+        blocks: (xs.len() / block) as u64,
+        ..Segment::default()
+    };
+    let fast = lane_sums(xs, cs);
+    // Finite sums: every value is finite, and Σc² = 0 only where every c is 0.
+    if [fast.xx, fast.cc, fast.xc, fast.dd]
+        .iter()
+        .all(|v| v.is_finite())
+    {
+        seg.sums = fast;
+        seg.zeros = fast.cc == 0.0;
+        return seg;
+    }
+    seg.zeros = cs.iter().all(|&v| v == 0.0);
+    let s = &mut seg.sums;
+    for (k, (&xv, &cv)) in xs.iter().zip(cs).enumerate() {
+        if !cv.is_finite() && xv.is_finite() {
+            seg.nonfinite += 1;
+            seg.first_nonfinite.get_or_insert(i * SEGMENT + k);
+            continue;
+        }
+        let (xd, cd) = (f64::from(xv), f64::from(cv));
+        s.xx += xd * xd;
+        s.cc += cd * cd;
+        s.xc += xd * cd;
+        s.dd += (xd - cd) * (xd - cd);
+    }
+    seg
+}
+
+/// Σx², Σc², Σxc and Σ(x−c)² in independent lanes (one running sum would wait on each
+/// addition, and this pass runs over every value of a checkpoint).
+fn lane_sums(xs: &[f32], cs: &[f32]) -> Sums {
+    const LANES: usize = 4;
+    let mut acc = [[0f64; LANES]; 4];
+    let mut add = |l: usize, a: f32, b: f32| {
+        let (a, b) = (f64::from(a), f64::from(b));
+        acc[0][l] += a * a;
+        acc[1][l] += b * b;
+        acc[2][l] += a * b;
+        acc[3][l] += (a - b) * (a - b);
+    };
+    let mut xk = xs.chunks_exact(LANES);
+    let mut ck = cs.chunks_exact(LANES);
+    for (x, c) in (&mut xk).zip(&mut ck) {
+        for l in 0..LANES {
+            add(l, x[l], c[l]);
+        }
+    }
+    for (l, (&a, &b)) in xk.remainder().iter().zip(ck.remainder()).enumerate() {
+        add(l, a, b);
+    }
+    let [xx, cc, xc, dd] = acc.map(|lanes| lanes.iter().sum());
+    Sums {
+        xx,
+        cc,
+        xc,
+        dd,
+        ..Sums::default()
+    }
+}
+
+/// Whether segment `i` is in the re-quantized sample: a hash of its index, so that no stride
+/// lines up with a row's length.
+fn in_sample(i: u64) -> bool {
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) % SAMPLE_ONE_IN == 0
+}
+
+/// Re-quantize the segments `pick` chooses that are not yet: their noise, factor sums and
+/// exact blocks against the candidate's bytes `stored`.
+fn requantize_where(
+    ty: GgmlType,
+    x: &[f32],
+    c: &[f32],
+    stored: Option<&[u8]>,
+    segs: &mut [Segment],
+    pick: impl Fn(usize, &Segment) -> bool + Sync,
+) -> anyhow::Result<()> {
+    let seg_bytes = ty.type_size() * SEGMENT / ty.block_size();
+    segs.par_iter_mut()
+        .enumerate()
+        .filter(|(i, s)| !s.requantized && pick(*i, s))
+        .try_for_each(|(i, s)| {
+            let r = i * SEGMENT..(i * SEGMENT + SEGMENT).min(x.len());
+            let bytes = quantize_blocks(ty, &x[r.clone()])?;
+            let mut q = vec![0f32; r.len()];
+            dequantize_rows(ty, &bytes, &mut q, r.len())?;
+            for ((&xv, &cv), &qv) in x[r.clone()].iter().zip(&c[r]).zip(&q) {
+                if !cv.is_finite() && xv.is_finite() {
+                    continue;
+                }
+                let (xd, cd, qd) = (f64::from(xv), f64::from(cv), f64::from(qv));
+                s.sums.nn += (xd - qd) * (xd - qd);
+                s.sums.qc += qd * cd;
+                s.sums.qq += qd * qd;
+            }
+            let at = i * seg_bytes;
+            s.exact = stored
+                .and_then(|b| b.get(at..at + bytes.len()))
+                .map_or(0, |b| {
+                    bytes
+                        .chunks(ty.type_size())
+                        .zip(b.chunks(ty.type_size()))
+                        .filter(|(a, b)| a == b)
+                        .count() as u64
+                });
+            s.requantized = true;
+            anyhow::Ok(())
+        })
+}
+
+fn sum_of<'a>(segs: impl Iterator<Item = &'a Segment>) -> Sums {
+    let mut total = Sums::default();
+    for s in segs {
+        total.add(&s.sums);
+    }
+    total
 }
 
 /// The reference's values stored as `ty` and read back, with those bytes; `None` where
@@ -248,11 +380,11 @@ pub fn restore(
 }
 
 /// The median over segments of Σ(x−c)²/Σx².
-fn median_ratio(per_segment: &[(Sums, u64, bool, u64, Option<usize>)]) -> f64 {
-    let mut r: Vec<f64> = per_segment
+fn median_ratio(segs: &[Segment]) -> f64 {
+    let mut r: Vec<f64> = segs
         .iter()
-        .filter(|(s, ..)| s.xx > 0.0)
-        .map(|(s, ..)| s.dd / s.xx)
+        .filter(|s| s.sums.xx > 0.0)
+        .map(|s| s.sums.dd / s.sums.xx)
         .collect();
     if r.is_empty() {
         return 0.0;
@@ -300,6 +432,50 @@ mod tests {
         let strict = compare(Some(GgmlType::Q8_0), 512, &x, &c, Some(&bytes), true).unwrap();
         assert_eq!((loose.beyond, strict.beyond), (0, 1));
         assert_eq!(loose.blocks_exact, loose.blocks - 1);
+    }
+
+    #[test]
+    fn a_sample_gives_the_verdict_of_re_quantizing_everything() {
+        // 1024 rows of 512: 2048 segments, far past a unit re-quantized whole.
+        let x = gaussian(512 * 1024, 4);
+        let (honest, bytes) = stored(GgmlType::Q4_K, &x);
+        let sampled = compare(Some(GgmlType::Q4_K), 512, &x, &honest, Some(&bytes), false).unwrap();
+        assert_eq!((sampled.blocks, sampled.beyond), (2048, 0));
+        assert!(
+            sampled.blocks_requantized < sampled.blocks / 8,
+            "{}",
+            sampled.blocks_requantized
+        );
+        assert_eq!(sampled.blocks_exact, sampled.blocks_requantized);
+        // Another quantizer's choices (the reference's values jittered by 1% before storing):
+        // within noise everywhere, re-quantizing all or a sample.
+        let mut rng = SplitMix::new(5);
+        let jittered: Vec<f32> = x.iter().map(|v| v * (1.0 + 0.01 * rng.normal())).collect();
+        let (other, _) = stored(GgmlType::Q4_K, &jittered);
+        // Faults in segments the sample leaves out: one doubled, one ×1.3, one zeroed.
+        let skipped: Vec<usize> = (0..2048)
+            .filter(|&i| !in_sample(i as u64))
+            .take(3)
+            .collect();
+        let mut faulty = honest.clone();
+        for (k, f) in skipped.iter().zip([2.0f32, 1.3, 0.0]) {
+            faulty[k * SEGMENT..(k + 1) * SEGMENT]
+                .iter_mut()
+                .for_each(|v| *v *= f);
+        }
+        for (c, beyond) in [(&other, 0), (&faulty, 3)] {
+            let full = judge(Some(GgmlType::Q4_K), 512, &x, c, None, false, true).unwrap();
+            let part = judge(Some(GgmlType::Q4_K), 512, &x, c, None, false, false).unwrap();
+            assert_eq!((full.beyond, part.beyond), (beyond, beyond));
+            let at = |st: &UnitStats| st.first_beyond.iter().map(|b| b.at).collect::<Vec<_>>();
+            assert_eq!(at(&full), at(&part));
+            assert_eq!(full.blocks_requantized, 2048);
+            assert!(
+                part.blocks_requantized < 2048 / 8 + 3,
+                "{}",
+                part.blocks_requantized
+            );
+        }
     }
 
     #[test]

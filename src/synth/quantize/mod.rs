@@ -89,6 +89,23 @@ pub fn quantize(ty: GgmlType, values: &[f32], row_len: usize) -> Result<Vec<u8>,
     Ok(out)
 }
 
+/// `values`, whole blocks of `ty`, quantized on this thread: the same bytes [`quantize`] gives
+/// them in any row (every quantizer here works block by block), for callers that spread small
+/// pieces over the pool themselves.
+pub fn quantize_blocks(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    let encode = block_encoder(ty)?;
+    let bs = ty.block_size();
+    if values.len() % bs != 0 {
+        return Err(QuantizeError::PartialRow {
+            len: values.len(),
+            row_len: bs,
+        });
+    }
+    let mut out = vec![0u8; values.len() / bs * ty.type_size()];
+    encode(values, &mut out);
+    Ok(out)
+}
+
 /// An encoder of whole blocks: `src` holds whole blocks of values and `dst` their bytes.
 type BlockEncoder = fn(&[f32], &mut [u8]);
 
