@@ -60,7 +60,7 @@ def rank_main(args) -> None:
             process_weights_after_loading(model, model_config, torch.device("cpu"))
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
-        vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, gguf_path=args.gguf)
+        vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf)
     timing = {"rank": args.rank, "start_s": round(loading - started, 2),
               "load_s": round(loaded - loading, 2),
               "manifest_s": round(time.time() - loaded, 2)}
