@@ -32,26 +32,14 @@ def _type_name(code: int) -> str:
     return gguf.GGMLQuantizationType(int(code)).name
 
 
-def _elements(type_name: str, row_bytes: int) -> int:
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    return row_bytes // size * block if row_bytes % size == 0 else -1
-
-
 def _entry(name, data, type_code, rows, byte_cols, hash_limit):
     """One quantized entry. `rows` / `byte_cols`: [start, end) in the file tensor along its
     row axis (per expert for 3-D tensors) and its row bytes, as vLLM's sharding places them."""
     t = data.detach().cpu().contiguous()
-    type_name = _type_name(type_code)
-    byte_shape = [int(d) for d in t.shape]
-    elements = _elements(type_name, byte_shape[-1])
-    entry = {"name": name, "ggml_type": type_name, "byte_shape": byte_shape,
-             "shape": byte_shape[:-1] + [elements] if elements >= 0 else None,
+    entry = {"name": name, "ggml_type": _type_name(type_code),
+             "shape": [int(d) for d in t.shape],  # the bytes as held
              "source": {"rows": [int(rows[0]), int(rows[1])],
                         "byte_cols": [int(byte_cols[0]), int(byte_cols[1])]}}
-    if entry["shape"] is None:
-        del entry["shape"]  # bytes that are not whole blocks: glmcheck says where they cut
     if t.numel() <= hash_limit:
         entry["hash"] = f"{fnv1a(t.numpy().tobytes()):016x}"
     return entry
