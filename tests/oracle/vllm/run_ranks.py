@@ -12,9 +12,9 @@ JSON line: tp, fault, per-rank load seconds, wall seconds. Runs on vLLM's CPU bu
 
 import argparse
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import time
 
@@ -83,28 +83,30 @@ def main() -> None:
     ap.add_argument("--fault", choices=["unsharded-kv-b"])
     ap.add_argument("--port", type=int)
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.rank is not None:
-        return rank_main(args)
 
     started = time.time()
     os.makedirs(args.out, exist_ok=True)
-    port = args.port or free_port()
-    argv = [sys.executable, os.path.abspath(__file__), args.gguf, "--hf-config", args.hf_config,
-            "--tp", str(args.tp), "--out", args.out, "--port", str(port)]
-    if args.fault:
-        argv += ["--fault", args.fault]
-    procs = [subprocess.Popen(argv + ["--rank", str(r)]) for r in range(args.tp)]
+    args.port = args.port or free_port()
+    # Import vLLM once and fork the ranks from here: each rank then starts in a second, not
+    # after half a minute of imports (the same modules, loaded before any thread or process
+    # group exists).
+    import vllm.model_executor.models.deepseek_v2  # noqa: F401
+    import vllm.model_executor.model_loader.utils  # noqa: F401
+    ctx = multiprocessing.get_context("fork")
+    procs = []
+    for r in range(args.tp):
+        rank_args = argparse.Namespace(**{**vars(args), "rank": r})
+        procs.append(ctx.Process(target=rank_main, args=(rank_args,)))
+        procs[-1].start()
     deadline = started + args.timeout
-    codes = []
     for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            sys.exit(f"run_ranks: timed out after {args.timeout} s")
+        p.join(timeout=max(1.0, deadline - time.time()))
+    if any(p.is_alive() for p in procs):
+        for p in procs:
+            p.kill()
+        sys.exit(f"run_ranks: timed out after {args.timeout} s")
+    codes = [p.exitcode for p in procs]
     if any(codes):
         sys.exit(f"run_ranks: rank exit codes {codes}")
 
