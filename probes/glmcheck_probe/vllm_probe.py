@@ -228,8 +228,8 @@ def _entries(name: str, module, leaf: str, param, hash_limit: int) -> list:
     vocab = cls in EMBED | LM_HEAD
     if not vllm_gguf.is_gguf(param):
         held = param
-        if vocab:  # vocab rows past this rank's share are padding (zeros)
-            ix = module.shard_indices
+        ix = getattr(module, "shard_indices", None) if vocab else None
+        if ix is not None:  # vocab rows past this rank's share are padding (zeros)
             held = param[: ix.org_vocab_end_index - ix.org_vocab_start_index]
         return [shard_entry(weight, held, hash_limit)]
     if vocab:
