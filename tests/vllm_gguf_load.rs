@@ -138,7 +138,10 @@ fn faithful_then_unsharded_kv_b(tp: u64) {
             .filter(|x| x["weight"] == weight.as_str())
             .map(|x| {
                 assert_eq!(x["class"], "unsharded_weight", "{x}");
-                assert!(x["evidence"].as_str().unwrap().contains("same block as every rank"));
+                assert!(x["evidence"]
+                    .as_str()
+                    .unwrap()
+                    .contains("same block as every rank"));
                 x["rank"].as_u64().unwrap()
             })
             .collect();

@@ -12,12 +12,12 @@ use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
 use super::bytes::{QuantShard, Region};
 use super::identify::{elements, Basis, Dtype, ObservedShard, Reference, ShardStats};
-use crate::weights::GgmlType;
 use super::plan::{check_degree, expert_rank, placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::schema::Family;
+use crate::weights::GgmlType;
 
 /// `format` of a manifest.
 pub const FORMAT: &str = "glmcheck-shards";
@@ -214,7 +214,10 @@ impl ShardEntry {
             bail!("hash: missing (a quantized entry is identified by it)");
         }
         if !(2..=3).contains(&self.shape.len()) {
-            bail!("shape: {:?} is not [rows, bytes] or [experts, rows, bytes]", self.shape);
+            bail!(
+                "shape: {:?} is not [rows, bytes] or [experts, rows, bytes]",
+                self.shape
+            );
         }
         if let Some(s) = &self.source {
             if s.rows[0] > s.rows[1] || s.byte_cols[0] > s.byte_cols[1] {
@@ -741,7 +744,9 @@ fn check_quantized(
     };
     let file_name = id.gguf_name();
     let t = ws.files.get(&file_name).ok_or_else(|| {
-        anyhow!("{name}: quantized bytes, but the model stores no `{file_name}` to compare them with")
+        anyhow!(
+            "{name}: quantized bytes, but the model stores no `{file_name}` to compare them with"
+        )
     })?;
     let shards: Vec<QuantShard> = entries.iter().map(|(r, e)| e.quant_shard(*r)).collect();
     let verdicts = super::bytes::identify(&ws.files, t, id, name, m.tp, m.ep, &shards)

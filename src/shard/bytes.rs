@@ -68,7 +68,11 @@ impl<'a> Stored<'a> {
         let (outer, rows, row_len) = match t.shape[..] {
             [r, c] => (1, r, c),
             [e, r, c] => (e, r, c),
-            _ => bail!("{}: shape {:?} is not a matrix or a stack of them", t.name, t.shape),
+            _ => bail!(
+                "{}: shape {:?} is not a matrix or a stack of them",
+                t.name,
+                t.shape
+            ),
         };
         let row_bytes = ty
             .bytes_for(row_len)
@@ -109,7 +113,9 @@ impl<'a> Stored<'a> {
         for o in 0..self.outer {
             for row in r.rows.clone() {
                 let at = ((o * self.rows + row) * self.row_bytes) as usize;
-                bytes.extend_from_slice(&self.data[at + r.cols.start as usize..at + r.cols.end as usize]);
+                bytes.extend_from_slice(
+                    &self.data[at + r.cols.start as usize..at + r.cols.end as usize],
+                );
             }
         }
         Some(fnv1a_bytes(&bytes))
@@ -123,10 +129,19 @@ impl<'a> Stored<'a> {
         if *r == self.whole() {
             return "all".into();
         }
-        let rows = (r.rows != (0..self.rows)).then(|| format!("rows {}..{}", r.rows.start, r.rows.end));
-        let cols = (r.cols != (0..self.row_bytes))
-            .then(|| format!("bytes {}..{} of each {}-byte row", r.cols.start, r.cols.end, self.row_bytes));
-        [rows, cols].into_iter().flatten().collect::<Vec<_>>().join(", ")
+        let rows =
+            (r.rows != (0..self.rows)).then(|| format!("rows {}..{}", r.rows.start, r.rows.end));
+        let cols = (r.cols != (0..self.row_bytes)).then(|| {
+            format!(
+                "bytes {}..{} of each {}-byte row",
+                r.cols.start, r.cols.end, self.row_bytes
+            )
+        });
+        [rows, cols]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Where `cols` starts or ends inside a block: (byte column, block, offset in the block).
@@ -141,7 +156,13 @@ impl<'a> Stored<'a> {
 
 /// The plan's region of the tensor for `rank`: `Err` with the element columns when the plan's
 /// column split does not fall on block boundaries.
-fn planned(s: &Stored, p: Placement, dims: usize, rank: u64, tp: u64) -> Result<Result<Region, Range<u64>>> {
+fn planned(
+    s: &Stored,
+    p: Placement,
+    dims: usize,
+    rank: u64,
+    tp: u64,
+) -> Result<Result<Region, Range<u64>>> {
     let whole = s.whole();
     Ok(match p {
         Placement::Replicated => Ok(whole),
@@ -188,17 +209,26 @@ pub fn identify(
     let plans = (0..tp)
         .map(|r| planned(&s, p, dims, r, tp))
         .collect::<Result<Vec<_>>>()?;
-    let mut verdicts: Vec<ByteVerdict> = shards.iter().map(|q| judge(&s, label, &plans, q)).collect();
+    let mut verdicts: Vec<ByteVerdict> =
+        shards.iter().map(|q| judge(&s, label, &plans, q)).collect();
     same_block_everywhere(&s, label, &plans, shards, &mut verdicts);
     Ok(verdicts)
 }
 
 /// What `q` holds: the first region with its shape and hash, and its name.
-fn find(s: &Stored, plans: &[Result<Region, Range<u64>>], q: &QuantShard) -> Option<(Region, String)> {
+fn find(
+    s: &Stored,
+    plans: &[Result<Region, Range<u64>>],
+    q: &QuantShard,
+) -> Option<(Region, String)> {
     let mut candidates: Vec<(Region, String)> = plans
         .iter()
         .enumerate()
-        .filter_map(|(r, p)| p.as_ref().ok().map(|p| (p.clone(), format!("rank {r}'s block"))))
+        .filter_map(|(r, p)| {
+            p.as_ref()
+                .ok()
+                .map(|p| (p.clone(), format!("rank {r}'s block")))
+        })
         .collect();
     candidates.push((s.whole(), "the whole tensor".into()));
     if let Some(src) = &q.source {
@@ -209,7 +239,12 @@ fn find(s: &Stored, plans: &[Result<Region, Range<u64>>], q: &QuantShard) -> Opt
         .find(|(reg, _)| s.shape(reg) == q.shape && s.hash(reg) == Some(q.hash))
 }
 
-fn judge(s: &Stored, label: &str, plans: &[Result<Region, Range<u64>>], q: &QuantShard) -> ByteVerdict {
+fn judge(
+    s: &Stored,
+    label: &str,
+    plans: &[Result<Region, Range<u64>>],
+    q: &QuantShard,
+) -> ByteVerdict {
     let who = format!("{label} on rank {}", q.rank);
     let plan = &plans[q.rank as usize];
     let expected = match plan {
@@ -227,14 +262,22 @@ fn judge(s: &Stored, label: &str, plans: &[Result<Region, Range<u64>>], q: &Quan
         return verdict(
             None,
             Some(FaultClass::Unknown),
-            format!("{who} holds {} blocks; the file stores {} as {}", q.ggml_type, s.name, s.ty.name()),
+            format!(
+                "{who} holds {} blocks; the file stores {} as {}",
+                q.ggml_type,
+                s.name,
+                s.ty.name()
+            ),
         );
     }
     let found = find(s, plans, q);
     let held = found.as_ref().map(|(r, _)| s.describe(r));
     if let Err(elems) = plan {
         let (bs, ts) = s.block();
-        let bytes = found.as_ref().map(|(r, _)| r.cols.clone()).or(q.source.as_ref().map(|r| r.cols.clone()));
+        let bytes = found
+            .as_ref()
+            .map(|(r, _)| r.cols.clone())
+            .or(q.source.as_ref().map(|r| r.cols.clone()));
         let at = bytes.as_ref().and_then(|c| s.cut(c)).map_or(String::new(), |(b, blk, off)| {
             format!("; it holds bytes {}..{} of each row, cut at byte {b}: byte {off} of block {blk}",
                     bytes.as_ref().map_or(0, |c| c.start), bytes.as_ref().map_or(0, |c| c.end))
@@ -255,7 +298,11 @@ fn judge(s: &Stored, label: &str, plans: &[Result<Region, Range<u64>>], q: &Quan
     let plan = plan.as_ref().expect("checked above");
     let plan_text = format!("the plan gives {}", s.describe(plan));
     match found {
-        Some((r, _)) if r == *plan => verdict(held, None, format!("{who} holds {}, as planned", s.describe(&r))),
+        Some((r, _)) if r == *plan => verdict(
+            held,
+            None,
+            format!("{who} holds {}, as planned", s.describe(&r)),
+        ),
         Some((r, what)) if r == s.whole() => verdict(
             held,
             Some(FaultClass::UnshardedWeight),
@@ -274,7 +321,10 @@ fn judge(s: &Stored, label: &str, plans: &[Result<Region, Range<u64>>], q: &Quan
         None => verdict(
             None,
             Some(FaultClass::Unknown),
-            format!("{who}: its bytes match no slice of {} ({:?} bytes); {plan_text}", s.name, q.shape),
+            format!(
+                "{who}: its bytes match no slice of {} ({:?} bytes); {plan_text}",
+                s.name, q.shape
+            ),
         ),
     }
 }
@@ -288,9 +338,13 @@ fn same_block_everywhere(
     verdicts: &mut [ByteVerdict],
 ) {
     let tp = plans.len() as u64;
-    let Some(Ok(first)) = plans.first() else { return };
+    let Some(Ok(first)) = plans.first() else {
+        return;
+    };
     let all = (0..tp).all(|r| shards.iter().any(|q| q.rank == r))
-        && shards.iter().all(|q| find(s, plans, q).is_some_and(|(r, _)| r == *first));
+        && shards
+            .iter()
+            .all(|q| find(s, plans, q).is_some_and(|(r, _)| r == *first));
     if tp < 2 || !all || *first == s.whole() {
         return;
     }
@@ -328,16 +382,41 @@ mod tests {
         let s = stored(&data, 2, 64);
         let split = Placement::Split { axis: 1, parts: 1 };
         // 64 columns over 2 ranks: whole blocks; over 4: 16 columns, half a block.
-        assert_eq!(planned(&s, split, 2, 1, 2).unwrap(), Ok(Region { rows: 0..2, cols: 34..68 }));
+        assert_eq!(
+            planned(&s, split, 2, 1, 2).unwrap(),
+            Ok(Region {
+                rows: 0..2,
+                cols: 34..68
+            })
+        );
         assert_eq!(planned(&s, split, 2, 1, 4).unwrap(), Err(16..32));
-        let src = Region { rows: 0..2, cols: 17..34 };
+        let src = Region {
+            rows: 0..2,
+            cols: 17..34,
+        };
         let h = s.hash(&src).unwrap();
-        let plans: Vec<_> = (0..4).map(|r| planned(&s, split, 2, r, 4).unwrap()).collect();
-        let q = QuantShard { rank: 1, ggml_type: "Q8_0", shape: &[2, 17], hash: h, source: Some(src) };
+        let plans: Vec<_> = (0..4)
+            .map(|r| planned(&s, split, 2, r, 4).unwrap())
+            .collect();
+        let q = QuantShard {
+            rank: 1,
+            ggml_type: "Q8_0",
+            shape: &[2, 17],
+            hash: h,
+            source: Some(src),
+        };
         let v = judge(&s, "o_proj", &plans, &q);
         assert_eq!(v.class, Some(FaultClass::WrongShardLayout));
-        assert!(v.evidence.contains("column 16 is element 16 of block 0"), "{}", v.evidence);
-        assert!(v.evidence.contains("cut at byte 17: byte 17 of block 0"), "{}", v.evidence);
+        assert!(
+            v.evidence.contains("column 16 is element 16 of block 0"),
+            "{}",
+            v.evidence
+        );
+        assert!(
+            v.evidence.contains("cut at byte 17: byte 17 of block 0"),
+            "{}",
+            v.evidence
+        );
     }
 
     #[test]
@@ -345,16 +424,27 @@ mod tests {
         let data: Vec<u8> = (0..4 * 34).map(|b| (b * 7) as u8).collect();
         let s = stored(&data, 4, 32);
         let rows = Placement::Split { axis: 0, parts: 1 };
-        let plans: Vec<_> = (0..2).map(|r| planned(&s, rows, 2, r, 2).unwrap()).collect();
+        let plans: Vec<_> = (0..2)
+            .map(|r| planned(&s, rows, 2, r, 2).unwrap())
+            .collect();
         let shard = |rank, reg: &Region| (rank, s.shape(reg), s.hash(reg).unwrap());
         let cases = [
             (shard(1, plans[1].as_ref().unwrap()), None),
-            (shard(1, plans[0].as_ref().unwrap()), Some(FaultClass::WrongShardLayout)),
+            (
+                shard(1, plans[0].as_ref().unwrap()),
+                Some(FaultClass::WrongShardLayout),
+            ),
             (shard(1, &s.whole()), Some(FaultClass::UnshardedWeight)),
             ((1, vec![2, 34], 5), Some(FaultClass::Unknown)),
         ];
         for ((rank, shape, hash), class) in cases {
-            let q = QuantShard { rank, ggml_type: "Q8_0", shape: &shape, hash, source: None };
+            let q = QuantShard {
+                rank,
+                ggml_type: "Q8_0",
+                shape: &shape,
+                hash,
+                source: None,
+            };
             assert_eq!(judge(&s, "q_b", &plans, &q).class, class);
         }
     }
