@@ -1,6 +1,7 @@
 """Hook vLLM's GLM-5 / DeepSeek-V2 model classes in each tensor-parallel worker: record the
 docs/design.md §4 stages of one forward as a per-rank glmcheck trace, and write the worker's shard
-manifest (every parameter's local shape, dtype, hash and statistics) in the format
+manifest (every parameter's local shape, dtype, hash and statistics; a GGUF model's quantized
+parameters as their raw bytes, manifest version 2, through `vllm_gguf`) in the format
 `glmcheck shards --actual` reads.
 
 In each worker, on the loaded model (see probes/README.md for the `collective_rpc` call):

@@ -6,7 +6,10 @@ collective: each shim replaces one platform decision that a GPU build makes diff
 model's modules, parameters and `weight_loader`s are vLLM's own. None of them is needed for a
 forward, which this package does not run (the sparse MLA and indexer kernels are GPU-only).
 
-`install()` applies all four, once, before the model is built.
+`install()` applies all four, once, before the model is built. Each is needed: without it the
+build or load stops with, in order, "MLA is not supported on CPU."; "FlashAttnPrefillBackend
+requires flash_attn_varlen_func"; "WorkspaceManager not initialized"; and MLA's
+`process_weights_after_loading` finding `kv_b_proj.weight` of shape [0].
 """
 
 import torch

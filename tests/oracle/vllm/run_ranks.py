@@ -1,5 +1,5 @@
 """Load a glm-dsa GGUF into vLLM 0.23's `GlmMoeDsaForCausalLM` at tensor parallelism N, one
-process per rank over gloo (vLLM's own `init_distributed_environment` and
+process per rank (forked after importing vLLM once) over gloo (vLLM's own `init_distributed_environment` and
 `initialize_model_parallel`), and write the probe's shard manifest of what each rank holds.
 
 Usage: run_ranks.py GGUF --hf-config DIR --tp N --out DIR [--fault unsharded-kv-b]
