@@ -7,7 +7,8 @@
 //! identified; the story's `kv_b_proj` loaded whole on every rank (each keeping its leading
 //! rows) is `unsharded_weight` on every rank but 0; and where vLLM's byte split cuts Q4_K
 //! blocks (the default tiny model's 256-wide o_proj at TP 2), the shard is
-//! `wrong_shard_layout` naming the block and byte.
+//! `wrong_shard_layout` naming the block and byte. An F32 GGUF loads as floats, a version 1 manifest that
+//! passes.
 //!
 //! The interpreter is `$GLMCHECK_VLLM_PYTHON`, else `.venv-vllm/bin/python`; missing, the
 //! tests fail.
@@ -35,6 +36,10 @@ fn vllm_python() -> PathBuf {
 /// A tiny model as a GGUF and its config folder; `aligned` widens o_proj's and the dense
 /// down_proj's inputs (v_head_dim 128, intermediate 1024) so that TP 4 splits whole Q4_K blocks.
 fn model(dir: &Path, aligned: bool) -> (PathBuf, PathBuf) {
+    model_as(dir, aligned, "q4_k_m")
+}
+
+fn model_as(dir: &Path, aligned: bool, quant: &str) -> (PathBuf, PathBuf) {
     let sets: &[&str] = if aligned {
         &["--set", "v_head_dim=128", "--set", "intermediate_size=1024"]
     } else {
@@ -42,7 +47,7 @@ fn model(dir: &Path, aligned: bool) -> (PathBuf, PathBuf) {
     };
     let gguf = dir.join("model.gguf");
     let hf = dir.join("hf");
-    common::synth_tiny(&gguf, &[sets, &["--quant", "q4_k_m"]].concat());
+    common::synth_tiny(&gguf, &[sets, &["--quant", quant]].concat());
     common::synth_tiny(&hf, &[sets, &["--format", "hf"]].concat());
     (gguf, hf)
 }
@@ -158,6 +163,21 @@ fn vllm_loads_at_tp2_faithfully_and_the_unsharded_kv_b_is_found() {
 #[test]
 fn vllm_loads_at_tp4_faithfully_and_the_unsharded_kv_b_is_found() {
     faithful_then_unsharded_kv_b(4);
+}
+
+#[test]
+fn an_f32_gguf_loads_as_floats_in_a_version_1_manifest_that_passes() {
+    let dir = common::scratch();
+    let (gguf, hf) = model_as(dir.path(), false, "f32");
+    let (code, v, m) = load_and_check(&gguf, &hf, 2, None);
+    assert_eq!(code, 0, "{v:#}");
+    assert_eq!(v["ok"], v["checked"]);
+    assert_eq!(m["version"], 1);
+    // F32 experts stay on vLLM's GGUF MoE method, as float `w13_qweight` / `w2_qweight`.
+    let all = entries(&m);
+    assert!(all
+        .iter()
+        .any(|e| e["name"] == "model.layers.1.mlp.experts.w13_weight" && e["dtype"] == "f32"));
 }
 
 #[test]
