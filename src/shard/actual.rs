@@ -879,6 +879,32 @@ mod tests {
     }
 
     #[test]
+    fn quantized_entries_need_version_2_a_known_type_and_a_hash() {
+        let entry = |version: u32, extra: &str| {
+            let text = format!(
+                "{{\"format\": \"glmcheck-shards\", \"version\": {version}, \"tp\": 2, \"ranks\": \
+                 [{{\"rank\": 0, \"weights\": [{{\"name\": \"blk.0.attn_q_b.weight\", \
+                 \"shape\": [192, 88]{extra}}}]}}]}}"
+            );
+            let m: ShardManifest = serde_json::from_str(&text).unwrap();
+            m.validate().map_err(|e| e.to_string())
+        };
+        let good = ", \"ggml_type\": \"Q5_0\", \"hash\": \"0123456789abcdef\", \
+                    \"source\": {\"rows\": [0, 192], \"byte_cols\": [0, 88]}";
+        assert_eq!(entry(2, good), Ok(()));
+        let err = |version, extra| entry(version, extra).unwrap_err();
+        assert!(err(1, good).contains("ggml_type: raw GGUF bytes need `version` 2"));
+        assert!(err(
+            2,
+            ", \"ggml_type\": \"Q9_Z\", \"hash\": \"0123456789abcdef\""
+        )
+        .contains("`Q9_Z` is not a GGML type"));
+        assert!(err(2, ", \"ggml_type\": \"Q5_0\"").contains("hash: missing"));
+        assert!(err(2, "").contains("dtype: missing"));
+        assert!(err(3, good).contains("this glmcheck reads 1 and 2"));
+    }
+
+    #[test]
     fn concat_stacks_along_an_inner_axis() {
         let a = ((0..4).map(|v| v as f32).collect(), vec![2, 1, 2]);
         let b = ((4..8).map(|v| v as f32).collect(), vec![2, 1, 2]);
