@@ -59,3 +59,7 @@ gpu-moe-bench out="target/gpu-moe":
 # On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
 gpu-dequant-bench:
     scripts/gpu-dequant-bench target/release/glmcheck
+
+# .venv-vllm: vLLM 0.23.0's CPU build with pinned requirements, for tests/vllm_gguf_load.rs (~6 min once).
+setup-vllm:
+    scripts/setup-vllm

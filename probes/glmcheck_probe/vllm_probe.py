@@ -1,6 +1,7 @@
 """Hook vLLM's GLM-5 / DeepSeek-V2 model classes in each tensor-parallel worker: record the
 docs/design.md §4 stages of one forward as a per-rank glmcheck trace, and write the worker's shard
-manifest (every parameter's local shape, dtype, hash and statistics) in the format
+manifest (every parameter's local shape, dtype, hash and statistics; a GGUF model's quantized
+parameters as their raw bytes, manifest version 2, through `vllm_gguf`) in the format
 `glmcheck shards --actual` reads.
 
 In each worker, on the loaded model (see probes/README.md for the `collective_rpc` call):
@@ -31,10 +32,14 @@ import sys
 import numpy as np
 import torch
 
+from . import vllm_gguf
 from .trace import DEFAULT_FULL, MANIFEST, TraceWriter, fingerprint, fnv1a, moments
 
 SHARDS_FORMAT = "glmcheck-shards"
+# Version 1 lists float values only; version 2 adds entries of quantized GGUF bytes
+# (`ggml_type`, `byte_shape`, `source`), written only when the model holds some.
 SHARDS_VERSION = 1
+SHARDS_VERSION_QUANT = 2
 
 # vLLM's classes by role. DeepSeekV2FusedQkvAProjLinear and GateLinear subclass the parallel
 # linear classes; DCPGroupColumnParallelLinear is q_b_proj under decode context parallelism.
@@ -90,6 +95,10 @@ TOP_PARAMS = [
 # the manifest's producer as skipped, since glmcheck checks the dequantized weight.
 QUANT_SUFFIX = re.compile(r"_?(weight_scale_inv|weight_scale|input_scale|scale_inv)$")
 LAYER_NAME = re.compile(r"^model\.layers\.([0-9]+)\.(.+)$")
+# vLLM's GGUF parameters (GGUFConfig): the raw blocks under the weight's place, and the type
+# beside them, which becomes a field of the weight's entry.
+GGUF_WEIGHT = re.compile(r"(\.|_)qweight$")
+GGUF_TYPE = re.compile(r"(\.|_)qweight_type$")
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # Tensors above this many bytes get statistics but no hash by default (the hash is a Python
@@ -115,6 +124,7 @@ def _require(path: str, module, classes: set) -> None:
 
 def _param_rule(name: str, num_layers: int):
     """(rule classes, the weight's name without a quantization suffix, skip reason or None)."""
+    name = GGUF_WEIGHT.sub(r"\1weight", name)
     stem = QUANT_SUFFIX.sub("", name)
     quant = stem != name
     if quant and not stem.endswith(("weight", "w13", "w2")):
@@ -150,6 +160,8 @@ def check_parameters(model) -> list:
     modules = dict(model.named_modules())
     listed, skipped = [], []
     for name, param in model.named_parameters():
+        if GGUF_TYPE.search(name):
+            continue  # read with its qweight
         classes, _stem, skip = _param_rule(name, cfg.num_hidden_layers)
         owner_path = name.rsplit(".", 1)[0]
         if classes is None and skip is None:
@@ -159,6 +171,8 @@ def check_parameters(model) -> list:
             _require(owner_path, modules.get(owner_path), classes)
         if skip is not None:
             skipped.append((name, skip))
+        elif vllm_gguf.is_gguf(param):
+            listed.append((name, param))
         elif param.dtype not in DTYPES:
             skipped.append((name, f"dtype {param.dtype}"))
         else:
@@ -184,21 +198,47 @@ def shard_entry(name: str, tensor: torch.Tensor, hash_limit: int = HASH_LIMIT) -
 
 
 def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool = False,
-                         hash_limit: int = HASH_LIMIT) -> dict:
+                         hash_limit: int = HASH_LIMIT, source: str = None) -> dict:
     """Write this worker's shard manifest (one rank) to `path`; the manifest. Merge the ranks'
-    files with `merge_shard_manifests`."""
+    files with `merge_shard_manifests`. `source`: the model path, recorded in the producer."""
     listed, skipped = check_parameters(model)
-    weights = [shard_entry(n, p, hash_limit) for n, p in listed]
+    modules = dict(model.named_modules())
+    weights = []
+    for name, param in listed:
+        path_, leaf = name.rsplit(".", 1)
+        weights += _entries(name, modules[path_], leaf, param, hash_limit)
+    quantized = any("ggml_type" in w for w in weights)
     manifest = {
-        "format": SHARDS_FORMAT, "version": SHARDS_VERSION,
+        "format": SHARDS_FORMAT,
+        "version": SHARDS_VERSION_QUANT if quantized else SHARDS_VERSION,
         "producer": {"name": "glmcheck_probe", "engine": "vllm", "vllm": _vllm_version(),
-                     "torch": torch.__version__,
+                     "torch": torch.__version__, "model": source,
                      "skipped": [{"name": n, "why": w} for n, w in skipped]},
         "tp": int(world_size), "ep": bool(ep),
         "ranks": [{"rank": int(rank), "weights": weights}],
     }
     _write_json(path, manifest)
     return manifest
+
+
+def _entries(name: str, module, leaf: str, param, hash_limit: int) -> list:
+    """The manifest entries of one parameter (`name` as vLLM names it): one float entry, or
+    one entry per part of a GGUF `qweight`."""
+    weight = GGUF_WEIGHT.sub(r"\1weight", name)
+    cls = _class(module)
+    vocab = cls in EMBED | LM_HEAD
+    if not vllm_gguf.is_gguf(param):
+        held = param
+        ix = getattr(module, "shard_indices", None) if vocab else None
+        if ix is not None:  # vocab rows past this rank's share are padding (zeros)
+            held = param[: ix.org_vocab_end_index - ix.org_vocab_start_index]
+        return [shard_entry(weight, held, hash_limit)]
+    if vocab:
+        return vllm_gguf.embedding_entries(weight, module, param, hash_limit)
+    if cls in FUSED_MOE:
+        prefix = weight.rsplit(".", 1)[0]
+        return vllm_gguf.expert_entries(prefix, module, leaf.split("_")[0], param, hash_limit)
+    return vllm_gguf.linear_entries(weight, module, param, cls, hash_limit)
 
 
 def merge_shard_manifests(out: str, paths: list) -> dict:

@@ -10,17 +10,21 @@ use crate::trace::stats::hex64;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
+use super::bytes::{QuantShard, Region};
 use super::identify::{elements, Basis, Dtype, ObservedShard, Reference, ShardStats};
 use super::plan::{check_degree, expert_rank, placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::schema::Family;
+use crate::weights::GgmlType;
 
 /// `format` of a manifest.
 pub const FORMAT: &str = "glmcheck-shards";
-/// The `version` this glmcheck reads and writes.
+/// The `version` this glmcheck writes (float shards only).
 pub const VERSION: u32 = 1;
+/// The version that adds quantized entries ([`QUANT_VERSION`] manifests are read too).
+pub const QUANT_VERSION: u32 = 2;
 /// Larger files are refused before reading: GLM-5 at TP 64 lists about 30 MB.
 const MAX_BYTES: u64 = 1 << 30;
 /// Larger degrees are refused: no deployment comes near, and loops run over the ranks.
@@ -48,17 +52,36 @@ pub struct RankShards {
     pub weights: Vec<ShardEntry>,
 }
 
-/// One weight as one rank holds it.
+/// One weight as one rank holds it: values in a float `dtype` with their `stats`, or (version
+/// 2) a GGUF tensor's raw blocks in `ggml_type`, with their `hash` and `source`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ShardEntry {
     /// A checkpoint name (GGUF or Hugging Face) or one of vLLM's merged parameters.
     pub name: String,
+    /// The values' shape; for a quantized entry, the bytes' (`[rows, bytes]`, or
+    /// `[experts, rows, bytes]`).
     pub shape: Vec<u64>,
-    pub dtype: Dtype,
-    /// FNV-1a 64 of the values' little-endian bytes in `dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
+    /// FNV-1a 64 of the values' little-endian bytes in `dtype`, or of the raw bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<Hash64>,
-    pub stats: ShardStats,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats: Option<ShardStats>,
+    /// Version 2: the GGML type of raw GGUF bytes (`Q4_K`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ggml_type: Option<String>,
+    /// Version 2: where the engine took the bytes from in the file tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<ByteSource>,
+}
+
+/// Rows (of each expert, for a stacked tensor) and byte columns of a GGUF tensor, `[start,
+/// end)`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ByteSource {
+    pub rows: [u64; 2],
+    pub byte_cols: [u64; 2],
 }
 
 /// A 64-bit hash written as 16 hex digits: JSON readers keep only 53 bits of a number.
@@ -88,24 +111,45 @@ impl ShardEntry {
         ShardEntry {
             name: name.to_string(),
             shape,
-            dtype,
+            dtype: Some(dtype),
             hash: Some(Hash64(dtype.hash(values))),
-            stats: ShardStats::of(&held),
+            stats: Some(ShardStats::of(&held)),
+            ggml_type: None,
+            source: None,
         }
     }
 
+    /// Raw GGUF bytes rather than values.
+    pub fn is_quantized(&self) -> bool {
+        self.ggml_type.is_some()
+    }
+
+    /// A float entry as the identifier sees it (validated: dtype and stats are present).
     fn observed(&self) -> ObservedShard<'_> {
         ObservedShard {
             shape: &self.shape,
-            dtype: self.dtype,
+            dtype: self.dtype.unwrap_or(Dtype::F32),
             values: None,
             hash: self.hash.map(|h| h.0),
-            stats: Some(&self.stats),
+            stats: self.stats.as_ref(),
+        }
+    }
+
+    fn quant_shard(&self, rank: u64) -> QuantShard<'_> {
+        QuantShard {
+            rank,
+            ggml_type: self.ggml_type.as_deref().unwrap_or(""),
+            shape: &self.shape,
+            hash: self.hash.map_or(0, |h| h.0),
+            source: self.source.as_ref().map(|s| Region {
+                rows: s.rows[0]..s.rows[1],
+                cols: s.byte_cols[0]..s.byte_cols[1],
+            }),
         }
     }
 
     /// The first inconsistency, as `field: reason`.
-    fn validate(&self) -> Result<()> {
+    fn validate(&self, version: u32) -> Result<()> {
         if self.name.is_empty() {
             bail!("name: empty");
         }
@@ -118,7 +162,15 @@ impl ShardEntry {
                 self.shape
             );
         };
-        let s = &self.stats;
+        if let Some(t) = &self.ggml_type {
+            return self.validate_quantized(t, version);
+        }
+        if self.dtype.is_none() {
+            bail!("dtype: missing (or `ggml_type` for raw GGUF bytes)");
+        }
+        let Some(s) = &self.stats else {
+            bail!("stats: missing");
+        };
         if s.count != n {
             bail!(
                 "stats.count: {} for shape {:?} ({n} elements)",
@@ -144,6 +196,33 @@ impl ShardEntry {
         }
         if s.min > s.max {
             bail!("stats.min: {} is above stats.max {}", s.min, s.max);
+        }
+        Ok(())
+    }
+
+    fn validate_quantized(&self, t: &str, version: u32) -> Result<()> {
+        if version < QUANT_VERSION {
+            bail!("ggml_type: raw GGUF bytes need `version` {QUANT_VERSION}");
+        }
+        if GgmlType::from_name(t).is_none() {
+            bail!("ggml_type: `{t}` is not a GGML type");
+        }
+        if self.dtype.is_some() || self.stats.is_some() {
+            bail!("ggml_type: a quantized entry has no `dtype` or `stats`");
+        }
+        if self.hash.is_none() {
+            bail!("hash: missing (a quantized entry is identified by it)");
+        }
+        if !(2..=3).contains(&self.shape.len()) {
+            bail!(
+                "shape: {:?} is not [rows, bytes] or [experts, rows, bytes]",
+                self.shape
+            );
+        }
+        if let Some(s) = &self.source {
+            if s.rows[0] > s.rows[1] || s.byte_cols[0] > s.byte_cols[1] {
+                bail!("source: a range ends before it starts");
+            }
         }
         Ok(())
     }
@@ -174,8 +253,11 @@ impl ShardManifest {
         if self.format != FORMAT {
             bail!("format: `{}` is not `{FORMAT}`", self.format);
         }
-        if self.version != VERSION {
-            bail!("version: {} (this glmcheck reads {VERSION})", self.version);
+        if self.version != VERSION && self.version != QUANT_VERSION {
+            bail!(
+                "version: {} (this glmcheck reads {VERSION} and {QUANT_VERSION})",
+                self.version
+            );
         }
         if self.tp == 0 || self.tp > MAX_TP {
             bail!("tp: {} is not a degree from 1 to {MAX_TP}", self.tp);
@@ -194,7 +276,7 @@ impl ShardManifest {
             }
             let mut names = BTreeSet::new();
             for (j, w) in r.weights.iter().enumerate() {
-                w.validate()
+                w.validate(self.version)
                     .map_err(|e| anyhow!("ranks[{i}].weights[{j}].{e}"))?;
                 if !names.insert(&w.name) {
                     bail!(
@@ -614,6 +696,14 @@ fn check_listed(
         shards: entries,
     } in weights
     {
+        let (quantized, entries): (Vec<_>, Vec<_>) =
+            entries.iter().partition(|(_, e)| e.is_quantized());
+        if !quantized.is_empty() {
+            shards.extend(check_quantized(ws, m, name, target, &quantized)?);
+        }
+        if entries.is_empty() {
+            continue;
+        }
         let full = Full::load(ws, target, m.tp, m.ep).with_context(|| name.to_string())?;
         let reference = full.reference(name, m.tp)?;
         let mut verdicts = entries
@@ -638,6 +728,42 @@ fn check_listed(
         }));
     }
     Ok(shards)
+}
+
+/// Quantized entries of one weight: their bytes against the file tensor's, which must be the
+/// weight's one GGUF tensor (llama.cpp's split kv_b has no bytes of `kv_b_proj`).
+fn check_quantized(
+    ws: &WeightSource,
+    m: &ShardManifest,
+    name: &str,
+    target: &Target,
+    entries: &[&(u64, &ShardEntry)],
+) -> Result<Vec<CheckedShard>> {
+    let [id] = target.parts[..] else {
+        bail!("{name}: a merged name holds no one GGUF tensor's bytes; list each part");
+    };
+    let file_name = id.gguf_name();
+    let t = ws.files.get(&file_name).ok_or_else(|| {
+        anyhow!(
+            "{name}: quantized bytes, but the model stores no `{file_name}` to compare them with"
+        )
+    })?;
+    let shards: Vec<QuantShard> = entries.iter().map(|(r, e)| e.quant_shard(*r)).collect();
+    let verdicts = super::bytes::identify(&ws.files, t, id, name, m.tp, m.ep, &shards)
+        .with_context(|| name.to_string())?;
+    Ok(verdicts
+        .into_iter()
+        .map(|v| CheckedShard {
+            weight: name.to_string(),
+            id,
+            rank: v.rank,
+            expected: v.expected,
+            found: v.found,
+            basis: Basis::Hash,
+            class: v.class,
+            evidence: v.evidence,
+        })
+        .collect())
 }
 
 /// The shards of the manifest's weights that hold any of `ids`, judged against the plan (the
@@ -750,6 +876,32 @@ mod tests {
         assert_eq!(t.covers(), vec![WeightId::Layer(0, KvB)]);
         assert!(Target::resolve("model.layers.x.mlp.gate_up_proj.weight").is_none());
         assert!(Target::resolve("model.layers.0.mlp.fancy_proj.weight").is_none());
+    }
+
+    #[test]
+    fn quantized_entries_need_version_2_a_known_type_and_a_hash() {
+        let entry = |version: u32, extra: &str| {
+            let text = format!(
+                "{{\"format\": \"glmcheck-shards\", \"version\": {version}, \"tp\": 2, \"ranks\": \
+                 [{{\"rank\": 0, \"weights\": [{{\"name\": \"blk.0.attn_q_b.weight\", \
+                 \"shape\": [192, 88]{extra}}}]}}]}}"
+            );
+            let m: ShardManifest = serde_json::from_str(&text).unwrap();
+            m.validate().map_err(|e| e.to_string())
+        };
+        let good = ", \"ggml_type\": \"Q5_0\", \"hash\": \"0123456789abcdef\", \
+                    \"source\": {\"rows\": [0, 192], \"byte_cols\": [0, 88]}";
+        assert_eq!(entry(2, good), Ok(()));
+        let err = |version, extra| entry(version, extra).unwrap_err();
+        assert!(err(1, good).contains("ggml_type: raw GGUF bytes need `version` 2"));
+        assert!(err(
+            2,
+            ", \"ggml_type\": \"Q9_Z\", \"hash\": \"0123456789abcdef\""
+        )
+        .contains("`Q9_Z` is not a GGML type"));
+        assert!(err(2, ", \"ggml_type\": \"Q5_0\"").contains("hash: missing"));
+        assert!(err(2, "").contains("dtype: missing"));
+        assert!(err(3, good).contains("this glmcheck reads 1 and 2"));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! holds.
 
 pub mod actual;
+pub mod bytes;
 pub mod identify;
 pub mod plan;
 

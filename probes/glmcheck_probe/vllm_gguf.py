@@ -1,0 +1,107 @@
+"""Shard-manifest entries for vLLM's GGUF parameters (`GGUFConfig`): the bytes a rank holds of
+a quantized GGUF tensor, with the GGML type, the byte shape, where vLLM's sharding took them
+from in the file tensor, and their FNV-1a 64 hash (manifest version 2, probes/README.md).
+
+vLLM keeps GGUF weights as the file's raw blocks: a `qweight` of uint8 rows beside a
+`qweight_type`. A ColumnParallel layer holds a run of the tensor's rows, a RowParallel one a run
+of each row's bytes; a merged layer (`gate_up_proj`, `fused_qkv_a_proj`) concatenates its
+parts' rows, padded to the widest part, and records each part's place in `shard_offset_map`
+with its type in `qweight_type.shard_weight_type`; `FusedMoE` stacks the experts as
+`w13_qweight` [E, 2·I/tp, bytes] (gate rows, then up rows) and `w2_qweight` [E, H, bytes/tp].
+Each part becomes one entry under its checkpoint name, so glmcheck can find its bytes in the
+file. Hashing the bytes, not dequantized values, makes the check exact whatever the type.
+"""
+
+from .trace import fnv1a
+
+# Checkpoint names of a merged layer's parts, by shard id, after the layer's module path.
+MERGED_PARTS = {
+    "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+QKV_PARTS = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+
+
+def is_gguf(param) -> bool:
+    return bool(getattr(param, "is_gguf_weight", False)) and param.dtype.itemsize == 1
+
+
+def _type_name(code: int) -> str:
+    import gguf
+
+    return gguf.GGMLQuantizationType(int(code)).name
+
+
+def _entry(name, data, type_code, rows, byte_cols, hash_limit):
+    """One quantized entry. `rows` / `byte_cols`: [start, end) in the file tensor along its
+    row axis (per expert for 3-D tensors) and its row bytes, as vLLM's sharding places them."""
+    t = data.detach().cpu().contiguous()
+    entry = {"name": name, "ggml_type": _type_name(type_code),
+             "shape": [int(d) for d in t.shape],  # the bytes as held
+             "source": {"rows": [int(rows[0]), int(rows[1])],
+                        "byte_cols": [int(byte_cols[0]), int(byte_cols[1])]}}
+    if t.numel() <= hash_limit:
+        entry["hash"] = f"{fnv1a(t.numpy().tobytes()):016x}"
+    return entry
+
+
+def _rank(module, cls: str) -> int:
+    """The rank whose slice the layer holds; a ReplicatedLinear keeps vLLM's tp_rank though it
+    holds the whole tensor."""
+    if cls in ("ReplicatedLinear", "GateLinear") or int(getattr(module, "tp_size", 1)) == 1:
+        return 0
+    return int(getattr(module, "tp_rank", 0))
+
+
+def linear_entries(name: str, module, param, cls: str, hash_limit: int) -> list:
+    """Entries of a linear layer's `qweight` (`name` ends in `.weight`)."""
+    rank = _rank(module, cls)
+    types = module.qweight_type
+    offsets = getattr(param, "shard_offset_map", None)
+    if not offsets:
+        rows, width = int(param.shape[0]), int(param.shape[1])
+        if cls == "RowParallelLinear":
+            rows_at, cols_at = (0, rows), (rank * width, (rank + 1) * width)
+        else:  # Column (this rank's rows) or replicated (tp_size 1: every row)
+            rows_at, cols_at = (rank * rows, (rank + 1) * rows), (0, width)
+        return [_entry(name, param.data, types.weight_type, rows_at, cols_at, hash_limit)]
+    stem, leaf = name.rsplit(".", 1)[0].rsplit(".", 1)
+    parts = MERGED_PARTS.get(leaf)
+    out = []
+    for shard_id, (start, end, width) in sorted(offsets.items(), key=lambda kv: str(kv[0])):
+        if isinstance(shard_id, str):
+            part = QKV_PARTS[shard_id]
+        elif parts is not None and shard_id < len(parts):
+            part = parts[shard_id]
+        else:
+            raise ValueError(f"{name}: shard {shard_id!r} of a merged layer the probe does "
+                             "not know")
+        n = end - start
+        out.append(_entry(f"{stem}.{part}.weight", param.data[start:end, :width],
+                          types.shard_weight_type[shard_id], (rank * n, (rank + 1) * n),
+                          (0, width), hash_limit))
+    return out
+
+
+def embedding_entries(name: str, module, param, hash_limit: int) -> list:
+    """A vocab-parallel table's `qweight`: this rank's vocabulary rows, padding left out."""
+    ix = module.shard_indices
+    n = ix.org_vocab_end_index - ix.org_vocab_start_index
+    return [_entry(name, param.data[:n], module.qweight_type.weight_type,
+                   (ix.org_vocab_start_index, ix.org_vocab_end_index),
+                   (0, int(param.shape[1])), hash_limit)]
+
+
+def expert_entries(prefix: str, module, which: str, param, hash_limit: int) -> list:
+    """FusedMoE's `w13_qweight` (gate and up halves) or `w2_qweight` under the stacked
+    checkpoint names `PREFIX.experts.{gate,up,down}_proj`."""
+    rank = int(getattr(module, "tp_rank", 0))
+    kind = getattr(module, f"{which}_qweight_type").weight_type
+    width = int(param.shape[-1])
+    if which == "w2":
+        return [_entry(f"{prefix}.down_proj", param.data, kind, (0, int(param.shape[1])),
+                       (rank * width, (rank + 1) * width), hash_limit)]
+    half = int(param.shape[1]) // 2
+    return [_entry(f"{prefix}.{part}", param.data[:, i * half:(i + 1) * half], kind,
+                   (rank * half, (rank + 1) * half), (0, width), hash_limit)
+            for i, part in enumerate(("gate_proj", "up_proj"))]

@@ -1,0 +1,123 @@
+"""Load a glm-dsa GGUF into vLLM 0.23's `GlmMoeDsaForCausalLM` at tensor parallelism N, one
+process per rank (forked after importing vLLM once) over gloo (vLLM's own `init_distributed_environment` and
+`initialize_model_parallel`), and write the probe's shard manifest of what each rank holds.
+
+Usage: run_ranks.py GGUF --hf-config DIR --tp N --out DIR [--fault unsharded-kv-b]
+                    [--port PORT] [--timeout SECONDS]
+
+Writes DIR/shards.rank{r}.json (one per rank) and DIR/shards.json (merged), and prints one
+JSON line: tp, fault, per-rank load seconds, wall seconds. Runs on vLLM's CPU build
+(`scripts/setup-vllm`); see `cpu_shims.py` for the four platform decisions it changes.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "probes"))
+sys.path.insert(0, HERE)
+
+
+def rank_main(args) -> None:
+    """One rank: build the model with vLLM's classes, load it, write this rank's manifest."""
+    os.environ.setdefault("VLLM_DIST_IDENT", f"glmcheck-{args.port}")
+    started = time.time()
+    import torch
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.quantization.gguf import GGUFConfig
+    from vllm.model_executor.model_loader.utils import (initialize_model,
+                                                        process_weights_after_loading)
+
+    import cpu_shims
+    import glm_dsa_load
+    from glmcheck_probe import vllm_probe
+
+    torch.set_num_threads(1)
+    cfg = glm_dsa_load.hf_config(args.gguf, args.hf_config)
+    weights = glm_dsa_load.GgufWeights(args.gguf, cfg["num_hidden_layers"])
+    model_config = ModelConfig(model=args.hf_config, dtype="float32", enforce_eager=True,
+                               max_model_len=64, skip_tokenizer_init=True)
+    vllm_config = VllmConfig(model_config=model_config,
+                             parallel_config=ParallelConfig(tensor_parallel_size=args.tp))
+    # What GGUFModelLoader.load_model does: float weights' modules left unquantized.
+    vllm_config.quant_config = GGUFConfig(unquantized_modules=weights.unquantized_modules())
+    cpu_shims.install()
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(args.tp, args.rank, f"tcp://127.0.0.1:{args.port}",
+                                     args.rank, backend="gloo")
+        initialize_model_parallel(args.tp)
+        loading = time.time()
+        with torch.device("cpu"):
+            model = initialize_model(vllm_config=vllm_config)
+            glm_dsa_load.load(model, weights, args.fault)
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
+        loaded = time.time()
+        path = os.path.join(args.out, f"shards.rank{args.rank}.json")
+        vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf)
+    timing = {"rank": args.rank, "start_s": round(loading - started, 2),
+              "load_s": round(loaded - loading, 2),
+              "manifest_s": round(time.time() - loaded, 2)}
+    with open(os.path.join(args.out, f"timing.rank{args.rank}.json"), "w") as f:
+        json.dump(timing, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf")
+    ap.add_argument("--hf-config", required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fault", choices=["unsharded-kv-b"])
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+
+    started = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    args.port = args.port or free_port()
+    # Import vLLM once and fork the ranks from here: each rank then starts in a second, not
+    # after half a minute of imports (the same modules, loaded before any thread or process
+    # group exists).
+    import vllm.model_executor.models.deepseek_v2  # noqa: F401
+    import vllm.model_executor.model_loader.utils  # noqa: F401
+    ctx = multiprocessing.get_context("fork")
+    procs = []
+    for r in range(args.tp):
+        rank_args = argparse.Namespace(**{**vars(args), "rank": r})
+        procs.append(ctx.Process(target=rank_main, args=(rank_args,)))
+        procs[-1].start()
+    deadline = started + args.timeout
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.time()))
+    if any(p.is_alive() for p in procs):
+        for p in procs:
+            p.kill()
+        sys.exit(f"run_ranks: timed out after {args.timeout} s")
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        sys.exit(f"run_ranks: rank exit codes {codes}")
+
+    from glmcheck_probe import vllm_probe
+    paths = [os.path.join(args.out, f"shards.rank{r}.json") for r in range(args.tp)]
+    vllm_probe.merge_shard_manifests(os.path.join(args.out, "shards.json"), paths)
+    ranks = [json.load(open(os.path.join(args.out, f"timing.rank{r}.json")))
+             for r in range(args.tp)]
+    print(json.dumps({"tp": args.tp, "fault": args.fault, "ranks": ranks,
+                      "wall_s": round(time.time() - started, 2)}))
+
+
+if __name__ == "__main__":
+    main()
