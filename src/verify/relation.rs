@@ -411,6 +411,14 @@ impl Departure<'_> {
 
     /// Departing experts that are other experts of the reference.
     fn experts(&self) -> Result<Option<Finding>> {
+        if let WeightId::Expert {
+            layer,
+            expert,
+            which,
+        } = self.plan.id
+        {
+            return self.other_expert(layer, expert, which);
+        }
         let units = &self.plan.units;
         if units.len() < 2 || units[0].expert.is_none() {
             return Ok(None);
@@ -455,6 +463,39 @@ impl Departure<'_> {
         );
         f.map = map;
         Ok(Some(f))
+    }
+
+    /// An expert stored as a tensor of its own (a Hugging Face checkpoint's per-expert layout)
+    /// that holds another expert of the reference: the first whose values it holds within the
+    /// band, trying each of the layer's experts.
+    fn other_expert(&self, layer: u64, expert: u64, which: LayerWeight) -> Result<Option<Finding>> {
+        let [u] = &self.plan.units[..] else {
+            return Ok(None);
+        };
+        let c = super::units::candidate_values(self.cand, self.t(), u)?;
+        let stored = candidate_bytes(self.cand, self.t(), u);
+        for other in (0..self.reference.cfg.n_routed_experts).filter(|&e| e != expert) {
+            let x = self.reference.expert_matrix(layer, other, which)?.data;
+            if x.len() != c.len() || !self.holds(&x, &c, stored)? {
+                continue;
+            }
+            let mut f = self.finding(
+                Relation::ExpertPermutation,
+                format!(
+                    "{}: expert {expert} holds another expert's weights",
+                    self.t().name
+                ),
+                vec![format!(
+                    "{}: layer {layer}'s expert {expert} holds the reference's expert {other} \
+                     (within {}'s noise)",
+                    self.t().name,
+                    self.type_name()
+                )],
+            );
+            f.map = vec![(expert, other)];
+            return Ok(Some(f));
+        }
+        Ok(None)
     }
 
     /// Departing rows of a unit that are other rows of the reference: heads where the rows of
