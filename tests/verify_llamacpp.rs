@@ -4,7 +4,8 @@
 //! `tests/oracle/llamacpp_quants.py` makes a tiny GLM-5 wide enough for K-quants (every matrix
 //! llama.cpp quantizes has rows of 256 or 512), saved by transformers, converted to F32 by
 //! llama.cpp's converter and quantized by `llama-quantize` to Q8_0, Q6_K, Q4_K_M and IQ4_XS, and
-//! to Q4_K_M with an importance matrix from `llama-imatrix`. `tests/oracle/plant_gguf_fault.py`
+//! to Q4_K_M with an importance matrix from `llama-imatrix`; `llama-gguf-split` cuts the Q4_K_M
+//! into a split set of three files (opened as one model; a fault goes into a later file). `tests/oracle/plant_gguf_fault.py`
 //! copies one of those files and rewrites bytes of one tensor in place (swapped experts or
 //! heads, doubled block scales, zeroed or random blocks, a NaN scale, rows of another tensor,
 //! an untransposed attn_k_b), checking the effect with gguf-py's dequantization.
@@ -32,7 +33,15 @@ use serde_json::{json, Value};
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12,300,301,17,450";
 
 /// The honest files, by the keys of llamacpp_quants.py's JSON.
-const HONEST: [&str; 6] = ["f32", "q8_0", "q6_k", "q4_k_m", "iq4_xs", "q4_k_m-imatrix"];
+const HONEST: [&str; 7] = [
+    "f32",
+    "q8_0",
+    "q6_k",
+    "q4_k_m",
+    "iq4_xs",
+    "q4_k_m-imatrix",
+    "q4_k_m-split",
+];
 
 /// One planted fault: the file it goes into, plant_gguf_fault.py's FAULT, TENSOR and ARGS, and
 /// what verify (class, relation) and bisect (class) must call it.
@@ -66,7 +75,7 @@ const fn fault(
     }
 }
 
-const FAULTS: [Fault; 18] = [
+const FAULTS: [Fault; 19] = [
     Fault {
         gguf_reference: true,
         ..fault(
@@ -178,6 +187,15 @@ const FAULTS: [Fault; 18] = [
         &["3", "2", "1", "11"],
         "corrupt_weight",
         "garbage_blocks",
+    ),
+    // In a later file of the split set llama-gguf-split made.
+    fault(
+        "q4_k_m-split",
+        "swap-experts",
+        "blk.2.ffn_down_exps.weight",
+        &["1", "5"],
+        "weight_layout",
+        "expert_permutation",
     ),
     fault(
         "iq4_xs",
@@ -469,8 +487,13 @@ fn honest(a: &Artifacts, key: &str, reference: &'static str) -> Row {
 /// A planted fault: both commands fail, naming the planted tensor and only it.
 fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
     let (reference_path, honest) = (a.file(reference), a.file(f.file));
+    // A split set's copy keeps the set's numbering (the planter copies every file).
+    let honest_name = honest.file_name().unwrap().to_str().unwrap();
+    let set = honest_name
+        .find("-00001-of-")
+        .map_or(".gguf", |i| &honest_name[i..]);
     let name = format!(
-        "{}-{}-{}-{}.gguf",
+        "{}-{}-{}-{}{set}",
         f.file,
         f.fault,
         f.tensor.trim_end_matches(".weight"),

@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Result};
 use super::plan::{placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::model::names::WeightId;
-use crate::trace::stats::fnv1a_bytes;
+use crate::trace::stats::fnv1a_pieces;
 use crate::weights::ggml_type::GgmlType;
 use crate::weights::tensor::{Encoding, TensorEntry};
 use crate::weights::ModelFiles;
@@ -109,16 +109,12 @@ impl<'a> Stored<'a> {
         if r.rows.end > self.rows || r.cols.end > self.row_bytes || r.rows.start > r.rows.end {
             return None;
         }
-        let mut bytes = Vec::new();
-        for o in 0..self.outer {
-            for row in r.rows.clone() {
-                let at = ((o * self.rows + row) * self.row_bytes) as usize;
-                bytes.extend_from_slice(
-                    &self.data[at + r.cols.start as usize..at + r.cols.end as usize],
-                );
-            }
-        }
-        Some(fnv1a_bytes(&bytes))
+        let rows = (0..self.outer).flat_map(|o| r.rows.clone().map(move |row| (o, row)));
+        let pieces = rows.map(|(o, row)| {
+            let at = ((o * self.rows + row) * self.row_bytes) as usize;
+            &self.data[at + r.cols.start as usize..at + r.cols.end as usize]
+        });
+        Some(fnv1a_pieces(pieces))
     }
 
     fn block(&self) -> (u64, u64) {

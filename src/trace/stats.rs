@@ -114,7 +114,15 @@ pub fn fnv1a<T: Element>(xs: &[T]) -> u64 {
 
 /// FNV-1a 64 over raw bytes.
 pub fn fnv1a_bytes(bytes: &[u8]) -> u64 {
-    bytes.iter().copied().fold(FNV_OFFSET, fnv_step)
+    fnv1a_pieces([bytes])
+}
+
+/// FNV-1a 64 over pieces of bytes, as over their concatenation, without making it.
+pub fn fnv1a_pieces<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    pieces
+        .into_iter()
+        .flat_map(|p| p.iter().copied())
+        .fold(FNV_OFFSET, fnv_step)
 }
 
 fn fnv_step(h: u64, b: u8) -> u64 {

@@ -91,9 +91,13 @@ def run(args: list, cwd: Path) -> None:
 
 
 def types_of(path: Path) -> dict:
+    """Every tensor's type, over all files of a split set (NAME-00001-of-0000N.gguf)."""
     from gguf import GGUFReader
 
-    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    paths = [path]
+    if "-00001-of-" in path.name:
+        paths = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+    return {t.name: t.tensor_type.name for p in paths for t in GGUFReader(p).tensors}
 
 
 def main() -> None:
@@ -105,6 +109,7 @@ def main() -> None:
     out, oracle = args.out.resolve(), args.llama_cpp.resolve()
     quantize = tool(oracle, "llama-quantize", "LLAMA_QUANTIZE")
     imatrix = tool(oracle, "llama-imatrix", "LLAMA_IMATRIX")
+    gguf_split = tool(oracle, "llama-gguf-split", "LLAMA_GGUF_SPLIT")
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,6 +133,10 @@ def main() -> None:
         files[stem] = out / f"{stem}.gguf"
         run([quantize, "f32.gguf", f"{stem}.gguf", qtype, THREADS], out)
 
+    # The Q4_K_M as a split set, as large GGUFs are published: llama.cpp's own splitter.
+    run([gguf_split, "--split", "--split-max-tensors", "24", "q4_k_m.gguf", "q4_k_m-split"], out)
+    files["q4_k_m-split"] = sorted(out.glob("q4_k_m-split-00001-of-*.gguf"))[0]
+
     files["calibration"] = out / "calibration.txt"
     files["calibration"].write_text(CALIBRATION)
     files["imatrix"] = out / "imatrix.gguf"
@@ -139,7 +148,8 @@ def main() -> None:
     files["q4_k_m-imatrix"] = out / "q4_k_m-imatrix.gguf"
     run([quantize, "--imatrix", "imatrix.gguf", "f32.gguf", "q4_k_m-imatrix.gguf", "Q4_K_M", THREADS], out)
 
-    types = {k: types_of(p) for k, p in files.items() if k == "f32" or k in QUANTS or k == "q4_k_m-imatrix"}
+    types = {k: types_of(p) for k, p in files.items()
+             if k == "f32" or k in QUANTS or k in ("q4_k_m-imatrix", "q4_k_m-split")}
     print(json.dumps({"files": {k: str(p) for k, p in files.items()}, "types": types}))
 
 

@@ -2,6 +2,10 @@
 
 Usage: plant_gguf_fault.py IN.gguf OUT.gguf FAULT TENSOR [ARGS...]
 
+IN may be the first file of a split set (`NAME-00001-of-0000N.gguf`); OUT must then be named
+the same way: every file of the set is copied to OUT's name, and the fault goes into the one
+that holds TENSOR.
+
 OUT is a byte-for-byte copy of IN in which only bytes of the named tensor's data are rewritten in
 place (offsets, types and shapes from gguf-py's GGUFReader; the file is never re-serialized, so
 metadata, alignment and every other tensor stay identical). Faults work on the stored blocks of
@@ -38,6 +42,7 @@ exactly FACTOR times the honest one), with `confirmed`: whether it shows the int
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 
@@ -349,10 +354,34 @@ def coalesce(ranges) -> list[list[int]]:
     return out
 
 
+SPLIT = re.compile(r"^(.*)-00001-of-(\d{5})\.gguf$")
+
+
+def split_member(src: str, dst: str, name: str) -> tuple[str, str]:
+    """For a split set: every file copied to DST's name, and the pair that holds NAME."""
+    m, n = SPLIT.match(src), SPLIT.match(dst)
+    if not m:
+        return src, dst
+    if not n or n.group(2) != m.group(2):
+        fail(f"{dst}: a split set's copy must be named NAME-00001-of-{m.group(2)}.gguf")
+    total = int(m.group(2))
+    pairs = [(f"{m.group(1)}-{i:05d}-of-{total:05d}.gguf", f"{n.group(1)}-{i:05d}-of-{total:05d}.gguf")
+             for i in range(1, total + 1)]
+    holder = None
+    for a, b in pairs:
+        shutil.copyfile(a, b)
+        if holder is None and any(t.name == name for t in GGUFReader(a).tensors):
+            holder = (a, b)
+    if holder is None:
+        fail(f"{src}: no file of the set holds {name}")
+    return holder
+
+
 def main() -> None:
     if len(sys.argv) < 5:
         fail("usage: plant_gguf_fault.py IN.gguf OUT.gguf FAULT TENSOR [ARGS...]")
     src, dst, fault, name, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+    src, dst = split_member(src, dst, name)
     reader = GGUFReader(src)
     t = Tensor(reader, name)
     with open(src, "rb") as f:
