@@ -466,6 +466,19 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
     let mut v = value.clone();
     v["dtype"] = "fp8".into();
     hostile("dtype.json", v.to_string(), &["dtype: `fp8`"]);
+    let topk = value["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|s| s["name"].as_str().unwrap().ends_with(".moe.topk_ids"))
+        .unwrap();
+    let mut v = value.clone();
+    v["stages"][topk]["near_ties"] = serde_json::json!([[9999, [1, 2]]]);
+    hostile(
+        "ties.json",
+        v.to_string(),
+        &[&format!("stages[{topk}]"), "near_ties: position 9999"],
+    );
     value["stages"][4]["rank"] = 3.into();
     hostile(
         "rank.json",
@@ -479,6 +492,91 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
     one_line(
         &common::glmcheck_output(&["gate", "--baseline", p(&base), p(&trace), "--tp", "2"]),
         &["--tp applies to a model candidate"],
+    );
+}
+
+/// A bf16 baseline keeps its near ties with the choices made there, and a model candidate run by
+/// the gate takes exactly those choices, so that a tie broken the other way by another CPU's
+/// summation order does not move every later stage. Shown by planting another choice at one
+/// near tie of the baseline: the candidate's run records the planted ids at that position.
+#[test]
+fn a_model_candidate_takes_the_baselines_choices_at_its_near_ties() {
+    let dir = common::scratch();
+    let d = dir.path();
+    let model = tiny(d);
+    let base = d.join("bf16.json");
+    let o = common::glmcheck_output(&[
+        "gate",
+        "--update",
+        "--baseline",
+        p(&base),
+        p(&model),
+        "--dtype",
+        "bf16",
+        "--prompt",
+        PROMPT,
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let b = Baseline::load(&base).unwrap();
+    let (at, stage) = b
+        .stages
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.name.ends_with(".moe.topk_ids") && !s.near_ties.is_empty())
+        .expect("the tiny bf16 run has near ties at the router's top-k boundary");
+    assert!(stage.min_gap_ratio.unwrap() <= b.limits.epsilon);
+    let (position, ids) = stage.near_ties[0].clone();
+    // The smallest expert the run did not choose there (below k + 1 ≤ the expert count).
+    let other = (0..).find(|e| !ids.contains(e)).unwrap();
+    let mut planted = ids.clone();
+    *planted.last_mut().unwrap() = other;
+
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
+    value["stages"][at]["near_ties"][0][1] = serde_json::json!(planted);
+    let edited = d.join("planted-tie.json");
+    std::fs::write(&edited, value.to_string()).unwrap();
+    let out = d.join("candidate.trace");
+    let o = common::glmcheck_output(&[
+        "gate",
+        "--json",
+        "--baseline",
+        p(&edited),
+        p(&model),
+        "--out",
+        p(&out),
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let taken = b.tie_breaks().count();
+    assert!(
+        report["notes"].as_array().unwrap().iter().any(|n| n
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{taken} top-k positions were near ties"))),
+        "{report:#}"
+    );
+    let trace = Trace::open(&out).unwrap();
+    let (values, shape) = {
+        let r = trace.stage(&stage.name, None).unwrap();
+        (
+            trace.tensor(&stage.name, None).unwrap().unwrap(),
+            r.shape.clone(),
+        )
+    };
+    let k = *shape.last().unwrap() as usize;
+    let row: Vec<i32> = values[position * k..(position + 1) * k]
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    let sorted = |mut v: Vec<i32>| {
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(
+        sorted(row),
+        sorted(planted),
+        "{}: position {position}",
+        stage.name
     );
 }
 

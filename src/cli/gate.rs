@@ -103,9 +103,16 @@ fn record_candidate(
         .or(baseline.and_then(Baseline::latent_norm_eps))
         .unwrap_or(HF_LATENT_NORM_EPS);
     // The logits and layer outputs in full, and the top-k boundary gaps so that a baseline knows
-    // its near ties.
+    // its near ties, with the choices made there; the baseline's choices at its near ties are
+    // taken again.
     let mut full: Vec<&str> = DEFAULT_FULL.to_vec();
-    full.extend(["L*.attn.index_gap", "L*.moe.topk_gap"]);
+    full.extend([
+        "L*.attn.index_gap",
+        "L*.moe.topk_gap",
+        "L*.attn.index_topk",
+        "L*.moe.topk_ids",
+    ]);
+    let ties = baseline.map(Baseline::tie_breaks);
     record(RunSpec {
         model: &args.candidate,
         tokens: &tokens,
@@ -120,7 +127,7 @@ fn record_candidate(
         inject: args.inject,
         generate: 0,
         warm_up: 0,
-        ties: None,
+        ties: ties.as_ref().filter(|t| t.count() > 0),
         stored_as: None,
         hybrid: None,
     })?;
@@ -200,6 +207,12 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
     };
     let mut report = gate::check(&baseline, &trace, &args.baseline.display().to_string())?;
     report.candidate = shown;
+    let taken = baseline.tie_breaks().count();
+    if taken > 0 && !is_trace(&args.candidate) {
+        report.notes.push(format!(
+            "{taken} top-k positions were near ties in the baseline's run; the candidate run took the baseline's choice there"
+        ));
+    }
     if let Some(out) = &args.junit {
         let suite = args
             .baseline

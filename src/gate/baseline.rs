@@ -28,7 +28,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::compare::diff::whole_values;
+use crate::compare::diff::{layer_of, whole_values};
+use crate::exec::ties::TieBreaks;
 use crate::trace::{ElemType, TensorStats, Trace};
 
 /// The `format` of every baseline file.
@@ -148,6 +149,12 @@ pub struct StageBaseline {
     /// then not judged (later stages judge its effect).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_gap_ratio: Option<f64>,
+    /// For top-k id stages: `[position, ids]` wherever the baseline's boundary gap there was a
+    /// near tie (at most ε of the layer's largest). A candidate run by the gate takes these
+    /// choices at exactly these positions, so that a tie another CPU's summation order breaks
+    /// the other way does not move every later stage; elsewhere its own choice is judged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub near_ties: Vec<(usize, Vec<i32>)>,
     /// This stage's own ε, replacing `limits.epsilon` (set by hand in review, with a reason in
     /// the commit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -260,7 +267,54 @@ fn gap_ratio(trace: &Trace, gap_stage: &str) -> Result<Option<f64>> {
     Ok((lo.is_finite() && hi > 0.0).then(|| lo / hi))
 }
 
+/// `[position, ids]` of the ids stage `ids_stage` wherever its boundary gap is at most
+/// `epsilon` of the layer's largest, when the trace kept both in full.
+fn near_tie_choices(
+    trace: &Trace,
+    ids_stage: &str,
+    gap_stage: &str,
+    epsilon: f64,
+) -> Result<Vec<(usize, Vec<i32>)>> {
+    let (Some((ids, shape)), Some((gaps, _))) = (
+        whole_values(trace, ids_stage)?,
+        whole_values(trace, gap_stage)?,
+    ) else {
+        return Ok(Vec::new());
+    };
+    let k = shape.last().copied().unwrap_or(1).max(1) as usize;
+    let largest = f64::from(gaps.iter().copied().fold(0f32, f32::max));
+    Ok(gaps
+        .iter()
+        .zip(ids.chunks(k))
+        .enumerate()
+        .filter(|(_, (&g, _))| g >= 0.0 && f64::from(g) <= epsilon * largest)
+        .map(|(p, (_, row))| (p, row.iter().map(|&v| v as i32).collect()))
+        .collect())
+}
+
 impl Baseline {
+    /// The baseline's choices at its near ties, for a candidate run to take.
+    pub fn tie_breaks(&self) -> TieBreaks {
+        let mut ties = TieBreaks::default();
+        for s in self.stages.iter().filter(|s| !s.near_ties.is_empty()) {
+            let Some(layer) = layer_of(&s.name) else {
+                continue;
+            };
+            let map = if s.name.ends_with(".attn.index_topk") {
+                &mut ties.dsa
+            } else {
+                &mut ties.moe
+            };
+            let positions = s.near_ties.iter().map(|(p, _)| p + 1).max().unwrap_or(0);
+            let mut at = vec![None; positions];
+            for (p, ids) in &s.near_ties {
+                at[*p] = Some(ids.clone());
+            }
+            map.insert(layer, at);
+        }
+        ties
+    }
+
     /// A baseline of `trace`; `from` says what it was made from (the candidate's path).
     pub fn from_trace(trace: &Trace, from: &str) -> Result<Baseline> {
         let m = trace.manifest();
@@ -284,9 +338,12 @@ impl Baseline {
             } else {
                 None
             };
-            let min_gap_ratio = match (&gap_stage, s.rank) {
-                (Some(g), None) => gap_ratio(trace, g)?,
-                _ => None,
+            let (min_gap_ratio, near_ties) = match (&gap_stage, s.rank) {
+                (Some(g), None) => (
+                    gap_ratio(trace, g)?,
+                    near_tie_choices(trace, &s.name, g, limits.epsilon)?,
+                ),
+                _ => (None, Vec::new()),
             };
             stages.push(StageBaseline {
                 name: s.name.clone(),
@@ -296,6 +353,7 @@ impl Baseline {
                 dims: s.dims.clone(),
                 stats: s.stats.clone(),
                 min_gap_ratio,
+                near_ties,
                 epsilon: None,
             });
         }
@@ -494,6 +552,19 @@ impl Baseline {
             }
             if let Some(r) = s.min_gap_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
                 bail!("{}: {r}, expected 0 ≤ ratio ≤ 1", at("min_gap_ratio"));
+            }
+            let (rows, k) = match s.shape.as_slice() {
+                [.., r, k] => (*r as usize, *k as usize),
+                _ => (0, 0),
+            };
+            for (p, ids) in &s.near_ties {
+                if *p >= rows || ids.len() != k || s.dtype != ElemType::I32 {
+                    bail!(
+                        "{}: position {p} with {} ids, expected a position below {rows} with {k} ids of an I32 top-k stage",
+                        at("near_ties"),
+                        ids.len()
+                    );
+                }
             }
         }
         if let Some(l) = &self.logits {

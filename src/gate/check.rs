@@ -434,6 +434,7 @@ fn judge_logits(
         dims: "t v".into(),
         stats: TensorStats::of::<f32>(&[]),
         min_gap_ratio: None,
+        near_ties: Vec::new(),
         epsilon: None,
     };
     let values = match candidate.stages().iter().any(|s| s.name == "logits") {
