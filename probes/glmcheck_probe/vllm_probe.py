@@ -324,7 +324,10 @@ class Probe:
         """Record `tensor` as stage `name` [T, *tail]; `split` marks this rank's part."""
         if not self.active:
             return
-        x = tensor.detach().cpu()
+        # A copy: vLLM works in place after the hook (RoPE rotates q's rope part inside
+        # `q_b_proj`'s output; the indexer's top-k buffer is reused by every layer), and on a
+        # CPU `.cpu()` returns the tensor itself.
+        x = tensor.detach().cpu().clone()
         x = x.to(torch.float32) if x.is_floating_point() else x.to(torch.int32)
         x = x.reshape(len(self.tokens), *tail).numpy()
         rank = self.rank if split and self.tp > 1 else None
@@ -369,7 +372,10 @@ class Probe:
         inner = model.model
         _require("model.embed_tokens", getattr(inner, "embed_tokens", None), EMBED)
         _require("model.norm", getattr(inner, "norm", None), RMS_NORM)
-        self._pre(inner, lambda args: self._start(args[0]))
+        # The forward starts at the embedding: `DeepseekV2Model` is wrapped by vLLM's
+        # `support_torch_compile`, whose `__call__` runs `forward` directly when not compiling,
+        # so hooks on the model itself never fire.
+        self._pre(inner.embed_tokens, lambda args: self._start(args[0]))
         self._out(inner.embed_tokens, lambda o: self.take("embed", _first(o), "t d", -1))
         layers = getattr(inner, "layers", None)
         if layers is None or len(layers) < cfg.num_hidden_layers:

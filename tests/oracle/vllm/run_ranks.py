@@ -1,13 +1,19 @@
 """Load a glm-dsa GGUF into vLLM 0.23's `GlmMoeDsaForCausalLM` at tensor parallelism N, one
 process per rank (forked after importing vLLM once) over gloo (vLLM's own `init_distributed_environment` and
-`initialize_model_parallel`), and write the probe's shard manifest of what each rank holds.
+`initialize_model_parallel`), write the probe's shard manifest of what each rank holds, and
+with `--tokens` run vLLM's forward on them with the probe's hooks installed.
 
-Usage: run_ranks.py GGUF --hf-config DIR --tp N --out DIR [--fault unsharded-kv-b]
-                    [--port PORT] [--timeout SECONDS]
+Usage: run_ranks.py GGUF --hf-config DIR --tp N --out DIR [--fault FAULT]
+                    [--tokens 1,2,3 [--dtype float32|bfloat16|float16] [--full GLOB ...]]
+                    [--check-dequant] [--port PORT] [--timeout SECONDS]
 
-Writes DIR/shards.rank{r}.json (one per rank) and DIR/shards.json (merged), and prints one
-JSON line: tp, fault, per-rank load seconds, wall seconds. Runs on vLLM's CPU build
-(`scripts/setup-vllm`); see `cpu_shims.py` for the four platform decisions it changes.
+Writes DIR/shards.rank{r}.json (one per rank) and DIR/shards.json (merged); with `--tokens`,
+DIR/run.trace (the ranks' traces merged). Prints one JSON line: tp, fault, per-rank seconds,
+wall seconds. Runs on vLLM's CPU build (`scripts/setup-vllm`); see `cpu_shims.py` for the four
+platform decisions it changes and `gpu_stand_ins.py` for the GPU kernels the forward needs.
+
+Faults: `unsharded-kv-b` (the loader patch, `glm_dsa_load.py`), `q4k-high-scales` and
+`fp16-no-residual-rescale` (`gpu_stand_ins.py`).
 """
 
 import argparse
@@ -29,23 +35,33 @@ def rank_main(args) -> None:
     os.environ.setdefault("VLLM_DIST_IDENT", f"glmcheck-{args.port}")
     started = time.time()
     import torch
-    from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (CompilationConfig, ModelConfig, ParallelConfig, VllmConfig,
+                             set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.quantization.gguf import GGUFConfig
     from vllm.model_executor.model_loader.utils import (initialize_model,
                                                         process_weights_after_loading)
 
+    from vllm.forward_context import set_forward_context
+
     import cpu_shims
     import glm_dsa_load
+    import gpu_stand_ins
     from glmcheck_probe import vllm_probe
 
     torch.set_num_threads(1)
+    gpu_stand_ins.install(args.fault if args.fault in gpu_stand_ins.FAULTS else None)
     cfg = glm_dsa_load.hf_config(args.gguf, args.hf_config)
     weights = glm_dsa_load.GgufWeights(args.gguf, cfg["num_hidden_layers"])
-    model_config = ModelConfig(model=args.hf_config, dtype="float32", enforce_eager=True,
+    model_config = ModelConfig(model=args.hf_config, dtype=args.dtype, enforce_eager=True,
                                max_model_len=64, skip_tokenizer_init=True)
+    # vLLM's CPU rotary kernel (`ops.rotary_embedding`) rotates a 3-D query [T, heads, d]
+    # wrongly for heads > 1 (2-D [T, heads·d] is right), and MLA passes q 3-D: RoPE runs
+    # vLLM's own PyTorch version, as `custom_ops` allows, unless --cpu-rope-kernel.
+    custom_ops = [] if args.cpu_rope_kernel else ["-rotary_embedding"]
     vllm_config = VllmConfig(model_config=model_config,
-                             parallel_config=ParallelConfig(tensor_parallel_size=args.tp))
+                             parallel_config=ParallelConfig(tensor_parallel_size=args.tp),
+                             compilation_config=CompilationConfig(custom_ops=custom_ops))
     # What GGUFModelLoader.load_model does: float weights' modules left unquantized.
     vllm_config.quant_config = GGUFConfig(unquantized_modules=weights.unquantized_modules())
     cpu_shims.install()
@@ -56,14 +72,26 @@ def rank_main(args) -> None:
         loading = time.time()
         with torch.device("cpu"):
             model = initialize_model(vllm_config=vllm_config)
-            glm_dsa_load.load(model, weights, args.fault)
+            glm_dsa_load.load(model, weights,
+                              args.fault if args.fault in glm_dsa_load.FAULTS else None)
             process_weights_after_loading(model, model_config, torch.device("cpu"))
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
         vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf)
+        written = time.time()
+        if args.tokens:
+            probe = vllm_probe.install(model, os.path.join(args.out, "ranks"), args.rank,
+                                       args.tp, full=tuple(args.full or vllm_probe.DEFAULT_FULL),
+                                       source=args.gguf)
+            ids = torch.tensor(args.tokens, dtype=torch.long)
+            with set_forward_context(None, vllm_config), torch.inference_mode():
+                hidden = model(ids, torch.arange(len(args.tokens)))
+                model.compute_logits(hidden)
+            probe.finish()
     timing = {"rank": args.rank, "start_s": round(loading - started, 2),
               "load_s": round(loaded - loading, 2),
-              "manifest_s": round(time.time() - loaded, 2)}
+              "manifest_s": round(written - loaded, 2),
+              "forward_s": round(time.time() - written, 2)}
     with open(os.path.join(args.out, f"timing.rank{args.rank}.json"), "w") as f:
         json.dump(timing, f)
 
@@ -80,7 +108,15 @@ def main() -> None:
     ap.add_argument("--hf-config", required=True)
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fault", choices=["unsharded-kv-b"])
+    ap.add_argument("--fault", choices=["unsharded-kv-b", "q4k-high-scales",
+                                        "fp16-no-residual-rescale"])
+    ap.add_argument("--tokens", type=lambda t: [int(x) for x in t.split(",")])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--full", action="append", help="stages kept whole (default: the probe's)")
+    ap.add_argument("--cpu-rope-kernel", action="store_true",
+                    help="keep vLLM's CPU rotary kernel (wrong for MLA's 3-D q)")
+    ap.add_argument("--check-dequant", action="store_true",
+                    help="record the engine's dequantization of each quantized shard")
     ap.add_argument("--port", type=int)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
@@ -113,6 +149,9 @@ def main() -> None:
     from glmcheck_probe import vllm_probe
     paths = [os.path.join(args.out, f"shards.rank{r}.json") for r in range(args.tp)]
     vllm_probe.merge_shard_manifests(os.path.join(args.out, "shards.json"), paths)
+    if args.tokens:
+        traces = [os.path.join(args.out, "ranks", f"rank{r}.trace") for r in range(args.tp)]
+        vllm_probe.merge_traces(os.path.join(args.out, "run.trace"), traces)
     ranks = [json.load(open(os.path.join(args.out, f"timing.rank{r}.json")))
              for r in range(args.tp)]
     print(json.dumps({"tp": args.tp, "fault": args.fault, "ranks": ranks,
