@@ -334,8 +334,19 @@ fn pairs<'t>(
             t.stage(&r.name, None)
                 .or_else(|| t.stages().iter().find(|s| s.name == r.name))
         };
+        // The whole stage is known from a whole record, or from every rank part's values;
+        // a part's statistics alone say nothing of the whole.
+        let whole_known = |t: &Trace| {
+            t.stage(&r.name, None).is_some()
+                || t.stages()
+                    .iter()
+                    .filter(|s| s.name == r.name)
+                    .all(|s| s.file.is_some())
+        };
         if let (Some(rw), Some(cw)) = (stands_for(reference), stands_for(candidate)) {
-            out.push((r.name.clone(), None, rw, cw));
+            if whole_known(reference) && whole_known(candidate) {
+                out.push((r.name.clone(), None, rw, cw));
+            }
         }
         for rr in reference
             .stages()

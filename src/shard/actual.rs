@@ -10,7 +10,7 @@ use crate::trace::stats::hex64;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
-use super::bytes::{QuantShard, Region};
+use super::bytes::{DequantCheck, QuantShard, Region};
 use super::identify::{elements, Basis, Dtype, ObservedShard, Reference, ShardStats};
 use super::plan::{check_degree, expert_rank, placement, Placement};
 use crate::compare::fault::FaultClass;
@@ -74,6 +74,28 @@ pub struct ShardEntry {
     /// Version 2: where the engine took the bytes from in the file tensor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<ByteSource>,
+    /// Version 2, opt-in: what the engine's own dequantization op made of the bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dequant: Option<EngineDequant>,
+}
+
+/// The engine's dequantization of a quantized shard: its output's hash and per-block sums in
+/// the engine's dtype, or why the op did not run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EngineDequant {
+    /// The op, as the engine names it (`ggml_dequantize`).
+    pub op: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
+    /// FNV-1a 64 of the output's little-endian bytes in `dtype`, row-major.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<Hash64>,
+    /// The sum of each GGML block's output values, in order: where a mismatch starts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_sums: Vec<f64>,
+    /// Why the op did not run (absent from the engine's build); nothing else is then given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub absent: Option<String>,
 }
 
 /// Rows (of each expert, for a stacked tensor) and byte columns of a GGUF tensor, `[start,
@@ -116,6 +138,7 @@ impl ShardEntry {
             stats: Some(ShardStats::of(&held)),
             ggml_type: None,
             source: None,
+            dequant: None,
         }
     }
 
@@ -145,6 +168,7 @@ impl ShardEntry {
                 rows: s.rows[0]..s.rows[1],
                 cols: s.byte_cols[0]..s.byte_cols[1],
             }),
+            dequant: self.dequant.as_ref(),
         }
     }
 
@@ -164,6 +188,9 @@ impl ShardEntry {
         };
         if let Some(t) = &self.ggml_type {
             return self.validate_quantized(t, version);
+        }
+        if self.dequant.is_some() {
+            bail!("dequant: only a quantized entry (`ggml_type`) has an engine dequantization");
         }
         if self.dtype.is_none() {
             bail!("dtype: missing (or `ggml_type` for raw GGUF bytes)");
@@ -212,6 +239,11 @@ impl ShardEntry {
         }
         if self.hash.is_none() {
             bail!("hash: missing (a quantized entry is identified by it)");
+        }
+        if let Some(d) = &self.dequant {
+            if d.absent.is_none() && (d.dtype.is_none() || d.hash.is_none()) {
+                bail!("dequant: needs `dtype` and `hash`, or `absent` saying why the op did not run");
+            }
         }
         if !(2..=3).contains(&self.shape.len()) {
             bail!(
@@ -592,6 +624,8 @@ pub struct CheckedShard {
     /// `None` when the shard is what the plan gives.
     pub class: Option<FaultClass>,
     pub evidence: String,
+    /// The engine's dequantization of a quantized shard, where the manifest gives it.
+    pub dequant: Option<DequantCheck>,
 }
 
 /// A manifest against the plan.
@@ -724,6 +758,7 @@ fn check_listed(
                 basis: v.basis,
                 class: v.class,
                 evidence: v.evidence,
+                dequant: None,
             }
         }));
     }
@@ -762,6 +797,7 @@ fn check_quantized(
             basis: Basis::Hash,
             class: v.class,
             evidence: v.evidence,
+            dequant: v.dequant,
         })
         .collect())
 }

@@ -18,7 +18,9 @@ use super::plan::{placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::model::names::WeightId;
 use crate::trace::stats::fnv1a_pieces;
+use super::actual::EngineDequant;
 use crate::weights::ggml_type::GgmlType;
+use crate::weights::quant;
 use crate::weights::tensor::{Encoding, TensorEntry};
 use crate::weights::ModelFiles;
 
@@ -38,6 +40,18 @@ pub struct QuantShard<'e> {
     pub hash: u64,
     /// The region the engine says it took the bytes from.
     pub source: Option<Region>,
+    /// What the engine's dequantization op made of the bytes, if the manifest says.
+    pub dequant: Option<&'e EngineDequant>,
+}
+
+/// The engine's dequantization of a shard, checked against ggml's (a mismatch is a
+/// `wrong_dequant` verdict instead).
+#[derive(Clone, Debug, PartialEq)]
+pub enum DequantCheck {
+    /// The same values bit for bit, in the engine's dtype.
+    Equal { op: String },
+    /// Not compared: the op is absent from the engine's build, or the bytes are not whole blocks.
+    NotRun { op: String, why: String },
 }
 
 /// One rank's quantized shard, judged.
@@ -47,6 +61,7 @@ pub struct ByteVerdict {
     pub found: Option<String>,
     pub class: Option<FaultClass>,
     pub evidence: String,
+    pub dequant: Option<DequantCheck>,
 }
 
 /// A GGUF tensor's bytes seen as `[outer, rows, row_bytes]`.
@@ -208,7 +223,91 @@ pub fn identify(
     let mut verdicts: Vec<ByteVerdict> =
         shards.iter().map(|q| judge(&s, label, &plans, q)).collect();
     same_block_everywhere(&s, label, &plans, shards, &mut verdicts);
+    for (v, q) in verdicts.iter_mut().zip(shards) {
+        let Some(d) = q.dequant else { continue };
+        let region = find(&s, &plans, q).map(|(r, _)| r);
+        let who = format!("{label} on rank {}", q.rank);
+        match engine_dequant(&s, region.as_ref(), d, &who)? {
+            Ok(check) => v.dequant = Some(check),
+            Err(evidence) if v.class.is_none() => {
+                v.class = Some(FaultClass::WrongDequant);
+                v.evidence = evidence;
+            }
+            Err(evidence) => v.evidence = format!("{}; {evidence}", v.evidence),
+        }
+    }
     Ok(verdicts)
+}
+
+/// The engine's dequantization of the bytes of `region` against ggml's, rounded to the
+/// engine's dtype: `Err` with the evidence of a mismatch (the first differing block, its sums).
+fn engine_dequant(
+    s: &Stored,
+    region: Option<&Region>,
+    d: &EngineDequant,
+    who: &str,
+) -> Result<std::result::Result<DequantCheck, String>> {
+    let not_run = |why: String| Ok(Ok(DequantCheck::NotRun { op: d.op.clone(), why }));
+    if let Some(why) = &d.absent {
+        return not_run(why.clone());
+    }
+    let (Some(dtype), Some(hash)) = (d.dtype, d.hash) else {
+        return not_run("the manifest gives no output".into());
+    };
+    let (bs, ts) = s.block();
+    let Some(r) = region.filter(|r| r.cols.start % ts == 0 && r.cols.end % ts == 0) else {
+        return not_run("the bytes are no whole blocks of the file tensor".into());
+    };
+    let mut values = Vec::new();
+    for o in 0..s.outer {
+        for row in r.rows.clone() {
+            let at = ((o * s.rows + row) * s.row_bytes) as usize;
+            let bytes = &s.data[at + r.cols.start as usize..at + r.cols.end as usize];
+            let start = values.len();
+            values.resize(start + bytes.len() / ts as usize * bs as usize, 0f32);
+            quant::dequantize(s.ty, bytes, &mut values[start..])
+                .map_err(|e| anyhow!("{who}: {e}"))?;
+        }
+    }
+    if dtype.hash(&values) == hash.0 {
+        return Ok(Ok(DequantCheck::Equal { op: d.op.clone() }));
+    }
+    let ours: Vec<f64> = values
+        .chunks(bs as usize)
+        .map(|b| b.iter().map(|&x| f64::from(dtype.round(x))).sum())
+        .collect();
+    let first = ours
+        .iter()
+        .zip(&d.block_sums)
+        .position(|(a, b)| (a - b).abs() > 1e-6 * (a.abs() + b.abs()) + 1e-12);
+    let per_row = ((r.cols.end - r.cols.start) / ts).max(1) as usize;
+    let at = match first {
+        Some(i) => format!(
+            "first at block {i} (row {} of the shard, elements {}..{}): block sum {:.6e} from \
+             the engine, {:.6e} from ggml",
+            i / per_row,
+            i % per_row * bs as usize,
+            (i % per_row + 1) * bs as usize,
+            d.block_sums[i],
+            ours[i]
+        ),
+        None if d.block_sums.len() != ours.len() => format!(
+            "{} block sums from the engine for {} blocks",
+            d.block_sums.len(),
+            ours.len()
+        ),
+        None => "every block's sum agrees: the values differ in their last bits".into(),
+    };
+    Ok(Err(format!(
+        "{who}: the engine's {} reads these {} bytes differently from ggml ({} values in {}, \
+         output hash {:016x}, ggml's {:016x}): {at}",
+        d.op,
+        s.ty.name(),
+        values.len(),
+        dtype.name(),
+        hash.0,
+        dtype.hash(&values)
+    )))
 }
 
 /// What `q` holds: the first region with its shape and hash, and its name.
@@ -253,6 +352,7 @@ fn judge(
         found,
         class,
         evidence,
+        dequant: None,
     };
     if !q.ggml_type.eq_ignore_ascii_case(s.ty.name()) {
         return verdict(
@@ -400,6 +500,7 @@ mod tests {
             shape: &[2, 17],
             hash: h,
             source: Some(src),
+            dequant: None,
         };
         let v = judge(&s, "o_proj", &plans, &q);
         assert_eq!(v.class, Some(FaultClass::WrongShardLayout));
@@ -440,6 +541,7 @@ mod tests {
                 shape: &shape,
                 hash,
                 source: None,
+                dequant: None,
             };
             assert_eq!(judge(&s, "q_b", &plans, &q).class, class);
         }

@@ -45,8 +45,8 @@ def dequantize_q4_k(data: np.ndarray, high_scales: bool = True) -> np.ndarray:
     nibbles) to float32 values, 256 per block. `high_scales=False` is the planted bug: the
     scales and mins of sub-blocks 4..7 keep only their low four bits."""
     blocks = data.reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
     s = blocks[:, 4:16].astype(np.uint16)
     qs = blocks[:, 16:144]
     scale = np.empty((len(blocks), 8), np.float32)
@@ -77,12 +77,14 @@ class Kernels:
         rows = w.shape[0]
         raw = w.reshape(rows, -1).contiguous().numpy().view(np.uint8)
         whole = min(columns // block, raw.shape[1] // size)
+        out = torch.zeros(rows, columns, dtype=torch.float32)
+        if whole == 0:
+            return out
         used = np.ascontiguousarray(raw[:, : whole * size])
         if qtype == gguf.GGMLQuantizationType.Q4_K and self.fault == "q4k-high-scales":
             values = dequantize_q4_k(used.reshape(-1), high_scales=False)
         else:
             values = gguf.quants.dequantize(used, qtype)
-        out = torch.zeros(rows, columns, dtype=torch.float32)
         out[:, : whole * block] = torch.from_numpy(np.asarray(values, np.float32)).reshape(rows, -1)
         return out
 

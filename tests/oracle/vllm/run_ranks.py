@@ -43,6 +43,7 @@ def rank_main(args) -> None:
                                                         process_weights_after_loading)
 
     from vllm.forward_context import set_forward_context
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     import cpu_shims
     import glm_dsa_load
@@ -70,7 +71,8 @@ def rank_main(args) -> None:
                                      args.rank, backend="gloo")
         initialize_model_parallel(args.tp)
         loading = time.time()
-        with torch.device("cpu"):
+        # As `GGUFModelLoader.load_model`: parameters in the model's dtype, on the device.
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vllm_config)
             glm_dsa_load.load(model, weights,
                               args.fault if args.fault in glm_dsa_load.FAULTS else None)
