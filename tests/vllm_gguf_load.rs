@@ -1,14 +1,27 @@
-//! vLLM's own code loading a glm-dsa GGUF: vLLM 0.23's CPU build (`scripts/setup-vllm`)
-//! builds `GlmMoeDsaForCausalLM` in one gloo process per rank and loads a `glmcheck synth`
-//! Q4_K_M GGUF through its own `weight_loader`s (`tests/oracle/vllm/`: the user's loader patch
-//! and four CPU platform shims); the probe writes each rank's shard manifest from vLLM's real
-//! parameters (GGUF `qweight` bytes, merged layers, FusedMoE, vocab-parallel tables), and
-//! `glmcheck shards --actual` judges it. Faithful loads pass at TP 2 and 4 with every shard
-//! identified; the story's `kv_b_proj` loaded whole on every rank (each keeping its leading
-//! rows) is `unsharded_weight` on every rank but 0; and where vLLM's byte split cuts Q4_K
-//! blocks (the default tiny model's 256-wide o_proj at TP 2), the shard is
-//! `wrong_shard_layout` naming the block and byte. An F32 GGUF loads as floats, a version 1 manifest that
-//! passes.
+//! vLLM's own code with a glm-dsa GGUF: vLLM 0.23's CPU build (`scripts/setup-vllm`) builds
+//! `GlmMoeDsaForCausalLM` in one gloo process per rank and loads a `glmcheck synth` Q4_K_M GGUF
+//! through its own `weight_loader`s (`tests/oracle/vllm/`: the user's loader patch and four CPU
+//! platform shims).
+//!
+//! Loads: the probe writes each rank's shard manifest from vLLM's real parameters (GGUF
+//! `qweight` bytes, merged layers, FusedMoE, vocab-parallel tables), and `glmcheck shards
+//! --actual` judges it. Faithful loads pass at TP 2 and 4 with every shard identified; the
+//! story's `kv_b_proj` loaded whole on every rank (each keeping its leading rows) is
+//! `unsharded_weight` on every rank but 0; where vLLM's byte split cuts Q4_K blocks (the
+//! default tiny model's 256-wide o_proj at TP 2), the shard is `wrong_shard_layout` naming the
+//! block and byte; an F32 GGUF loads as floats, a version 1 manifest that passes; and the
+//! engine's dequantization, asked for on the CPU build, is reported as not checked (the op is
+//! absent there), never as a pass.
+//!
+//! Forwards: vLLM's forward runs with torch stand-ins for its GPU kernels
+//! (`tests/oracle/vllm/gpu_stand_ins.py`) and the probe's hooks, and `glmcheck bisect MODEL
+//! --candidate TRACE --actual SHARDS` judges the trace. Clean deployments pass at TP 2 and 4 in
+//! f32 and at TP 2 in bf16 and f16; each of the story's faults is located and classified at TP 2
+//! and 4: `kv_b_proj` whole on every rank (`unsharded_weight`, ranks and rows named), o_proj's
+//! Q4_K blocks cut by the RowParallel split (`wrong_shard_layout`, block and byte), a
+//! dequantization that drops Q4_K's high scale bits (`wrong_dequant` through the engine's own
+//! dequantization, first block named), and fp16 without the layer-0 residual rescale. vLLM's
+//! CPU rotary kernel, which rotates MLA's 3-D q wrongly, is a `rope_mismatch` at `L0.attn.q_rope`.
 //!
 //! The interpreter is `$GLMCHECK_VLLM_PYTHON`, else `.venv-vllm/bin/python`; missing, the
 //! tests fail.
@@ -52,27 +65,34 @@ fn model_as(dir: &Path, aligned: bool, quant: &str) -> (PathBuf, PathBuf) {
     (gguf, hf)
 }
 
-/// Load `gguf` into vLLM at `tp` (with `fault`), and check the merged manifest: its exit code
-/// and JSON, and the manifest.
-fn load_and_check(gguf: &Path, hf: &Path, tp: u64, fault: Option<&str>) -> (i32, Value, Value) {
-    let out = gguf.with_file_name(format!("tp{tp}-{}", fault.unwrap_or("faithful")));
-    let mut cmd = Command::new(vllm_python());
-    cmd.arg(common::root().join("tests/oracle/vllm/run_ranks.py"))
+/// Run `run_ranks.py` on `gguf` at `tp` with `extra` arguments into a folder of its own named
+/// by `tag`; the folder (shards.json, and run.trace with `--tokens`).
+fn run_ranks(gguf: &Path, hf: &Path, tp: u64, tag: &str, extra: &[&str]) -> PathBuf {
+    let out = gguf.with_file_name(format!("tp{tp}-{tag}"));
+    let run = Command::new(vllm_python())
+        .arg(common::root().join("tests/oracle/vllm/run_ranks.py"))
         .arg(gguf)
         .arg("--hf-config")
         .arg(hf)
-        .args(["--tp", &tp.to_string(), "--timeout", "300"])
+        .args(["--tp", &tp.to_string(), "--timeout", "500"])
         .arg("--out")
-        .arg(&out);
-    if let Some(f) = fault {
-        cmd.args(["--fault", f]);
-    }
-    let run = cmd.output().expect("start the vLLM interpreter");
+        .arg(&out)
+        .args(extra)
+        .output()
+        .expect("start the vLLM interpreter");
     assert!(
         run.status.success(),
-        "run_ranks.py at TP {tp} ({fault:?}) failed:\n{}",
+        "run_ranks.py at TP {tp} ({extra:?}) failed:\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    out
+}
+
+/// Load `gguf` into vLLM at `tp` (with `fault`), and check the merged manifest: its exit code
+/// and JSON, and the manifest.
+fn load_and_check(gguf: &Path, hf: &Path, tp: u64, fault: Option<&str>) -> (i32, Value, Value) {
+    let extra: Vec<&str> = fault.map(|f| vec!["--fault", f]).unwrap_or_default();
+    let out = run_ranks(gguf, hf, tp, fault.unwrap_or("faithful"), &extra);
     let manifest = out.join("shards.json");
     let check = common::glmcheck_output(&[
         "shards",
@@ -199,4 +219,203 @@ fn vllm_cutting_q4_k_blocks_is_a_wrong_shard_layout_naming_block_and_byte() {
             "{evidence}"
         );
     }
+}
+
+#[test]
+fn the_engine_dequantization_asked_for_on_the_cpu_build_is_not_checked_and_says_so() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let out = run_ranks(&gguf, &hf, 2, "check-dequant", &["--check-dequant"]);
+    let manifest = out.join("shards.json");
+    let args = [
+        "shards",
+        gguf.to_str().unwrap(),
+        "--actual",
+        manifest.to_str().unwrap(),
+    ];
+    let text = common::glmcheck_output(&args);
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert_eq!(text.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("engine dequantization NOT checked on")
+            && stdout.contains("ggml_dequantize: vllm._custom_ops.ggml_dequantize did not run"),
+        "{stdout}"
+    );
+    let v = common::glmcheck_json([&args[..], &["--json"]].concat(), 0);
+    assert_eq!(v["engine_dequant"]["equal"], 0, "{v:#}");
+    assert!(!v["engine_dequant"]["not_run"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+}
+
+/// The prompt of the forward tests: 12 tokens, more than the tiny model's DSA top-k (4), so the
+/// indexer's choice matters.
+const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
+
+/// vLLM's forward at `tp` in `dtype` (with `extra` arguments), judged by bisect with the run's
+/// shard manifest; bisect's JSON report.
+fn forward_bisect(gguf: &Path, hf: &Path, tp: u64, dtype: &str, extra: &[&str]) -> Value {
+    let tag = format!("{dtype}-{}", extra.join("-").replace("--", ""));
+    let args = [&["--tokens", TOKENS, "--dtype", dtype][..], extra].concat();
+    let out = run_ranks(gguf, hf, tp, &tag, &args);
+    let report = common::glmcheck_output(&[
+        "bisect",
+        gguf.to_str().unwrap(),
+        "--candidate",
+        out.join("run.trace").to_str().unwrap(),
+        "--actual",
+        out.join("shards.json").to_str().unwrap(),
+        "--latent-norm-eps",
+        "1e-5",
+        "--json",
+    ]);
+    let v: Value = serde_json::from_slice(&report.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}", String::from_utf8_lossy(&report.stderr));
+    });
+    let code = if v["verdict"] == "pass" { 0 } else { 1 };
+    assert_eq!(report.status.code(), Some(code), "{v:#}");
+    v
+}
+
+fn assert_passes(v: &Value) {
+    assert_eq!(v["verdict"], "pass", "{:#}", v["fault"]);
+}
+
+#[test]
+fn vllm_forward_clean_at_tp2_and_tp4_in_f32_passes() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    for tp in [2, 4] {
+        let v = forward_bisect(&gguf, &hf, tp, "float32", &[]);
+        assert_passes(&v);
+        assert!(v["tolerance_to_pass"].as_f64().unwrap() < 1e-10, "{v:#}");
+    }
+}
+
+#[test]
+fn vllm_forward_clean_at_tp2_in_bf16_and_f16_passes() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    for dtype in ["bfloat16", "float16"] {
+        assert_passes(&forward_bisect(&gguf, &hf, 2, dtype, &[]));
+    }
+}
+
+/// The fault's class, stage and evidence lines.
+fn fault(v: &Value) -> (String, String, Vec<String>) {
+    assert_eq!(v["verdict"], "fail", "{v:#}");
+    let f = &v["fault"];
+    let evidence = f["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_string())
+        .chain([f["summary"].as_str().unwrap_or("").to_string()])
+        .collect();
+    (
+        f["class"].as_str().unwrap().to_string(),
+        v["first_divergence"]["stage"].as_str().unwrap().to_string(),
+        evidence,
+    )
+}
+
+#[test]
+fn vllm_forward_with_kv_b_whole_on_every_rank_is_an_unsharded_weight() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    for tp in [2, 4] {
+        let v = forward_bisect(&gguf, &hf, tp, "float32", &["--fault", "unsharded-kv-b"]);
+        let (class, stage, evidence) = fault(&v);
+        assert_eq!(class, "unsharded_weight", "{v:#}");
+        assert_eq!(stage, "L0.attn.out", "{v:#}");
+        let kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
+        assert_eq!(v["fault"]["weight"], kv_b);
+        for rank in 1..tp {
+            assert!(evidence
+                .iter()
+                .any(|e| e.contains(&format!("on rank {rank} holds rows 0.."))));
+        }
+    }
+}
+
+#[test]
+fn vllm_forward_with_o_proj_blocks_cut_is_a_wrong_shard_layout() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), false);
+    for (tp, byte) in [(2, 72), (4, 36)] {
+        let v = forward_bisect(&gguf, &hf, tp, "float32", &[]);
+        let (class, stage, evidence) = fault(&v);
+        assert_eq!(
+            (class.as_str(), stage.as_str()),
+            ("wrong_shard_layout", "L0.attn.out")
+        );
+        assert_eq!(
+            v["fault"]["weight"],
+            "model.layers.0.self_attn.o_proj.weight"
+        );
+        assert!(
+            evidence
+                .iter()
+                .any(|e| e.contains(&format!("byte {byte} of block 0"))),
+            "{evidence:#?}"
+        );
+    }
+}
+
+#[test]
+fn vllm_forward_with_q4_k_high_scales_dropped_is_a_wrong_dequant() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    for tp in [2, 4] {
+        let extra = ["--fault", "q4k-high-scales", "--check-dequant"];
+        let v = forward_bisect(&gguf, &hf, tp, "float32", &extra);
+        let (class, _, evidence) = fault(&v);
+        assert_eq!(class, "wrong_dequant", "{v:#}");
+        assert!(
+            evidence.iter().any(
+                |e| e.contains("reads these Q4_K bytes differently from ggml")
+                    && e.contains("first at block")
+            ),
+            "{evidence:#?}"
+        );
+    }
+}
+
+#[test]
+fn vllm_forward_in_f16_without_the_residual_rescale_is_located_at_layer_0() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    for tp in [2, 4] {
+        let v = forward_bisect(
+            &gguf,
+            &hf,
+            tp,
+            "float16",
+            &["--fault", "fp16-no-residual-rescale"],
+        );
+        let (class, stage, evidence) = fault(&v);
+        assert_eq!(
+            (class.as_str(), stage.as_str()),
+            ("scale_mismatch", "L0.attn_resid")
+        );
+        // The stream (embed) counts routed_scaling_factor (2.5) times the attention output.
+        assert!(
+            evidence.iter().any(|e| e.contains("one operand is 2.50")),
+            "{evidence:#?}"
+        );
+    }
+}
+
+#[test]
+fn vllm_cpu_rotary_kernel_on_mla_queries_is_a_rope_mismatch() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let v = forward_bisect(&gguf, &hf, 2, "float32", &["--cpu-rope-kernel"]);
+    let (class, stage, _) = fault(&v);
+    assert_eq!(
+        (class.as_str(), stage.as_str()),
+        ("rope_mismatch", "L0.attn.q_rope"),
+        "{v:#}"
+    );
 }

@@ -12,6 +12,8 @@ Each part becomes one entry under its checkpoint name, so glmcheck can find its 
 file. Hashing the bytes, not dequantized values, makes the check exact whatever the type.
 """
 
+import torch
+
 from .trace import fnv1a
 
 # Checkpoint names of a merged layer's parts, by shard id, after the layer's module path.
@@ -32,9 +34,10 @@ def _type_name(code: int) -> str:
     return gguf.GGMLQuantizationType(int(code)).name
 
 
-def _entry(name, data, type_code, rows, byte_cols, hash_limit):
+def _entry(name, data, type_code, rows, byte_cols, hash_limit, dequant=None):
     """One quantized entry. `rows` / `byte_cols`: [start, end) in the file tensor along its
-    row axis (per expert for 3-D tensors) and its row bytes, as vLLM's sharding places them."""
+    row axis (per expert for 3-D tensors) and its row bytes, as vLLM's sharding places them.
+    `dequant`: the dtype in which to record the engine's own dequantization of the bytes."""
     t = data.detach().cpu().contiguous()
     entry = {"name": name, "ggml_type": _type_name(type_code),
              "shape": [int(d) for d in t.shape],  # the bytes as held
@@ -42,7 +45,38 @@ def _entry(name, data, type_code, rows, byte_cols, hash_limit):
                         "byte_cols": [int(byte_cols[0]), int(byte_cols[1])]}}
     if t.numel() <= hash_limit:
         entry["hash"] = f"{fnv1a(t.numpy().tobytes()):016x}"
+    if dequant is not None:
+        entry["dequant"] = engine_dequant(t, int(type_code), dequant)
     return entry
+
+
+DEQUANT_OP = "ggml_dequantize"
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def engine_dequant(t, type_code: int, dtype) -> dict:
+    """vLLM's own `ggml_dequantize` of the bytes `t` ([rows, bytes] or [experts, rows, bytes])
+    in `dtype`: the output's FNV-1a hash and per-block sums, or why it did not run. vLLM's CPU
+    build has no GGUF kernels: there the op is absent and the entry says so."""
+    import gguf
+    from vllm import _custom_ops as ops
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_code)]
+    row_bytes = int(t.shape[-1])
+    if row_bytes % size:
+        return {"op": DEQUANT_OP, "absent": f"rows of {row_bytes} bytes are not whole blocks "
+                                            f"of {size} bytes: not dequantized"}
+    rows, cols = t.numel() // row_bytes, row_bytes // size * block
+    try:
+        out = ops.ggml_dequantize(t.reshape(rows, row_bytes), type_code, rows, cols, dtype)
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        return {"op": DEQUANT_OP, "absent": f"vllm._custom_ops.{DEQUANT_OP} did not run "
+                                            f"({type(e).__name__}: {str(e)[:160]})"}
+    out = out.detach().cpu().to(dtype).contiguous()
+    raw = out.view(torch.int32 if out.element_size() == 4 else torch.int16)
+    return {"op": DEQUANT_OP, "dtype": DTYPE_NAMES[dtype],
+            "hash": f"{fnv1a(raw.numpy().astype(raw.numpy().dtype.newbyteorder('<')).tobytes()):016x}",
+            "block_sums": out.to(torch.float64).reshape(-1, block).sum(dim=1).tolist()}
 
 
 def _rank(module, cls: str) -> int:
@@ -53,7 +87,7 @@ def _rank(module, cls: str) -> int:
     return int(getattr(module, "tp_rank", 0))
 
 
-def linear_entries(name: str, module, param, cls: str, hash_limit: int) -> list:
+def linear_entries(name: str, module, param, cls: str, hash_limit: int, dequant=None) -> list:
     """Entries of a linear layer's `qweight` (`name` ends in `.weight`)."""
     rank = _rank(module, cls)
     types = module.qweight_type
@@ -64,7 +98,7 @@ def linear_entries(name: str, module, param, cls: str, hash_limit: int) -> list:
             rows_at, cols_at = (0, rows), (rank * width, (rank + 1) * width)
         else:  # Column (this rank's rows) or replicated (tp_size 1: every row)
             rows_at, cols_at = (rank * rows, (rank + 1) * rows), (0, width)
-        return [_entry(name, param.data, types.weight_type, rows_at, cols_at, hash_limit)]
+        return [_entry(name, param.data, types.weight_type, rows_at, cols_at, hash_limit, dequant)]
     stem, leaf = name.rsplit(".", 1)[0].rsplit(".", 1)
     parts = MERGED_PARTS.get(leaf)
     out = []
@@ -79,20 +113,21 @@ def linear_entries(name: str, module, param, cls: str, hash_limit: int) -> list:
         n = end - start
         out.append(_entry(f"{stem}.{part}.weight", param.data[start:end, :width],
                           types.shard_weight_type[shard_id], (rank * n, (rank + 1) * n),
-                          (0, width), hash_limit))
+                          (0, width), hash_limit, dequant))
     return out
 
 
-def embedding_entries(name: str, module, param, hash_limit: int) -> list:
+def embedding_entries(name: str, module, param, hash_limit: int, dequant=None) -> list:
     """A vocab-parallel table's `qweight`: this rank's vocabulary rows, padding left out."""
     ix = module.shard_indices
     n = ix.org_vocab_end_index - ix.org_vocab_start_index
     return [_entry(name, param.data[:n], module.qweight_type.weight_type,
                    (ix.org_vocab_start_index, ix.org_vocab_end_index),
-                   (0, int(param.shape[1])), hash_limit)]
+                   (0, int(param.shape[1])), hash_limit, dequant)]
 
 
-def expert_entries(prefix: str, module, which: str, param, hash_limit: int) -> list:
+def expert_entries(prefix: str, module, which: str, param, hash_limit: int,
+                   dequant=None) -> list:
     """FusedMoE's `w13_qweight` (gate and up halves) or `w2_qweight` under the stacked
     checkpoint names `PREFIX.experts.{gate,up,down}_proj`."""
     rank = int(getattr(module, "tp_rank", 0))
@@ -100,8 +135,8 @@ def expert_entries(prefix: str, module, which: str, param, hash_limit: int) -> l
     width = int(param.shape[-1])
     if which == "w2":
         return [_entry(f"{prefix}.down_proj", param.data, kind, (0, int(param.shape[1])),
-                       (rank * width, (rank + 1) * width), hash_limit)]
+                       (rank * width, (rank + 1) * width), hash_limit, dequant)]
     half = int(param.shape[1]) // 2
     return [_entry(f"{prefix}.{part}", param.data[:, i * half:(i + 1) * half], kind,
-                   (rank * half, (rank + 1) * half), (0, width), hash_limit)
+                   (rank * half, (rank + 1) * half), (0, width), hash_limit, dequant)
             for i, part in enumerate(("gate_proj", "up_proj"))]

@@ -106,8 +106,19 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 HASH_LIMIT = 64 << 20
 
 
+# Kept whole by default: the logits and the residual stream (layer outputs and `attn_resid`,
+# where a residual add that weighs its inputs wrongly shows), and the DSA top-k ids (a few ints
+# per token), without which a near tie the engine broke otherwise cannot be told from a bug.
+ENGINE_FULL = DEFAULT_FULL + ("L*.attn_resid", "L*.attn.index_topk")
+
+
 class UnknownModel(Exception):
     """The model holds a module or parameter this probe does not know (a renamed vLLM)."""
+
+
+def _model_dtype(model):
+    """The model's float dtype: that of its first float parameter (GGUF `qweight`s are uint8)."""
+    return next((p.dtype for p in model.parameters() if p.dtype in DTYPES), torch.float32)
 
 
 def _class(module) -> str:
@@ -198,15 +209,19 @@ def shard_entry(name: str, tensor: torch.Tensor, hash_limit: int = HASH_LIMIT) -
 
 
 def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool = False,
-                         hash_limit: int = HASH_LIMIT, source: str = None) -> dict:
+                         hash_limit: int = HASH_LIMIT, source: str = None,
+                         check_dequant: bool = False) -> dict:
     """Write this worker's shard manifest (one rank) to `path`; the manifest. Merge the ranks'
-    files with `merge_shard_manifests`. `source`: the model path, recorded in the producer."""
+    files with `merge_shard_manifests`. `source`: the model path, recorded in the producer.
+    `check_dequant`: also run the engine's GGUF dequantization on every quantized shard, in the
+    model's dtype, and record its output's hash and block sums (or that the op is absent)."""
     listed, skipped = check_parameters(model)
     modules = dict(model.named_modules())
+    dequant = _model_dtype(model) if check_dequant else None
     weights = []
     for name, param in listed:
         path_, leaf = name.rsplit(".", 1)
-        weights += _entries(name, modules[path_], leaf, param, hash_limit)
+        weights += _entries(name, modules[path_], leaf, param, hash_limit, dequant)
     quantized = any("ggml_type" in w for w in weights)
     manifest = {
         "format": SHARDS_FORMAT,
@@ -221,7 +236,7 @@ def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool 
     return manifest
 
 
-def _entries(name: str, module, leaf: str, param, hash_limit: int) -> list:
+def _entries(name: str, module, leaf: str, param, hash_limit: int, dequant=None) -> list:
     """The manifest entries of one parameter (`name` as vLLM names it): one float entry, or
     one entry per part of a GGUF `qweight`."""
     weight = GGUF_WEIGHT.sub(r"\1weight", name)
@@ -234,11 +249,12 @@ def _entries(name: str, module, leaf: str, param, hash_limit: int) -> list:
             held = param[: ix.org_vocab_end_index - ix.org_vocab_start_index]
         return [shard_entry(weight, held, hash_limit)]
     if vocab:
-        return vllm_gguf.embedding_entries(weight, module, param, hash_limit)
+        return vllm_gguf.embedding_entries(weight, module, param, hash_limit, dequant)
     if cls in FUSED_MOE:
         prefix = weight.rsplit(".", 1)[0]
-        return vllm_gguf.expert_entries(prefix, module, leaf.split("_")[0], param, hash_limit)
-    return vllm_gguf.linear_entries(weight, module, param, cls, hash_limit)
+        return vllm_gguf.expert_entries(prefix, module, leaf.split("_")[0], param, hash_limit,
+                                        dequant)
+    return vllm_gguf.linear_entries(weight, module, param, cls, hash_limit, dequant)
 
 
 def merge_shard_manifests(out: str, paths: list) -> dict:
@@ -282,7 +298,7 @@ def _first(output):
 class Probe:
     """The hooks installed in one worker and the trace they write (`out_dir/rank{r}.trace`)."""
 
-    def __init__(self, model, out_dir: str, rank: int, world_size: int, full=DEFAULT_FULL,
+    def __init__(self, model, out_dir: str, rank: int, world_size: int, full=ENGINE_FULL,
                  source: str = None):
         self.model, self.rank, self.tp = model, int(rank), int(world_size)
         self.cfg = _config(model)
@@ -291,7 +307,7 @@ class Probe:
         self.writer, self.tokens, self.done = None, None, False
         self.layer, self.in_indexer, self.hooks = None, False, []
         self.notes, self._ropes, self.expected = [], [], ["embed", "final_norm", "logits"]
-        self.dtype = DTYPES.get(next(model.parameters()).dtype, "f32")
+        self.dtype = DTYPES[_model_dtype(model)]
 
     # -- recording ----------------------------------------------------------------------------
 
@@ -320,15 +336,17 @@ class Probe:
     def active(self) -> bool:
         return self.writer is not None and not self.done
 
-    def take(self, name: str, tensor, dims: str, *tail: int, split: bool = False) -> None:
-        """Record `tensor` as stage `name` [T, *tail]; `split` marks this rank's part."""
+    def take(self, name: str, tensor, dims: str, *tail: int, split: bool = False,
+             held: float = 1.0) -> None:
+        """Record `tensor` as stage `name` [T, *tail]; `split` marks this rank's part; `held`:
+        the factor by which vLLM holds the values below the reference's units."""
         if not self.active:
             return
         # A copy: vLLM works in place after the hook (RoPE rotates q's rope part inside
         # `q_b_proj`'s output; the indexer's top-k buffer is reused by every layer), and on a
         # CPU `.cpu()` returns the tensor itself.
         x = tensor.detach().cpu().clone()
-        x = x.to(torch.float32) if x.is_floating_point() else x.to(torch.int32)
+        x = x.to(torch.float32) * held if x.is_floating_point() else x.to(torch.int32)
         x = x.reshape(len(self.tokens), *tail).numpy()
         rank = self.rank if split and self.tp > 1 else None
         self.writer.record(name, x, dims, rank)
@@ -411,6 +429,10 @@ class Probe:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         _require(f"{at}.self_attn", attn, ATTENTION)
         L = f"L{n}."
+        # vLLM's fp16 guard holds the residual stream divided by routed_scaling_factor
+        # (`DeepseekV2DecoderLayer.forward`; a MoE layer's output through the MoE runner's
+        # `_maybe_apply_routed_scale_to_output`): recorded in the reference's units.
+        held = float(getattr(cfg, "routed_scaling_factor", 1.0)) if self.dtype == "f16" else 1.0
         self.expected += [L + s for s in (
             "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
             "attn.kv", "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
@@ -482,7 +504,7 @@ class Probe:
             if not isinstance(o, (tuple, list)):
                 raise UnknownModel(f"{at}.post_attention_layernorm: returned one tensor, not "
                                    "vLLM's (normed, residual) pair")
-            self.take(L + "attn_resid", o[1], "t d", -1)
+            self.take(L + "attn_resid", o[1], "t d", -1, held=held)
             self.take(L + "ffn_norm", o[0], "t d", -1)
 
         self._out(post, post_norm)
@@ -504,13 +526,14 @@ class Probe:
                     split=partial))
         else:
             _require(f"{at}.mlp", mlp, MLP | MOE)
-        self._out(mlp, lambda o: self.take(L + "ffn.out", _first(o), "t d", -1))
+        moe_held = held if _class(mlp) in MOE else 1.0
+        self._out(mlp, lambda o: self.take(L + "ffn.out", _first(o), "t d", -1, held=moe_held))
 
         def out(o):
             if not (isinstance(o, (tuple, list)) and len(o) == 2):
                 raise UnknownModel(f"{at}: returned {type(o).__name__}, not vLLM's "
                                    "(hidden_states, residual)")
-            self.take(L + "out", o[0] + o[1], "t d", -1)
+            self.take(L + "out", o[0] + o[1], "t d", -1, held=held)
 
         self._out(layer, out)
 
@@ -535,7 +558,7 @@ def _config_dict(cfg) -> dict:
     return {k: v for k, v in vars(cfg).items() if not k.startswith("_")}
 
 
-def install(model, out_dir: str, rank: int, world_size: int, full=DEFAULT_FULL,
+def install(model, out_dir: str, rank: int, world_size: int, full=ENGINE_FULL,
             source: str = None) -> Probe:
     """Check `model` (vLLM's GlmMoeDsaForCausalLM / DeepseekV2ForCausalLM on this worker) and
     hook it: the next forward, with the logits computed after it, is written to

@@ -16,6 +16,7 @@ use crate::model::names::WeightId;
 use crate::model::schema::{self, Family};
 use crate::model::Glm5Config;
 use crate::shard::actual::{check, CheckedShard, ShardManifest};
+use crate::shard::bytes::DequantCheck;
 use crate::shard::plan::{check_degree, expert_rank, placement, rank_view, Placement};
 use crate::weights::ModelFiles;
 
@@ -238,12 +239,14 @@ fn actual(args: &ShardsArgs, path: &Path, ws: WeightSource) -> anyhow::Result<Ou
             .iter()
             .map(|(name, _, ranks)| json!({"weight": name, "ranks": ranks}))
             .collect();
+        let (equal, not_run) = dequant_checks(&c.shards);
         println!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "verdict": if pass { "pass" } else { "fail" }, "tp": m.tp, "ep": m.ep,
                 "checked": c.shards.len(), "ok": c.shards.len() - bad.len(),
-                "mismatches": mismatches, "not_in_manifest": missing}))?
+                "mismatches": mismatches, "not_in_manifest": missing,
+                "engine_dequant": {"equal": equal, "not_run": not_run}}))?
         );
         return Ok(outcome);
     }
@@ -295,6 +298,13 @@ fn actual(args: &ShardsArgs, path: &Path, ws: WeightSource) -> anyhow::Result<Ou
         .collect();
     classes.sort_unstable();
     classes.dedup();
+    let (equal, not_run) = dequant_checks(&c.shards);
+    if equal > 0 {
+        println!("engine dequantization: {equal} quantized shards read as ggml reads them");
+    }
+    for (why, n) in &not_run {
+        println!("engine dequantization NOT checked on {n} quantized shards: {why}");
+    }
     println!(
         "TP {}{}: {} shards checked, {} as planned, {} mismatched{}; {} weights of the plan not in the manifest{}",
         m.tp,
@@ -307,4 +317,24 @@ fn actual(args: &ShardsArgs, path: &Path, ws: WeightSource) -> anyhow::Result<Ou
         if c.shards.is_empty() { " — the manifest lists no shard: nothing checked" } else { "" },
     );
     Ok(outcome)
+}
+
+/// How many shards' engine dequantization equals ggml's, and why the others were not checked
+/// (each reason with its count).
+fn dequant_checks(shards: &[CheckedShard]) -> (usize, Vec<(String, usize)>) {
+    let mut equal = 0;
+    let mut not_run: Vec<(String, usize)> = Vec::new();
+    for d in shards.iter().filter_map(|s| s.dequant.as_ref()) {
+        match d {
+            DequantCheck::Equal { .. } => equal += 1,
+            DequantCheck::NotRun { op, why } => {
+                let why = format!("{op}: {why}");
+                match not_run.iter_mut().find(|(w, _)| *w == why) {
+                    Some((_, n)) => *n += 1,
+                    None => not_run.push((why, 1)),
+                }
+            }
+        }
+    }
+    (equal, not_run)
 }

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 
-use super::diff::{whole_values, Basis, StageDiff, Status};
+use super::diff::{layer_of, whole_values, Basis, StageDiff, Status};
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
 use super::parts::from_parts;
@@ -84,6 +84,9 @@ pub fn classify(
         return Ok(f);
     }
     if let Some(f) = op_fault(stages, i) {
+        return Ok(f);
+    }
+    if let Some(f) = residual_fault(reference, candidate, stages, i)? {
         return Ok(f);
     }
     // Another top-k choice earlier in this layer explains what follows it.
@@ -230,6 +233,98 @@ fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
         ));
     }
     None
+}
+
+/// A residual add whose inputs agree but whose sum weighs them otherwise: the candidate's sum
+/// fitted as `a·u + b·v` on the reference's inputs (the attention output and the stream for
+/// `attn_resid`, the FFN output and `attn_resid` for `out`). A good fit away from 1:1 is one
+/// operand scaled and not the other — an fp16 guard that divides the stream by
+/// `routed_scaling_factor` on one side only.
+fn residual_fault(
+    reference: &Trace,
+    candidate: &Trace,
+    stages: &[StageDiff],
+    i: usize,
+) -> Result<Option<Fault>> {
+    let s = &stages[i];
+    let Some(l) = layer_of(&s.stage) else {
+        return Ok(None);
+    };
+    let (u, v) = if s.stage == format!("L{l}.attn_resid") {
+        let stream = match l {
+            0 => "embed".to_string(),
+            _ => format!("L{}.out", l - 1),
+        };
+        (format!("L{l}.attn.out"), stream)
+    } else if s.stage == format!("L{l}.out") {
+        (format!("L{l}.ffn.out"), format!("L{l}.attn_resid"))
+    } else {
+        return Ok(None);
+    };
+    if [&u, &v]
+        .iter()
+        .any(|n| input(stages, i, n).is_some_and(|p| p.status != Status::Pass))
+    {
+        return Ok(None);
+    }
+    let (Some((y, _)), Some((a, _)), Some((b, _))) = (
+        whole_values(candidate, &s.stage)?,
+        whole_values(reference, &u)?,
+        whole_values(reference, &v)?,
+    ) else {
+        return Ok(None);
+    };
+    if y.len() != a.len() || a.len() != b.len() {
+        return Ok(None);
+    }
+    let dot = |p: &[f32], q: &[f32]| -> f64 {
+        p.iter()
+            .zip(q)
+            .map(|(&x, &z)| f64::from(x) * f64::from(z))
+            .sum()
+    };
+    let (aa, bb, ab, ay, by, yy) = (
+        dot(&a, &a),
+        dot(&b, &b),
+        dot(&a, &b),
+        dot(&a, &y),
+        dot(&b, &y),
+        dot(&y, &y),
+    );
+    let det = aa * bb - ab * ab;
+    if det <= 1e-9 * aa * bb || yy == 0.0 {
+        return Ok(None);
+    }
+    let (wa, wb) = ((ay * bb - by * ab) / det, (by * aa - ay * ab) / det);
+    let misfit: f64 = y
+        .iter()
+        .zip(a.iter().zip(&b))
+        .map(|(&y, (&x, &z))| (f64::from(y) - wa * f64::from(x) - wb * f64::from(z)).powi(2))
+        .sum();
+    let misfit = (misfit / yy).sqrt();
+    let balanced = (wa - 1.0).abs() < 1e-2 && (wb - 1.0).abs() < 1e-2;
+    if misfit > 1e-2 || balanced {
+        return Ok(None);
+    }
+    Ok(Some(fault(
+        FaultClass::ScaleMismatch,
+        format!(
+            "{}: the residual add weighs its inputs {wa:.4} : {wb:.4}, not 1 : 1",
+            s.stage
+        ),
+        vec![
+            format!(
+                "{} = {wa:.4}·{u} + {wb:.4}·{v} (fitted on the reference's inputs, which the \
+                 candidate's agree with; relative misfit {misfit:.1e})",
+                s.stage
+            ),
+            format!(
+                "one operand is {:.4}× the other: a rescale of the residual stream applied to \
+                 one side only (vLLM's fp16 guard divides both by routed_scaling_factor)",
+                (wb / wa).max(wa / wb)
+            ),
+        ],
+    )))
 }
 
 /// A reference gap at most this share of its layer's largest is a near tie, which a run in a

@@ -106,6 +106,59 @@ impl TieBreaks {
         Ok(ties)
     }
 
+    /// The same near-tie positions with `other`'s choices there, where `other` (an engine's
+    /// trace) holds its top-k ids in full: for a reference run that follows the engine's
+    /// tie-breaking at exactly the positions where the reference itself found a near tie.
+    pub fn chosen_by(&self, other: &Trace) -> Result<TieBreaks> {
+        let mut out = TieBreaks::default();
+        for (map, from, stage) in [
+            (&self.dsa, &mut out.dsa, "attn.index_topk"),
+            (&self.moe, &mut out.moe, "moe.topk_ids"),
+        ] {
+            for (&l, positions) in map {
+                let Some((ids, shape)) = whole_values(other, &format!("L{l}.{stage}"))? else {
+                    continue;
+                };
+                let k = shape.last().copied().unwrap_or(1).max(1) as usize;
+                let rows: Vec<&[f32]> = ids.chunks(k).collect();
+                let theirs = positions
+                    .iter()
+                    .enumerate()
+                    .map(|(p, tie)| {
+                        let row = rows.get(p).filter(|_| tie.is_some())?;
+                        Some(row.iter().map(|&v| v as i32).collect())
+                    })
+                    .collect();
+                from.insert(l, theirs);
+            }
+        }
+        Ok(out)
+    }
+
+    /// How many positions choose another set of ids in `other` than here.
+    pub fn differing(&self, other: &TieBreaks) -> usize {
+        let set = |v: &[i32]| {
+            let mut s = v.to_vec();
+            s.sort_unstable();
+            s
+        };
+        let mut n = 0;
+        for (mine, theirs) in [(&self.dsa, &other.dsa), (&self.moe, &other.moe)] {
+            for (l, positions) in mine {
+                for (p, tie) in positions.iter().enumerate() {
+                    let other = theirs
+                        .get(l)
+                        .and_then(|t| t.get(p))
+                        .and_then(Option::as_ref);
+                    if let (Some(a), Some(b)) = (tie, other) {
+                        n += usize::from(set(a) != set(b));
+                    }
+                }
+            }
+        }
+        n
+    }
+
     /// How many positions take the reference's choice.
     pub fn count(&self) -> usize {
         self.dsa

@@ -103,6 +103,30 @@ pub fn layer_weights(cfg: &Glm5Config, l: u64) -> Vec<WeightId> {
     ids
 }
 
+/// The weights read by `stage` and by the stages of its layer before it (a layer stage), or
+/// by `stage` alone.
+pub fn weights_up_to(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
+    let Some(l) = stage
+        .strip_prefix('L')
+        .and_then(|s| s.split('.').next()?.parse::<u64>().ok())
+    else {
+        return stage_weights(cfg, stage);
+    };
+    let prefix = format!("L{l}.");
+    let mut ids: Vec<WeightId> = Vec::new();
+    for name in stage_names(cfg).iter().filter(|n| n.starts_with(&prefix)) {
+        for id in stage_weights(cfg, name) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        if name == stage {
+            break;
+        }
+    }
+    ids
+}
+
 /// The stage a layer weight feeds first: where a fault in that weight shows.
 pub fn stage_of(cfg: &Glm5Config, l: u64, w: LayerWeight) -> Option<String> {
     stage_names(cfg)

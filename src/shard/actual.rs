@@ -242,7 +242,9 @@ impl ShardEntry {
         }
         if let Some(d) = &self.dequant {
             if d.absent.is_none() && (d.dtype.is_none() || d.hash.is_none()) {
-                bail!("dequant: needs `dtype` and `hash`, or `absent` saying why the op did not run");
+                bail!(
+                    "dequant: needs `dtype` and `hash`, or `absent` saying why the op did not run"
+                );
             }
         }
         if !(2..=3).contains(&self.shape.len()) {

@@ -14,11 +14,11 @@ use std::ops::Range;
 
 use anyhow::{anyhow, bail, Result};
 
+use super::actual::EngineDequant;
 use super::plan::{placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::model::names::WeightId;
 use crate::trace::stats::fnv1a_pieces;
-use super::actual::EngineDequant;
 use crate::weights::ggml_type::GgmlType;
 use crate::weights::quant;
 use crate::weights::tensor::{Encoding, TensorEntry};
@@ -247,7 +247,12 @@ fn engine_dequant(
     d: &EngineDequant,
     who: &str,
 ) -> Result<std::result::Result<DequantCheck, String>> {
-    let not_run = |why: String| Ok(Ok(DequantCheck::NotRun { op: d.op.clone(), why }));
+    let not_run = |why: String| {
+        Ok(Ok(DequantCheck::NotRun {
+            op: d.op.clone(),
+            why,
+        }))
+    };
     if let Some(why) = &d.absent {
         return not_run(why.clone());
     }

@@ -27,7 +27,7 @@ use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::model::names::WeightId;
-use crate::model::stages::{layer_weights, stage_weights};
+use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::model::Glm5Config;
 use crate::shard::actual::{check_only, ShardManifest};
 use crate::trace::{FullSelector, Trace};
@@ -134,6 +134,9 @@ pub struct BisectInfo {
     pub conversion: bool,
     /// Top-k positions where the candidate took the reference's choice (near ties).
     pub ties_taken: usize,
+    /// Top-k positions where an engine broke a near tie of the reference otherwise, and the
+    /// reference and envelope were run again taking the engine's choice there.
+    pub ties_followed: usize,
     /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
     /// weight check), `shard manifest` or `traces`.
     pub classified_by: &'static str,
@@ -277,6 +280,34 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         Some(env) => TieBreaks::from_traces(&reference, Some(env))?,
         None => ties,
     };
+    // An engine breaks near ties its own way, and every later stage follows its choice: there
+    // the reference and the envelope are run again taking the engine's choice, at exactly the
+    // positions where the reference's own gap was a near tie.
+    let mut ties_followed = 0;
+    let (reference, envelope) = match (&engine, &envelope) {
+        (Some(t), Some(_)) if lower => {
+            let followed = ties.chosen_by(t)?;
+            ties_followed = ties.differing(&followed);
+            if ties_followed > 0 {
+                bar.set_message("reference and envelope again, with the engine's near-tie choices");
+                let [r, e] =
+                    ["reference-ties", "envelope-ties"].map(|n| dir.join(format!("{n}.trace")));
+                record(RunSpec {
+                    ties: Some(&followed),
+                    ..reference_spec(args, &tokens, &model, &r)
+                })?;
+                record(RunSpec {
+                    dtype,
+                    ties: Some(&followed),
+                    ..reference_spec(args, &tokens, &model, &e)
+                })?;
+                (Trace::open(&r)?, Some(Trace::open(&e)?))
+            } else {
+                (reference, envelope)
+            }
+        }
+        _ => (reference, envelope),
+    };
     let (candidate, cand_run) = match engine {
         Some(t) => (t, None),
         None => {
@@ -393,7 +424,12 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
             conversion,
-            ties_taken: if lower { ties.count() } else { 0 },
+            ties_taken: if lower && cand_run.is_some() {
+                ties.count()
+            } else {
+                0
+            },
+            ties_followed,
             classified_by,
             weights: weight_check,
             hybrids,
@@ -439,7 +475,21 @@ impl Cause<'_> {
             }
         }
         if let Some(path) = &self.args.actual {
-            if let Some(found) = manifest_fault(self.model, path, &ids)? {
+            // A weight read inside the layer before the divergent stage may be the cause where
+            // the stages between were not recorded (vLLM's sparse MLA never runs `kv_b_proj`
+            // as a layer: its heads reach `attn.ctx` through the absorbed W_UK/W_UV).
+            let mut found = manifest_fault(self.model, path, &ids)?;
+            if found.is_none() && self.args.mode != Mode::Logits {
+                let upstream = weights_up_to(self.cfg, &d.stage);
+                found = manifest_fault(self.model, path, &upstream)?;
+                if let Some(f) = &mut found {
+                    f.evidence.push(format!(
+                        "read in the layer before {}, whose own weights are as planned",
+                        d.stage
+                    ));
+                }
+            }
+            if let Some(found) = found {
                 classified_by = "shard manifest";
                 report.fault = Some(merge(report.fault.take(), found));
             }
@@ -514,11 +564,15 @@ fn manifest_fault(
         return Ok(None);
     };
     let same: Vec<_> = wrong.iter().filter(|c| c.weight == first.weight).collect();
+    let class = first.class.unwrap_or(FaultClass::Unknown);
+    let what = match class {
+        FaultClass::WrongDequant => "dequantize their bytes otherwise than ggml",
+        _ => "hold another slice than the plan gives",
+    };
     Ok(Some(Fault {
-        class: first.class.unwrap_or(FaultClass::Unknown),
+        class,
         summary: format!(
-            "{}: {} of {} ranks hold another slice than the plan gives (the engine's shard \
-             manifest)",
+            "{}: {} of {} ranks {what} (the engine's shard manifest)",
             first.weight,
             same.len(),
             m.tp
@@ -654,6 +708,13 @@ pub fn print_bisect(out: &BisectReport) {
             "{} top-k positions were near ties in the reference; the candidate took the \
              reference's choice there",
             b.ties_taken
+        );
+    }
+    if b.ties_followed > 0 {
+        println!(
+            "{} top-k positions were near ties in the reference that the engine broke otherwise; \
+             the reference and the envelope took the engine's choice there",
+            b.ties_followed
         );
     }
     match (&out.diff.first_divergence, &out.diff.fault) {

@@ -51,7 +51,8 @@ def rank_main(args) -> None:
     from glmcheck_probe import vllm_probe
 
     torch.set_num_threads(1)
-    gpu_stand_ins.install(args.fault if args.fault in gpu_stand_ins.FAULTS else None)
+    if args.tokens:  # a load alone runs no GPU kernel: vLLM's CPU build as it is
+        gpu_stand_ins.install(args.fault if args.fault in gpu_stand_ins.FAULTS else None)
     cfg = glm_dsa_load.hf_config(args.gguf, args.hf_config)
     weights = glm_dsa_load.GgufWeights(args.gguf, cfg["num_hidden_layers"])
     model_config = ModelConfig(model=args.hf_config, dtype=args.dtype, enforce_eager=True,
@@ -79,11 +80,12 @@ def rank_main(args) -> None:
             process_weights_after_loading(model, model_config, torch.device("cpu"))
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
-        vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf)
+        vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf,
+                                        check_dequant=args.check_dequant)
         written = time.time()
         if args.tokens:
             probe = vllm_probe.install(model, os.path.join(args.out, "ranks"), args.rank,
-                                       args.tp, full=tuple(args.full or vllm_probe.DEFAULT_FULL),
+                                       args.tp, full=tuple(args.full or vllm_probe.ENGINE_FULL),
                                        source=args.gguf)
             ids = torch.tensor(args.tokens, dtype=torch.long)
             with set_forward_context(None, vllm_config), torch.inference_mode():
