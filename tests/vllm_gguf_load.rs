@@ -29,7 +29,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 use serde_json::Value;
 
@@ -65,21 +65,26 @@ fn model_as(dir: &Path, aligned: bool, quant: &str) -> (PathBuf, PathBuf) {
     (gguf, hf)
 }
 
-/// Run `run_ranks.py` on `gguf` at `tp` with `extra` arguments into a folder of its own named
-/// by `tag`; the folder (shards.json, and run.trace with `--tokens`).
-fn run_ranks(gguf: &Path, hf: &Path, tp: u64, tag: &str, extra: &[&str]) -> PathBuf {
-    let out = gguf.with_file_name(format!("tp{tp}-{tag}"));
-    let run = Command::new(vllm_python())
+/// `run_ranks.py` on `gguf` at `tp` with `extra` arguments into `out`.
+fn run_ranks_output(gguf: &Path, hf: &Path, tp: u64, out: &Path, extra: &[&str]) -> Output {
+    Command::new(vllm_python())
         .arg(common::root().join("tests/oracle/vllm/run_ranks.py"))
         .arg(gguf)
         .arg("--hf-config")
         .arg(hf)
         .args(["--tp", &tp.to_string(), "--timeout", "500"])
         .arg("--out")
-        .arg(&out)
+        .arg(out)
         .args(extra)
         .output()
-        .expect("start the vLLM interpreter");
+        .expect("start the vLLM interpreter")
+}
+
+/// Run `run_ranks.py` on `gguf` at `tp` with `extra` arguments into a folder of its own named
+/// by `tag`; the folder (shards.json, and run.trace with `--tokens`).
+fn run_ranks(gguf: &Path, hf: &Path, tp: u64, tag: &str, extra: &[&str]) -> PathBuf {
+    let out = gguf.with_file_name(format!("tp{tp}-{tag}"));
+    let run = run_ranks_output(gguf, hf, tp, &out, extra);
     assert!(
         run.status.success(),
         "run_ranks.py at TP {tp} ({extra:?}) failed:\n{}",
@@ -411,11 +416,58 @@ fn vllm_forward_in_f16_without_the_residual_rescale_is_located_at_layer_0() {
 fn vllm_cpu_rotary_kernel_on_mla_queries_is_a_rope_mismatch() {
     let dir = common::scratch();
     let (gguf, hf) = model(dir.path(), true);
-    let v = forward_bisect(&gguf, &hf, 2, "float32", &["--cpu-rope-kernel"]);
+    // Every stage whole: the rotated q's rank parts are otherwise kept as statistics only, and
+    // the first stage seen to differ would be the indexer's choice (its RoPE is wrong too).
+    let v = forward_bisect(
+        &gguf,
+        &hf,
+        2,
+        "float32",
+        &["--cpu-rope-kernel", "--full", "**"],
+    );
     let (class, stage, _) = fault(&v);
     assert_eq!(
         (class.as_str(), stage.as_str()),
         ("rope_mismatch", "L0.attn.q_rope"),
         "{v:#}"
     );
+}
+
+/// A vLLM whose code has moved on (a class or a submodule renamed) makes the probe refuse,
+/// naming the module, before any manifest or trace is written.
+#[test]
+fn a_renamed_vllm_makes_the_probe_fail_naming_the_module() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let cases = [
+        (
+            "--rename-class",
+            "ColumnParallelLinear=ColumnParallelLinearV2",
+            "model.layers.0.self_attn.q_b_proj: class ColumnParallelLinearV2 is not one this probe knows",
+        ),
+        (
+            "--rename-module",
+            "kv_b_proj=kv_up_proj",
+            "kv_up_proj.weight: a parameter this probe does not know",
+        ),
+        (
+            "--rename-class",
+            "RotaryEmbedding=MRotaryEmbedding",
+            "model.layers.0.self_attn.rotary_emb: class MRotaryEmbedding is not one this probe knows",
+        ),
+        (
+            "--rename-class",
+            "FusedMoE=FusedMoEV2",
+            "model.layers.1.mlp.experts: class FusedMoEV2 is not one this probe knows",
+        ),
+    ];
+    for (i, (flag, rename, message)) in cases.iter().enumerate() {
+        let out = dir.path().join(format!("renamed{i}"));
+        let run = run_ranks_output(&gguf, &hf, 2, &out, &[flag, rename, "--tokens", TOKENS]);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{rename}: {stderr}");
+        assert!(stderr.contains("UnknownModel"), "{rename}: {stderr}");
+        assert!(stderr.contains(message), "{rename}: {stderr}");
+        assert!(!out.join("shards.json").exists() && !out.join("run.trace").exists());
+    }
 }

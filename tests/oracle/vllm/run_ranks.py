@@ -4,8 +4,10 @@ process per rank (forked after importing vLLM once) over gloo (vLLM's own `init_
 with `--tokens` run vLLM's forward on them with the probe's hooks installed.
 
 Usage: run_ranks.py GGUF --hf-config DIR --tp N --out DIR [--fault FAULT]
-                    [--tokens 1,2,3 [--dtype float32|bfloat16|float16] [--full GLOB ...]]
-                    [--check-dequant] [--port PORT] [--timeout SECONDS]
+                    [--tokens 1,2,3 [--dtype float32|bfloat16|float16] [--full GLOB ...]
+                     [--cpu-rope-kernel]] [--check-dequant]
+                    [--rename-class OLD=NEW] [--rename-module OLD=NEW]
+                    [--timeout SECONDS]
 
 Writes DIR/shards.rank{r}.json (one per rank) and DIR/shards.json (merged); with `--tokens`,
 DIR/run.trace (the ranks' traces merged). Prints one JSON line: tp, fault, per-rank seconds,
@@ -20,7 +22,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import time
 
@@ -32,7 +33,7 @@ sys.path.insert(0, HERE)
 
 def rank_main(args) -> None:
     """One rank: build the model with vLLM's classes, load it, write this rank's manifest."""
-    os.environ.setdefault("VLLM_DIST_IDENT", f"glmcheck-{args.port}")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"glmcheck-{os.getppid()}")
     started = time.time()
     import torch
     from vllm.config import (CompilationConfig, ModelConfig, ParallelConfig, VllmConfig,
@@ -68,7 +69,7 @@ def rank_main(args) -> None:
     vllm_config.quant_config = GGUFConfig(unquantized_modules=weights.unquantized_modules())
     cpu_shims.install()
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(args.tp, args.rank, f"tcp://127.0.0.1:{args.port}",
+        init_distributed_environment(args.tp, args.rank, f"file://{args.rendezvous}",
                                      args.rank, backend="gloo")
         initialize_model_parallel(args.tp)
         loading = time.time()
@@ -78,6 +79,7 @@ def rank_main(args) -> None:
             glm_dsa_load.load(model, weights,
                               args.fault if args.fault in glm_dsa_load.FAULTS else None)
             process_weights_after_loading(model, model_config, torch.device("cpu"))
+        rename(model, args.rename_class, args.rename_module)
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
         vllm_probe.write_shard_manifest(model, path, args.rank, args.tp, source=args.gguf,
@@ -100,10 +102,17 @@ def rank_main(args) -> None:
         json.dump(timing, f)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rename(model, classes, modules) -> None:
+    """A vLLM whose code has moved on: classes given new names, submodules new attribute names
+    (what the probe must refuse, naming the module, rather than record wrongly)."""
+    for old, new in classes:
+        for m in model.modules():
+            if type(m).__name__ == old:
+                m.__class__ = type(new, (type(m),), {})
+    for old, new in modules:
+        for m in list(model.modules()):
+            if old in m._modules:
+                m._modules[new] = m._modules.pop(old)
 
 
 def main() -> None:
@@ -119,15 +128,21 @@ def main() -> None:
     ap.add_argument("--full", action="append", help="stages kept whole (default: the probe's)")
     ap.add_argument("--cpu-rope-kernel", action="store_true",
                     help="keep vLLM's CPU rotary kernel (wrong for MLA's 3-D q)")
+    ap.add_argument("--rename-class", action="append", default=[], metavar="OLD=NEW",
+                    type=lambda s: s.split("=", 1), help="rename a vLLM class (probe test)")
+    ap.add_argument("--rename-module", action="append", default=[], metavar="OLD=NEW",
+                    type=lambda s: s.split("=", 1), help="rename a submodule (probe test)")
     ap.add_argument("--check-dequant", action="store_true",
                     help="record the engine's dequantization of each quantized shard")
-    ap.add_argument("--port", type=int)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
 
     started = time.time()
     os.makedirs(args.out, exist_ok=True)
-    args.port = args.port or free_port()
+    # The ranks meet through a file, not a TCP port another run could take in between.
+    args.rendezvous = os.path.join(os.path.abspath(args.out), ".rendezvous")
+    if os.path.exists(args.rendezvous):
+        os.remove(args.rendezvous)
     # Import vLLM once and fork the ranks from here: each rank then starts in a second, not
     # after half a minute of imports (the same modules, loaded before any thread or process
     # group exists).
@@ -146,6 +161,8 @@ def main() -> None:
         for p in procs:
             p.kill()
         sys.exit(f"run_ranks: timed out after {args.timeout} s")
+    if os.path.exists(args.rendezvous):
+        os.remove(args.rendezvous)
     codes = [p.exitcode for p in procs]
     if any(codes):
         sys.exit(f"run_ranks: rank exit codes {codes}")
