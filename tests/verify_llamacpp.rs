@@ -419,7 +419,7 @@ fn honest(a: &Artifacts, key: &str, reference: &'static str) -> Row {
     if v["summary"]["failed"] != 0 {
         problems.push(format!("verify: {} tensors failed", v["summary"]["failed"]));
     }
-    if v["findings"].as_array().map_or(true, |f| !f.is_empty()) {
+    if v["findings"].as_array().is_none_or(|f| !f.is_empty()) {
         problems.push(format!("verify findings: {}", v["findings"]));
     }
     let imatrix = key.ends_with("-imatrix");
