@@ -930,7 +930,7 @@ mod tests {
         let good = ", \"ggml_type\": \"Q5_0\", \"hash\": \"0123456789abcdef\", \
                     \"source\": {\"rows\": [0, 192], \"byte_cols\": [0, 88]}";
         assert_eq!(entry(2, good), Ok(()));
-        let err = |version, extra| entry(version, extra).unwrap_err();
+        let err = |version, extra: &str| entry(version, extra).unwrap_err();
         assert!(err(1, good).contains("ggml_type: raw GGUF bytes need `version` 2"));
         assert!(err(
             2,
@@ -940,6 +940,13 @@ mod tests {
         assert!(err(2, ", \"ggml_type\": \"Q5_0\"").contains("hash: missing"));
         assert!(err(2, "").contains("dtype: missing"));
         assert!(err(3, good).contains("this glmcheck reads 1 and 2"));
+        // The engine's dequantization: its output, or why it did not run.
+        let absent = ", \"dequant\": {\"op\": \"ggml_dequantize\", \"absent\": \"no CUDA\"}";
+        assert_eq!(entry(2, &format!("{good}{absent}")), Ok(()));
+        let bare = ", \"dequant\": {\"op\": \"ggml_dequantize\", \"dtype\": \"f32\"}";
+        assert!(err(2, &format!("{good}{bare}")).contains("dequant: needs `dtype` and `hash`"));
+        let float = ", \"dtype\": \"f32\", \"dequant\": {\"op\": \"x\", \"absent\": \"-\"}";
+        assert!(err(2, float).contains("dequant: only a quantized entry"));
     }
 
     #[test]
