@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
+mod gguf_meta;
 mod hybrid;
 mod weights;
 
@@ -345,6 +346,11 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         glmcheck_ran: cand_run.is_some(),
     };
     let mut classified_by = cause.explain(&mut report)?;
+    if cand_run.is_none() && args.mode == Mode::Stages {
+        if let Some(by) = engine_cause(args, &model, &cfg, &candidate, &mut report)? {
+            classified_by = by;
+        }
+    }
     if conversion && args.weights != WeightCheck::Off {
         if let (None, Some(d)) = (&weight_check, &report.first_divergence) {
             bar.set_message("weight check: the divergent stage's tensors");
@@ -481,6 +487,35 @@ impl Cause<'_> {
         };
         drill_down(&own_bytes, &read_wrong, ids)
     }
+}
+
+/// An engine trace that records the GGUF it ran (the llama.cpp probe): the metadata llama.cpp
+/// read against the reference's config, then, where no key explains the first divergence, that
+/// file's tensors behind the divergent stage against the reference (`--weights`).
+fn engine_cause(
+    args: &BisectArgs,
+    model: &Path,
+    cfg: &Glm5Config,
+    candidate: &Trace,
+    report: &mut DiffReport,
+) -> anyhow::Result<Option<&'static str>> {
+    let info = &candidate.manifest().model;
+    let Some(meta) = gguf_meta::metadata(&info.config) else {
+        return Ok(None);
+    };
+    if gguf_meta::explain(meta, cfg, report) {
+        return Ok(Some("gguf metadata"));
+    }
+    let gguf = PathBuf::from(&info.source);
+    let Some(d) = report.first_divergence.clone() else {
+        return Ok(None);
+    };
+    if args.weights == WeightCheck::Off || !gguf.is_file() {
+        return Ok(None);
+    }
+    let checked = weights::check_tensors_of(model, &gguf, &stage_weights(cfg, &d.stage))
+        .with_context(|| format!("{}: the weight check", gguf.display()))?;
+    Ok(weights::apply(report, &checked, model, &gguf, merge)?.then_some("weights"))
 }
 
 /// The report as a candidate showing only its logits gives it: the logits stage alone.

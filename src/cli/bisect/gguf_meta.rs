@@ -1,0 +1,243 @@
+//! An engine trace of a GGUF (the llama.cpp probe records the file's metadata in
+//! `model.config`): the metadata that changes llama.cpp's glm-dsa forward, read with the
+//! defaults llama.cpp's loader applies when a key is absent, against the reference's config. A
+//! mismatch that changes the first divergent stage is the cause, classified by what the key does.
+
+use serde_json::{Map, Value};
+
+use crate::compare::diff::Divergence;
+use crate::compare::{DiffReport, Fault, FaultClass, Status};
+use crate::model::Glm5Config;
+
+/// One key whose value llama.cpp runs differs from the reference.
+struct Mismatch {
+    key: String,
+    /// What llama.cpp runs with and what the reference has, in words.
+    found: String,
+    /// Stages (without `L{n}.`) the key changes first; any of them may be the first divergence.
+    stages: &'static [&'static str],
+    class: FaultClass,
+    does: &'static str,
+}
+
+/// The recorded GGUF metadata of an engine trace, if it has any.
+pub fn metadata(config: &Value) -> Option<&Map<String, Value>> {
+    config
+        .as_object()
+        .filter(|m| m.get("general.architecture").is_some_and(Value::is_string))
+}
+
+/// f32 metadata against an f64 config value: equal up to f32 rounding.
+fn differs(a: f64, b: f64) -> bool {
+    (a - b).abs() > 1e-6 * a.abs().max(b.abs())
+}
+
+fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
+    let arch = meta["general.architecture"].as_str().unwrap_or_default();
+    let get = |k: &str| meta.get(&format!("{arch}.{k}"));
+    let num = |k: &str| get(k).and_then(Value::as_f64);
+    let mut out = Vec::new();
+    let mut add = |key: &str, found: String, stages, class, does| {
+        out.push(Mismatch {
+            key: format!("{arch}.{key}"),
+            found,
+            stages,
+            class,
+            does,
+        })
+    };
+
+    // llama.cpp fixes glm-dsa's rotary style (adjacent pairs) by architecture; what metadata
+    // changes is the scaling type, its factor (positions × 1/factor) and the base.
+    let scaling = get("rope.scaling.type")
+        .and_then(Value::as_str)
+        .unwrap_or("linear");
+    let factor = num("rope.scaling.factor")
+        .or_else(|| num("rope.scale_linear"))
+        .filter(|f| *f != 0.0)
+        .unwrap_or(1.0);
+    let rope = ["attn.q_rope", "attn.k_rope"].as_slice();
+    match (&cfg.yarn, scaling) {
+        (None, "yarn") => add(
+            "rope.scaling.type",
+            "yarn, where the reference has no rope_scaling".into(),
+            rope,
+            FaultClass::RopeMismatch,
+            "YaRN rescales the rotary frequencies",
+        ),
+        (None, _) if differs(factor, 1.0) => add(
+            "rope.scaling.type",
+            format!("{scaling} with factor {factor}, where the reference has no rope_scaling"),
+            rope,
+            FaultClass::RopeMismatch,
+            "linear scaling divides every rotary position by the factor",
+        ),
+        (Some(_), s) if s != "yarn" => add(
+            "rope.scaling.type",
+            format!("{s}, where the reference has YaRN"),
+            rope,
+            FaultClass::RopeMismatch,
+            "the rotary frequencies are scaled otherwise",
+        ),
+        _ => {}
+    }
+    let base = num("rope.freq_base").unwrap_or(10000.0);
+    if differs(base, cfg.rope_theta) {
+        add(
+            "rope.freq_base",
+            format!(
+                "{base}, where the reference's rope_theta is {}",
+                cfg.rope_theta
+            ),
+            rope,
+            FaultClass::RopeMismatch,
+            "the rotary frequencies follow the base",
+        );
+    }
+    if let Some(eps) = num("attention.layer_norm_rms_epsilon") {
+        if differs(eps, cfg.rms_norm_eps) {
+            add(
+                "attention.layer_norm_rms_epsilon",
+                format!(
+                    "{eps:e}, where the reference's rms_norm_eps is {:e}",
+                    cfg.rms_norm_eps
+                ),
+                &["attn_norm"],
+                FaultClass::NormEpsMismatch,
+                "every RMSNorm divides by sqrt(mean(x²) + eps)",
+            );
+        }
+    }
+    // llama.cpp scales the routing weights only by a scale that is set and not 1.
+    let scale = num("expert_weights_scale")
+        .filter(|s| *s != 0.0)
+        .unwrap_or(1.0);
+    if differs(scale, cfg.routed_scaling_factor) {
+        add(
+            "expert_weights_scale",
+            format!(
+                "{scale}, where the reference's routed_scaling_factor is {}",
+                cfg.routed_scaling_factor
+            ),
+            &["moe.topk_weights"],
+            FaultClass::ScaleMismatch,
+            "the routing weights are multiplied by it",
+        );
+    }
+    let norm = get("expert_weights_norm")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if norm != cfg.norm_topk_prob {
+        add(
+            "expert_weights_norm",
+            format!(
+                "{norm} (absent reads as false), where the reference's norm_topk_prob is {}",
+                cfg.norm_topk_prob
+            ),
+            &["moe.topk_weights"],
+            FaultClass::RouterMismatch,
+            "it decides whether the chosen experts' weights are divided by their sum",
+        );
+    }
+    // glm-dsa: absent or 0 reads as sigmoid; 1 softmax, 2 sigmoid, 3 softmax over the chosen.
+    let gating = match get("expert_gating_func").and_then(Value::as_u64) {
+        None | Some(0) | Some(2) => "sigmoid",
+        Some(1) => "softmax",
+        Some(3) => "softmax_weight",
+        Some(_) => "unknown",
+    };
+    if gating != cfg.scoring_func {
+        add(
+            "expert_gating_func",
+            format!(
+                "{gating}, where the reference's scoring_func is {}",
+                cfg.scoring_func
+            ),
+            &["moe.topk_ids", "moe.topk_weights"],
+            FaultClass::RouterMismatch,
+            "the router's scores, and so the experts chosen and their weights, come from it",
+        );
+    }
+    out
+}
+
+/// The stage without its layer prefix.
+fn kind(stage: &str) -> &str {
+    match stage.split_once('.') {
+        Some((head, rest)) if head.starts_with('L') && head[1..].parse::<u64>().is_ok() => rest,
+        _ => stage,
+    }
+}
+
+/// Name the metadata mismatch that changes the first divergent stage, if one does; every
+/// other mismatch is listed as evidence. Where every stage passed, a mismatch still fails the
+/// run, at the first stage it changes (as the weight check does). Returns whether the metadata
+/// decided the class.
+pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffReport) -> bool {
+    let found = mismatches(meta, cfg);
+    let inside = report.first_divergence.is_none();
+    let (stage, cause) = match &report.first_divergence {
+        Some(d) => match found.iter().find(|m| m.stages.contains(&kind(&d.stage))) {
+            Some(m) => (d.stage.clone(), m),
+            None => {
+                if let Some(f) = &mut report.fault {
+                    for m in &found {
+                        f.evidence
+                            .push(format!("GGUF metadata {} = {}", m.key, m.found));
+                    }
+                }
+                return false;
+            }
+        },
+        // The first stage, in the reference's order, that some mismatch changes.
+        None => {
+            let first = report.stages.iter().find_map(|s| {
+                let m = found.iter().find(|m| m.stages.contains(&kind(&s.stage)))?;
+                Some((s, m))
+            });
+            let Some((s, m)) = first else {
+                return false;
+            };
+            report.verdict = Status::Fail;
+            report.first_divergence = Some(Divergence {
+                stage: s.stage.clone(),
+                layer: s.layer,
+                rank: None,
+            });
+            (s.stage.clone(), m)
+        }
+    };
+    let mut evidence = vec![format!(
+        "{} is what llama.cpp read (absent keys as its loader defaults them)",
+        cause.key
+    )];
+    if inside {
+        if let Some(s) = report.stages.iter().find(|s| s.stage == stage) {
+            evidence.push(format!(
+                "{stage}: rel_diff {:.3e}, inside its tolerance {:.3e}; the metadata alone fails \
+                 the run",
+                s.rel_diff, s.tolerance
+            ));
+        }
+    }
+    if let Some(traced) = report.fault.take() {
+        evidence.push(format!(
+            "the traces alone: {} — {}",
+            traced.class.name(),
+            traced.summary
+        ));
+    }
+    for m in found.iter().filter(|m| m.key != cause.key) {
+        evidence.push(format!("also GGUF metadata {} = {}", m.key, m.found));
+    }
+    report.fault = Some(Fault {
+        class: cause.class,
+        summary: format!(
+            "GGUF metadata {} = {}: {} — first seen at {stage}",
+            cause.key, cause.found, cause.does
+        ),
+        evidence,
+        weight: None,
+    });
+    true
+}
