@@ -27,18 +27,25 @@ const char *kUsage =
     "                               [--dtype f32|bf16|f16] [--no-repack] [--list-nodes] [--verbose]";
 
 bool g_verbose = false;
+// llama.cpp's last error line, for this program's own one-line message.
+std::string g_last_error;
 
 void on_log(enum ggml_log_level level, const char *text, void *) {
-    if (g_verbose || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+    if (g_verbose) std::fputs(text, stderr);
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        g_last_error = text;
+        while (!g_last_error.empty() && (g_last_error.back() == '\n' || g_last_error.back() == ' ')) g_last_error.pop_back();
+    }
 }
 
 [[noreturn]] void usage(const std::string &why) {
-    std::fprintf(stderr, "glmcheck-llamacpp-probe: %s\n%s\n", why.c_str(), kUsage);
+    std::fprintf(stderr, "glmcheck-llamacpp-probe: %s (--help shows the usage)\n", why.c_str());
     std::exit(2);
 }
 
 [[noreturn]] void fail(const std::string &why, int code = 1) {
-    std::fprintf(stderr, "glmcheck-llamacpp-probe: %s\n", why.c_str());
+    const std::string cause = g_last_error.empty() ? "" : " (llama.cpp: " + g_last_error + ")";
+    std::fprintf(stderr, "glmcheck-llamacpp-probe: %s%s\n", why.c_str(), cause.c_str());
     std::exit(code);
 }
 
@@ -190,6 +197,10 @@ std::string dtype_of(const llama_model *model) {
 }  // namespace
 
 int main(int argc, char **argv) {
+    if (argc == 2 && std::string(argv[1]) == "--help") {
+        std::printf("%s\n", kUsage);
+        return 0;
+    }
     if (argc < 2) usage("MODEL is required");
     const char *model_path = argv[1];
     std::vector<llama_token> tokens;
@@ -221,9 +232,8 @@ int main(int argc, char **argv) {
     if (tokens.empty()) usage("--tokens is required");
     if (out_dir.empty()) usage("--out is required");
     if (full.empty()) full = {"logits", "L*.out"};
-    const std::string metadata = metadata_json(model_path);
-
     llama_log_set(on_log, nullptr);
+    const std::string metadata = metadata_json(model_path);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
