@@ -35,10 +35,14 @@ fn probe_bin() -> PathBuf {
 
 /// The GGUFs of llamacpp_probe_models.py: the oracle's JSON line.
 fn models(dir: &Path) -> serde_json::Value {
-    let src = common::root().join(".oracles/llama.cpp/src");
+    let oracle = common::root().join(".oracles/llama.cpp");
     let out = common::run_oracle(
         "llamacpp_probe_models.py",
-        &[dir.to_str().unwrap(), "--llama-cpp", src.to_str().unwrap()],
+        &[
+            dir.to_str().unwrap(),
+            "--llama-cpp",
+            oracle.to_str().unwrap(),
+        ],
     );
     serde_json::from_str(out.lines().last().expect("one JSON line")).unwrap()
 }
@@ -146,6 +150,32 @@ fn clean_conversions_pass_and_the_trace_is_llama_cpps() {
         println!(
             "{name}: bisect pass, tolerance_to_pass {}, envelope {}",
             j["tolerance_to_pass"], j["bisect"]["envelope"]
+        );
+    }
+}
+
+/// llama.cpp's own quantizations of the F32 file: the envelope is the reference with every
+/// weight stored as the GGUF the trace names.
+#[test]
+fn quantized_ggufs_pass_against_their_stored_types() {
+    let dir = common::scratch();
+    let m = models(dir.path());
+    let hf = PathBuf::from(m["hf"].as_str().unwrap());
+    for name in ["q8_0", "q4_k_m"] {
+        let path = dir.path().join(format!("{name}.trace"));
+        let trace = probe(m[name].as_str().unwrap(), &path);
+        let logits = trace.tensor("logits", None).unwrap().unwrap();
+        let oracle = dump_logits(m[name].as_str().unwrap(), &dir.path().join("l.f32"));
+        assert!(
+            logits == oracle,
+            "{name}: the probe's logits are not dump_logits'"
+        );
+        let j = common::bisect_candidate(&hf, &path, &[], 0);
+        assert_eq!(j["verdict"], "pass", "{name}: {:#}", j["fault"]);
+        assert_eq!(j["bisect"]["conversion"], true, "{name}");
+        println!(
+            "{name}: bisect pass, tolerance_to_pass {}",
+            j["tolerance_to_pass"]
         );
     }
 }

@@ -1,18 +1,22 @@
 """The GGUFs the llama.cpp probe's tests run: honest conversions and planted faults.
 
-Usage: llamacpp_probe_models.py OUT_DIR --llama-cpp SRC [--seed S]
+Usage: llamacpp_probe_models.py OUT_DIR --llama-cpp ORACLE [--seed S]
 
-SRC is the llama.cpp source tree scripts/setup-llamacpp unpacks (its converter and gguf-py).
+ORACLE is the folder scripts/setup-llamacpp builds (.oracles/llama.cpp): `src/` holds the
+converter and its gguf-py, `build/tools/quantize/` the quantizer.
 Writes into OUT_DIR, from the tiny GLM-5 of llamacpp_model.py:
 
 * `hf/`: the transformers checkpoint (the reference);
 * `f32.gguf`, `bf16.gguf`: llama.cpp's converter with `--outtype f32` / `bf16`;
+* `q8_0.gguf`, `q4_k_m.gguf`: `llama-quantize f32.gguf OUT TYPE` (the oracle build's, or
+  `$LLAMA_QUANTIZE`);
 * `meta-FAULT.gguf`: f32.gguf with its metadata rewritten by gguf-py (every tensor copied as it
   is), one fault each (METADATA_FAULTS);
 * `weight-garbage.gguf`: f32.gguf with random values in 8 blocks of row 0 of
   `blk.0.attn_q_b.weight` (plant_gguf_fault.py `garbage`).
 
-Prints one line of JSON: {"hf", "f32", "bf16", "faults": {name: {"gguf", "changed"}}}.
+Prints one line of JSON: {"hf", "f32", "bf16", "q8_0", "q4_k_m", "faults": {name: {"gguf",
+"changed"}}}.
 """
 
 import argparse
@@ -79,6 +83,7 @@ def main() -> None:
     from transformers import GlmMoeDsaForCausalLM
 
     import llamacpp_model as base
+    import llamacpp_quants as quants
 
     torch.manual_seed(args.seed)
     hf = out / "hf"
@@ -87,9 +92,13 @@ def main() -> None:
     model.save_pretrained(hf, safe_serialization=True)
     base.tokenizer().save_pretrained(hf)
     del model
+    oracle = args.llama_cpp.resolve()
     f32, bf16 = out / "f32.gguf", out / "bf16.gguf"
-    base.convert(args.llama_cpp.resolve(), hf, f32)
-    base.convert(args.llama_cpp.resolve(), hf, bf16, "bf16")
+    base.convert(oracle / "src", hf, f32)
+    base.convert(oracle / "src", hf, bf16, "bf16")
+    quantize = quants.tool(oracle, "llama-quantize", "LLAMA_QUANTIZE")
+    for stem in ("q8_0", "q4_k_m"):
+        quants.run([quantize, "f32.gguf", f"{stem}.gguf", quants.QUANTS[stem], quants.THREADS], out)
 
     faults = {}
     for name, changes in METADATA_FAULTS.items():
@@ -104,7 +113,8 @@ def main() -> None:
     if done.returncode != 0:
         raise SystemExit(f"plant_gguf_fault.py failed:\n{done.stderr}")
     faults["weight-garbage"] = {"gguf": str(garbage), "changed": json.loads(done.stdout.splitlines()[-1])}
-    print(json.dumps({"hf": str(hf), "f32": str(f32), "bf16": str(bf16), "faults": faults}))
+    files = {name: str(out / f"{name}.gguf") for name in ("f32", "bf16", "q8_0", "q4_k_m")}
+    print(json.dumps({"hf": str(hf), **files, "faults": faults}))
 
 
 if __name__ == "__main__":

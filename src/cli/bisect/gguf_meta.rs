@@ -3,11 +3,14 @@
 //! defaults llama.cpp's loader applies when a key is absent, against the reference's config. A
 //! mismatch that changes the first divergent stage is the cause, classified by what the key does.
 
+use std::path::PathBuf;
+
 use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, FaultClass, Status};
 use crate::model::Glm5Config;
+use crate::trace::ModelInfo;
 
 /// One key whose value llama.cpp runs differs from the reference.
 struct Mismatch {
@@ -25,6 +28,14 @@ pub fn metadata(config: &Value) -> Option<&Map<String, Value>> {
     config
         .as_object()
         .filter(|m| m.get("general.architecture").is_some_and(Value::is_string))
+}
+
+/// The GGUF an engine trace ran, when the trace records its metadata and the file is at hand
+/// and quantized (`general.file_type` other than all-F32, F16 or BF16).
+pub fn quantized_source(info: &ModelInfo) -> Option<PathBuf> {
+    let file_type = metadata(&info.config)?.get("general.file_type")?.as_u64()?;
+    let path = PathBuf::from(&info.source);
+    (!matches!(file_type, 0 | 1 | 32) && path.is_file()).then_some(path)
 }
 
 /// f32 metadata against an f64 config value: equal up to f32 rounding.

@@ -231,13 +231,21 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     // A conversion (another model's files) is judged against the reference with every weight
     // stored as the candidate stores it: its quantization noise is not a fault.
     let conversion = engine.is_none() && cand_model != model;
+    // An engine's trace of a quantized GGUF is judged the same way, against that file's types.
+    let engine_gguf = engine
+        .as_ref()
+        .and_then(|t| gguf_meta::quantized_source(&t.manifest().model));
+    let stored_as = match conversion {
+        true => Some(cand_model.as_path()),
+        false => engine_gguf.as_deref(),
+    };
     // An engine's trace says its dtype; the envelope is the reference run at it.
     let dtype = match &engine {
         Some(t) => Precision::from_name(&t.manifest().dtype)
             .with_context(|| format!("{}: dtype", t.dir().display()))?,
         None => args.dtype,
     };
-    let lower = conversion || !matches!(dtype, Precision::F32 | Precision::F64);
+    let lower = stored_as.is_some() || !matches!(dtype, Precision::F32 | Precision::F64);
     let check_all = conversion && {
         let (files, cfg, family) = open_model(&cand_model)?;
         weights::check_all(args.weights, &WeightSource::new(files, cfg, family))
@@ -265,7 +273,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         record(RunSpec {
             dtype,
             ties: Some(&ties),
-            stored_as: conversion.then_some(cand_model.as_path()),
+            stored_as,
             ..reference_spec(args, &tokens, &model, &paths[1])
         })?;
         bar.inc(1);
@@ -398,7 +406,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             dtype: dtype.name().into(),
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
-            conversion,
+            conversion: stored_as.is_some(),
             ties_taken: if lower { ties.count() } else { 0 },
             classified_by,
             weights: weight_check,
