@@ -136,7 +136,8 @@ pub struct BisectInfo {
     /// Top-k positions where the candidate took the reference's choice (near ties).
     pub ties_taken: usize,
     /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
-    /// weight check), `shard manifest` or `traces`.
+    /// weight check), `shard manifest`, `gguf metadata` (what an engine's trace says it read)
+    /// or `traces`.
     pub classified_by: &'static str,
     /// A conversion's weight check (`--weights`): what was checked and found.
     pub weights: Option<WeightsInfo>,
@@ -706,6 +707,7 @@ pub fn print_bisect(out: &BisectReport) {
                 "drill-down" => "from the weights and shards behind that stage",
                 "weights" => "from the check of the candidate's weights against the reference",
                 "shard manifest" => "from the engine's shard manifest",
+                "gguf metadata" => "from the GGUF metadata the engine read",
                 _ => "from the traces",
             };
             println!(
