@@ -12,15 +12,63 @@ use crate::compare::{DiffReport, Fault, FaultClass, Status};
 use crate::model::Glm5Config;
 use crate::trace::ModelInfo;
 
+/// A key of the metadata bisect reads: the stages (without `L{n}.`) it changes first, any of
+/// which may be the first divergence, the class of what it does, and what it does.
+pub struct Key {
+    pub key: &'static str,
+    pub stages: &'static [&'static str],
+    pub class: FaultClass,
+    pub does: &'static str,
+}
+
+const ROPE: &[&str] = &["attn.q_rope", "attn.k_rope"];
+
+/// Every key compared with the reference's config (`bisect --list-faults` prints them).
+pub const KEYS: [Key; 6] = [
+    Key {
+        key: "rope.scaling.type",
+        stages: ROPE,
+        class: FaultClass::RopeMismatch,
+        does: "the scaling (and `rope.scaling.factor`) rescales every rotary position or frequency",
+    },
+    Key {
+        key: "rope.freq_base",
+        stages: ROPE,
+        class: FaultClass::RopeMismatch,
+        does: "the rotary frequencies follow the base",
+    },
+    Key {
+        key: "attention.layer_norm_rms_epsilon",
+        stages: &["attn_norm"],
+        class: FaultClass::NormEpsMismatch,
+        does: "every RMSNorm divides by sqrt(mean(x²) + eps)",
+    },
+    Key {
+        key: "expert_weights_scale",
+        stages: &["moe.topk_weights"],
+        class: FaultClass::ScaleMismatch,
+        does: "the routing weights are multiplied by it",
+    },
+    Key {
+        key: "expert_weights_norm",
+        stages: &["moe.topk_weights"],
+        class: FaultClass::RouterMismatch,
+        does: "it decides whether the chosen experts' weights are divided by their sum",
+    },
+    Key {
+        key: "expert_gating_func",
+        stages: &["moe.topk_ids", "moe.topk_weights"],
+        class: FaultClass::RouterMismatch,
+        does: "the router's scores, and so the experts chosen and their weights, come from it",
+    },
+];
+
 /// One key whose value llama.cpp runs differs from the reference.
 struct Mismatch {
     key: String,
     /// What llama.cpp runs with and what the reference has, in words.
     found: String,
-    /// Stages (without `L{n}.`) the key changes first; any of them may be the first divergence.
-    stages: &'static [&'static str],
-    class: FaultClass,
-    does: &'static str,
+    spec: &'static Key,
 }
 
 /// The recorded GGUF metadata of an engine trace, if it has any.
@@ -48,13 +96,12 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
     let get = |k: &str| meta.get(&format!("{arch}.{k}"));
     let num = |k: &str| get(k).and_then(Value::as_f64);
     let mut out = Vec::new();
-    let mut add = |key: &str, found: String, stages, class, does| {
+    let mut add = |key: &str, found: String| {
+        let spec = KEYS.iter().find(|k| k.key == key).expect("a key of KEYS");
         out.push(Mismatch {
             key: format!("{arch}.{key}"),
             found,
-            stages,
-            class,
-            does,
+            spec,
         })
     };
 
@@ -67,56 +114,32 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
         .or_else(|| num("rope.scale_linear"))
         .filter(|f| *f != 0.0)
         .unwrap_or(1.0);
-    let rope = ["attn.q_rope", "attn.k_rope"].as_slice();
-    match (&cfg.yarn, scaling) {
-        (None, "yarn") => add(
-            "rope.scaling.type",
-            "yarn, where the reference has no rope_scaling".into(),
-            rope,
-            FaultClass::RopeMismatch,
-            "YaRN rescales the rotary frequencies",
-        ),
-        (None, _) if differs(factor, 1.0) => add(
-            "rope.scaling.type",
-            format!("{scaling} with factor {factor}, where the reference has no rope_scaling"),
-            rope,
-            FaultClass::RopeMismatch,
-            "linear scaling divides every rotary position by the factor",
-        ),
-        (Some(_), s) if s != "yarn" => add(
-            "rope.scaling.type",
-            format!("{s}, where the reference has YaRN"),
-            rope,
-            FaultClass::RopeMismatch,
-            "the rotary frequencies are scaled otherwise",
-        ),
-        _ => {}
+    let scaling_found = match (&cfg.yarn, scaling) {
+        (None, "yarn") => Some("yarn, where the reference has no rope_scaling".to_string()),
+        (None, _) if differs(factor, 1.0) => Some(format!(
+            "{scaling} with factor {factor}, where the reference has no rope_scaling"
+        )),
+        (Some(_), s) if s != "yarn" => Some(format!("{s}, where the reference has YaRN")),
+        _ => None,
+    };
+    if let Some(found) = scaling_found {
+        add("rope.scaling.type", found);
     }
     let base = num("rope.freq_base").unwrap_or(10000.0);
     if differs(base, cfg.rope_theta) {
-        add(
-            "rope.freq_base",
-            format!(
-                "{base}, where the reference's rope_theta is {}",
-                cfg.rope_theta
-            ),
-            rope,
-            FaultClass::RopeMismatch,
-            "the rotary frequencies follow the base",
+        let found = format!(
+            "{base}, where the reference's rope_theta is {}",
+            cfg.rope_theta
         );
+        add("rope.freq_base", found);
     }
     if let Some(eps) = num("attention.layer_norm_rms_epsilon") {
         if differs(eps, cfg.rms_norm_eps) {
-            add(
-                "attention.layer_norm_rms_epsilon",
-                format!(
-                    "{eps:e}, where the reference's rms_norm_eps is {:e}",
-                    cfg.rms_norm_eps
-                ),
-                &["attn_norm"],
-                FaultClass::NormEpsMismatch,
-                "every RMSNorm divides by sqrt(mean(x²) + eps)",
+            let found = format!(
+                "{eps:e}, where the reference's rms_norm_eps is {:e}",
+                cfg.rms_norm_eps
             );
+            add("attention.layer_norm_rms_epsilon", found);
         }
     }
     // llama.cpp scales the routing weights only by a scale that is set and not 1.
@@ -124,31 +147,21 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
         .filter(|s| *s != 0.0)
         .unwrap_or(1.0);
     if differs(scale, cfg.routed_scaling_factor) {
-        add(
-            "expert_weights_scale",
-            format!(
-                "{scale}, where the reference's routed_scaling_factor is {}",
-                cfg.routed_scaling_factor
-            ),
-            &["moe.topk_weights"],
-            FaultClass::ScaleMismatch,
-            "the routing weights are multiplied by it",
+        let found = format!(
+            "{scale}, where the reference's routed_scaling_factor is {}",
+            cfg.routed_scaling_factor
         );
+        add("expert_weights_scale", found);
     }
     let norm = get("expert_weights_norm")
         .and_then(Value::as_bool)
         .unwrap_or(false);
     if norm != cfg.norm_topk_prob {
-        add(
-            "expert_weights_norm",
-            format!(
-                "{norm} (absent reads as false), where the reference's norm_topk_prob is {}",
-                cfg.norm_topk_prob
-            ),
-            &["moe.topk_weights"],
-            FaultClass::RouterMismatch,
-            "it decides whether the chosen experts' weights are divided by their sum",
+        let found = format!(
+            "{norm} (absent reads as false), where the reference's norm_topk_prob is {}",
+            cfg.norm_topk_prob
         );
+        add("expert_weights_norm", found);
     }
     // glm-dsa: absent or 0 reads as sigmoid; 1 softmax, 2 sigmoid, 3 softmax over the chosen.
     let gating = match get("expert_gating_func").and_then(Value::as_u64) {
@@ -158,16 +171,11 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
         Some(_) => "unknown",
     };
     if gating != cfg.scoring_func {
-        add(
-            "expert_gating_func",
-            format!(
-                "{gating}, where the reference's scoring_func is {}",
-                cfg.scoring_func
-            ),
-            &["moe.topk_ids", "moe.topk_weights"],
-            FaultClass::RouterMismatch,
-            "the router's scores, and so the experts chosen and their weights, come from it",
+        let found = format!(
+            "{gating}, where the reference's scoring_func is {}",
+            cfg.scoring_func
         );
+        add("expert_gating_func", found);
     }
     out
 }
@@ -188,7 +196,10 @@ pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffRep
     let found = mismatches(meta, cfg);
     let inside = report.first_divergence.is_none();
     let (stage, cause) = match &report.first_divergence {
-        Some(d) => match found.iter().find(|m| m.stages.contains(&kind(&d.stage))) {
+        Some(d) => match found
+            .iter()
+            .find(|m| m.spec.stages.contains(&kind(&d.stage)))
+        {
             Some(m) => (d.stage.clone(), m),
             None => {
                 if let Some(f) = &mut report.fault {
@@ -203,7 +214,9 @@ pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffRep
         // The first stage, in the reference's order, that some mismatch changes.
         None => {
             let first = report.stages.iter().find_map(|s| {
-                let m = found.iter().find(|m| m.stages.contains(&kind(&s.stage)))?;
+                let m = found
+                    .iter()
+                    .find(|m| m.spec.stages.contains(&kind(&s.stage)))?;
                 Some((s, m))
             });
             let Some((s, m)) = first else {
@@ -242,10 +255,10 @@ pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffRep
         evidence.push(format!("also GGUF metadata {} = {}", m.key, m.found));
     }
     report.fault = Some(Fault {
-        class: cause.class,
+        class: cause.spec.class,
         summary: format!(
             "GGUF metadata {} = {}: {} — first seen at {stage}",
-            cause.key, cause.found, cause.does
+            cause.key, cause.found, cause.spec.does
         ),
         evidence,
         weight: None,

@@ -173,6 +173,19 @@ fn list_faults(json: bool) -> anyhow::Result<Outcome> {
         ]);
     }
     println!("{t}");
+    println!(
+        "\nnamed from the GGUF metadata an engine trace records (llama.cpp probe), not planted:"
+    );
+    let mut t = table(&["GGUF key", "class", "first divergence", "what"]);
+    for k in &gguf_meta::KEYS {
+        t.add_row(vec![
+            format!("<arch>.{}", k.key),
+            k.class.name().to_string(),
+            k.stages.join(" or "),
+            k.does.to_string(),
+        ]);
+    }
+    println!("{t}");
     Ok(Outcome::Pass)
 }
 
