@@ -109,6 +109,7 @@ fn clean_conversions_pass_and_the_trace_is_llama_cpps() {
         let trace = probe(gguf, &path);
         assert_eq!(trace.manifest().backend, "llama.cpp");
         assert_eq!(trace.manifest().dtype, dtype, "general.file_type");
+        assert!(trace.manifest().model.fingerprint.starts_with("fnv1a64:"));
 
         let logits = trace.tensor("logits", None).unwrap().unwrap();
         let oracle = dump_logits(gguf, &dir.path().join(format!("{name}.f32")));
@@ -230,6 +231,14 @@ fn planted_faults_are_located_and_classified() {
         );
         assert_eq!(j["fault"]["class"], class, "{fault}: {:#}", j["fault"]);
         assert_eq!(j["bisect"]["classified_by"], by, "{fault}");
+        if by == "weights" {
+            let found = &j["bisect"]["weights"]["findings"][0]["tensor"];
+            assert_eq!(
+                found, "blk.0.attn_q_b.weight",
+                "{fault}: {:#}",
+                j["bisect"]["weights"]
+            );
+        }
         println!("{fault}: {stage}, {class}: {}", j["fault"]["summary"]);
     }
 }

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -72,6 +73,7 @@ struct Recorder {
     int n_tokens = 0;
     int n_head = 0;
     bool list_nodes = false;
+    std::vector<std::string> full;  // --full globs
     std::vector<glmcheck::Stage> stages;
     std::map<std::string, size_t> index;  // stage name -> position in `stages`
 };
@@ -124,6 +126,12 @@ void record(Recorder &r, const glmcheck::NodeStage &ns, const ggml_tensor *t) {
         // cell = position); a top-k wider than that also returns masked cells: none, as -1.
         if (key_positions && id > int32_t(i / row)) id = -1;
         s.ids.push_back(id);
+    }
+    s.stats = s.is_ids ? glmcheck::stats_of(s.ids.data(), s.ids.size()) : glmcheck::stats_of(s.values.data(), s.values.size());
+    for (const auto &g : r.full) s.full = s.full || glmcheck::glob_match(g.c_str(), s.name.c_str());
+    if (!s.full) {
+        s.values = {};
+        s.ids = {};
     }
     const auto found = r.index.find(s.name);
     if (found == r.index.end()) {
@@ -181,6 +189,17 @@ std::string metadata_json(const char *path) {
     }
     gguf_free(g);
     return out + "}";
+}
+
+// FNV-1a 64 of the metadata and the file's size: cheap, and another conversion or quantization
+// of the weights almost always differs in one of them.
+std::string fingerprint(const char *path, const std::string &metadata) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    const std::string text = metadata + "\n" + std::to_string(ec ? 0 : size);
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(glmcheck::fnv1a(text.data(), text.size())));
+    return std::string("fnv1a64:") + hex;
 }
 
 // `general.file_type` as the trace's dtype: what the float weights are stored in.
@@ -252,6 +271,7 @@ int main(int argc, char **argv) {
     rec.n_tokens = int(tokens.size());
     rec.n_head = llama_model_n_head(model);
     rec.list_nodes = list_nodes;
+    rec.full = full;
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = uint32_t(tokens.size() < 256 ? 256 : tokens.size());
     cp.n_batch = cp.n_ubatch = cp.n_ctx;  // the whole prompt in one graph
@@ -285,12 +305,12 @@ int main(int argc, char **argv) {
                       (repack ? "true" : "false") + ", \"argv\": " + argv_json + ", \"notes\": [" +
                       glmcheck::json_string(glmcheck::unseen_stages()) + "]}";
     h.model_json = "{\"source\": " + glmcheck::json_string(model_path) + ", \"config\": " + metadata +
-                   ", \"fingerprint\": \"\"}";
+                   ", \"fingerprint\": " + glmcheck::json_string(fingerprint(model_path, metadata)) + "}";
     h.tokens = tokens;
     h.backend = "llama.cpp";
     h.dtype = dtype.empty() ? dtype_of(model) : dtype;
     try {
-        glmcheck::write_trace(out_dir, h, rec.stages, full);
+        glmcheck::write_trace(out_dir, h, rec.stages);
     } catch (const std::exception &e) {
         fail(e.what(), 2);
     }

@@ -15,18 +15,12 @@ namespace {
 
 // src/trace/stats.rs: elements per chunk of the fixed summation order.
 constexpr size_t kChunk = size_t(1) << 16;
-constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ULL;
 constexpr uint64_t kFnvPrime = 0x100000001b3ULL;
 
 struct Sums {
     uint64_t finite = 0, nan = 0, inf = 0, zeros = 0;
     double sum = 0.0, sum_sq = 0.0;
     double min = INFINITY, max = -INFINITY;
-};
-
-struct Stats {
-    uint64_t count = 0, nan = 0, inf = 0, zeros = 0, hash = 0;
-    double mean = 0, std = 0, min = 0, max = 0, absmax = 0, l2 = 0;
 };
 
 template <typename T>
@@ -54,13 +48,10 @@ Sums chunk_sums(const T *xs, size_t n) {
 // from the mean, again per chunk and in chunk order. Compiled with -ffp-contract=off (no FMA),
 // as Rust evaluates it.
 template <typename T>
-Stats stats_of(const T *xs, size_t n) {
+Stats moments(const T *xs, size_t n) {
     Stats st;
     st.count = n;
-    uint64_t h = kFnvOffset;
-    const auto *bytes = reinterpret_cast<const unsigned char *>(xs);
-    for (size_t i = 0; i < n * sizeof(T); ++i) h = (h ^ bytes[i]) * kFnvPrime;  // little-endian host
-    st.hash = h;
+    st.hash = fnv1a(xs, n * sizeof(T));  // the host's bytes: little-endian
     if (n == 0) return st;
     Sums s;
     for (size_t at = 0; at < n; at += kChunk) {
@@ -167,6 +158,16 @@ std::string safetensors(const std::vector<const Stage *> &stages) {
 
 }  // namespace
 
+uint64_t fnv1a(const void *bytes, size_t n, uint64_t h) {
+    const auto *b = static_cast<const unsigned char *>(bytes);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * kFnvPrime;
+    return h;
+}
+
+Stats stats_of(const float *xs, size_t n) { return moments(xs, n); }
+
+Stats stats_of(const int32_t *xs, size_t n) { return moments(xs, n); }
+
 bool glob_match(const char *p, const char *s) {
     if (*p == '\0') return *s == '\0';
     if (p[0] == '*' && p[1] == '*') {
@@ -202,8 +203,7 @@ std::string json_string(const std::string &s) {
     return out + "\"";
 }
 
-void write_trace(const std::string &dir, const Header &header, const std::vector<Stage> &stages,
-                 const std::vector<std::string> &full) {
+void write_trace(const std::string &dir, const Header &header, const std::vector<Stage> &stages) {
     namespace fs = std::filesystem;
     fs::create_directories(dir);
     if (!fs::is_empty(dir)) throw std::runtime_error(dir + " already holds files; give the trace a new name");
@@ -211,13 +211,10 @@ void write_trace(const std::string &dir, const Header &header, const std::vector
     std::map<std::string, std::vector<const Stage *>> held;  // by group
     std::string records;
     for (const Stage &s : stages) {
-        const Stats st = s.is_ids ? stats_of(s.ids.data(), s.ids.size()) : stats_of(s.values.data(), s.values.size());
         std::string rec = "    {\"name\": " + json_string(s.name) + ", \"shape\": " + shape_json(s.shape) +
                           ", \"dtype\": \"" + (s.is_ids ? "i32" : "f32") + "\", \"dims\": " + json_string(s.dims) +
-                          ", \"stats\": " + stats_json(st);
-        bool keep = false;
-        for (const auto &g : full) keep = keep || glob_match(g.c_str(), s.name.c_str());
-        if (keep) {
+                          ", \"stats\": " + stats_json(s.stats);
+        if (s.full) {
             const std::string group = group_of(s.name);
             held[group].push_back(&s);
             rec += ", \"file\": " + json_string(group + ".safetensors") + ", \"tensor\": " + json_string(s.name);

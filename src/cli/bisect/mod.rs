@@ -369,7 +369,14 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     };
     let mut classified_by = cause.explain(&mut report)?;
     if cand_run.is_none() && args.mode == Mode::Stages {
-        if let Some(by) = engine_cause(args, &model, &cfg, &candidate, &mut report)? {
+        if let Some(by) = engine_cause(
+            args,
+            &model,
+            &cfg,
+            &candidate,
+            &mut report,
+            &mut weight_check,
+        )? {
             classified_by = by;
         }
     }
@@ -520,6 +527,7 @@ fn engine_cause(
     cfg: &Glm5Config,
     candidate: &Trace,
     report: &mut DiffReport,
+    weight_check: &mut Option<WeightsInfo>,
 ) -> anyhow::Result<Option<&'static str>> {
     let info = &candidate.manifest().model;
     let Some(meta) = gguf_meta::metadata(&info.config) else {
@@ -537,7 +545,9 @@ fn engine_cause(
     }
     let checked = weights::check_tensors_of(model, &gguf, &stage_weights(cfg, &d.stage))
         .with_context(|| format!("{}: the weight check", gguf.display()))?;
-    Ok(weights::apply(report, &checked, model, &gguf, merge)?.then_some("weights"))
+    let decided = weights::apply(report, &checked, model, &gguf, merge)?;
+    *weight_check = Some(checked);
+    Ok(decided.then_some("weights"))
 }
 
 /// The report as a candidate showing only its logits gives it: the logits stage alone.
