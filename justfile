@@ -9,7 +9,8 @@ setup-llamacpp:
     scripts/setup-llamacpp
 
 # Build the llama.cpp probe (probes/llamacpp) against the oracle's llama.cpp, or the tree
-# LLAMA_CPP_DIR names; the binary lands in .oracles/llamacpp-probe/build/.
+# LLAMA_CPP_DIR names (LLAMA_CPP_BUILD: its static build); the binary lands in
+# .oracles/llamacpp-probe/build/.
 llamacpp-probe:
     scripts/setup-llamacpp
     scripts/setup-llamacpp-probe
