@@ -106,7 +106,8 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
     };
 
     // llama.cpp fixes glm-dsa's rotary style (adjacent pairs) by architecture; what metadata
-    // changes is the scaling type, its factor (positions × 1/factor) and the base.
+    // changes is the scaling type, its factor (positions × 1/factor; never applied under
+    // `none`) and the base.
     let scaling = get("rope.scaling.type")
         .and_then(Value::as_str)
         .unwrap_or("linear");
@@ -116,7 +117,7 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
         .unwrap_or(1.0);
     let scaling_found = match (&cfg.yarn, scaling) {
         (None, "yarn") => Some("yarn, where the reference has no rope_scaling".to_string()),
-        (None, _) if differs(factor, 1.0) => Some(format!(
+        (None, s) if s != "none" && differs(factor, 1.0) => Some(format!(
             "{scaling} with factor {factor}, where the reference has no rope_scaling"
         )),
         (Some(_), s) if s != "yarn" => Some(format!("{s}, where the reference has YaRN")),
@@ -264,4 +265,61 @@ pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffRep
         weight: None,
     });
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GLM-5's config as a converter writes it into `glm-dsa.*`, with `edit` applied.
+    fn keys_found(edit: &[(&str, Option<Value>)]) -> Vec<&'static str> {
+        let mut meta: Map<String, Value> = serde_json::from_value(serde_json::json!({
+            "general.architecture": "glm-dsa",
+            "glm-dsa.rope.freq_base": 1e6,
+            "glm-dsa.attention.layer_norm_rms_epsilon": 1e-5,
+            "glm-dsa.expert_weights_scale": 2.5,
+            "glm-dsa.expert_weights_norm": true,
+            "glm-dsa.expert_gating_func": 2,
+        }))
+        .unwrap();
+        for (k, v) in edit {
+            match v {
+                Some(v) => meta.insert(format!("glm-dsa.{k}"), v.clone()),
+                None => meta.remove(&format!("glm-dsa.{k}")),
+            };
+        }
+        mismatches(&meta, &Glm5Config::glm5())
+            .iter()
+            .map(|m| m.spec.key)
+            .collect()
+    }
+
+    #[test]
+    fn absent_keys_read_as_llama_cpp_reads_them() {
+        assert!(keys_found(&[]).is_empty());
+        // No scale key: no scaling, not 2.5. No norm flag: false. No gating key: sigmoid.
+        assert_eq!(
+            keys_found(&[("expert_weights_scale", None)]),
+            ["expert_weights_scale"]
+        );
+        assert_eq!(
+            keys_found(&[("expert_weights_norm", None)]),
+            ["expert_weights_norm"]
+        );
+        assert!(keys_found(&[("expert_gating_func", None)]).is_empty());
+        assert_eq!(keys_found(&[("rope.freq_base", None)]), ["rope.freq_base"]);
+    }
+
+    #[test]
+    fn rope_scaling_counts_only_where_llama_cpp_applies_it() {
+        let factor = ("rope.scaling.factor", Some(Value::from(4.0)));
+        let typed = |t: &str| ("rope.scaling.type", Some(Value::from(t)));
+        assert_eq!(keys_found(&[factor.clone()]), ["rope.scaling.type"]);
+        assert_eq!(
+            keys_found(&[typed("linear"), factor.clone()]),
+            ["rope.scaling.type"]
+        );
+        assert!(keys_found(&[typed("none"), factor]).is_empty());
+        assert_eq!(keys_found(&[typed("yarn")]), ["rope.scaling.type"]);
+    }
 }
