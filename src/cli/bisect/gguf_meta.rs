@@ -314,7 +314,10 @@ mod tests {
     fn rope_scaling_counts_only_where_llama_cpp_applies_it() {
         let factor = ("rope.scaling.factor", Some(Value::from(4.0)));
         let typed = |t: &str| ("rope.scaling.type", Some(Value::from(t)));
-        assert_eq!(keys_found(&[factor.clone()]), ["rope.scaling.type"]);
+        assert_eq!(
+            keys_found(std::slice::from_ref(&factor)),
+            ["rope.scaling.type"]
+        );
         assert_eq!(
             keys_found(&[typed("linear"), factor.clone()]),
             ["rope.scaling.type"]
