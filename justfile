@@ -8,6 +8,13 @@ test *ARGS:
 setup-llamacpp:
     scripts/setup-llamacpp
 
+# Build the llama.cpp probe (probes/llamacpp) against the oracle's llama.cpp, or the tree
+# LLAMA_CPP_DIR names (LLAMA_CPP_BUILD: its static build); the binary lands in
+# .oracles/llamacpp-probe/build/.
+llamacpp-probe:
+    scripts/setup-llamacpp
+    scripts/setup-llamacpp-probe
+
 # glmcheck against llama.cpp and transformers on a converter-made F32 GGUF, with the numbers.
 llamacpp-oracle:
     scripts/setup-venv

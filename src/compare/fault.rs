@@ -20,6 +20,8 @@ pub enum FaultClass {
     RopeMismatch,
     RouterMismatch,
     ScaleMismatch,
+    /// An RMSNorm's epsilon differs (a GGUF's `layer_norm_rms_epsilon`).
+    NormEpsMismatch,
     FlatLogits,
     PrecisionLoss,
     Unknown,
@@ -40,6 +42,7 @@ impl FaultClass {
             FaultClass::RopeMismatch => "rope_mismatch",
             FaultClass::RouterMismatch => "router_mismatch",
             FaultClass::ScaleMismatch => "scale_mismatch",
+            FaultClass::NormEpsMismatch => "norm_eps_mismatch",
             FaultClass::FlatLogits => "flat_logits",
             FaultClass::PrecisionLoss => "precision_loss",
             FaultClass::Unknown => "unknown",

@@ -125,8 +125,8 @@ def tokenizer():
     return fast
 
 
-def convert(llama_cpp: Path, hf: Path, gguf: Path) -> None:
-    """Run the vendored convert_hf_to_gguf.py in this process. Its pre-tokenizer check hashes the
+def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32") -> None:
+    """Run the vendored convert_hf_to_gguf.py (`--outtype OUTTYPE`) in this process. Its pre-tokenizer check hashes the
     tokens of a fixed text and knows only real tokenizers; for the toy one it raises
     NotImplementedError, and only then this says `glm4` (what GLM-5's own tokenizer maps to). The
     ids are fed directly, so the pre-tokenizer never runs. Nothing in the converter is edited."""
@@ -143,7 +143,7 @@ def convert(llama_cpp: Path, hf: Path, gguf: Path) -> None:
             return "glm4"
 
     TextModel.get_vocab_base_pre = vocab_base_pre
-    sys.argv = ["convert_hf_to_gguf.py", str(hf), "--outtype", "f32", "--outfile", str(gguf)]
+    sys.argv = ["convert_hf_to_gguf.py", str(hf), "--outtype", outtype, "--outfile", str(gguf)]
     convert_hf_to_gguf.main()
     if not gguf.exists():
         raise SystemExit(f"the converter wrote no {gguf}")

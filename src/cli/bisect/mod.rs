@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
+mod gguf_meta;
 mod hybrid;
 mod weights;
 
@@ -138,7 +139,8 @@ pub struct BisectInfo {
     /// reference and envelope were run again taking the engine's choice there.
     pub ties_followed: usize,
     /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
-    /// weight check), `shard manifest` or `traces`.
+    /// weight check), `shard manifest`, `gguf metadata` (what an engine's trace says it read)
+    /// or `traces`.
     pub classified_by: &'static str,
     /// A conversion's weight check (`--weights`): what was checked and found.
     pub weights: Option<WeightsInfo>,
@@ -171,6 +173,19 @@ fn list_faults(json: bool) -> anyhow::Result<Outcome> {
             e.stage.to_string(),
             needs,
             e.what.to_string(),
+        ]);
+    }
+    println!("{t}");
+    println!(
+        "\nnamed from the GGUF metadata an engine trace records (llama.cpp probe), not planted:"
+    );
+    let mut t = table(&["GGUF key", "class", "first divergence", "what"]);
+    for k in &gguf_meta::KEYS {
+        t.add_row(vec![
+            format!("<arch>.{}", k.key),
+            k.class.name().to_string(),
+            k.stages.join(" or "),
+            k.does.to_string(),
         ]);
     }
     println!("{t}");
@@ -233,13 +248,21 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     // A conversion (another model's files) is judged against the reference with every weight
     // stored as the candidate stores it: its quantization noise is not a fault.
     let conversion = engine.is_none() && cand_model != model;
+    // An engine's trace of a quantized GGUF is judged the same way, against that file's types.
+    let engine_gguf = engine
+        .as_ref()
+        .and_then(|t| gguf_meta::quantized_source(&t.manifest().model));
+    let stored_as = match conversion {
+        true => Some(cand_model.as_path()),
+        false => engine_gguf.as_deref(),
+    };
     // An engine's trace says its dtype; the envelope is the reference run at it.
     let dtype = match &engine {
         Some(t) => Precision::from_name(&t.manifest().dtype)
             .with_context(|| format!("{}: dtype", t.dir().display()))?,
         None => args.dtype,
     };
-    let lower = conversion || !matches!(dtype, Precision::F32 | Precision::F64);
+    let lower = stored_as.is_some() || !matches!(dtype, Precision::F32 | Precision::F64);
     let check_all = conversion && {
         let (files, cfg, family) = open_model(&cand_model)?;
         weights::check_all(args.weights, &WeightSource::new(files, cfg, family))
@@ -267,7 +290,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         record(RunSpec {
             dtype,
             ties: Some(&ties),
-            stored_as: conversion.then_some(cand_model.as_path()),
+            stored_as,
             ..reference_spec(args, &tokens, &model, &paths[1])
         })?;
         bar.inc(1);
@@ -299,6 +322,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
                 record(RunSpec {
                     dtype,
                     ties: Some(&followed),
+                    stored_as,
                     ..reference_spec(args, &tokens, &model, &e)
                 })?;
                 (Trace::open(&r)?, Some(Trace::open(&e)?))
@@ -376,6 +400,18 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         glmcheck_ran: cand_run.is_some(),
     };
     let mut classified_by = cause.explain(&mut report)?;
+    if cand_run.is_none() && args.mode == Mode::Stages {
+        if let Some(by) = engine_cause(
+            args,
+            &model,
+            &cfg,
+            &candidate,
+            &mut report,
+            &mut weight_check,
+        )? {
+            classified_by = by;
+        }
+    }
     if conversion && args.weights != WeightCheck::Off {
         if let (None, Some(d)) = (&weight_check, &report.first_divergence) {
             bar.set_message("weight check: the divergent stage's tensors");
@@ -423,7 +459,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             dtype: dtype.name().into(),
             inject: args.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
-            conversion,
+            conversion: stored_as.is_some(),
             ties_taken: if lower && cand_run.is_some() {
                 ties.count()
             } else {
@@ -531,6 +567,38 @@ impl Cause<'_> {
         };
         drill_down(&own_bytes, &read_wrong, ids)
     }
+}
+
+/// An engine trace that records the GGUF it ran (the llama.cpp probe): the metadata llama.cpp
+/// read against the reference's config, then, where no key explains the first divergence, that
+/// file's tensors behind the divergent stage against the reference (`--weights`).
+fn engine_cause(
+    args: &BisectArgs,
+    model: &Path,
+    cfg: &Glm5Config,
+    candidate: &Trace,
+    report: &mut DiffReport,
+    weight_check: &mut Option<WeightsInfo>,
+) -> anyhow::Result<Option<&'static str>> {
+    let info = &candidate.manifest().model;
+    let Some(meta) = gguf_meta::metadata(&info.config) else {
+        return Ok(None);
+    };
+    if gguf_meta::explain(meta, cfg, report) {
+        return Ok(Some("gguf metadata"));
+    }
+    let gguf = PathBuf::from(&info.source);
+    let Some(d) = report.first_divergence.clone() else {
+        return Ok(None);
+    };
+    if args.weights == WeightCheck::Off || !gguf.is_file() {
+        return Ok(None);
+    }
+    let checked = weights::check_tensors_of(model, &gguf, &stage_weights(cfg, &d.stage))
+        .with_context(|| format!("{}: the weight check", gguf.display()))?;
+    let decided = weights::apply(report, &checked, model, &gguf, merge)?;
+    *weight_check = Some(checked);
+    Ok(decided.then_some("weights"))
 }
 
 /// The report as a candidate showing only its logits gives it: the logits stage alone.
@@ -724,6 +792,7 @@ pub fn print_bisect(out: &BisectReport) {
                 "drill-down" => "from the weights and shards behind that stage",
                 "weights" => "from the check of the candidate's weights against the reference",
                 "shard manifest" => "from the engine's shard manifest",
+                "gguf metadata" => "from the GGUF metadata the engine read",
                 _ => "from the traces",
             };
             println!(

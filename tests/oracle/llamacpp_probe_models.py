@@ -1,0 +1,121 @@
+"""The GGUFs the llama.cpp probe's tests run: honest conversions and planted faults.
+
+Usage: llamacpp_probe_models.py OUT_DIR --llama-cpp ORACLE [--seed S]
+
+ORACLE is the folder scripts/setup-llamacpp builds (.oracles/llama.cpp): `src/` holds the
+converter and its gguf-py, `build/tools/quantize/` the quantizer.
+Writes into OUT_DIR, from the tiny GLM-5 of llamacpp_model.py:
+
+* `hf/`: the transformers checkpoint (the reference);
+* `f32.gguf`, `bf16.gguf`: llama.cpp's converter with `--outtype f32` / `bf16`;
+* `q8_0.gguf`, `q4_k_m.gguf`: `llama-quantize f32.gguf OUT TYPE` (the oracle build's, or
+  `$LLAMA_QUANTIZE`);
+* `meta-FAULT.gguf`: f32.gguf with its metadata rewritten by gguf-py (every tensor copied as it
+  is), one fault each (METADATA_FAULTS);
+* `weight-garbage.gguf`: f32.gguf with random values in 8 blocks of row 0 of
+  `blk.0.attn_q_b.weight` (plant_gguf_fault.py `garbage`).
+
+Prints one line of JSON: {"hf", "f32", "bf16", "q8_0", "q4_k_m", "faults": {name: {"gguf",
+"changed"}}}.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ARCH = "glm-dsa"
+
+# name -> metadata keys (without `glm-dsa.`) set to (value, gguf-py value type name); None drops.
+METADATA_FAULTS = {
+    # A linear RoPE scaling the model was never trained with (llama.cpp: positions / factor).
+    "rope-scaling": {"rope.scaling.type": ("linear", "STRING"), "rope.scaling.factor": (4.0, "FLOAT32")},
+    # GLM-5's own 1e-5 on a model made with 1e-6.
+    "rms-eps": {"attention.layer_norm_rms_epsilon": (1e-5, "FLOAT32")},
+    # routed_scaling_factor lost: llama.cpp then does not scale the routing weights.
+    "expert-weights-scale": {"expert_weights_scale": None},
+    # norm_topk_prob lost: the key absent reads as false.
+    "expert-weights-norm": {"expert_weights_norm": None},
+    # softmax gating (1) where the model scores with sigmoid.
+    "gating-func": {"expert_gating_func": (1, "UINT32")},
+}
+
+
+def rewrite_metadata(src: Path, dst: Path, changes: dict) -> None:
+    """Copy `src` to `dst` with `changes` applied to its key-values; tensors are copied as
+    stored (same types, shapes and bytes)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, arch=ARCH, endianess=reader.endianess)
+    keys = {f"{ARCH}.{k}": v for k, v in changes.items()}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in keys:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, change in keys.items():
+        if change is not None:
+            value, vtype = change
+            writer.add_key_value(key, value, GGUFValueType[vtype])
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--llama-cpp", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = args.out.resolve()
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
+    import llamacpp_model as base
+    import llamacpp_quants as quants
+
+    torch.manual_seed(args.seed)
+    hf = out / "hf"
+    model = GlmMoeDsaForCausalLM(base.config(1e-6)).float().eval()
+    base.reinit(model, args.seed)
+    model.save_pretrained(hf, safe_serialization=True)
+    base.tokenizer().save_pretrained(hf)
+    del model
+    oracle = args.llama_cpp.resolve()
+    f32, bf16 = out / "f32.gguf", out / "bf16.gguf"
+    base.convert(oracle / "src", hf, f32)
+    base.convert(oracle / "src", hf, bf16, "bf16")
+    quantize = quants.tool(oracle, "llama-quantize", "LLAMA_QUANTIZE")
+    for stem in ("q8_0", "q4_k_m"):
+        quants.run([quantize, "f32.gguf", f"{stem}.gguf", quants.QUANTS[stem], quants.THREADS], out)
+
+    faults = {}
+    for name, changes in METADATA_FAULTS.items():
+        path = out / f"meta-{name}.gguf"
+        rewrite_metadata(f32, path, changes)
+        faults[name] = {"gguf": str(path), "changed": {f"{ARCH}.{k}": v and v[0] for k, v in changes.items()}}
+    garbage = out / "weight-garbage.gguf"
+    done = subprocess.run(
+        [sys.executable, str(here / "plant_gguf_fault.py"), str(f32), str(garbage), "garbage",
+         "blk.0.attn_q_b.weight", "0", "0", "8", "1"],
+        capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"plant_gguf_fault.py failed:\n{done.stderr}")
+    faults["weight-garbage"] = {"gguf": str(garbage), "changed": json.loads(done.stdout.splitlines()[-1])}
+    files = {name: str(out / f"{name}.gguf") for name in ("f32", "bf16", "q8_0", "q4_k_m")}
+    print(json.dumps({"hf": str(hf), **files, "faults": faults}))
+
+
+if __name__ == "__main__":
+    main()
