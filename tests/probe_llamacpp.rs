@@ -155,6 +155,41 @@ fn clean_conversions_pass_and_the_trace_is_llama_cpps() {
     }
 }
 
+/// bf16 weights make llama.cpp break a near tie of the DSA top-k the other way on this prompt;
+/// with the ids in the trace by default, bisect re-runs the reference and envelope taking
+/// llama.cpp's choice there, and the file passes.
+#[test]
+fn a_near_tie_llama_cpp_breaks_otherwise_is_followed_not_failed() {
+    let dir = common::scratch();
+    let m = models(dir.path());
+    let hf = PathBuf::from(m["hf"].as_str().unwrap());
+    let path = dir.path().join("bf16-12.trace");
+    let run = Command::new(probe_bin())
+        .arg(m["bf16"].as_str().unwrap())
+        .args([
+            "--tokens",
+            "39,100,7,200,5,6,7,8,9,10,11,12",
+            "--threads",
+            "2",
+            "--out",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let j = common::bisect_candidate(&hf, &path, &[], 0);
+    assert_eq!(j["verdict"], "pass", "{:#}", j["fault"]);
+    assert!(
+        j["bisect"]["ties_followed"].as_u64().unwrap() >= 1,
+        "{:#}",
+        j["bisect"]
+    );
+}
+
 /// llama.cpp's own quantizations of the F32 file: the envelope is the reference with every
 /// weight stored as the GGUF the trace names.
 #[test]

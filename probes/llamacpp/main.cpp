@@ -249,7 +249,9 @@ int main(int argc, char **argv) {
     }
     if (tokens.empty()) usage("--tokens is required");
     if (out_dir.empty()) usage("--out is required");
-    if (full.empty()) full = {"logits", "L*.out"};
+    // The top-k ids too (a few ints per token): bisect follows the engine's choice at the
+    // reference's near ties only where it can read it.
+    if (full.empty()) full = {"logits", "L*.out", "L*.attn.index_topk", "L*.moe.topk_ids"};
     llama_log_set(on_log, nullptr);
     const std::string metadata = metadata_json(model_path);
     llama_backend_init();

@@ -135,6 +135,23 @@ impl TieBreaks {
         Ok(out)
     }
 
+    /// Every choice of `other` taken here too (where both give one, `other`'s).
+    pub fn absorb(&mut self, other: &TieBreaks) {
+        for (mine, theirs) in [(&mut self.dsa, &other.dsa), (&mut self.moe, &other.moe)] {
+            for (&l, positions) in theirs {
+                let at = mine.entry(l).or_default();
+                if at.len() < positions.len() {
+                    at.resize(positions.len(), None);
+                }
+                for (p, choice) in positions.iter().enumerate() {
+                    if choice.is_some() {
+                        at[p] = choice.clone();
+                    }
+                }
+            }
+        }
+    }
+
     /// How many positions choose another set of ids in `other` than here.
     pub fn differing(&self, other: &TieBreaks) -> usize {
         let set = |v: &[i32]| {

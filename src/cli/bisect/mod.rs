@@ -305,33 +305,44 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     };
     // An engine breaks near ties its own way, and every later stage follows its choice: there
     // the reference and the envelope are run again taking the engine's choice, at exactly the
-    // positions where the reference's own gap was a near tie.
+    // positions where the reference's own gap was a near tie. Following one choice may bring
+    // the run to another near tie further on, so this repeats (a few rounds at most).
     let mut ties_followed = 0;
-    let (reference, envelope) = match (&engine, &envelope) {
-        (Some(t), Some(_)) if lower => {
-            let followed = ties.chosen_by(t)?;
-            ties_followed = ties.differing(&followed);
-            if ties_followed > 0 {
-                bar.set_message("reference and envelope again, with the engine's near-tie choices");
-                let [r, e] =
-                    ["reference-ties", "envelope-ties"].map(|n| dir.join(format!("{n}.trace")));
-                record(RunSpec {
-                    ties: Some(&followed),
-                    ..reference_spec(args, &tokens, &model, &r)
-                })?;
-                record(RunSpec {
-                    dtype,
-                    ties: Some(&followed),
-                    stored_as,
-                    ..reference_spec(args, &tokens, &model, &e)
-                })?;
-                (Trace::open(&r)?, Some(Trace::open(&e)?))
-            } else {
-                (reference, envelope)
+    let (mut reference, mut envelope) = (reference, envelope);
+    if let (Some(t), true) = (&engine, lower && envelope.is_some()) {
+        let mut near = ties.clone();
+        let mut followed = TieBreaks::default();
+        for round in 0..FOLLOW_ROUNDS {
+            let theirs = near.chosen_by(t)?;
+            let flipped = near.differing(&theirs);
+            if flipped == 0 {
+                break;
             }
+            ties_followed += flipped;
+            followed.absorb(&theirs);
+            bar.set_message("reference and envelope again, with the engine's near-tie choices");
+            let [r, e] = [
+                format!("reference-ties{round}"),
+                format!("envelope-ties{round}"),
+            ]
+            .map(|n| dir.join(format!("{n}.trace")));
+            record(RunSpec {
+                ties: Some(&followed),
+                ..reference_spec(args, &tokens, &model, &r)
+            })?;
+            record(RunSpec {
+                dtype,
+                ties: Some(&followed),
+                stored_as,
+                ..reference_spec(args, &tokens, &model, &e)
+            })?;
+            reference = Trace::open(&r)?;
+            let env = Trace::open(&e)?;
+            near = TieBreaks::from_traces(&reference, Some(&env))?;
+            near.absorb(&followed);
+            envelope = Some(env);
         }
-        _ => (reference, envelope),
-    };
+    }
     let (candidate, cand_run) = match engine {
         Some(t) => (t, None),
         None => {
@@ -480,6 +491,10 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     };
     Ok(out)
 }
+
+/// Rounds of re-running the reference with an engine's near-tie choices: each may reach a near
+/// tie further on that the engine also broke its own way.
+const FOLLOW_ROUNDS: usize = 3;
 
 /// What explains a first divergence beyond the traces: the weights and shards behind it (when
 /// glmcheck ran the candidate), and an engine's shard manifest (`--actual`).
