@@ -49,17 +49,16 @@ fn models(dir: &Path) -> serde_json::Value {
 
 /// The probe's trace of `gguf` on TOKENS, every stage in full.
 fn probe(gguf: &str, out: &Path) -> Trace {
+    probe_with(gguf, out, TOKENS, &["--full", "**"])
+}
+
+/// The probe's trace of `gguf` on `tokens`, with `extra` options.
+fn probe_with(gguf: &str, out: &Path, tokens: &str, extra: &[&str]) -> Trace {
     let run = Command::new(probe_bin())
         .arg(gguf)
-        .args([
-            "--tokens",
-            TOKENS,
-            "--full",
-            "**",
-            "--threads",
-            "2",
-            "--out",
-        ])
+        .args(["--tokens", tokens, "--threads", "2"])
+        .args(extra)
+        .arg("--out")
         .arg(out)
         .output()
         .unwrap();
@@ -164,22 +163,12 @@ fn a_near_tie_llama_cpp_breaks_otherwise_is_followed_not_failed() {
     let m = models(dir.path());
     let hf = PathBuf::from(m["hf"].as_str().unwrap());
     let path = dir.path().join("bf16-12.trace");
-    let run = Command::new(probe_bin())
-        .arg(m["bf16"].as_str().unwrap())
-        .args([
-            "--tokens",
-            "39,100,7,200,5,6,7,8,9,10,11,12",
-            "--threads",
-            "2",
-            "--out",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
+    // The probe's default `--full`, which keeps the top-k ids.
+    probe_with(
+        m["bf16"].as_str().unwrap(),
+        &path,
+        "39,100,7,200,5,6,7,8,9,10,11,12",
+        &[],
     );
     let j = common::bisect_candidate(&hf, &path, &[], 0);
     assert_eq!(j["verdict"], "pass", "{:#}", j["fault"]);
