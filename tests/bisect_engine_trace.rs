@@ -156,7 +156,7 @@ fn broken_transformers_modules_recorded_by_the_probe_are_diagnosed() {
 /// manifest (every rank holding rank 0's block of kv_b_proj) names the cause.
 #[test]
 fn an_engine_trace_with_its_shard_manifest_names_the_unsharded_weight() {
-    use glmcheck::shard::actual::plan_manifest;
+    use glmcheck::diagnose::manifest::plan_manifest;
     use glmcheck::shard::identify::Dtype;
 
     let dir = common::scratch();

@@ -11,9 +11,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use glmcheck::diagnose::manifest::{plan_manifest, planned_entries};
 use glmcheck::model::names::{LayerWeight, WeightId};
-use glmcheck::shard::actual::{plan_manifest, planned_entries, ShardEntry, ShardManifest};
 use glmcheck::shard::identify::{gather, Dtype};
+use glmcheck::shard::manifest::{ShardEntry, ShardManifest};
 use glmcheck::shard::plan::{rank_view, Placement};
 use serde_json::Value;
 

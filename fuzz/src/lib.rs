@@ -60,7 +60,7 @@ pub fn open_trace(data: &[u8]) {
 pub fn read_shard_manifest(data: &[u8]) {
     let path = scratch().path().join("shards.json");
     std::fs::write(&path, data).expect("write the manifest");
-    if let Err(e) = glmcheck::shard::actual::ShardManifest::read(&path) {
+    if let Err(e) = glmcheck::shard::manifest::ShardManifest::read(&path) {
         let msg = format!("{e:#}");
         assert!(msg.contains(&path.display().to_string()), "unnamed: {msg}");
     }

@@ -4,15 +4,13 @@
 //! the reference and candidate runs, the first divergence, the diagnosis with its evidence, and
 //! what each side prints.
 
-use super::bisect::{self, BisectArgs, DEFAULT_PROMPT};
+use super::bisect::print_bisect;
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
-use crate::exec::backend::Precision;
-use crate::exec::engine::BackendKind;
-use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
 use crate::model::names::LayerWeight;
+use crate::pipeline::bisect::{bisect, BisectOptions, DEFAULT_PROMPT};
 use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
@@ -61,29 +59,17 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     })?;
     say("glmcheck bisect glm5-tiny.gguf --tp 4 --inject unsharded-column");
     let fault = Injection::UnshardedColumn(LayerWeight::KvB);
-    let report = bisect::bisect(&BisectArgs {
-        model: Some(path.clone()),
+    let report = bisect(&BisectOptions {
         tp: 4,
-        ep: false,
-        backend: BackendKind::Cpu,
-        dtype: Precision::F32,
         inject: Some(fault),
-        candidate: None,
         prompt: Some(DEFAULT_PROMPT.into()),
-        tokens: Vec::new(),
-        generate: 8,
-        latent_norm_eps: HF_LATENT_NORM_EPS,
-        actual: None,
-        out: None,
-        list_faults: false,
-        weights: bisect::WeightCheck::Auto,
-        mode: bisect::Mode::Stages,
-        json: args.json,
+        quiet: args.json,
+        ..BisectOptions::new(path.clone())
     })?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        bisect::print_bisect(&report);
+        print_bisect(&report);
     }
     // The demo passes when the diagnosis names the planted fault's class.
     let diagnosed = report.diff.fault.as_ref().map(|f| f.class) == Some(fault.entry().class);

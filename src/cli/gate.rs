@@ -1,21 +1,22 @@
 //! `glmcheck gate --baseline FILE CAND`: a candidate (a trace, or a model run here) held to a
 //! reviewed baseline; `--update` writes the baseline from the candidate instead.
 
-use crate::exec::engine::BackendKind;
+use crate::engine::BackendKind;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-use super::bisect::DEFAULT_PROMPT;
 use super::output::{num, table};
-use super::run::{open_model, prompt_tokens, record, RunSpec};
 use super::Outcome;
 use crate::compare::Status;
-use crate::exec::backend::Precision;
+use crate::dtype::Precision;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
 use crate::gate::check::{Basis, GateReport};
 use crate::gate::{self, Baseline};
+use crate::pipeline::bisect::DEFAULT_PROMPT;
+use crate::pipeline::record::{prompt_tokens, record, RunSpec};
+use crate::pipeline::Model;
 use crate::trace::{FullSelector, Trace, DEFAULT_FULL};
 
 #[derive(clap::Args, Debug)]
@@ -79,7 +80,7 @@ fn record_candidate(
     baseline: Option<&Baseline>,
     out: &Path,
 ) -> anyhow::Result<()> {
-    let (files, _, _) = open_model(&args.candidate)?;
+    let model = Model::open(&args.candidate)?;
     let prompt = match (&args.prompt, args.tokens.is_empty(), baseline) {
         (Some(p), _, _) => Some(p.clone()),
         (None, false, _) | (None, true, Some(_)) => None,
@@ -89,8 +90,7 @@ fn record_candidate(
         (true, Some(b)) => b.tokens.clone(),
         _ => args.tokens.clone(),
     };
-    let (tokens, _) = prompt_tokens(&files, prompt.as_deref(), &ids)?;
-    drop(files);
+    let (tokens, _) = prompt_tokens(&model.files, prompt.as_deref(), &ids)?;
     let dtype = match (args.dtype, baseline) {
         (Some(d), _) => d,
         (None, Some(b)) => Precision::from_name(&b.dtype)?,
@@ -114,7 +114,7 @@ fn record_candidate(
     ]);
     let ties = baseline.map(Baseline::tie_breaks);
     record(RunSpec {
-        model: &args.candidate,
+        model: &model,
         tokens: &tokens,
         out,
         full: FullSelector::new(&full)?,

@@ -2,15 +2,14 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Context;
 use serde_json::json;
 
 use super::output::{bytes, progress, shape, table};
 use super::{ModelArg, Outcome};
-use crate::model::config::HF_MODEL_TYPES;
 use crate::model::names::WeightId;
 use crate::model::schema::{self, Family, SchemaReport};
 use crate::model::Glm5Config;
+use crate::pipeline::model::glm5_config;
 use crate::shard::bytes_per_rank;
 use crate::weights::ModelFiles;
 
@@ -26,33 +25,6 @@ pub struct InspectArgs {
     /// List every tensor and metadata key (by default long listings are cut).
     #[arg(long)]
     pub all: bool,
-}
-
-/// The checkpoint's GLM-5 config, if it is a GLM-5 checkpoint.
-pub fn glm5_config(files: &ModelFiles) -> anyhow::Result<Option<(Glm5Config, Family)>> {
-    if let Some(g) = files.gguf() {
-        if g.architecture() != Some("glm-dsa") {
-            return Ok(None);
-        }
-        let cfg = Glm5Config::from_gguf(g).with_context(|| files.path.display().to_string())?;
-        return Ok(Some((cfg, Family::Gguf)));
-    }
-    let Some(path) = files.hf_config_path() else {
-        return Ok(None);
-    };
-    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-    let is_glm5 = serde_json::from_str::<serde_json::Value>(&text)
-        .map(|j| {
-            j.get("model_type")
-                .and_then(|m| m.as_str())
-                .is_some_and(|m| HF_MODEL_TYPES.contains(&m))
-        })
-        .unwrap_or(false);
-    if !is_glm5 {
-        return Ok(None);
-    }
-    let cfg = Glm5Config::from_hf_json(&text).with_context(|| path.display().to_string())?;
-    Ok(Some((cfg, Family::Hf)))
 }
 
 /// Per storage type: tensors, elements, bytes.

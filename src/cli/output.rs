@@ -1,10 +1,7 @@
 //! Terminal output helpers: byte sizes, shapes, tables and progress bars that stay quiet when
 //! the output is JSON or not a terminal.
 
-use std::io::IsTerminal;
-
 use comfy_table::{presets::UTF8_FULL_CONDENSED, ContentArrangement, Table};
-use indicatif::{ProgressBar, ProgressStyle};
 
 /// `1.23 GiB`, `512 B`.
 pub fn bytes(n: u64) -> String {
@@ -36,19 +33,5 @@ pub fn table(header: &[&str]) -> Table {
     t
 }
 
-/// A progress bar over `len` items, hidden when `quiet` or when stderr is not a terminal.
-pub fn progress(len: u64, quiet: bool, what: &str) -> ProgressBar {
-    if quiet || !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed_precise}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(what.to_string());
-    bar
-}
-
+pub use crate::progress::progress;
 pub(crate) use crate::report::num;

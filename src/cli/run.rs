@@ -1,27 +1,19 @@
 //! `glmcheck run MODEL --tokens IDS --out TRACE`: the CPU reference forward, recorded as a trace.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context};
 use serde_json::json;
 
-use super::inspect::glm5_config;
 use super::Outcome;
-use crate::cuda::backend::{ProcessRank, RankMemory};
-use crate::exec::backend::{Backend, Cpu, Precision};
-use crate::exec::engine::{BackendKind, Engine};
-use crate::exec::forward::{
-    generate, Discard, ForwardOptions, Hybrid, Recorder, Runner, HF_LATENT_NORM_EPS,
-};
+use crate::cuda::backend::ProcessRank;
+use crate::dtype::Precision;
+use crate::engine::BackendKind;
+use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
-use crate::exec::ops::topk;
-use crate::exec::source::WeightSource;
-use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
-use crate::model::schema::Family;
-use crate::model::Glm5Config;
-use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
-use crate::weights::ModelFiles;
+use crate::pipeline::record::{prompt_tokens, record, Recorded, RunSpec};
+use crate::pipeline::Model;
+use crate::trace::FullSelector;
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -95,256 +87,16 @@ pub struct RunArgs {
     pub json: bool,
 }
 
-/// A digest of the weights' names, types and shapes (not their bytes: reading 402 GB to name a
-/// trace would defeat the point).
-fn fingerprint(files: &ModelFiles) -> String {
-    let listing: Vec<u8> = files
-        .tensors()
-        .iter()
-        .flat_map(|t| format!("{}|{}|{:?};", t.name, t.encoding.name(), t.shape).into_bytes())
-        .collect();
-    format!("{:016x}", fnv1a_bytes(&listing))
-}
-
-/// One recorded run: where, what and how.
-pub struct RunSpec<'a> {
-    pub model: &'a Path,
-    pub tokens: &'a [u32],
-    pub out: &'a Path,
-    pub full: FullSelector,
-    pub latent_norm_eps: f64,
-    pub dtype: Precision,
-    pub tp: u64,
-    pub ep: bool,
-    pub backend: BackendKind,
-    /// This process's rank when each rank runs in a process of its own.
-    pub process: Option<ProcessRank>,
-    pub inject: Option<Injection>,
-    pub generate: usize,
-    /// Unrecorded forward passes before the recorded one.
-    pub warm_up: usize,
-    pub ties: Option<&'a TieBreaks>,
-    /// Pass every weight through the storage types of this model's files (the quantization
-    /// envelope of a conversion to it).
-    pub stored_as: Option<&'a Path>,
-    /// A hybrid run with a reference model on the CPU at f32, TP 1.
-    pub hybrid: Option<Split<'a>>,
-}
-
-/// Where a hybrid run hands over between this run and a reference model: blocks (embedding 0,
-/// layer `l` at `l + 1`, the head at `L + 1`) below `switch` on one, the rest on the other.
-#[derive(Clone, Copy, Debug)]
-pub struct Split<'a> {
-    pub reference: &'a Path,
-    pub switch: usize,
-    /// The reference below the switch (replaying the candidate from the reference's inputs),
-    /// or above it (the reference finishing what the candidate began).
-    pub reference_below: bool,
-}
-
-/// What a recorded run printed: the top-1 token of every prompt position and the generated
-/// tokens.
-pub struct Recorded {
-    pub top1: Vec<usize>,
-    pub generated: Vec<u32>,
-}
-
-/// The model's files and GLM-5 config, or an input error naming the file.
-pub fn open_model(model: &Path) -> anyhow::Result<(ModelFiles, Glm5Config, Family)> {
-    let files = ModelFiles::open(model)?;
-    let Some((cfg, family)) = glm5_config(&files)? else {
-        bail!(
-            "{}: not a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json)",
-            model.display()
-        );
-    };
-    Ok((files, cfg, family))
-}
-
-/// The prompt's token ids (`text` through the model's tokenizer, else `ids`) and the tokenizer.
-pub fn prompt_tokens(
-    files: &ModelFiles,
-    text: Option<&str>,
-    ids: &[u32],
-) -> anyhow::Result<(Vec<u32>, Option<tokenizers::Tokenizer>)> {
-    let (tokens, tokenizer) = match text {
-        Some(text) => {
-            let tok = tokenize::load(files)?;
-            (tokenize::encode(&tok, text)?, Some(tok))
-        }
-        None => (ids.to_vec(), None),
-    };
-    if tokens.is_empty() {
-        bail!("the prompt is empty");
-    }
-    Ok((tokens, tokenizer))
-}
-
-/// Run `spec` and write its trace.
-pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
-    let (files, cfg, family) = open_model(spec.model)?;
-    crate::shard::plan::check_degree(&cfg, spec.tp)?;
-    if spec.ep && cfg.n_routed_experts % spec.tp != 0 {
-        bail!(
-            "--ep: {} routed experts do not split evenly over {} ranks",
-            cfg.n_routed_experts,
-            spec.tp
-        );
-    }
-    if let Some(fault) = &spec.inject {
-        fault.check(&cfg, spec.tp as usize, spec.dtype)?;
-    }
-    let header = TraceHeader {
-        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": spec.latent_norm_eps,
-                "inject": spec.inject.map(|f| f.spec()), "ep": spec.ep, "ties_from_reference": spec.ties.map(TieBreaks::count)})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-        model: ModelInfo {
-            source: spec.model.display().to_string(),
-            config: serde_json::to_value(&cfg)?,
-            fingerprint: fingerprint(&files),
-            extra: Default::default(),
-        },
-        tokens: spec.tokens.to_vec(),
-        backend: spec.backend.name().into(),
-        dtype: spec.dtype.name().into(),
-        tp: spec.tp as u32,
-    };
-    if let Some(p) = &spec.process {
-        if spec.backend != BackendKind::Cuda || spec.ep || spec.hybrid.is_some() {
-            bail!("--rank runs one rank per process with --backend cuda, without --ep");
-        }
-        if p.world_size as u64 != spec.tp {
-            bail!(
-                "--world-size {} differs from --tp {}",
-                p.world_size,
-                spec.tp
-            );
-        }
-    }
-    // The GPUs first: without them no trace folder is left behind.
-    let engine = match spec.dtype {
-        Precision::F64 => None,
-        p => Some(Engine::open(
-            spec.backend,
-            p,
-            spec.tp as usize,
-            spec.process.as_ref(),
-        )?),
-    };
-    // With a process per rank, rank 0 writes the trace; the others compute their shards.
-    let mut writer = match &spec.process {
-        Some(p) if p.rank != 0 => None,
-        _ => Some(
-            TraceWriter::create(spec.out, header, spec.full)
-                .with_context(|| spec.out.display().to_string())?,
-        ),
-    };
-    let rec: &mut dyn Recorder = match &mut writer {
-        Some(w) => w,
-        None => &mut Discard,
-    };
-    let mut source = WeightSource::new(files, cfg, family).with_fault(spec.inject);
-    if let Some(other) = spec.stored_as {
-        let (files, cfg, family) = open_model(other)?;
-        source = source.stored_as(&WeightSource::new(files, cfg, family));
-    }
-    let opts = ForwardOptions {
-        latent_norm_eps: spec.latent_norm_eps,
-        tp: spec.tp as usize,
-        ep: spec.ep,
-        ties: spec.ties,
-    };
-    let (n, g) = (spec.tokens, spec.generate);
-    let recorded = match (spec.dtype, spec.hybrid) {
-        (Precision::F64, None) if spec.backend == BackendKind::Cpu => {
-            let be = Cpu::f64();
-            let run = Runner {
-                src: &source,
-                be: &be,
-                opts,
-            };
-            greedy(&Hybrid::single(run), n, g, rec)?
-        }
-        (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
-        (_, hybrid) => {
-            let Some(be) = engine else {
-                bail!("f64 runs only on the CPU");
-            };
-            let candidate = Runner {
-                src: &source,
-                be: &be,
-                opts,
-            };
-            let recorded = match hybrid {
-                None => {
-                    let run = Hybrid::single(candidate);
-                    for _ in 0..spec.warm_up {
-                        greedy(&run, n, 0, &mut Discard)?;
-                    }
-                    greedy(&run, n, g, rec)?
-                }
-                Some(split) => {
-                    let (files, cfg, family) = open_model(split.reference)?;
-                    let reference = WeightSource::new(files, cfg, family);
-                    let f32_be = Engine::Cpu(Cpu::new(Precision::F32));
-                    let reference = Runner {
-                        src: &reference,
-                        be: &f32_be,
-                        opts: ForwardOptions {
-                            tp: 1,
-                            ep: false,
-                            ties: None,
-                            ..opts
-                        },
-                    };
-                    let (below, above) = if split.reference_below {
-                        (reference, candidate)
-                    } else {
-                        (candidate, reference)
-                    };
-                    let run = Hybrid {
-                        below,
-                        above,
-                        switch: split.switch,
-                    };
-                    greedy(&run, n, g, rec)?
-                }
-            };
-            let memory = be.gpu_memory();
-            if let (Some(w), false) = (&mut writer, memory.is_empty()) {
-                let per_rank = |f: fn(&RankMemory) -> serde_json::Value| -> serde_json::Value {
-                    memory.iter().map(f).collect()
-                };
-                w.set_producer("gpu_peak_bytes", per_rank(|m| json!(m.peak_bytes)));
-                w.set_producer("gpu_resident_bytes", per_rank(|m| json!(m.resident_bytes)));
-                w.set_producer("gpu_loaded_bytes", per_rank(|m| json!(m.loaded_bytes)));
-                w.set_producer("gpu_load_seconds", per_rank(|m| json!(m.load_seconds)));
-                if let Some(p) = &spec.process {
-                    w.set_producer("processes", json!(p.world_size));
-                }
-            }
-            recorded
-        }
-    };
-    if let Some(w) = writer {
-        w.finish()?;
-    }
-    Ok(recorded)
-}
-
 pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
-    let (files, _, _) = open_model(&args.model)?;
-    let (tokens, tokenizer) = prompt_tokens(&files, args.prompt.as_deref(), &args.tokens)?;
-    drop(files);
+    let model = Model::open(&args.model)?;
+    let (tokens, tokenizer) = prompt_tokens(&model.files, args.prompt.as_deref(), &args.tokens)?;
     let full = if args.full.is_empty() {
         FullSelector::default()
     } else {
         FullSelector::new(&args.full)?
     };
     let Recorded { top1, generated } = record(RunSpec {
-        model: &args.model,
+        model: &model,
         tokens: &tokens,
         out: &args.out,
         full,
@@ -391,19 +143,4 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         }
     }
     Ok(Outcome::Pass)
-}
-
-/// The prompt through `be` into `rec`, then `n` greedy tokens: the top-1 token of every prompt
-/// position and the generated tokens.
-fn greedy<B: Backend>(
-    run: &Hybrid<'_, B>,
-    prompt: &[u32],
-    n: usize,
-    rec: &mut dyn Recorder,
-) -> anyhow::Result<Recorded> {
-    let (logits, generated) = generate(run, prompt, n, rec)?;
-    let top1 = (0..logits.rows)
-        .map(|r| topk(logits.row(r), 1)[0])
-        .collect();
-    Ok(Recorded { top1, generated })
 }

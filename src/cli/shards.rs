@@ -8,15 +8,16 @@ use anyhow::{bail, Context};
 use globset::Glob;
 use serde_json::json;
 
-use super::inspect::glm5_config;
 use super::output::{bytes, shape, table};
 use super::{ModelArg, Outcome};
+use crate::diagnose::manifest::{check, CheckedShard};
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
 use crate::model::schema::{self, Family};
 use crate::model::Glm5Config;
-use crate::shard::actual::{check, CheckedShard, ShardManifest};
+use crate::pipeline::model::glm5_config;
 use crate::shard::bytes::DequantCheck;
+use crate::shard::manifest::ShardManifest;
 use crate::shard::plan::{check_degree, expert_rank, placement, rank_view, Placement};
 use crate::weights::ModelFiles;
 

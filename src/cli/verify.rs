@@ -8,10 +8,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use super::output::{bytes, num, progress, table};
-use super::run::open_model;
 use super::Outcome;
 use crate::compare::Status as Verdict;
-use crate::exec::source::WeightSource;
+use crate::pipeline::Model;
 use crate::report::markdown::{code, text};
 use crate::verify::{selected, verify, Options, Status, VerifyReport};
 
@@ -40,12 +39,8 @@ pub struct VerifyArgs {
 }
 
 pub fn run(args: VerifyArgs) -> anyhow::Result<Outcome> {
-    let open = |p: &PathBuf| -> anyhow::Result<WeightSource> {
-        let (files, cfg, family) = open_model(p)?;
-        Ok(WeightSource::new(files, cfg, family))
-    };
-    let reference = open(&args.reference)?;
-    let cand = open(&args.candidate)?;
+    let reference = Model::open(&args.reference)?.source();
+    let cand = Model::open(&args.candidate)?.source();
     let select = super::dequant::selector(&args.tensors)?;
     let chosen = selected(&cand, select.as_ref());
     if chosen.is_empty() {

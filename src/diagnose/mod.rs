@@ -1,8 +1,10 @@
 //! The drill-down at a first divergence: with the candidate's model and settings at hand, check
 //! what the traces cannot show — the weights that stage reads (the candidate's dequantization
 //! and layout against the reference's) and each rank's shard of them (against vLLM's plan) —
-//! and name the faulty step with that evidence.
+//! and name the faulty step with that evidence. An engine's own shard manifest is checked
+//! against the plan in [`manifest`].
 
+pub mod manifest;
 mod shards;
 mod weights;
 

@@ -19,35 +19,10 @@ use super::rope::{Rope, RotateSpec};
 use super::stored::StoredBlock;
 
 use super::real::Real;
+use crate::dtype::Precision;
 
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
-
-/// The dtype activations and weights are held in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    F64,
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Precision {
-    /// The precision a trace's `dtype` names.
-    pub fn from_name(name: &str) -> anyhow::Result<Precision> {
-        <Precision as clap::ValueEnum>::from_str(name, true)
-            .map_err(|_| anyhow::anyhow!("`{name}` is not one of f64, f32, bf16, f16"))
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F64 => "f64",
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        }
-    }
-}
 
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way

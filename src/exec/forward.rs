@@ -20,12 +20,12 @@ use super::lazy_weight::LazyWeight;
 use super::mat::Mat;
 use super::ops::{sigmoid, softmax, topk};
 
-use super::backend::Precision;
 use super::inject::Injection::{Fp16Overflow, RoutedScaleTwice, RouterSoftmax};
 use super::real::Real;
 use super::source::WeightSource;
 use super::ties::TieBreaks;
 use super::tp::Sharder;
+use crate::dtype::Precision;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::shard::plan::expert_rank;
 use crate::trace::writer::Stage;

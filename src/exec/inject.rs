@@ -5,8 +5,8 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use super::backend::Precision;
 use crate::compare::fault::FaultClass;
+use crate::dtype::Precision;
 use crate::model::names::LayerWeight::{self, *};
 use crate::model::stages::stage_of;
 use crate::model::Glm5Config;

@@ -2,7 +2,6 @@
 
 pub mod attention;
 pub mod backend;
-pub mod engine;
 pub mod forward;
 pub mod inject;
 pub mod lazy_weight;

@@ -5,9 +5,8 @@ use std::fmt::Debug;
 use std::iter::Sum;
 
 use candle_core::WithDType;
-use half::{bf16, f16};
 
-use super::backend::Precision;
+use crate::dtype::Precision;
 use crate::trace::Stage;
 
 pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
@@ -35,11 +34,7 @@ impl Real for f32 {
         xs
     }
     fn round_to(self, p: Precision) -> Self {
-        match p {
-            Precision::F64 | Precision::F32 => self,
-            Precision::Bf16 => bf16::from_f32(self).to_f32(),
-            Precision::F16 => f16::from_f32(self).to_f32(),
-        }
+        p.round_f32(self)
     }
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
         f32::total_cmp(self, other)
@@ -57,53 +52,12 @@ impl Real for f64 {
         xs.into_iter().map(f64::from).collect()
     }
     fn round_to(self, p: Precision) -> Self {
-        match p {
-            Precision::F64 => self,
-            Precision::F32 => f64::from(self as f32),
-            // Through f32 rounded to odd: its 16 (13) extra bits keep the tie information that
-            // `half`'s own f64 conversions drop (they truncate the low 32 bits first).
-            Precision::Bf16 => bf16::from_f32(to_f32_round_odd(self)).to_f64(),
-            Precision::F16 => f16::from_f32(to_f32_round_odd(self)).to_f64(),
-        }
+        p.round_f64(self)
     }
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
         f64::total_cmp(self, other)
     }
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F64(xs)
-    }
-}
-
-/// `x` as f32 rounded to odd: truncated toward zero, its last bit set when inexact. Rounding
-/// that to nearest at a precision two or more bits narrower equals rounding `x` directly.
-fn to_f32_round_odd(x: f64) -> f32 {
-    let nearest = x as f32;
-    if !x.is_finite() || f64::from(nearest) == x {
-        return nearest;
-    }
-    let toward_zero = if f64::from(nearest).abs() > x.abs() {
-        f32::from_bits(nearest.to_bits() - 1)
-    } else {
-        nearest
-    };
-    f32::from_bits(toward_zero.to_bits() | 1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn f64_rounds_to_half_precision_directly_not_through_truncation() {
-        // Just above the halfway point between 87 and 87.5 (bf16) and between two f16 values:
-        // `half`'s own f64 conversions round these down.
-        let x = f64::from(f32::from_bits(0x42ae_8007));
-        assert_eq!(x.round_to(Precision::Bf16), 87.5);
-        let y = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
-        assert_eq!(y.round_to(Precision::F16), 1.0 + 2f64.powi(-10));
-        assert_eq!((-x).round_to(Precision::Bf16), -87.5);
-        // Exact ties still go to even.
-        assert_eq!(87.25f64.round_to(Precision::Bf16), 87.0);
-        assert_eq!(f64::MAX.round_to(Precision::Bf16), f64::INFINITY);
     }
 }

@@ -7,10 +7,11 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::attention::AttentionInputs;
-use super::backend::{Backend, Cpu, Precision};
+use super::backend::{Backend, Cpu};
 use super::mat::Mat;
 use super::real::Real;
 use super::rope::{Rope, RotateSpec};
+use crate::dtype::Precision;
 use crate::synth::rng::SplitMix;
 
 /// One op at one shape.
@@ -222,16 +223,6 @@ impl Op {
     }
 }
 
-/// The unit roundoff of `p`: half its spacing at 1.
-fn unit_roundoff(p: Precision) -> f64 {
-    match p {
-        Precision::F64 => f64::EPSILON / 2.0,
-        Precision::F32 => f64::from(f32::EPSILON) / 2.0,
-        Precision::Bf16 => 2f64.powi(-8),
-        Precision::F16 => 2f64.powi(-11),
-    }
-}
-
 /// The NMSE an op may show: each of its `r` roundings moves a value by at most `u` (relative),
 /// the f64 reference is rounded once more, so every value is off by at most `(r + 1)·u` relative
 /// and the NMSE by its square. In f32 the accumulation order of a `k`-term sum adds up to `k·u`
@@ -245,14 +236,14 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
         // The angle position · frequency is rounded to f32 before its sine and cosine, as
         // transformers computes it: an error of up to angle · u (the largest frequency is 1).
         let angle = (start + t) as f64;
-        return ((2.0 + angle) * unit_roundoff(Precision::F32)).powi(2);
+        return ((2.0 + angle) * Precision::F32.unit_roundoff()).powi(2);
     }
     let out = if op.exact_output() {
         Precision::F32
     } else {
         dtype
     };
-    let u = unit_roundoff(out);
+    let u = out.unit_roundoff();
     let r = (op.roundings(ranks) + 1) as f64;
     let terms = match op {
         Op::Linear { k, .. } | Op::LinearExact { k, .. } => k,
@@ -262,7 +253,7 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
         Op::Attention { positions, .. } => HEAD_DIMS.0 + HEAD_DIMS.1 + 2 * positions,
         _ => 1,
     };
-    let accumulation = terms as f64 * unit_roundoff(Precision::F32).powi(2);
+    let accumulation = terms as f64 * Precision::F32.unit_roundoff().powi(2);
     (r * u).powi(2) + accumulation
 }
 

@@ -2,6 +2,7 @@
 //! expert at a time), dequantized to f32 from whatever layout the file has, only when asked.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
@@ -19,7 +20,7 @@ use crate::weights::{quant, Encoding, GgmlType, ModelFiles};
 /// Weights of one model file set with its config, and the fault planted in the run that reads
 /// them (weight faults are applied here, op faults by the forward).
 pub struct WeightSource {
-    pub files: ModelFiles,
+    pub files: Arc<ModelFiles>,
     pub cfg: Glm5Config,
     layout: Layout,
     fault: Option<Injection>,
@@ -29,7 +30,8 @@ pub struct WeightSource {
 }
 
 impl WeightSource {
-    pub fn new(files: ModelFiles, cfg: Glm5Config, family: Family) -> Self {
+    pub fn new(files: impl Into<Arc<ModelFiles>>, cfg: Glm5Config, family: Family) -> Self {
+        let files = files.into();
         let layout = detect_layout(family, files.tensors());
         WeightSource {
             files,

@@ -198,7 +198,8 @@ pub fn mlp_partials<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::exec::backend::{Cpu, Precision};
+    use crate::dtype::Precision;
+    use crate::exec::backend::Cpu;
 
     #[test]
     fn column_then_row_parallel_equals_the_whole_product() {

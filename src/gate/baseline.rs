@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::compare::diff::{layer_of, whole_values};
+use crate::dtype::Precision;
 use crate::exec::ties::TieBreaks;
 use crate::trace::{ElemType, TensorStats, Trace};
 
@@ -39,13 +40,9 @@ pub const VERSION: u64 = 1;
 
 /// The unit roundoff of a run's dtype: half the distance from 1 to the next number.
 pub fn unit_roundoff(dtype: &str) -> Option<f64> {
-    Some(match dtype {
-        "f64" => 2f64.powi(-53),
-        "f32" => 2f64.powi(-24),
-        "bf16" => 2f64.powi(-8),
-        "f16" => 2f64.powi(-11),
-        _ => return None,
-    })
+    Precision::from_name(dtype)
+        .ok()
+        .map(Precision::unit_roundoff)
 }
 
 /// How many roundings of the dtype a one-ulp-level change may add up to at a stage.

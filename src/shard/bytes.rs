@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use anyhow::{anyhow, bail, Result};
 
-use super::actual::EngineDequant;
+use super::manifest::EngineDequant;
 use super::plan::{placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::model::names::WeightId;

@@ -1,9 +1,9 @@
 //! vLLM's tensor-parallel plan for GLM-5: per weight and rank ([`plan`]), and the bytes a rank
 //! holds.
 
-pub mod actual;
 pub mod bytes;
 pub mod identify;
+pub mod manifest;
 pub mod plan;
 
 use crate::model::names::WeightId;

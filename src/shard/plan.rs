@@ -1,4 +1,4 @@
-//! vLLM's tensor-parallel plan for GLM-5 (research notes §3.1), per weight and rank: which
+//! vLLM's tensor-parallel plan for GLM-5, per weight and rank: which
 //! weights every rank holds whole, which are split and along which axis, and the index ranges
 //! each rank holds. The TP executor takes its rank-local weight views from here, and engine
 //! shards are checked against it.

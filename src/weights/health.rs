@@ -8,9 +8,9 @@ use serde::Serialize;
 use super::{ModelFiles, Result, TensorEntry, WeightError};
 
 /// Largest finite f16.
-pub const F16_MAX: f64 = 65504.0;
+pub const F16_MAX: f64 = crate::dtype::Precision::F16.max_finite();
 /// Largest finite bf16.
-pub const BF16_MAX: f64 = 3.3895313892515355e38;
+pub const BF16_MAX: f64 = crate::dtype::Precision::Bf16.max_finite();
 /// An element is an outlier when it lies this many standard deviations from the mean.
 pub const OUTLIER_SIGMAS: f64 = 8.0;
 /// Elements per parallel task.

@@ -125,20 +125,7 @@ pub fn synth_tiny(out: &Path, extra: &[&str]) {
 
 /// The weights of `model` (a GGUF file or a Hugging Face folder) with its GLM-5 config.
 pub fn weight_source(model: &Path) -> glmcheck::exec::source::WeightSource {
-    use glmcheck::model::{schema::Family, Glm5Config};
-    let files = glmcheck::weights::ModelFiles::open(model).expect("the model opens");
-    let (cfg, family) = match files.gguf() {
-        Some(g) => (
-            Glm5Config::from_gguf(g).expect("a GLM-5 GGUF"),
-            Family::Gguf,
-        ),
-        None => {
-            let text = std::fs::read_to_string(model.join("config.json")).expect("config.json");
-            (
-                Glm5Config::from_hf_json(&text).expect("a GLM-5 config"),
-                Family::Hf,
-            )
-        }
-    };
-    glmcheck::exec::source::WeightSource::new(files, cfg, family)
+    glmcheck::pipeline::Model::open(model)
+        .expect("a GLM-5 model")
+        .source()
 }

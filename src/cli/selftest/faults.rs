@@ -5,15 +5,13 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::cli::bisect::{self, BisectArgs, Mode};
-use crate::cli::run::open_model;
 use crate::compare::diff::Status;
-use crate::exec::backend::Precision;
-use crate::exec::engine::BackendKind;
-use crate::exec::forward::HF_LATENT_NORM_EPS;
+use crate::dtype::Precision;
+use crate::engine::BackendKind;
 use crate::exec::inject::{Injection, CATALOGUE};
-use crate::exec::source::WeightSource;
 use crate::model::stages::{stage_names, stage_weights};
+use crate::pipeline::bisect::{bisect, BisectOptions};
+use crate::pipeline::Model;
 use crate::weights::GgmlType;
 
 /// The prompt of every case: 12 tokens, enough for the DSA top-k to choose.
@@ -36,8 +34,8 @@ pub struct FaultCase {
 
 /// The first stage that reads a Q4_K weight, where a broken Q4_K dequantizer first shows.
 fn first_q4k_stage(model: &std::path::Path) -> Result<(crate::model::Glm5Config, Option<String>)> {
-    let (files, cfg, family) = open_model(model)?;
-    let src = WeightSource::new(files, cfg.clone(), family);
+    let opened = Model::open(model)?;
+    let (src, cfg) = (opened.source(), opened.cfg);
     let first = stage_names(&cfg).into_iter().find(|s| {
         stage_weights(&cfg, s)
             .into_iter()
@@ -86,24 +84,14 @@ pub fn matrix(
     for (fault, dtype) in planted {
         let name = fault.map_or("clean".to_string(), |f| f.spec());
         progress(&format!("{name} at {}", dtype.name()));
-        let report = bisect::bisect(&BisectArgs {
-            model: Some(model.to_path_buf()),
+        let report = bisect(&BisectOptions {
             tp,
-            ep: false,
             backend,
             dtype,
             inject: fault,
-            candidate: None,
-            prompt: None,
             tokens: TOKENS.to_vec(),
             generate: 0,
-            latent_norm_eps: HF_LATENT_NORM_EPS,
-            actual: None,
-            out: None,
-            list_faults: false,
-            weights: bisect::WeightCheck::Auto,
-            mode: Mode::Stages,
-            json: true,
+            ..BisectOptions::new(model.to_path_buf())
         })?;
         let diff = &report.diff;
         let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());

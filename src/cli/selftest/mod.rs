@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use super::output::{progress, table};
 use super::Outcome;
-use crate::exec::backend::Precision;
-use crate::exec::engine::{BackendKind, Engine};
+use crate::dtype::Precision;
+use crate::engine::{BackendKind, Engine};
 use crate::exec::selftest;
 
 #[derive(clap::Args, Debug)]

@@ -15,13 +15,14 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::{reference_spec, BisectArgs};
-use crate::cli::run::{record, RunSpec, Split};
+use super::{reference_spec, BisectOptions};
 use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::exec::ties::TieBreaks;
 use crate::model::Glm5Config;
+use crate::pipeline::record::{record, RunSpec, Split};
+use crate::pipeline::Model;
 use crate::trace::Trace;
 
 /// One hybrid run: up to which block the candidate computed, and how its logits compared.
@@ -63,10 +64,10 @@ pub fn logits_of(report: &DiffReport) -> Option<&crate::compare::StageDiff> {
 
 /// What hybrid runs need: the runs' settings, the reference and its envelope.
 pub struct Hybrids<'a> {
-    pub args: &'a BisectArgs,
+    pub args: &'a BisectOptions,
     pub tokens: &'a [u32],
-    pub model: &'a Path,
-    pub cand_model: &'a Path,
+    pub model: &'a Model,
+    pub cand_model: &'a Model,
     pub dir: &'a Path,
     pub reference: &'a Trace,
     pub envelope: Option<&'a Trace>,

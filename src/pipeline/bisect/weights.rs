@@ -4,8 +4,6 @@
 //! built from that can swallow a doubled weight). A file too large to read whole in reasonable
 //! time is checked where the traces diverge instead; the report says which.
 
-use std::path::Path;
-
 use anyhow::Result;
 use globset::{Glob, GlobSetBuilder};
 use serde::Serialize;
@@ -16,6 +14,7 @@ use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
 use crate::model::stages::{stage_names, stage_of, stage_weights};
 use crate::model::Glm5Config;
+use crate::pipeline::Model;
 use crate::verify::{verify, Finding, Options, VerifyReport};
 
 /// Under `auto`, candidates larger than this are checked at the divergent stage only.
@@ -59,8 +58,8 @@ impl WeightsInfo {
     }
 }
 
-/// Whether `mode` checks every tensor of the candidate at `cand` before the runs.
-pub fn check_all(mode: WeightCheck, cand: &WeightSource) -> bool {
+/// Whether `mode` checks every tensor of the candidate `cand` before the runs.
+pub fn check_all(mode: WeightCheck, cand: &Model) -> bool {
     let size: u64 = cand.files.tensors().iter().map(|t| t.nbytes).sum();
     match mode {
         WeightCheck::All => true,
@@ -69,14 +68,9 @@ pub fn check_all(mode: WeightCheck, cand: &WeightSource) -> bool {
     }
 }
 
-fn open(path: &Path) -> Result<WeightSource> {
-    let (files, cfg, family) = crate::cli::run::open_model(path)?;
-    Ok(WeightSource::new(files, cfg, family))
-}
-
 /// Every tensor of the candidate against the reference.
-pub fn check_every_tensor(model: &Path, cand_model: &Path) -> Result<WeightsInfo> {
-    let (reference, cand) = (open(model)?, open(cand_model)?);
+pub fn check_every_tensor(model: &Model, cand_model: &Model) -> Result<WeightsInfo> {
+    let (reference, cand) = (model.source(), cand_model.source());
     let report = verify(
         &reference,
         &cand,
@@ -90,8 +84,12 @@ pub fn check_every_tensor(model: &Path, cand_model: &Path) -> Result<WeightsInfo
 }
 
 /// The candidate's tensors behind `ids` against the reference.
-pub fn check_tensors_of(model: &Path, cand_model: &Path, ids: &[WeightId]) -> Result<WeightsInfo> {
-    let (reference, cand) = (open(model)?, open(cand_model)?);
+pub fn check_tensors_of(
+    model: &Model,
+    cand_model: &Model,
+    ids: &[WeightId],
+) -> Result<WeightsInfo> {
+    let (reference, cand) = (model.source(), cand_model.source());
     let mut globs = GlobSetBuilder::new();
     for name in tensor_names(&cand, ids) {
         globs.add(Glob::new(&globset::escape(&name))?);
@@ -157,16 +155,16 @@ fn fault_of(f: &Finding) -> Fault {
 pub fn apply(
     report: &mut DiffReport,
     info: &WeightsInfo,
-    model: &Path,
-    cand_model: &Path,
+    model: &Model,
+    cand_model: &Model,
     merge: impl Fn(Option<Fault>, Fault) -> Fault,
 ) -> Result<bool> {
     if info.findings.is_empty() {
         return Ok(false);
     }
-    let cand = open(cand_model)?;
-    let cfg = open(model)?.cfg;
-    let order = stage_names(&cfg);
+    let cand = cand_model.source();
+    let cfg = &model.cfg;
+    let order = stage_names(cfg);
     let rank = |s: &Option<String>| {
         s.as_ref()
             .and_then(|s| order.iter().position(|o| o == s))
@@ -175,14 +173,14 @@ pub fn apply(
     let mut fed: Vec<(Option<String>, &Finding)> = info
         .findings
         .iter()
-        .map(|f| (stage_fed(&cfg, &cand, f), f))
+        .map(|f| (stage_fed(cfg, &cand, f), f))
         .collect();
     fed.sort_by_key(|(s, _)| rank(s));
     match report.first_divergence.clone() {
         Some(d) => {
             // A finding upstream of (or at) the divergence explains it: the first in the
             // forward's order is the cause.
-            let names = tensor_names(&cand, &stage_weights(&cfg, &d.stage));
+            let names = tensor_names(&cand, &stage_weights(cfg, &d.stage));
             let at = order
                 .iter()
                 .position(|o| *o == d.stage)

@@ -10,27 +10,25 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
-mod gguf_meta;
+pub mod gguf_meta;
 mod hybrid;
 mod weights;
 
-use super::diff::print_report;
-use super::output::{progress, table};
-use super::run::{open_model, prompt_tokens, record, RunSpec};
-use super::Outcome;
+use super::record::{prompt_tokens, record, RunSpec};
+use super::Model;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
+use crate::diagnose::manifest::check_only;
 use crate::diagnose::{check_shards, drill_down, CandidateRun};
-use crate::exec::backend::Precision;
-use crate::exec::engine::BackendKind;
+use crate::dtype::Precision;
+use crate::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
-use crate::exec::inject::{Injection, CATALOGUE};
-use crate::exec::source::WeightSource;
+use crate::exec::inject::Injection;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::model::names::WeightId;
 use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
-use crate::model::Glm5Config;
-use crate::shard::actual::{check_only, ShardManifest};
+use crate::progress::progress;
+use crate::shard::manifest::ShardManifest;
 use crate::trace::{FullSelector, Trace};
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
 pub use weights::{WeightCheck, WeightsInfo};
@@ -105,6 +103,66 @@ pub struct BisectArgs {
     pub json: bool,
 }
 
+/// What to bisect and how: the command line's `bisect` arguments, typed.
+#[derive(Clone, Debug)]
+pub struct BisectOptions {
+    /// The reference, and the candidate unless `candidate` names another.
+    pub model: PathBuf,
+    /// The candidate's tensor-parallel degree (vLLM's split).
+    pub tp: u64,
+    /// The candidate with expert parallelism.
+    pub ep: bool,
+    /// Where the candidate's ops run; the reference always runs on the CPU.
+    pub backend: BackendKind,
+    /// The candidate's dtype; bf16/f16 are judged against the reference re-run at it.
+    pub dtype: Precision,
+    /// A fault planted in the candidate.
+    pub inject: Option<Injection>,
+    /// Another MODEL (a conversion of the reference) or an engine's TRACE.
+    pub candidate: Option<PathBuf>,
+    /// Prompt text; none and no `tokens`: [`DEFAULT_PROMPT`].
+    pub prompt: Option<String>,
+    pub tokens: Vec<u32>,
+    /// Greedy tokens generated after the prompt on both sides.
+    pub generate: usize,
+    /// Eps of the q_a/kv_a RMSNorms on both sides.
+    pub latent_norm_eps: f64,
+    /// An engine's shard manifest, checked at the first divergence.
+    pub actual: Option<PathBuf>,
+    /// Where the traces are kept; none: a temporary folder.
+    pub out: Option<PathBuf>,
+    /// Which of a conversion's weights are checked.
+    pub weights: WeightCheck,
+    pub mode: Mode,
+    /// No progress bar (JSON output, tests).
+    pub quiet: bool,
+}
+
+impl BisectOptions {
+    /// Bisect `model` against itself as the candidate with every other option at its default:
+    /// CPU, TP 1, f32, the default prompt.
+    pub fn new(model: PathBuf) -> Self {
+        BisectOptions {
+            model,
+            tp: 1,
+            ep: false,
+            backend: BackendKind::Cpu,
+            dtype: Precision::F32,
+            inject: None,
+            candidate: None,
+            prompt: None,
+            tokens: Vec::new(),
+            generate: 8,
+            latent_norm_eps: HF_LATENT_NORM_EPS,
+            actual: None,
+            out: None,
+            weights: WeightCheck::Auto,
+            mode: Mode::Stages,
+            quiet: true,
+        }
+    }
+}
+
 /// What the candidate is judged by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -154,68 +212,14 @@ pub struct BisectInfo {
     pub candidate_text: Option<String>,
 }
 
-fn list_faults(json: bool) -> anyhow::Result<Outcome> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(CATALOGUE)?);
-        return Ok(Outcome::Pass);
-    }
-    let mut t = table(&["fault", "ARG", "class", "first divergence", "needs", "what"]);
-    for e in CATALOGUE {
-        let needs = match (e.needs_tp, e.dtype) {
-            (true, _) => "--tp ≥ 2".to_string(),
-            (false, Some(d)) => format!("--dtype {d}"),
-            (false, None) => "-".into(),
-        };
-        t.add_row(vec![
-            e.name.to_string(),
-            e.arg.to_string(),
-            e.class.name().to_string(),
-            e.stage.to_string(),
-            needs,
-            e.what.to_string(),
-        ]);
-    }
-    println!("{t}");
-    println!(
-        "\nnamed from the GGUF metadata an engine trace records (llama.cpp probe), not planted:"
-    );
-    let mut t = table(&["GGUF key", "class", "first divergence", "what"]);
-    for k in &gguf_meta::KEYS {
-        t.add_row(vec![
-            format!("<arch>.{}", k.key),
-            k.class.name().to_string(),
-            k.stages.join(" or "),
-            k.does.to_string(),
-        ]);
-    }
-    println!("{t}");
-    Ok(Outcome::Pass)
-}
-
 /// A trace folder holds `manifest.json`.
 fn is_trace(p: &Path) -> bool {
     p.join("manifest.json").is_file()
 }
 
-pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
-    if args.list_faults {
-        return list_faults(args.json);
-    }
-    let out = bisect(&args)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        print_bisect(&out);
-    }
-    Ok(match out.diff.verdict {
-        Status::Pass => Outcome::Pass,
-        Status::Fail => Outcome::Fail,
-    })
-}
-
 /// Run both sides, compare, drill down.
-pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
-    let model = args.model.clone().context("MODEL is required")?;
+pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
+    let model = args.model.clone();
     let engine_trace = args.candidate.as_deref().filter(|p| is_trace(p));
     if engine_trace.is_some() && args.inject.is_some() {
         bail!("--inject plants a fault in a run glmcheck makes; --candidate TRACE is an engine's");
@@ -223,18 +227,21 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     if engine_trace.is_some() && args.mode == Mode::Logits {
         bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE");
     }
-    let (files, cfg, _) = open_model(&model)?;
+    let reference_model = Model::open(&model)?;
+    let cfg = &reference_model.cfg;
     let prompt_text = match (&args.prompt, args.tokens.is_empty(), engine_trace) {
         (_, _, Some(_)) => None,
         (Some(p), _, _) => Some(p.clone()),
         (None, true, _) => Some(DEFAULT_PROMPT.to_string()),
         (None, false, _) => None,
     };
-    let (mut tokens, tokenizer) = prompt_tokens(&files, prompt_text.as_deref(), &args.tokens)
-        .or_else(|e| match &prompt_text {
-            Some(_) => Err(e),
-            None => Ok((vec![0], None)),
-        })?;
+    let (mut tokens, tokenizer) =
+        prompt_tokens(&reference_model.files, prompt_text.as_deref(), &args.tokens).or_else(
+            |e| match &prompt_text {
+                Some(_) => Err(e),
+                None => Ok((vec![0], None)),
+            },
+        )?;
     let engine = engine_trace
         .map(|p| Trace::open(p).with_context(|| p.display().to_string()))
         .transpose()?;
@@ -252,9 +259,16 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     let engine_gguf = engine
         .as_ref()
         .and_then(|t| gguf_meta::quantized_source(&t.manifest().model));
+    // Each model is opened once, here, and shared by every run and check below.
+    let cand = match (engine.is_some(), conversion) {
+        (false, true) => Some(Model::open(&cand_model)?),
+        (false, false) => Some(reference_model.clone()),
+        (true, _) => None,
+    };
+    let engine_gguf = engine_gguf.as_deref().map(Model::open).transpose()?;
     let stored_as = match conversion {
-        true => Some(cand_model.as_path()),
-        false => engine_gguf.as_deref(),
+        true => cand.as_ref(),
+        false => engine_gguf.as_ref(),
     };
     // An engine's trace says its dtype; the envelope is the reference run at it.
     let dtype = match &engine {
@@ -263,21 +277,24 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         None => args.dtype,
     };
     let lower = stored_as.is_some() || !matches!(dtype, Precision::F32 | Precision::F64);
-    let check_all = conversion && {
-        let (files, cfg, family) = open_model(&cand_model)?;
-        weights::check_all(args.weights, &WeightSource::new(files, cfg, family))
-    };
+    let check_all = conversion
+        && cand
+            .as_ref()
+            .is_some_and(|c| weights::check_all(args.weights, c));
     let steps = 3 + u64::from(lower) + u64::from(check_all);
-    let bar = progress(steps, args.json, "bisect");
+    let bar = progress(steps, args.quiet, "bisect");
     let mut weight_check = None;
     if check_all {
         bar.set_message("weight check: every candidate tensor against the reference");
-        weight_check = Some(weights::check_every_tensor(&model, &cand_model)?);
+        weight_check = Some(weights::check_every_tensor(
+            &reference_model,
+            cand_of(&cand)?,
+        )?);
         bar.inc(1);
     }
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
     bar.set_message("reference run (CPU, TP 1, f32)");
-    let ref_run = record(reference_spec(args, &tokens, &model, &paths[0]))?;
+    let ref_run = record(reference_spec(args, &tokens, &reference_model, &paths[0]))?;
     bar.inc(1);
     let reference = Trace::open(&paths[0])?;
     let ties = if lower {
@@ -291,7 +308,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             dtype,
             ties: Some(&ties),
             stored_as,
-            ..reference_spec(args, &tokens, &model, &paths[1])
+            ..reference_spec(args, &tokens, &reference_model, &paths[1])
         })?;
         bar.inc(1);
         Some(Trace::open(&paths[1])?)
@@ -328,13 +345,13 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             .map(|n| dir.join(format!("{n}.trace")));
             record(RunSpec {
                 ties: Some(&followed),
-                ..reference_spec(args, &tokens, &model, &r)
+                ..reference_spec(args, &tokens, &reference_model, &r)
             })?;
             record(RunSpec {
                 dtype,
                 ties: Some(&followed),
                 stored_as,
-                ..reference_spec(args, &tokens, &model, &e)
+                ..reference_spec(args, &tokens, &reference_model, &e)
             })?;
             reference = Trace::open(&r)?;
             let env = Trace::open(&e)?;
@@ -362,7 +379,7 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
                 backend: args.backend,
                 inject: args.inject,
                 ties,
-                ..reference_spec(args, &tokens, &cand_model, &paths[2])
+                ..reference_spec(args, &tokens, cand_of(&cand)?, &paths[2])
             })?;
             (Trace::open(&paths[2])?, Some(run))
         }
@@ -374,48 +391,47 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
         envelope: envelope.as_ref(),
     };
     let mut report = diff(&reference, &candidate, &opts)?;
-    let runs = Hybrids {
+    // Hybrid runs and the replay need a candidate glmcheck runs (an engine's trace has none).
+    let runs = cand.as_ref().map(|cand_model| Hybrids {
         args,
         tokens: &tokens,
-        model: &model,
-        cand_model: &cand_model,
+        model: &reference_model,
+        cand_model,
         dir,
         reference: &reference,
         envelope: envelope.as_ref(),
         ties: lower.then_some(&ties),
-    };
+    });
     let mut hybrids = Vec::new();
     let mut replay = None;
-    match (args.mode, cand_run.is_some()) {
-        (Mode::Logits, _) => {
+    match (args.mode, &runs) {
+        (Mode::Logits, Some(runs)) => {
             report = logits_view(report)?;
             if report.verdict == Status::Fail {
                 bar.set_message("hybrid runs: the candidate up to a layer, the reference after it");
-                hybrids = runs.locate_fault(&cfg, &mut report, &candidate, lower)?;
+                hybrids = runs.locate_fault(cfg, &mut report, &candidate, lower)?;
             }
         }
-        (Mode::Stages, true) => {
+        (Mode::Stages, Some(runs)) if cand_run.is_some() => {
             if let Some(d) = &report.first_divergence {
                 bar.set_message("replay from the reference's input");
-                replay = runs.replay(&cfg, &d.stage)?;
+                replay = runs.replay(cfg, &d.stage)?;
             }
         }
-        (Mode::Stages, false) => {}
+        _ => {}
     }
     let cause = Cause {
         args,
-        model: &model,
-        cand_model: &cand_model,
-        cfg: &cfg,
+        model: &reference_model,
+        cand_model: cand.as_ref().filter(|_| cand_run.is_some()),
         candidate: &candidate,
-        glmcheck_ran: cand_run.is_some(),
     };
     let mut classified_by = cause.explain(&mut report)?;
     if cand_run.is_none() && args.mode == Mode::Stages {
         if let Some(by) = engine_cause(
             args,
-            &model,
-            &cfg,
+            &reference_model,
+            engine_gguf.as_ref(),
             &candidate,
             &mut report,
             &mut weight_check,
@@ -423,17 +439,21 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
             classified_by = by;
         }
     }
-    if conversion && args.weights != WeightCheck::Off {
+    if let (true, Some(cand_model)) = (conversion && args.weights != WeightCheck::Off, &cand) {
         if let (None, Some(d)) = (&weight_check, &report.first_divergence) {
             bar.set_message("weight check: the divergent stage's tensors");
             let ids = match (args.mode, d.layer) {
-                (Mode::Logits, Some(l)) => layer_weights(&cfg, l),
-                _ => stage_weights(&cfg, &d.stage),
+                (Mode::Logits, Some(l)) => layer_weights(cfg, l),
+                _ => stage_weights(cfg, &d.stage),
             };
-            weight_check = Some(weights::check_tensors_of(&model, &cand_model, &ids)?);
+            weight_check = Some(weights::check_tensors_of(
+                &reference_model,
+                cand_model,
+                &ids,
+            )?);
         }
         if let Some(info) = &weight_check {
-            if weights::apply(&mut report, info, &model, &cand_model, merge)? {
+            if weights::apply(&mut report, info, &reference_model, cand_model, merge)? {
                 classified_by = "weights";
             }
         }
@@ -492,6 +512,12 @@ pub fn bisect(args: &BisectArgs) -> anyhow::Result<BisectReport> {
     Ok(out)
 }
 
+/// The candidate's model, where glmcheck runs the candidate.
+fn cand_of(cand: &Option<Model>) -> anyhow::Result<&Model> {
+    cand.as_ref()
+        .context("an engine's trace has no model for glmcheck to run")
+}
+
 /// Rounds of re-running the reference with an engine's near-tie choices: each may reach a near
 /// tie further on that the engine also broke its own way.
 const FOLLOW_ROUNDS: usize = 3;
@@ -499,12 +525,11 @@ const FOLLOW_ROUNDS: usize = 3;
 /// What explains a first divergence beyond the traces: the weights and shards behind it (when
 /// glmcheck ran the candidate), and an engine's shard manifest (`--actual`).
 struct Cause<'a> {
-    args: &'a BisectArgs,
-    model: &'a Path,
-    cand_model: &'a Path,
-    cfg: &'a Glm5Config,
+    args: &'a BisectOptions,
+    model: &'a Model,
+    /// The candidate's model when glmcheck ran it.
+    cand_model: Option<&'a Model>,
     candidate: &'a Trace,
-    glmcheck_ran: bool,
 }
 
 impl Cause<'_> {
@@ -514,13 +539,14 @@ impl Cause<'_> {
             return Ok("traces");
         };
         // In logits mode the divergence is a whole layer.
+        let cfg = &self.model.cfg;
         let ids = match (self.args.mode, d.layer) {
-            (Mode::Logits, Some(l)) => layer_weights(self.cfg, l),
-            _ => stage_weights(self.cfg, &d.stage),
+            (Mode::Logits, Some(l)) => layer_weights(cfg, l),
+            _ => stage_weights(cfg, &d.stage),
         };
         let mut classified_by = "traces";
-        if self.glmcheck_ran {
-            if let Some(found) = self.weights_and_shards(&ids, d.layer)? {
+        if let Some(cand_model) = self.cand_model {
+            if let Some(found) = self.weights_and_shards(cand_model, &ids, d.layer)? {
                 classified_by = "drill-down";
                 report.fault = Some(merge(report.fault.take(), found));
             }
@@ -531,7 +557,7 @@ impl Cause<'_> {
             // as a layer: its heads reach `attn.ctx` through the absorbed W_UK/W_UV).
             let mut found = manifest_fault(self.model, path, &ids)?;
             if found.is_none() && self.args.mode != Mode::Logits {
-                let upstream = weights_up_to(self.cfg, &d.stage);
+                let upstream = weights_up_to(cfg, &d.stage);
                 found = manifest_fault(self.model, path, &upstream)?;
                 if let Some(f) = &mut found {
                     f.evidence.push(format!(
@@ -550,17 +576,16 @@ impl Cause<'_> {
 
     fn weights_and_shards(
         &self,
+        cand_model: &Model,
         ids: &[WeightId],
         layer: Option<u64>,
     ) -> anyhow::Result<Option<Fault>> {
-        let (files, cfg, family) = open_model(self.model)?;
-        let ref_src = WeightSource::new(files, cfg, family);
-        let (files, cfg, family) = open_model(self.cand_model)?;
-        let cand_src = WeightSource::new(files, cfg, family).with_fault(self.args.inject);
+        let ref_src = self.model.source();
+        let cand_src = cand_model.source().with_fault(self.args.inject);
         let cand = CandidateRun {
             src: &cand_src,
             tp: self.args.tp as usize,
-            same_files: self.cand_model == self.model,
+            same_files: cand_model.path() == self.model.path(),
             experts: chosen_experts(self.candidate, layer)?,
         };
         if cand.same_files {
@@ -574,8 +599,7 @@ impl Cause<'_> {
                 return Ok(Some(f));
             }
         }
-        let (files, cfg, family) = open_model(self.cand_model)?;
-        let own_bytes = WeightSource::new(files, cfg, family);
+        let own_bytes = cand_model.source();
         let read_wrong = CandidateRun {
             same_files: true,
             ..cand
@@ -588,9 +612,9 @@ impl Cause<'_> {
 /// read against the reference's config, then, where no key explains the first divergence, that
 /// file's tensors behind the divergent stage against the reference (`--weights`).
 fn engine_cause(
-    args: &BisectArgs,
-    model: &Path,
-    cfg: &Glm5Config,
+    args: &BisectOptions,
+    model: &Model,
+    opened: Option<&Model>,
     candidate: &Trace,
     report: &mut DiffReport,
     weight_check: &mut Option<WeightsInfo>,
@@ -599,6 +623,7 @@ fn engine_cause(
     let Some(meta) = gguf_meta::metadata(&info.config) else {
         return Ok(None);
     };
+    let cfg = &model.cfg;
     if gguf_meta::explain(meta, cfg, report) {
         return Ok(Some("gguf metadata"));
     }
@@ -609,9 +634,14 @@ fn engine_cause(
     if args.weights == WeightCheck::Off || !gguf.is_file() {
         return Ok(None);
     }
-    let checked = weights::check_tensors_of(model, &gguf, &stage_weights(cfg, &d.stage))
+    // The engine's file, unless already opened as the envelope's storage.
+    let file = match opened.filter(|m| m.path() == gguf) {
+        Some(m) => m.clone(),
+        None => Model::open(&gguf)?,
+    };
+    let checked = weights::check_tensors_of(model, &file, &stage_weights(cfg, &d.stage))
         .with_context(|| format!("{}: the weight check", gguf.display()))?;
-    let decided = weights::apply(report, &checked, model, &gguf, merge)?;
+    let decided = weights::apply(report, &checked, model, &file, merge)?;
     *weight_check = Some(checked);
     Ok(decided.then_some("weights"))
 }
@@ -634,14 +664,13 @@ fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
 /// What an engine's shard manifest says of the shards of `ids`: the first weight some rank
 /// holds another slice of than the plan gives.
 fn manifest_fault(
-    model: &Path,
+    model: &Model,
     manifest: &Path,
     ids: &[WeightId],
 ) -> anyhow::Result<Option<Fault>> {
     let m = ShardManifest::read(manifest)?;
-    let (files, cfg, family) = open_model(model)?;
-    let ws = WeightSource::new(files, cfg, family);
-    let checked = check_only(&ws, &m, ids).with_context(|| manifest.display().to_string())?;
+    let checked =
+        check_only(&model.source(), &m, ids).with_context(|| manifest.display().to_string())?;
     let wrong: Vec<_> = checked.iter().filter(|c| c.class.is_some()).collect();
     let Some(first) = wrong.first() else {
         return Ok(None);
@@ -696,9 +725,9 @@ fn merge(traced: Option<Fault>, found: Fault) -> Fault {
 
 /// The reference's run of `model` into `out`: CPU, TP 1, f32, every stage in full.
 fn reference_spec<'a>(
-    args: &BisectArgs,
+    args: &BisectOptions,
     tokens: &'a [u32],
-    model: &'a Path,
+    model: &'a Model,
     out: &'a Path,
 ) -> RunSpec<'a> {
     RunSpec {
@@ -741,91 +770,4 @@ fn chosen_experts(candidate: &Trace, layer: Option<u64>) -> anyhow::Result<Vec<u
     e.sort_unstable();
     e.dedup();
     Ok(e)
-}
-
-pub fn print_bisect(out: &BisectReport) {
-    let b = &out.bisect;
-    print_report(&out.diff);
-    println!();
-    let on = match b.backend.as_str() {
-        "cpu" => "on the CPU".to_string(),
-        "cuda" => "on CUDA GPUs".to_string(),
-        other => format!("from {other}"),
-    };
-    let setup = format!(
-        "candidate: {} {on} at TP {}, {}{}",
-        b.candidate,
-        b.tp,
-        b.dtype,
-        b.inject
-            .as_ref()
-            .map(|f| format!(", --inject {f}"))
-            .unwrap_or_default()
-    );
-    println!("{setup}");
-    if let Some(e) = &b.envelope {
-        let stored = if b.conversion {
-            format!(", every weight stored as {} stores it", b.candidate)
-        } else {
-            String::new()
-        };
-        println!(
-            "noise envelope: the reference re-run at {}{stored} ({e})",
-            b.dtype
-        );
-    }
-    if let Some(w) = &b.weights {
-        let which = if w.checked == "all" {
-            "every tensor"
-        } else {
-            "the divergent stage's tensors"
-        };
-        println!(
-            "weight check ({which}): {} tensors, {} exact (ggml's bytes), {} within their type's \
-             noise, {} failed",
-            w.tensors, w.exact, w.within_noise, w.failed
-        );
-    }
-    if b.ties_taken > 0 {
-        println!(
-            "{} top-k positions were near ties in the reference; the candidate took the \
-             reference's choice there",
-            b.ties_taken
-        );
-    }
-    if b.ties_followed > 0 {
-        println!(
-            "{} top-k positions were near ties in the reference that the engine broke otherwise; \
-             the reference and the envelope took the engine's choice there",
-            b.ties_followed
-        );
-    }
-    match (&out.diff.first_divergence, &out.diff.fault) {
-        (Some(d), Some(f)) => {
-            let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
-            let source = match b.classified_by {
-                "drill-down" => "from the weights and shards behind that stage",
-                "weights" => "from the check of the candidate's weights against the reference",
-                "shard manifest" => "from the engine's shard manifest",
-                "gguf metadata" => "from the GGUF metadata the engine read",
-                _ => "from the traces",
-            };
-            println!(
-                "\ndiagnosis: {} at {}{rank} ({source})",
-                f.class.name(),
-                d.stage
-            );
-            println!("  {}", f.summary);
-            for e in &f.evidence {
-                println!("  · {e}");
-            }
-        }
-        _ => println!("\ndiagnosis: no fault — the candidate agrees with the reference"),
-    }
-    if let (Some(p), Some(r)) = (&b.prompt, &b.reference_text) {
-        println!("\nreference: {p}{r}");
-        if let Some(c) = &b.candidate_text {
-            println!("candidate: {p}{c}");
-        }
-    }
 }

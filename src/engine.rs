@@ -1,14 +1,16 @@
 //! The backend a run picks at run time (`--backend cpu|cuda`): one type, so that a hybrid run can
-//! put the CPU reference on one side of a layer and the GPUs on the other.
+//! put the CPU reference on one side of a layer and the GPUs on the other. It sits above both
+//! backends ([`crate::exec`]'s CPU ops, [`crate::cuda`]), which know nothing of each other.
 
 use anyhow::Result;
 
-use super::attention::AttentionInputs;
-use super::backend::{Backend, Cpu, Precision};
-use super::mat::Mat;
-use super::rope::{Rope, RotateSpec};
-use super::stored::StoredBlock;
 use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank, RankMemory};
+use crate::dtype::Precision;
+use crate::exec::attention::AttentionInputs;
+use crate::exec::backend::{Backend, Cpu};
+use crate::exec::mat::Mat;
+use crate::exec::rope::{Rope, RotateSpec};
+use crate::exec::stored::StoredBlock;
 
 /// Where the candidate's ops run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

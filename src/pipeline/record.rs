@@ -1,0 +1,260 @@
+//! A recorded run: a model's forward on a backend, at a dtype and TP degree, with a planted
+//! fault or near-tie choices or as a hybrid with a reference, written as a trace.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+
+use super::Model;
+use crate::cuda::backend::{ProcessRank, RankMemory};
+use crate::dtype::Precision;
+use crate::engine::{BackendKind, Engine};
+use crate::exec::backend::{Backend, Cpu};
+use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, Runner};
+use crate::exec::inject::Injection;
+use crate::exec::ops::topk;
+use crate::exec::ties::TieBreaks;
+use crate::exec::tokenize;
+use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
+use crate::weights::ModelFiles;
+
+/// A digest of the weights' names, types and shapes (not their bytes: reading 402 GB to name a
+/// trace would defeat the point).
+fn fingerprint(files: &ModelFiles) -> String {
+    let listing: Vec<u8> = files
+        .tensors()
+        .iter()
+        .flat_map(|t| format!("{}|{}|{:?};", t.name, t.encoding.name(), t.shape).into_bytes())
+        .collect();
+    format!("{:016x}", fnv1a_bytes(&listing))
+}
+
+/// One recorded run: where, what and how.
+pub struct RunSpec<'a> {
+    pub model: &'a Model,
+    pub tokens: &'a [u32],
+    pub out: &'a Path,
+    pub full: FullSelector,
+    pub latent_norm_eps: f64,
+    pub dtype: Precision,
+    pub tp: u64,
+    pub ep: bool,
+    pub backend: BackendKind,
+    /// This process's rank when each rank runs in a process of its own.
+    pub process: Option<ProcessRank>,
+    pub inject: Option<Injection>,
+    pub generate: usize,
+    /// Unrecorded forward passes before the recorded one.
+    pub warm_up: usize,
+    pub ties: Option<&'a TieBreaks>,
+    /// Pass every weight through the storage types of this model's files (the quantization
+    /// envelope of a conversion to it).
+    pub stored_as: Option<&'a Model>,
+    /// A hybrid run with a reference model on the CPU at f32, TP 1.
+    pub hybrid: Option<Split<'a>>,
+}
+
+/// Where a hybrid run hands over between this run and a reference model: blocks (embedding 0,
+/// layer `l` at `l + 1`, the head at `L + 1`) below `switch` on one, the rest on the other.
+#[derive(Clone, Copy)]
+pub struct Split<'a> {
+    pub reference: &'a Model,
+    pub switch: usize,
+    /// The reference below the switch (replaying the candidate from the reference's inputs),
+    /// or above it (the reference finishing what the candidate began).
+    pub reference_below: bool,
+}
+
+/// What a recorded run printed: the top-1 token of every prompt position and the generated
+/// tokens.
+pub struct Recorded {
+    pub top1: Vec<usize>,
+    pub generated: Vec<u32>,
+}
+
+/// The prompt's token ids (`text` through the model's tokenizer, else `ids`) and the tokenizer.
+pub fn prompt_tokens(
+    files: &ModelFiles,
+    text: Option<&str>,
+    ids: &[u32],
+) -> anyhow::Result<(Vec<u32>, Option<tokenizers::Tokenizer>)> {
+    let (tokens, tokenizer) = match text {
+        Some(text) => {
+            let tok = tokenize::load(files)?;
+            (tokenize::encode(&tok, text)?, Some(tok))
+        }
+        None => (ids.to_vec(), None),
+    };
+    if tokens.is_empty() {
+        bail!("the prompt is empty");
+    }
+    Ok((tokens, tokenizer))
+}
+
+/// Run `spec` and write its trace.
+pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
+    let (files, cfg) = (&spec.model.files, &spec.model.cfg);
+    crate::shard::plan::check_degree(cfg, spec.tp)?;
+    if spec.ep && cfg.n_routed_experts % spec.tp != 0 {
+        bail!(
+            "--ep: {} routed experts do not split evenly over {} ranks",
+            cfg.n_routed_experts,
+            spec.tp
+        );
+    }
+    if let Some(fault) = &spec.inject {
+        fault.check(cfg, spec.tp as usize, spec.dtype)?;
+    }
+    let header = TraceHeader {
+        producer: json!({"name": "glmcheck", "version": env!("CARGO_PKG_VERSION"), "latent_norm_eps": spec.latent_norm_eps,
+                "inject": spec.inject.map(|f| f.spec()), "ep": spec.ep, "ties_from_reference": spec.ties.map(TieBreaks::count)})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+        model: ModelInfo {
+            source: spec.model.path().display().to_string(),
+            config: serde_json::to_value(cfg)?,
+            fingerprint: fingerprint(files),
+            extra: Default::default(),
+        },
+        tokens: spec.tokens.to_vec(),
+        backend: spec.backend.name().into(),
+        dtype: spec.dtype.name().into(),
+        tp: spec.tp as u32,
+    };
+    if let Some(p) = &spec.process {
+        if spec.backend != BackendKind::Cuda || spec.ep || spec.hybrid.is_some() {
+            bail!("--rank runs one rank per process with --backend cuda, without --ep");
+        }
+        if p.world_size as u64 != spec.tp {
+            bail!(
+                "--world-size {} differs from --tp {}",
+                p.world_size,
+                spec.tp
+            );
+        }
+    }
+    // The GPUs first: without them no trace folder is left behind.
+    let engine = match spec.dtype {
+        Precision::F64 => None,
+        p => Some(Engine::open(
+            spec.backend,
+            p,
+            spec.tp as usize,
+            spec.process.as_ref(),
+        )?),
+    };
+    // With a process per rank, rank 0 writes the trace; the others compute their shards.
+    let mut writer = match &spec.process {
+        Some(p) if p.rank != 0 => None,
+        _ => Some(
+            TraceWriter::create(spec.out, header, spec.full)
+                .with_context(|| spec.out.display().to_string())?,
+        ),
+    };
+    let rec: &mut dyn Recorder = match &mut writer {
+        Some(w) => w,
+        None => &mut Discard,
+    };
+    let mut source = spec.model.source().with_fault(spec.inject);
+    if let Some(other) = spec.stored_as {
+        source = source.stored_as(&other.source());
+    }
+    let opts = ForwardOptions {
+        latent_norm_eps: spec.latent_norm_eps,
+        tp: spec.tp as usize,
+        ep: spec.ep,
+        ties: spec.ties,
+    };
+    let (n, g) = (spec.tokens, spec.generate);
+    let recorded = match (spec.dtype, spec.hybrid) {
+        (Precision::F64, None) if spec.backend == BackendKind::Cpu => {
+            let be = Cpu::f64();
+            let run = Runner {
+                src: &source,
+                be: &be,
+                opts,
+            };
+            greedy(&Hybrid::single(run), n, g, rec)?
+        }
+        (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
+        (_, hybrid) => {
+            let Some(be) = engine else {
+                bail!("f64 runs only on the CPU");
+            };
+            let candidate = Runner {
+                src: &source,
+                be: &be,
+                opts,
+            };
+            let recorded = match hybrid {
+                None => {
+                    let run = Hybrid::single(candidate);
+                    for _ in 0..spec.warm_up {
+                        greedy(&run, n, 0, &mut Discard)?;
+                    }
+                    greedy(&run, n, g, rec)?
+                }
+                Some(split) => {
+                    let reference = split.reference.source();
+                    let f32_be = Engine::Cpu(Cpu::new(Precision::F32));
+                    let reference = Runner {
+                        src: &reference,
+                        be: &f32_be,
+                        opts: ForwardOptions {
+                            tp: 1,
+                            ep: false,
+                            ties: None,
+                            ..opts
+                        },
+                    };
+                    let (below, above) = if split.reference_below {
+                        (reference, candidate)
+                    } else {
+                        (candidate, reference)
+                    };
+                    let run = Hybrid {
+                        below,
+                        above,
+                        switch: split.switch,
+                    };
+                    greedy(&run, n, g, rec)?
+                }
+            };
+            let memory = be.gpu_memory();
+            if let (Some(w), false) = (&mut writer, memory.is_empty()) {
+                let per_rank = |f: fn(&RankMemory) -> serde_json::Value| -> serde_json::Value {
+                    memory.iter().map(f).collect()
+                };
+                w.set_producer("gpu_peak_bytes", per_rank(|m| json!(m.peak_bytes)));
+                w.set_producer("gpu_resident_bytes", per_rank(|m| json!(m.resident_bytes)));
+                w.set_producer("gpu_loaded_bytes", per_rank(|m| json!(m.loaded_bytes)));
+                w.set_producer("gpu_load_seconds", per_rank(|m| json!(m.load_seconds)));
+                if let Some(p) = &spec.process {
+                    w.set_producer("processes", json!(p.world_size));
+                }
+            }
+            recorded
+        }
+    };
+    if let Some(w) = writer {
+        w.finish()?;
+    }
+    Ok(recorded)
+}
+
+/// The prompt through `be` into `rec`, then `n` greedy tokens: the top-1 token of every prompt
+/// position and the generated tokens.
+fn greedy<B: Backend>(
+    run: &Hybrid<'_, B>,
+    prompt: &[u32],
+    n: usize,
+    rec: &mut dyn Recorder,
+) -> anyhow::Result<Recorded> {
+    let (logits, generated) = generate(run, prompt, n, rec)?;
+    let top1 = (0..logits.rows)
+        .map(|r| topk(logits.row(r), 1)[0])
+        .collect();
+    Ok(Recorded { top1, generated })
+}
