@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank, RankMemory};
 use crate::dtype::Precision;
-use crate::exec::attention::AttentionInputs;
+use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};

@@ -9,9 +9,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use glmcheck::exec::inject::Injection;
+use glmcheck::exec::sharder::Sharder;
 use glmcheck::exec::source::WeightSource;
-use glmcheck::exec::tp::{is_column_parallel, Sharder};
 use glmcheck::model::names::{LayerWeight, LayerWeight::*, WeightId};
+use glmcheck::shard::plan::splits_rows;
 
 /// Every split matrix of the model: attention's, the dense MLP's, the shared expert's and two
 /// routed experts' per MoE layer.
@@ -85,7 +86,7 @@ fn check_every_shard(src: &WeightSource, faults: &[Option<Injection>]) -> Counts
                         values, host,
                         "{id:?} rank {rank} of {tp} under {fault:?}: stored block differs"
                     );
-                    if is_column_parallel(role) || tp == 1 {
+                    if splits_rows(role) || tp == 1 {
                         counts.row_blocks += 1;
                     } else {
                         counts.column_blocks += 1;

@@ -22,7 +22,7 @@ use half::{bf16, f16};
 
 use super::{DequantOutput, Gpu};
 use crate::dtype::Precision;
-use crate::exec::attention::AttentionInputs;
+use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{all_computed, sum_in_rank_order, Backend};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};

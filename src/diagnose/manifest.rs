@@ -425,7 +425,7 @@ fn check_quantized(
             "{name}: quantized bytes, but the model stores no `{file_name}` to compare them with"
         )
     })?;
-    let shards: Vec<QuantShard> = entries.iter().map(|(r, e)| e.quant_shard(*r)).collect();
+    let shards: Vec<QuantShard> = entries.iter().map(|(r, e)| QuantShard::of(e, *r)).collect();
     let verdicts = crate::shard::bytes::identify(&ws.files, t, id, name, m.tp, m.ep, &shards)
         .with_context(|| name.to_string())?;
     Ok(verdicts

@@ -4,8 +4,8 @@ use anyhow::Result;
 
 use super::CandidateRun;
 use crate::compare::Fault;
+use crate::exec::sharder::Sharder;
 use crate::exec::source::WeightSource;
-use crate::exec::tp::Sharder;
 use crate::model::names::{LayerWeight::*, WeightId};
 use crate::shard::identify::{Dtype, ObservedShard, Reference};
 use crate::shard::plan::{placement, Placement};

@@ -12,7 +12,7 @@ use std::marker::PhantomData;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::attention::{attention_core, AttentionInputs};
+use super::attention_core::{attention_core, AttentionInputs};
 use super::mat::Mat;
 use super::ops;
 use super::rope::{Rope, RotateSpec};

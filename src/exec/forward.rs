@@ -22,9 +22,9 @@ use super::ops::{sigmoid, softmax, topk};
 
 use super::inject::Injection::{Fp16Overflow, RoutedScaleTwice, RouterSoftmax};
 use super::real::Real;
+use super::sharder::Sharder;
 use super::source::WeightSource;
 use super::ties::TieBreaks;
-use super::tp::Sharder;
 use crate::dtype::Precision;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::shard::plan::expert_rank;

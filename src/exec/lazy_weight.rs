@@ -8,9 +8,9 @@ use once_cell::sync::OnceCell;
 
 use super::backend::Backend;
 use super::mat::Mat;
+use super::sharder::Sharder;
 use super::source::WeightSource;
 use super::stored::StoredMatrix;
-use super::tp::Sharder;
 use crate::model::names::{LayerWeight, WeightId};
 
 pub struct LazyWeight<'a> {

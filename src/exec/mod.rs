@@ -1,6 +1,7 @@
 //! The CPU reference executor: GLM-5's forward, stage by stage, recorded into a trace.
 
 pub mod attention;
+pub mod attention_core;
 pub mod backend;
 pub mod forward;
 pub mod inject;
@@ -10,6 +11,7 @@ pub mod ops;
 pub mod real;
 pub mod rope;
 pub mod selftest;
+pub mod sharder;
 pub mod source;
 pub mod stored;
 pub mod ties;

@@ -6,7 +6,7 @@
 use anyhow::Result;
 use serde::Serialize;
 
-use super::attention::AttentionInputs;
+use super::attention_core::AttentionInputs;
 use super::backend::{Backend, Cpu};
 use super::mat::Mat;
 use super::real::Real;

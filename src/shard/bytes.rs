@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use anyhow::{anyhow, bail, Result};
 
-use super::manifest::EngineDequant;
+use super::manifest::{EngineDequant, ShardEntry};
 use super::plan::{placement, Placement};
 use crate::compare::fault::FaultClass;
 use crate::model::names::WeightId;
@@ -42,6 +42,23 @@ pub struct QuantShard<'e> {
     pub source: Option<Region>,
     /// What the engine's dequantization op made of the bytes, if the manifest says.
     pub dequant: Option<&'e EngineDequant>,
+}
+
+impl<'e> QuantShard<'e> {
+    /// A quantized manifest entry of `rank` as the byte identifier sees it.
+    pub fn of(entry: &'e ShardEntry, rank: u64) -> Self {
+        QuantShard {
+            rank,
+            ggml_type: entry.ggml_type.as_deref().unwrap_or(""),
+            shape: &entry.shape,
+            hash: entry.hash.map_or(0, |h| h.0),
+            source: entry.source.as_ref().map(|s| Region {
+                rows: s.rows[0]..s.rows[1],
+                cols: s.byte_cols[0]..s.byte_cols[1],
+            }),
+            dequant: entry.dequant.as_ref(),
+        }
+    }
 }
 
 /// The engine's dequantization of a shard, checked against ggml's (a mismatch is a

@@ -1,6 +1,6 @@
 //! Shard manifests: what an engine says each rank holds of each weight (README, "Shard
 //! manifests"), read defensively ([`ShardManifest::read`]: every error names the file and the
-//! field). Checking one against the plan is [`crate::diagnose::manifest`]'s job.
+//! field). Checking one against the plan is the drill-down's job (`diagnose::manifest`).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -8,7 +8,6 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
-use super::bytes::{QuantShard, Region};
 use super::identify::{elements, Dtype, ObservedShard, ShardStats};
 use crate::trace::stats::hex64;
 use crate::weights::GgmlType;
@@ -149,21 +148,6 @@ impl ShardEntry {
             values: None,
             hash: self.hash.map(|h| h.0),
             stats: self.stats.as_ref(),
-        }
-    }
-
-    /// A quantized entry as the byte identifier sees it.
-    pub fn quant_shard(&self, rank: u64) -> QuantShard<'_> {
-        QuantShard {
-            rank,
-            ggml_type: self.ggml_type.as_deref().unwrap_or(""),
-            shape: &self.shape,
-            hash: self.hash.map_or(0, |h| h.0),
-            source: self.source.as_ref().map(|s| Region {
-                rows: s.rows[0]..s.rows[1],
-                cols: s.byte_cols[0]..s.byte_cols[1],
-            }),
-            dequant: self.dequant.as_ref(),
         }
     }
 

@@ -7,7 +7,10 @@ use std::ops::Range;
 
 use anyhow::{bail, Result};
 
-use crate::model::names::{LayerWeight::*, WeightId};
+use crate::model::names::{
+    LayerWeight::{self, *},
+    WeightId,
+};
 use crate::model::Glm5Config;
 
 /// How a weight is laid out across the ranks.
@@ -63,6 +66,20 @@ pub fn placement(id: &WeightId, ep: bool) -> Placement {
             _ => Placement::Replicated,
         },
     }
+}
+
+/// Whether vLLM splits a matrix of `role` (one expert's, for routed experts) by output rows
+/// (ColumnParallel) rather than by input columns (RowParallel).
+pub fn splits_rows(role: LayerWeight) -> bool {
+    let id = match role {
+        ExpertsGate | ExpertsUp | ExpertsDown => WeightId::Expert {
+            layer: 0,
+            expert: 0,
+            which: role,
+        },
+        _ => WeightId::Layer(0, role),
+    };
+    placement(&id, false) == Placement::Split { axis: 0, parts: 1 }
 }
 
 /// What one rank holds of a tensor: pieces along one axis (everything when `axis` is None).
@@ -164,6 +181,25 @@ pub fn expert_rank(e: u64, experts: u64, tp: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn column_parallel_matrices_split_rows_row_parallel_ones_columns() {
+        for role in [
+            QB,
+            KvB,
+            Gate,
+            Up,
+            SharedGate,
+            SharedUp,
+            ExpertsGate,
+            ExpertsUp,
+        ] {
+            assert!(splits_rows(role), "{role:?}");
+        }
+        for role in [AttnOut, Down, SharedDown, ExpertsDown] {
+            assert!(!splits_rows(role), "{role:?}");
+        }
+    }
 
     #[test]
     fn heads_rows_and_merged_halves_split_as_vllm_does() {
