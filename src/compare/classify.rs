@@ -4,10 +4,11 @@
 
 use anyhow::Result;
 
-use super::diff::{layer_of, whole_values, Basis, StageDiff, Status};
+use super::diff::{whole_values, Basis, StageDiff, Status};
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
 use super::parts::from_parts;
+use crate::model::Stage;
 use crate::trace::Trace;
 
 /// An error at least this many times its input's is made at this stage, not inherited.
@@ -200,15 +201,17 @@ fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageD
 /// of an unchanged expert choice.
 fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
     let s = &stages[i];
-    let (prefix, what) = s.stage.rsplit_once('.').map(|(l, w)| (l.to_string(), w))?;
-    let layer = prefix.split('.').next().unwrap_or_default();
-    let agrees = |name: &str| input(stages, i, name).filter(|p| p.status == Status::Pass);
-    let rope_input = match what {
-        "q_rope" => format!("{layer}.attn.q"),
-        "k_rope" => format!("{layer}.attn.kv_a"),
-        _ => String::new(),
+    let stage = Stage::parse(&s.stage)?;
+    let agrees = |kind: &str| {
+        let name = stage.sibling(kind)?.to_string();
+        input(stages, i, &name).filter(|p| p.status == Status::Pass)
     };
-    if let Some(p) = agrees(&rope_input) {
+    let rope_input = match stage.kind() {
+        "attn.q_rope" => agrees("attn.q"),
+        "attn.k_rope" => agrees("attn.kv_a"),
+        _ => None,
+    };
+    if let Some(p) = rope_input {
         return Some(fault(
             FaultClass::RopeMismatch,
             format!("{}: the rotation differs while its input agrees", s.stage),
@@ -219,9 +222,9 @@ fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
             )],
         ));
     }
-    if what == "topk_weights" {
-        let ids = agrees(&format!("{layer}.moe.topk_ids"))?;
-        let logits = agrees(&format!("{layer}.moe.router_logits"))?;
+    if stage.kind() == "moe.topk_weights" {
+        let ids = agrees("moe.topk_ids")?;
+        let logits = agrees("moe.router_logits")?;
         return Some(fault(
             FaultClass::RouterMismatch,
             format!("{}: the same experts with other weights", s.stage),
@@ -247,20 +250,18 @@ fn residual_fault(
     i: usize,
 ) -> Result<Option<Fault>> {
     let s = &stages[i];
-    let Some(l) = layer_of(&s.stage) else {
+    let Some(stage) = Stage::parse(&s.stage) else {
         return Ok(None);
     };
-    let (u, v) = if s.stage == format!("L{l}.attn_resid") {
-        let stream = match l {
-            0 => "embed".to_string(),
-            _ => format!("L{}.out", l - 1),
-        };
-        (format!("L{l}.attn.out"), stream)
-    } else if s.stage == format!("L{l}.out") {
-        (format!("L{l}.ffn.out"), format!("L{l}.attn_resid"))
-    } else {
-        return Ok(None);
+    let (u, v) = match (stage.layer(), stage.kind()) {
+        (Some(l), "attn_resid") => (Stage::layer_stage(l, "attn.out"), Stage::layer_input(l)),
+        (Some(l), "out") => (
+            Stage::layer_stage(l, "ffn.out"),
+            Stage::layer_stage(l, "attn_resid"),
+        ),
+        _ => return Ok(None),
     };
+    let (u, v) = (u.to_string(), v.to_string());
     if [&u, &v]
         .iter()
         .any(|n| input(stages, i, n).is_some_and(|p| p.status != Status::Pass))
@@ -335,18 +336,17 @@ pub const NEAR_TIE: f64 = 0.01;
 /// (router for MoE stages).
 fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str) -> Result<Fault> {
     let at = &s.stage;
-    let gap_stage = at
-        .replace("moe.topk_ids", "moe.topk_gap")
-        .replace("attn.index_topk", "attn.index_gap");
+    let gap_stage = Stage::parse(at)
+        .and_then(|stage| stage.gaps())
+        .map(|g| g.to_string());
     let mut evidence = vec![format!(
         "{:.1}% of positions choose a different set at {at}",
         100.0 * s.rel_diff
     )];
     let sides = (whole_values(reference, at)?, whole_values(candidate, at)?);
-    let gaps = if reference.stage(&gap_stage, None).is_some() {
-        whole_values(reference, &gap_stage)?
-    } else {
-        None
+    let gaps = match gap_stage.filter(|g| reference.stage(g, None).is_some()) {
+        Some(g) => whole_values(reference, &g)?,
+        None => None,
     };
     let mut near_ties_only = false;
     if let ((Some((x, shape)), Some((y, _))), Some((gaps, _))) = (sides, gaps) {

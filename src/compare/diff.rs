@@ -10,6 +10,8 @@ use super::classify::classify;
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::unshard::{unshard, Sharding};
+pub use crate::model::stage::layer_of;
+use crate::model::stage::{is_gaps, Stage};
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
 
 /// `rel_diff` two f32 computations of one forward stay under (different summation orders give
@@ -141,11 +143,6 @@ pub struct DiffOptions<'a> {
     pub envelope: Option<&'a Trace>,
 }
 
-/// `L12.attn.q` → 12.
-pub fn layer_of(stage: &str) -> Option<u64> {
-    stage.strip_prefix('L')?.split('.').next()?.parse().ok()
-}
-
 /// A stage's whole values when the trace holds them (rank parts unsharded).
 pub(crate) fn whole_values(trace: &Trace, name: &str) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
     let records: Vec<&StageRecord> = trace.stages().iter().filter(|s| s.name == name).collect();
@@ -199,9 +196,8 @@ struct Measured {
 /// weights in the order of their expert ids, as the ids are compared as sets (engines list the
 /// chosen experts in score order, which a near tie may swap).
 fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
-    match rank {
-        None if name.ends_with(".moe.topk_weights") => {
-            let ids_name = name.replace(".moe.topk_weights", ".moe.topk_ids");
+    match (rank, routing_ids_beside(name)) {
+        (None, Some(ids_name)) => {
             let ids = match t.stage(&ids_name, None) {
                 Some(_) => whole_values(t, &ids_name)?,
                 None => None,
@@ -214,8 +210,8 @@ fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f
                 _ => (w, shape),
             }))
         }
-        None => whole_values(t, name),
-        Some(r) => {
+        (None, None) => whole_values(t, name),
+        (Some(r), _) => {
             let shape = t
                 .stage(name, Some(r))
                 .map(|s| s.shape.clone())
@@ -223,6 +219,12 @@ fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f
             Ok(t.tensor(name, Some(r))?.map(|v| (v, shape)))
         }
     }
+}
+
+/// The expert ids stage beside routing weights stage `name`; `None` for other stages.
+fn routing_ids_beside(name: &str) -> Option<String> {
+    let weights = Stage::parse(name).filter(|s| s.kind() == "moe.topk_weights")?;
+    Some(weights.sibling("moe.topk_ids")?.to_string())
 }
 
 /// Each row of `k` weights reordered by its row of expert ids.
@@ -327,7 +329,7 @@ fn pairs<'t>(
     let mut out = Vec::new();
     for r in reference.stages() {
         // Top-k boundary gaps explain near ties; they are not outputs to judge.
-        if r.name.ends_with("_gap") || !seen.insert(r.name.as_str()) {
+        if is_gaps(&r.name) || !seen.insert(r.name.as_str()) {
             continue;
         }
         let stands_for = |t: &'t Trace| {

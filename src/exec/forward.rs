@@ -27,6 +27,7 @@ use super::source::WeightSource;
 use super::ties::TieBreaks;
 use crate::dtype::Precision;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
+use crate::model::stage::{Place, Stage as StageName};
 use crate::shard::plan::expert_rank;
 use crate::trace::writer::Stage;
 
@@ -179,7 +180,7 @@ pub fn forward<B: Backend>(
         };
         let began = std::time::Instant::now();
         let (out, selection) = layer.run(&x, prev_topk.take())?;
-        rec.layer_seconds(&format!("L{l}"), began.elapsed().as_secs_f64());
+        rec.layer_seconds(&Place::Layer(l).to_string(), began.elapsed().as_secs_f64());
         x = out;
         prev_topk = selection;
     }
@@ -390,8 +391,8 @@ impl<B: Backend> Layer<'_, B> {
         values: Stage<'_>,
     ) -> Result<()> {
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
-        self.rec
-            .record(&format!("L{}.{stage}", self.l), &shape, dims, rank, values)
+        let name = StageName::layer_stage(self.l, stage).to_string();
+        self.rec.record(&name, &shape, dims, rank, values)
     }
 
     /// Each rank's part of a `[t, …]` stage (the part's trailing dims `tail`, its split axis
@@ -462,8 +463,8 @@ impl<B: Backend> Layer<'_, B> {
             self.mlp(&fin, Gate, Up, Down)?
         };
         let ffn_seconds = began.elapsed().as_secs_f64();
-        self.rec
-            .layer_seconds(&format!("L{}.ffn", self.l), ffn_seconds);
+        let ffn_label = StageName::layer_stage(self.l, "ffn").to_string();
+        self.rec.layer_seconds(&ffn_label, ffn_seconds);
         self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
         let out = be.add(&x, &self.scale.down(be, ffn)?)?;
         self.rec("out", &[t, h], "t d", values(&self.scale.up(&out)))?;

@@ -10,6 +10,7 @@ use crate::dtype::Precision;
 use crate::model::names::LayerWeight::{self, *};
 use crate::model::stages::stage_of;
 use crate::model::Glm5Config;
+use crate::model::Stage;
 
 /// A fault planted in the candidate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -361,6 +362,7 @@ impl Injection {
     /// weight, for `dequant-q4k-scales`).
     pub fn expected_stages(&self, cfg: &Glm5Config, first_q4k: Option<&str>) -> Vec<String> {
         let moe = cfg.first_k_dense_replace;
+        let at = |layer: u64, kind: &str| vec![Stage::layer_stage(layer, kind).to_string()];
         match self {
             Injection::UnshardedColumn(w) | Injection::ShardAxis(w) | Injection::RankOrder(w) => {
                 let layer = if matches!(w, SharedGate | SharedUp | SharedDown) {
@@ -371,20 +373,19 @@ impl Injection {
                 stage_of(cfg, layer, *w).into_iter().collect()
             }
             Injection::SkipAllReduce(l) | Injection::DoubleAllReduce(l) => {
-                vec![format!("L{}.attn.out", l.unwrap_or(0))]
+                at(l.unwrap_or(0), "attn.out")
             }
             Injection::DequantQ4kScales => first_q4k.map(str::to_string).into_iter().collect(),
             // Where the residual stream first leaves the range depends on the model.
             Injection::Fp16Overflow => Vec::new(),
-            Injection::RopeNeox => vec!["L0.attn.q_rope".into()],
-            Injection::RouterSoftmax => vec![
-                format!("L{moe}.moe.topk_ids"),
-                format!("L{moe}.moe.topk_weights"),
-            ],
-            Injection::RoutedScaleTwice => vec![format!("L{moe}.moe.routed")],
-            Injection::KvBSplitOrder => vec!["L0.attn.kv".into()],
+            Injection::RopeNeox => at(0, "attn.q_rope"),
+            Injection::RouterSoftmax => {
+                [at(moe, "moe.topk_ids"), at(moe, "moe.topk_weights")].concat()
+            }
+            Injection::RoutedScaleTwice => at(moe, "moe.routed"),
+            Injection::KvBSplitOrder => at(0, "attn.kv"),
             Injection::FlatLmHead => vec!["logits".into()],
-            Injection::NanExpert(l) => vec![format!("L{}.moe.routed", l.unwrap_or(moe))],
+            Injection::NanExpert(l) => at(l.unwrap_or(moe), "moe.routed"),
         }
     }
 }

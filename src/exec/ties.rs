@@ -20,7 +20,8 @@ use crate::compare::classify::NEAR_TIE;
 /// How many times the envelope's largest gap departure counts as noise: another engine at the
 /// same dtype rounds differently from glmcheck's emulation, by about as much again.
 pub const NOISE_FACTOR: f64 = 2.0;
-use crate::compare::diff::{layer_of, whole_values};
+use crate::compare::diff::whole_values;
+use crate::model::Stage;
 use crate::trace::Trace;
 
 /// Per layer, per prompt position: the reference's choice where it was a near tie.
@@ -70,15 +71,19 @@ impl TieBreaks {
     pub fn from_traces(reference: &Trace, envelope: Option<&Trace>) -> Result<TieBreaks> {
         let mut ties = TieBreaks::default();
         for s in reference.stages() {
-            let (map, gap_stage) = if s.name.ends_with(".attn.index_topk") {
-                (&mut ties.dsa, s.name.replace("index_topk", "index_gap"))
-            } else if s.name.ends_with(".moe.topk_ids") {
-                (&mut ties.moe, s.name.replace("topk_ids", "topk_gap"))
-            } else {
+            let Some(stage) = Stage::parse(&s.name) else {
                 continue;
             };
-            let (Some(layer), Some((ids, shape)), Some((gaps, _))) = (
-                layer_of(&s.name),
+            let map = match stage.kind() {
+                "attn.index_topk" => &mut ties.dsa,
+                "moe.topk_ids" => &mut ties.moe,
+                _ => continue,
+            };
+            let (Some(layer), Some(gap_stage)) = (stage.layer(), stage.gaps()) else {
+                continue;
+            };
+            let gap_stage = gap_stage.to_string();
+            let (Some((ids, shape)), Some((gaps, _))) = (
                 whole_values(reference, &s.name)?,
                 whole_values(reference, &gap_stage)?,
             ) else {
@@ -116,7 +121,9 @@ impl TieBreaks {
             (&self.moe, &mut out.moe, "moe.topk_ids"),
         ] {
             for (&l, positions) in map {
-                let Some((ids, shape)) = whole_values(other, &format!("L{l}.{stage}"))? else {
+                let Some((ids, shape)) =
+                    whole_values(other, &Stage::layer_stage(l, stage).to_string())?
+                else {
                     continue;
                 };
                 let k = shape.last().copied().unwrap_or(1).max(1) as usize;

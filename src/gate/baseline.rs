@@ -28,9 +28,10 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::compare::diff::{layer_of, whole_values};
+use crate::compare::diff::whole_values;
 use crate::dtype::Precision;
 use crate::exec::ties::TieBreaks;
+use crate::model::stage::{is_gaps, kind_of, layer_of, Stage};
 use crate::trace::{ElemType, TensorStats, Trace};
 
 /// The `format` of every baseline file.
@@ -297,7 +298,7 @@ impl Baseline {
             let Some(layer) = layer_of(&s.name) else {
                 continue;
             };
-            let map = if s.name.ends_with(".attn.index_topk") {
+            let map = if kind_of(&s.name) == Some("attn.index_topk") {
                 &mut ties.dsa
             } else {
                 &mut ties.moe
@@ -325,16 +326,12 @@ impl Baseline {
         let mut stages = Vec::new();
         for s in trace.stages() {
             // Boundary gaps explain near ties; they are not outputs to judge.
-            if s.name.ends_with("_gap") {
+            if is_gaps(&s.name) {
                 continue;
             }
-            let gap_stage = if s.name.ends_with(".attn.index_topk") {
-                Some(s.name.replace(".attn.index_topk", ".attn.index_gap"))
-            } else if s.name.ends_with(".moe.topk_ids") {
-                Some(s.name.replace(".moe.topk_ids", ".moe.topk_gap"))
-            } else {
-                None
-            };
+            let gap_stage = Stage::parse(&s.name)
+                .and_then(|stage| stage.gaps())
+                .map(|g| g.to_string());
             let (min_gap_ratio, near_ties) = match (&gap_stage, s.rank) {
                 (Some(g), None) => (
                     gap_ratio(trace, g)?,

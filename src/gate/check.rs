@@ -8,6 +8,7 @@ use serde::Serialize;
 use super::baseline::{logits_rows, run_ep, Baseline, StageBaseline};
 use crate::compare::diff::whole_values;
 use crate::compare::Status;
+use crate::model::stage::is_gaps;
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
 
 /// The name of the pseudo-stage holding the per-position logits checks.
@@ -190,7 +191,7 @@ pub fn check(baseline: &Baseline, candidate: &Trace, baseline_path: &str) -> Res
     let extra_stages = candidate
         .stages()
         .iter()
-        .filter(|s| !s.name.ends_with("_gap") && !known.contains(&(s.name.as_str(), s.rank)))
+        .filter(|s| !is_gaps(&s.name) && !known.contains(&(s.name.as_str(), s.rank)))
         .count();
     let failed = stages.iter().filter(|s| s.status == Status::Fail).count();
     Ok(GateReport {

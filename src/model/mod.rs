@@ -1,9 +1,12 @@
-//! The GLM-5 model description: configuration, weight names, tensor schema, kv_b layout, stage catalogue.
+//! The GLM-5 model description: configuration, weight names, tensor schema, kv_b layout, stage
+//! names and catalogue.
 
 pub mod config;
 pub mod kv_b;
 pub mod names;
 pub mod schema;
+pub mod stage;
 pub mod stages;
 
 pub use config::Glm5Config;
+pub use stage::Stage;

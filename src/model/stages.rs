@@ -3,6 +3,7 @@
 
 use super::names::LayerWeight::{self, *};
 use super::names::WeightId;
+use super::stage::{layer_of, Place, Stage};
 use super::Glm5Config;
 
 /// A layer's stages (after `L{n}.`) in the order the forward records them, docs/design.md §4's names
@@ -41,7 +42,7 @@ pub fn stage_names(cfg: &Glm5Config) -> Vec<String> {
                 .iter()
                 .filter(|s| moe || !s.starts_with("moe."))
                 .filter(|s| cfg.has_dsa() || **s != "attn.index_topk")
-                .map(|s| format!("L{l}.{s}")),
+                .map(|s| Stage::layer_stage(l, s).to_string()),
         );
     }
     names.extend(["final_norm".to_string(), "logits".to_string()]);
@@ -51,20 +52,16 @@ pub fn stage_names(cfg: &Glm5Config) -> Vec<String> {
 /// The weights stage `stage` reads directly (its inputs aside); routed experts stand for the
 /// whole stacked tensors.
 pub fn stage_weights(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
-    match stage {
-        "embed" => return vec![WeightId::Embed],
-        "final_norm" => return vec![WeightId::FinalNorm],
-        "logits" => return vec![WeightId::LmHead],
-        _ => {}
-    }
-    let Some((l, part)) = stage
-        .strip_prefix('L')
-        .and_then(|s| s.split_once('.'))
-        .and_then(|(l, part)| Some((l.parse::<u64>().ok()?, part)))
-    else {
+    let Some(stage) = Stage::parse(stage) else {
         return Vec::new();
     };
-    let roles: &[LayerWeight] = match part {
+    let l = match stage.place() {
+        Place::Embed => return vec![WeightId::Embed],
+        Place::FinalNorm => return vec![WeightId::FinalNorm],
+        Place::Logits => return vec![WeightId::LmHead],
+        Place::Layer(l) => l,
+    };
+    let roles: &[LayerWeight] = match stage.kind() {
         "attn_norm" => &[AttnNorm],
         "attn.q_a" => &[QA],
         "attn.q_a_norm" => &[QANorm],
@@ -93,10 +90,9 @@ pub fn stage_weights(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
 
 /// The weights every stage of layer `l` reads.
 pub fn layer_weights(cfg: &Glm5Config, l: u64) -> Vec<WeightId> {
-    let prefix = format!("L{l}.");
     let mut ids: Vec<WeightId> = stage_names(cfg)
         .iter()
-        .filter(|s| s.starts_with(&prefix))
+        .filter(|s| layer_of(s) == Some(l))
         .flat_map(|s| stage_weights(cfg, s))
         .collect();
     ids.dedup();
@@ -106,15 +102,11 @@ pub fn layer_weights(cfg: &Glm5Config, l: u64) -> Vec<WeightId> {
 /// The weights read by `stage` and by the stages of its layer before it (a layer stage), or
 /// by `stage` alone.
 pub fn weights_up_to(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
-    let Some(l) = stage
-        .strip_prefix('L')
-        .and_then(|s| s.split('.').next()?.parse::<u64>().ok())
-    else {
+    let Some(l) = layer_of(stage) else {
         return stage_weights(cfg, stage);
     };
-    let prefix = format!("L{l}.");
     let mut ids: Vec<WeightId> = Vec::new();
-    for name in stage_names(cfg).iter().filter(|n| n.starts_with(&prefix)) {
+    for name in stage_names(cfg).iter().filter(|n| layer_of(n) == Some(l)) {
         for id in stage_weights(cfg, name) {
             if !ids.contains(&id) {
                 ids.push(id);
@@ -131,7 +123,7 @@ pub fn weights_up_to(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
 pub fn stage_of(cfg: &Glm5Config, l: u64, w: LayerWeight) -> Option<String> {
     stage_names(cfg)
         .into_iter()
-        .filter(|s| s.starts_with(&format!("L{l}.")))
+        .filter(|s| layer_of(s) == Some(l))
         .find(|s| stage_weights(cfg, s).contains(&WeightId::Layer(l, w)))
 }
 

@@ -8,11 +8,12 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use super::{
-    basis_word, is_first, layer_rows, log_level, notable_stages, num, stage_kind, stage_label,
-    verdict_word, LogitsSide, LogitsView,
+    basis_word, is_first, layer_rows, log_level, notable_stages, num, stage_label, verdict_word,
+    LogitsSide, LogitsView,
 };
 use crate::compare::diff::Basis;
 use crate::compare::{DiffReport, StageDiff, Status};
+use crate::model::stage::kind_of;
 
 /// The `id` of the divergence plot's `<svg>`.
 pub const PLOT_ID: &str = "divergence-plot";
@@ -358,7 +359,7 @@ impl Column<'_> {
         self.stages
             .iter()
             .copied()
-            .find(|s| s.basis != Basis::Ids && stage_kind(&s.stage) == Some(kind))
+            .find(|s| s.basis != Basis::Ids && kind_of(&s.stage) == Some(kind))
     }
 
     fn judged(&self) -> impl Iterator<Item = &StageDiff> {
@@ -422,7 +423,7 @@ fn series_kinds(report: &DiffReport, cols: &[Column]) -> Vec<String> {
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for c in cols.iter().filter(|c| c.layer.is_some()) {
         for s in c.judged() {
-            if let Some(k) = stage_kind(&s.stage) {
+            if let Some(k) = kind_of(&s.stage) {
                 *counts.entry(k).or_default() += 1;
             }
         }
@@ -444,7 +445,7 @@ fn series_kinds(report: &DiffReport, cols: &[Column]) -> Vec<String> {
     if let Some(k) = report
         .first_divergence
         .as_ref()
-        .and_then(|d| stage_kind(&d.stage))
+        .and_then(|d| kind_of(&d.stage))
     {
         if counts.contains_key(k) && !kinds.iter().any(|x| x == k) {
             kinds.push(k.to_string());

@@ -139,13 +139,6 @@ pub(crate) fn is_first(report: &DiffReport, s: &StageDiff) -> bool {
         .is_some_and(|d| d.stage == s.stage && d.rank == s.rank)
 }
 
-/// `L12.moe.routed` → `moe.routed`; `None` for stages outside the layers.
-pub(crate) fn stage_kind(stage: &str) -> Option<&str> {
-    let rest = stage.strip_prefix('L')?;
-    let (layer, kind) = rest.split_once('.')?;
-    (!layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit())).then_some(kind)
-}
-
 /// One row of a per-layer summary: a contiguous run of stages of one layer (the stages before
 /// the first layer and after the last form runs of their own).
 pub(crate) struct LayerRow<'r> {
@@ -248,11 +241,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stage_kinds_and_numbers() {
-        assert_eq!(stage_kind("L12.moe.routed"), Some("moe.routed"));
-        assert_eq!(stage_kind("L0.out"), Some("out"));
-        assert_eq!(stage_kind("logits"), None);
-        assert_eq!(stage_kind("Lx.out"), None);
+    fn numbers() {
         assert_eq!(num(0.0), "0");
         assert_eq!(num(1.5e-7), "1.500e-7");
         assert_eq!(num(f64::INFINITY), "inf");

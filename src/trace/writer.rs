@@ -18,6 +18,7 @@ use super::error::{Result, TraceError};
 use super::manifest::{ElemType, Manifest, ModelInfo, StageRecord, FORMAT, MANIFEST_NAME, VERSION};
 use super::select::FullSelector;
 use super::stats::TensorStats;
+use crate::model::stage::{layer_of, Place};
 
 /// The run-wide fields of a manifest.
 #[derive(Clone, Debug, Default)]
@@ -170,7 +171,7 @@ impl TraceWriter {
             ));
         }
         let group = group_of(name);
-        if self.finished.contains(group) {
+        if self.finished.contains(&group) {
             return Err(bad("name", format!("group `{group}` was already written")));
         }
         if self
@@ -183,7 +184,7 @@ impl TraceWriter {
         }
         if group != self.open.name {
             self.close_group()?;
-            self.open.name = group.to_string();
+            self.open.name = group.clone();
         }
         let mut record = StageRecord {
             name: name.to_string(),
@@ -284,16 +285,11 @@ impl TraceWriter {
     }
 }
 
-/// The group a stage belongs to: its `L{n}` prefix, or the whole name outside the layers.
-fn group_of(name: &str) -> &str {
-    let end = name.find('.').unwrap_or(name.len());
-    let head = &name[..end];
-    let layer =
-        head.len() > 1 && head.starts_with('L') && head[1..].bytes().all(|b| b.is_ascii_digit());
-    if layer {
-        head
-    } else {
-        name
+/// The group a stage belongs to: its layer's `L{n}`, or the whole name outside the layers.
+fn group_of(name: &str) -> String {
+    match layer_of(name) {
+        Some(l) => Place::Layer(l).to_string(),
+        None => name.to_string(),
     }
 }
 
