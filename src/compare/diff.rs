@@ -10,7 +10,7 @@ use super::classify::classify;
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::unshard::{unshard, Sharding};
-pub use crate::model::stage::layer_of;
+use crate::model::stage::layer_of;
 use crate::model::stage::{is_gaps, Stage};
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
 

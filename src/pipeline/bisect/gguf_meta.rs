@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, FaultClass, Status};
+use crate::model::stage::kind_of;
 use crate::model::Glm5Config;
 use crate::trace::ModelInfo;
 
@@ -183,10 +184,7 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
 
 /// The stage without its layer prefix.
 fn kind(stage: &str) -> &str {
-    match stage.split_once('.') {
-        Some((head, rest)) if head.starts_with('L') && head[1..].parse::<u64>().is_ok() => rest,
-        _ => stage,
-    }
+    kind_of(stage).unwrap_or(stage)
 }
 
 /// Name the metadata mismatch that changes the first divergent stage, if one does; every

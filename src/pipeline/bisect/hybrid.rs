@@ -20,6 +20,7 @@ use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::exec::ties::TieBreaks;
+use crate::model::stage::{layer_of, Stage};
 use crate::model::Glm5Config;
 use crate::pipeline::record::{record, RunSpec, Split};
 use crate::pipeline::Model;
@@ -40,8 +41,7 @@ pub struct HybridRun {
 pub fn block_stage(cfg: &Glm5Config, b: usize) -> (String, Option<u64>) {
     let layers = cfg.num_hidden_layers as usize;
     match b {
-        0 => ("embed".into(), None),
-        b if b <= layers => (format!("L{}.out", b - 1), Some(b as u64 - 1)),
+        b if b <= layers => (Stage::layer_input(b as u64).to_string(), b.checked_sub(1).map(|l| l as u64)),
         _ => ("logits".into(), None),
     }
 }
@@ -104,7 +104,7 @@ impl Replay {
 
 /// The block that produces `stage` (None: the embedding, which has no input to replay from).
 fn block_of(cfg: &Glm5Config, stage: &str) -> Option<usize> {
-    match crate::compare::diff::layer_of(stage) {
+    match layer_of(stage) {
         Some(l) => Some(l as usize + 1),
         None if stage == "embed" => None,
         None => Some(cfg.num_hidden_layers as usize + 1),

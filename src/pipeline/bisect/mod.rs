@@ -26,6 +26,7 @@ use crate::exec::inject::Injection;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::model::names::WeightId;
+use crate::model::stage::Stage;
 use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::progress::progress;
 use crate::shard::manifest::ShardManifest;
@@ -755,7 +756,7 @@ fn chosen_experts(candidate: &Trace, layer: Option<u64>) -> anyhow::Result<Vec<u
     let Some(l) = layer else {
         return Ok(Vec::new());
     };
-    let name = format!("L{l}.moe.topk_ids");
+    let name = Stage::layer_stage(l, "moe.topk_ids").to_string();
     if candidate.stage(&name, None).is_none() {
         return Ok(Vec::new());
     }

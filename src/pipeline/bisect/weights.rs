@@ -8,7 +8,8 @@ use anyhow::Result;
 use globset::{Glob, GlobSetBuilder};
 use serde::Serialize;
 
-use crate::compare::diff::{layer_of, Divergence};
+use crate::compare::diff::Divergence;
+use crate::model::stage::layer_of;
 use crate::compare::{DiffReport, Fault, Status};
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
