@@ -433,7 +433,7 @@ fn tensor_parallel_parts_are_unsharded_and_compared_by_rank() {
         .unwrap();
     assert_eq!(
         (q.rel_diff, q.basis),
-        (0.0, glmcheck::compare::diff::Basis::Values)
+        (0.0, glmcheck::compare::stage_diff::Basis::Values)
     );
     let by_rank = diff(&tp2, &tp2, &DiffOptions::default()).unwrap();
     assert!(by_rank
@@ -503,7 +503,7 @@ fn near_tie_flips_of_transformers_in_bf16_are_precision_loss() {
     let flipped = report
         .stages
         .iter()
-        .any(|s| s.basis == glmcheck::compare::diff::Basis::Ids && s.rel_diff > 0.0);
+        .any(|s| s.basis == glmcheck::compare::stage_diff::Basis::Ids && s.rel_diff > 0.0);
     assert!(flipped, "this seed's bf16 run flips a DSA near tie");
     let fault = report.fault.expect("a finding");
     assert_eq!(fault.class, FaultClass::PrecisionLoss, "{}", fault.summary);

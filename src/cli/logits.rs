@@ -9,8 +9,8 @@ use serde_json::json;
 
 use super::output::{num, table};
 use super::Outcome;
-use crate::compare::diff::whole_values;
 use crate::compare::logits::{LogitsComparison, LogitsHealth};
+use crate::compare::stage_diff::whole_values;
 use crate::trace::Trace;
 
 /// A candidate agreeing with its reference on fewer top-1 tokens than this fails.

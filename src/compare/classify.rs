@@ -4,10 +4,10 @@
 
 use anyhow::Result;
 
-use super::diff::{whole_values, Basis, StageDiff, Status};
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
 use super::parts::from_parts;
+use super::stage_diff::{whole_values, Basis, StageDiff, Status};
 use crate::model::Stage;
 use crate::trace::Trace;
 

@@ -7,7 +7,9 @@ pub mod fault;
 pub mod logits;
 pub mod metrics;
 pub mod parts;
+pub mod stage_diff;
 pub mod unshard;
 
-pub use diff::{diff, DiffOptions, DiffReport, StageDiff, Status};
+pub use diff::{diff, DiffOptions, DiffReport};
 pub use fault::{Fault, FaultClass};
+pub use stage_diff::{StageDiff, Status};

@@ -4,9 +4,9 @@
 
 use anyhow::Result;
 
-use super::diff::{whole_values, StageDiff};
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
+use super::stage_diff::{whole_values, StageDiff};
 use super::unshard::{same_off_axis, Sharding};
 use crate::trace::Trace;
 

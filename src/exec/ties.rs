@@ -20,7 +20,7 @@ use crate::compare::classify::NEAR_TIE;
 /// How many times the envelope's largest gap departure counts as noise: another engine at the
 /// same dtype rounds differently from glmcheck's emulation, by about as much again.
 pub const NOISE_FACTOR: f64 = 2.0;
-use crate::compare::diff::whole_values;
+use crate::compare::stage_diff::whole_values;
 use crate::model::Stage;
 use crate::trace::Trace;
 

@@ -28,7 +28,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::compare::diff::whole_values;
+use crate::compare::stage_diff::whole_values;
 use crate::dtype::Precision;
 use crate::exec::ties::TieBreaks;
 use crate::model::stage::{is_gaps, kind_of, layer_of, Stage};

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 use super::baseline::{logits_rows, run_ep, Baseline, StageBaseline};
-use crate::compare::diff::whole_values;
+use crate::compare::stage_diff::whole_values;
 use crate::compare::Status;
 use crate::model::stage::is_gaps;
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};

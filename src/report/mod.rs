@@ -11,8 +11,8 @@ pub mod markdown;
 
 use anyhow::{Context, Result};
 
-use crate::compare::diff::{whole_values, Basis};
 use crate::compare::logits::{LogitsComparison, LogitsHealth};
+use crate::compare::stage_diff::{whole_values, Basis};
 use crate::compare::{DiffReport, StageDiff, Status};
 use crate::trace::Trace;
 

@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::compare::diff::Status;
+use crate::compare::Status;
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
 use crate::exec::inject::{Injection, CATALOGUE};

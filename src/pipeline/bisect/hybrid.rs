@@ -41,7 +41,10 @@ pub struct HybridRun {
 pub fn block_stage(cfg: &Glm5Config, b: usize) -> (String, Option<u64>) {
     let layers = cfg.num_hidden_layers as usize;
     match b {
-        b if b <= layers => (Stage::layer_input(b as u64).to_string(), b.checked_sub(1).map(|l| l as u64)),
+        b if b <= layers => (
+            Stage::layer_input(b as u64).to_string(),
+            b.checked_sub(1).map(|l| l as u64),
+        ),
         _ => ("logits".into(), None),
     }
 }

@@ -9,10 +9,10 @@ use globset::{Glob, GlobSetBuilder};
 use serde::Serialize;
 
 use crate::compare::diff::Divergence;
-use crate::model::stage::layer_of;
 use crate::compare::{DiffReport, Fault, Status};
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
+use crate::model::stage::layer_of;
 use crate::model::stages::{stage_names, stage_of, stage_weights};
 use crate::model::Glm5Config;
 use crate::pipeline::Model;
