@@ -13,7 +13,6 @@ use super::mat::Mat;
 use super::ops::topk;
 use num_traits::{Float, Zero};
 
-use super::inject::Injection;
 use super::lazy_weight::LazyWeight;
 use super::real::Real;
 use super::rope::{yarn_softmax_factor, Rope, RotateSpec};
@@ -155,7 +154,7 @@ pub fn attention<B: Backend>(
         sharder,
         ..
     } = step;
-    let (cfg, tp, fault) = (&src.cfg, sharder.tp, src.fault());
+    let (cfg, tp, hooks) = (&src.cfg, sharder.tp, src.hooks());
     let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
     let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
     let t = hn.rows;
@@ -182,7 +181,7 @@ pub fn attention<B: Backend>(
     let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
     let rope = Rope::new(cfg);
-    let interleave = cfg.rope_interleave != (fault == Some(Injection::RopeNeox));
+    let interleave = hooks.rope_interleave(cfg.rope_interleave);
     let mut q_rot = q.clone();
     let mut k_rope = kv_a.columns(kvl, rope_d);
     let spec = |width, offset| RotateSpec {
@@ -255,15 +254,7 @@ pub fn attention<B: Backend>(
             .collect::<Result<Vec<_>>>()?;
         let o_proj = LazyWeight::layer(src, l, AttnOut);
         let (out, out_parts) = row_parallel(be, &ctx_parts, &o_proj, sharder)?;
-        let out = match fault {
-            // Each rank continues with its own partial sum; rank 0's is what it records.
-            Some(f @ Injection::SkipAllReduce(_)) if f.in_layer(l) => out_parts[0].clone(),
-            // The reduced sum, identical on every rank, reduced again.
-            Some(f @ Injection::DoubleAllReduce(_)) if f.in_layer(l) => {
-                be.all_reduce(&vec![out; tp])?
-            }
-            _ => out,
-        };
+        let out = hooks.attn_all_reduce(be, l, out, &out_parts)?;
         (out, ctx_parts, out_parts)
     };
     Ok(AttentionOut {

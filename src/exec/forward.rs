@@ -20,7 +20,6 @@ use super::lazy_weight::LazyWeight;
 use super::mat::Mat;
 use super::ops::{sigmoid, softmax, topk};
 
-use super::inject::Injection::{Fp16Overflow, RoutedScaleTwice, RouterSoftmax};
 use super::real::Real;
 use super::sharder::Sharder;
 use super::source::WeightSource;
@@ -342,7 +341,7 @@ struct ResidualScale<E>(Option<E>);
 
 impl<E: Real> ResidualScale<E> {
     fn of<B: Backend<E = E>>(src: &WeightSource, be: &B) -> Self {
-        let guarded = be.precision() == Precision::F16 && src.fault() != Some(Fp16Overflow);
+        let guarded = be.precision() == Precision::F16 && src.hooks().fp16_residual_rescale();
         ResidualScale(guarded.then(|| E::lit(src.cfg.routed_scaling_factor)))
     }
 
@@ -587,7 +586,7 @@ impl<B: Backend> Layer<'_, B> {
             Vec::with_capacity(t),
             Vec::with_capacity(t),
         );
-        let softmax = cfg.scoring_func == "softmax" || self.src.fault() == Some(RouterSoftmax);
+        let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
         for s in 0..t {
             let tie = self
                 .opts
@@ -607,8 +606,11 @@ impl<B: Backend> Layer<'_, B> {
         let tp = self.opts.tp;
         let sharder = self.sharder();
         // The expert `nan-expert` poisons: the first the first token chooses.
-        let poisoned =
-            (self.src.fault().and_then(|f| f.nan_layer(cfg)) == Some(self.l)).then(|| ids[0][0]);
+        let poisoned = self
+            .src
+            .hooks()
+            .poisons_expert(cfg, self.l)
+            .then(|| ids[0][0]);
         let mut routed = vec![Mat::zeros(t, h); tp];
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
@@ -646,7 +648,7 @@ impl<B: Backend> Layer<'_, B> {
                 }
             }
         }
-        if self.src.fault() == Some(RoutedScaleTwice) {
+        if self.src.hooks().routed_scale_again() {
             let factor = B::E::lit(cfg.routed_scaling_factor);
             routed
                 .iter_mut()

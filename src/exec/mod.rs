@@ -4,6 +4,7 @@ pub mod attention;
 pub mod attention_core;
 pub mod backend;
 pub mod forward;
+pub mod hooks;
 pub mod inject;
 pub mod lazy_weight;
 pub mod mat;

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Result};
 
+use super::hooks::Hooks;
 use super::inject::Injection;
 use super::mat::Mat;
 use super::real::Real;
@@ -58,11 +59,8 @@ impl Sharder {
         cols: usize,
     ) -> Result<Option<(Range<usize>, Range<usize>)>> {
         let tp = self.tp;
-        let from = match self.fault {
-            Some(Injection::UnshardedColumn(f)) if f == role => 0,
-            Some(Injection::RankOrder(f)) if f == role => tp - 1 - rank,
-            Some(Injection::ShardAxis(f)) if f == role => return Ok(None),
-            _ => rank,
+        let Some(from) = Hooks::new(self.fault).slice_of(role, rank, tp) else {
+            return Ok(None);
         };
         Ok(Some(if splits_rows(role) {
             let (start, len) = share(rows, from, tp)?;

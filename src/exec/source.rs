@@ -7,7 +7,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 
 use super::backend::Backend;
-use super::inject::{k_then_v_rows, Injection};
+use super::hooks::Hooks;
+use super::inject::Injection;
 use super::mat::Mat;
 use super::stored::StoredMatrix;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
@@ -112,6 +113,11 @@ impl WeightSource {
         self.fault
     }
 
+    /// Where the planted fault reaches the run.
+    pub fn hooks(&self) -> Hooks {
+        Hooks::new(self.fault)
+    }
+
     /// The stored tensors behind `id` (kv_b's split parts where the file splits it).
     pub fn tensor_names(&self, id: WeightId) -> Vec<String> {
         match (id, self.layout.kv_b, self.layout.experts) {
@@ -150,13 +156,14 @@ impl WeightSource {
     ) -> Result<(Vec<f32>, Vec<u64>)> {
         let t = self.files.require(name)?;
         let rows = rows.unwrap_or(0..t.rows());
-        let data = match self.fault {
-            Some(Injection::DequantQ4kScales) => self.files.dequantize_rows_with(
+        let data = if self.hooks().misreads_q4k() {
+            self.files.dequantize_rows_with(
                 t,
                 rows.clone(),
                 quant::dequantize_rows_misreading_q4k,
-            )?,
-            _ => self.files.dequantize_rows(t, rows.clone())?,
+            )?
+        } else {
+            self.files.dequantize_rows(t, rows.clone())?
         };
         self.files.release_rows(t, rows);
         Ok((data, t.shape.clone()))
@@ -169,7 +176,7 @@ impl WeightSource {
     /// Rows `rows` of a matrix weight (embedding rows, a slice of lm_head), reading only those.
     pub fn matrix_rows(&self, id: WeightId, rows: std::ops::Range<u64>) -> Result<Mat> {
         let n = (rows.end - rows.start) as usize;
-        if id == WeightId::LmHead && self.fault == Some(Injection::FlatLmHead) {
+        if self.hooks().zeroes(id) {
             return Ok(Mat::zeros(n, self.cfg.hidden_size as usize));
         }
         let (data, shape) = self.load_rows(&self.name(id), Some(rows))?;
@@ -234,7 +241,8 @@ impl WeightSource {
         {
             let kv_b = self.assembled_kv_b(l)?;
             let stored = self.through_storage(id, kv_b.data, kv_b.cols)?;
-            return self.planted(id, Mat::new(kv_b.rows, kv_b.cols, stored));
+            let w = Mat::new(kv_b.rows, kv_b.cols, stored);
+            return Ok(self.hooks().rearranged(&self.cfg, id, w));
         }
         if id == WeightId::LmHead {
             return self.matrix_rows(id, 0..self.cfg.vocab_size);
@@ -243,26 +251,7 @@ impl WeightSource {
         let (data, shape) = self.load(&name)?;
         let m = Mat::from_shape(data, &shape).with_context(|| name)?;
         let stored = Mat::new(m.rows, m.cols, self.through_storage(id, m.data, m.cols)?);
-        self.planted(id, stored)
-    }
-
-    /// `w` as the planted fault leaves weight `id`.
-    fn planted(&self, id: WeightId, w: Mat) -> Result<Mat> {
-        let c = &self.cfg;
-        Ok(match (self.fault, id) {
-            (Some(Injection::KvBSplitOrder), WeightId::Layer(_, LayerWeight::KvB)) => Mat::new(
-                w.rows,
-                w.cols,
-                k_then_v_rows(
-                    &w.data,
-                    c.num_attention_heads as usize,
-                    c.qk_nope_head_dim as usize,
-                    c.v_head_dim as usize,
-                    w.cols,
-                ),
-            ),
-            _ => w,
-        })
+        Ok(self.hooks().rearranged(&self.cfg, id, stored))
     }
 
     fn assembled_kv_b(&self, l: u64) -> Result<Mat> {
@@ -360,7 +349,7 @@ impl WeightSource {
     /// storage, not touched by a planted weight fault, and stored as one matrix (not as
     /// llama.cpp's split kv_b).
     pub fn stored_matrix(&self, id: WeightId) -> Option<StoredMatrix<'_>> {
-        if self.storage.is_some() || self.planted_in_weights(id) {
+        if self.storage.is_some() || self.hooks().changes_weight(id) {
             return None;
         }
         let (name, first, rows, expected) = match id {
@@ -394,18 +383,6 @@ impl WeightSource {
         match expected {
             Some(shape) if shape != (m.rows, m.cols) => None,
             _ => Some(m),
-        }
-    }
-
-    /// Whether the planted fault changes weight `id`'s values as they are read.
-    fn planted_in_weights(&self, id: WeightId) -> bool {
-        match self.fault {
-            Some(Injection::DequantQ4kScales) => true,
-            Some(Injection::KvBSplitOrder) => {
-                matches!(id, WeightId::Layer(_, LayerWeight::KvB))
-            }
-            Some(Injection::FlatLmHead) => id == WeightId::LmHead,
-            _ => false,
         }
     }
 }
