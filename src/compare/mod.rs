@@ -9,5 +9,5 @@ pub mod metrics;
 pub mod parts;
 pub mod unshard;
 
-pub use diff::{diff, DiffOptions, DiffReport, StageDiff, Status};
+pub use diff::{diff, DiffOptions, DiffReport, Partial, StageDiff, Status};
 pub use fault::{Fault, FaultClass};
