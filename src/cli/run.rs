@@ -1,6 +1,7 @@
 //! `glmcheck run MODEL --tokens IDS --out TRACE`: the CPU reference forward, recorded as a trace.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -15,6 +16,7 @@ use crate::exec::forward::{
 };
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
+use crate::exec::rendezvous;
 use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
@@ -74,6 +76,12 @@ pub struct RunArgs {
     /// others wait for it (remove it before a new run).
     #[arg(long, value_name = "FILE", requires = "rank")]
     pub nccl_id: Option<PathBuf>,
+    /// One process per rank: the longest a rank waits for another, at the start or at any
+    /// collective; a rank that is gone longer (killed, crashed) ends the others with an error
+    /// naming it. Heartbeats go to `FILE.rankR` beside the `--nccl-id` file.
+    #[arg(long, value_name = "SECS", default_value_t = 300, requires = "rank",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub rank_timeout: u64,
     /// Expert parallelism: each rank computes the routed experts it owns whole (experts
     /// `r·E/tp .. (r+1)·E/tp`) instead of its share of every expert's intermediate dimension.
     #[arg(long)]
@@ -223,6 +231,12 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             );
         }
     }
+    // Every rank process present before any GPU or NCCL wait, which has no deadline of its own.
+    let watch = spec
+        .process
+        .as_ref()
+        .map(|p| rendezvous::join(&p.nccl_id, p.rank, p.world_size, p.timeout))
+        .transpose()?;
     // The GPUs first: without them no trace folder is left behind.
     let engine = match spec.dtype {
         Precision::F64 => None,
@@ -331,6 +345,9 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     if let Some(w) = writer {
         w.finish()?;
     }
+    if let Some(w) = watch {
+        w.finish()?;
+    }
     Ok(recorded)
 }
 
@@ -358,6 +375,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
                 rank,
                 world_size,
                 nccl_id: file.clone(),
+                timeout: Duration::from_secs(args.rank_timeout),
             }),
             _ => None,
         },
