@@ -418,6 +418,7 @@ fn a_crashed_run_leaves_its_finished_layers() {
     }
     drop(w);
     let trace = Trace::open(&dir).expect("readable after a crash");
+    assert!(!trace.manifest().complete, "marked partial");
     assert_eq!(
         trace.stage_names(),
         [

@@ -138,7 +138,9 @@ class TraceWriter:
             raise FileExistsError(f"{directory} already holds files; give the trace a new name")
         self.dir = directory
         self.full = [glob_regex(p) for p in full]
-        self.manifest = {"format": FORMAT, "version": VERSION, **header, "stages": []}
+        # "complete" stays false until `finish`: a killed run leaves a trace marked partial.
+        self.manifest = {"format": FORMAT, "version": VERSION, **header, "complete": False,
+                         "stages": []}
         self.group, self.stages, self.held = None, [], {}
         self.finished = set()
         self._write_manifest()
@@ -174,6 +176,8 @@ class TraceWriter:
     def finish(self) -> dict:
         """Write the group in progress and the final manifest; the manifest as written."""
         self._close_group()
+        self.manifest["complete"] = True
+        self._write_manifest()
         return self.manifest
 
     def _close_group(self) -> None:

@@ -8,7 +8,7 @@ use anyhow::Context;
 
 use super::output::{num, table};
 use super::Outcome;
-use crate::compare::{diff, DiffOptions, DiffReport, Status};
+use crate::compare::{diff, DiffOptions, DiffReport};
 use crate::report::{self, LogitsView};
 use crate::trace::Trace;
 
@@ -69,10 +69,10 @@ pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
     } else {
         print_report(&report);
     }
-    Ok(match report.verdict {
-        Status::Pass => Outcome::Pass,
-        Status::Fail => Outcome::Fail,
-    })
+    Ok(Outcome::of(
+        report.first_divergence.is_some(),
+        report.partial.any(),
+    ))
 }
 
 /// A bar of `width` cells for an error on a log scale from 1e-12 (empty) to 1 (full).
@@ -84,12 +84,15 @@ fn bar(rel_diff: f64, width: usize) -> String {
 pub(super) fn print_report(report: &DiffReport) {
     println!(
         "{}: {} against {} (candidate dtype {}, tolerance: {})",
-        report::verdict_word(report.verdict),
+        report::headline(report),
         report.candidate,
         report.reference,
         report.candidate_dtype,
         report.tolerance_source
     );
+    if let Some(note) = report::partial_note(report) {
+        println!("{note}");
+    }
     if let Some(d) = &report.first_divergence {
         let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
         println!("first divergence: {}{rank}", d.stage);

@@ -230,10 +230,16 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
     } else {
         print_report(&report);
     }
-    Ok(match report.verdict {
-        Status::Pass => Outcome::Pass,
-        Status::Fail => Outcome::Fail,
-    })
+    Ok(Outcome::of(report.regressed(), report.partial))
+}
+
+/// The verdict in one word: a partial candidate whose stages held is `PARTIAL`, never a pass.
+fn headline(r: &GateReport) -> &'static str {
+    match (r.verdict, r.regressed()) {
+        (Status::Pass, _) => "PASS",
+        (Status::Fail, true) => "REGRESSION",
+        (Status::Fail, false) => "PARTIAL",
+    }
 }
 
 /// A float with the digits that tell baseline and candidate apart.
@@ -249,10 +255,7 @@ fn print_report(r: &GateReport) {
         .count();
     println!(
         "{}: {} against {} ({}, TP {}, ε = {:.3e}): {} of {} checks broke; {identical} stage records bit-identical",
-        match r.verdict {
-            Status::Pass => "PASS",
-            Status::Fail => "REGRESSION",
-        },
+        headline(r),
         r.candidate,
         r.baseline,
         r.dtype,

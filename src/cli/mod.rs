@@ -25,6 +25,21 @@ pub enum Outcome {
     Pass = 0,
     /// Exit 1: a check failed or a divergence was found.
     Fail = 1,
+    /// Exit 2, as for any input that cannot be judged: a partial trace (a run that did not
+    /// finish) whose stages showed nothing wrong. Never a pass, and not a divergence either.
+    Incomplete = 2,
+}
+
+impl Outcome {
+    /// The outcome of a verdict over traces of which some may be partial: a failed stage is a
+    /// failure whatever is missing; otherwise a partial input cannot pass.
+    pub fn of(stage_failed: bool, partial: bool) -> Outcome {
+        match (stage_failed, partial) {
+            (true, _) => Outcome::Fail,
+            (false, true) => Outcome::Incomplete,
+            (false, false) => Outcome::Pass,
+        }
+    }
 }
 
 /// Find why a large language model prints garbage.

@@ -1,6 +1,7 @@
 //! `glmcheck run MODEL --tokens IDS --out TRACE`: the CPU reference forward, recorded as a trace.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde_json::json;
 
@@ -66,6 +67,12 @@ pub struct RunArgs {
     /// others wait for it (remove it before a new run).
     #[arg(long, value_name = "FILE", requires = "rank")]
     pub nccl_id: Option<PathBuf>,
+    /// One process per rank: the longest a rank waits for another, at the start or at any
+    /// collective; a rank that is gone longer (killed, crashed) ends the others with an error
+    /// naming it. Heartbeats go to `FILE.rankR` beside the `--nccl-id` file.
+    #[arg(long, value_name = "SECS", default_value_t = 300, requires = "rank",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub rank_timeout: u64,
     /// Expert parallelism: each rank computes the routed experts it owns whole (experts
     /// `r·E/tp .. (r+1)·E/tp`) instead of its share of every expert's intermediate dimension.
     #[arg(long)]
@@ -110,6 +117,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
                 rank,
                 world_size,
                 nccl_id: file.clone(),
+                timeout: Duration::from_secs(args.rank_timeout),
             }),
             _ => None,
         },

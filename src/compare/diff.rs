@@ -53,7 +53,40 @@ pub struct DiffReport {
     /// The largest `rel_diff` of any value or stats stage: a tolerance under which this
     /// comparison would pass (id stages aside).
     pub tolerance_to_pass: f64,
+    /// Which traces a run left unfinished: only the stages both hold are compared, and the
+    /// verdict is never a pass.
+    pub partial: Partial,
     pub stages: Vec<StageDiff>,
+}
+
+/// Which sides of a comparison are partial traces (`"complete": false` in their manifest).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Partial {
+    pub reference: bool,
+    pub candidate: bool,
+}
+
+impl Partial {
+    pub fn of(reference: &Trace, candidate: &Trace) -> Partial {
+        Partial {
+            reference: !reference.manifest().complete,
+            candidate: !candidate.manifest().complete,
+        }
+    }
+
+    pub fn any(self) -> bool {
+        self.reference || self.candidate
+    }
+
+    /// `reference and candidate`, `candidate`…: the partial sides, for a sentence.
+    pub fn sides(self) -> String {
+        match (self.reference, self.candidate) {
+            (true, true) => "reference and candidate".into(),
+            (true, false) => "reference".into(),
+            (false, true) => "candidate".into(),
+            (false, false) => "none".into(),
+        }
+    }
 }
 
 /// Settings of a comparison.
@@ -317,8 +350,9 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         )?),
         None => beyond_f32(&stages),
     };
+    let partial = Partial::of(reference, candidate);
     Ok(DiffReport {
-        verdict: if first.is_some() {
+        verdict: if first.is_some() || partial.any() {
             Status::Fail
         } else {
             Status::Pass
@@ -342,6 +376,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
             .filter(|s| s.basis != Basis::Ids)
             .map(|s| s.rel_diff)
             .fold(0.0, f64::max),
+        partial,
         stages,
     })
 }

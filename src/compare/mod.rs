@@ -10,6 +10,6 @@ pub mod parts;
 pub mod stage_diff;
 pub mod unshard;
 
-pub use diff::{diff, DiffOptions, DiffReport};
+pub use diff::{diff, DiffOptions, DiffReport, Partial};
 pub use fault::{Fault, FaultClass};
 pub use stage_diff::{StageDiff, Status};

@@ -617,6 +617,8 @@ pub struct ProcessRank {
     pub world_size: usize,
     /// Where rank 0 writes the NCCL unique id and the others read it.
     pub nccl_id: std::path::PathBuf,
+    /// The longest any rank process waits for another (`--rank-timeout`).
+    pub timeout: std::time::Duration,
 }
 
 fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
@@ -724,7 +726,7 @@ impl Cuda {
             bail!("no CUDA GPU visible");
         }
         let device = open_device(rank % visible)?;
-        let id = super::nccl_id::exchange(&p.nccl_id, rank)?;
+        let id = super::nccl_id::exchange(&p.nccl_id, rank, p.timeout)?;
         let stream = lock(&device).gpu.stream.clone();
         let comm = Comm::from_rank(stream, rank, world_size, id)
             .map_err(|e| anyhow!("NCCL rank {rank} of {world_size}: {e:?}"))?;

@@ -9,11 +9,10 @@ use cudarc::nccl::Id;
 
 /// The bytes of an NCCL unique id.
 const ID_BYTES: usize = 128;
-/// How long a rank waits for rank 0's id file.
-const WAIT: Duration = Duration::from_secs(300);
 
-/// Rank 0: a fresh id, written to `file`. Other ranks: the id rank 0 wrote there.
-pub fn exchange(file: &Path, rank: usize) -> Result<Id> {
+/// Rank 0: a fresh id, written to `file`. Other ranks: the id rank 0 wrote there, waiting for it
+/// at most `wait`.
+pub fn exchange(file: &Path, rank: usize, wait: Duration) -> Result<Id> {
     if rank == 0 {
         let id = Id::new().map_err(|e| anyhow!("NCCL unique id: {e:?}"))?;
         let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
@@ -26,11 +25,11 @@ pub fn exchange(file: &Path, rank: usize) -> Result<Id> {
     let bytes = loop {
         match std::fs::read(file) {
             Ok(b) => break b,
-            Err(_) if start.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(100)),
+            Err(_) if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(100)),
             Err(e) => bail!(
                 "{}: no NCCL id from rank 0 after {} s: {e}",
                 file.display(),
-                WAIT.as_secs()
+                wait.as_secs_f64()
             ),
         }
     };

@@ -10,6 +10,7 @@ pub mod lazy_weight;
 pub mod mat;
 pub mod ops;
 pub mod real;
+pub mod rendezvous;
 pub mod rope;
 pub mod selftest;
 pub mod sharder;

@@ -316,6 +316,12 @@ impl Baseline {
     /// A baseline of `trace`; `from` says what it was made from (the candidate's path).
     pub fn from_trace(trace: &Trace, from: &str) -> Result<Baseline> {
         let m = trace.manifest();
+        if !m.complete {
+            bail!(
+                "{}: complete: false: a partial trace (its run did not finish) cannot be a baseline",
+                trace.dir().display()
+            );
+        }
         let Some(limits) = Limits::for_dtype(&m.dtype) else {
             bail!(
                 "{}: dtype `{}` has no known unit roundoff (f64, f32, bf16, f16)",

@@ -43,6 +43,8 @@ pub enum Basis {
     Positions,
     /// The candidate lacks the stage, or holds it in another shape or type.
     Missing,
+    /// The candidate's run did not finish: its trace is partial.
+    Unfinished,
 }
 
 /// One stage record (or the per-position logits) judged.
@@ -84,14 +86,27 @@ pub struct GateReport {
     pub failed: usize,
     /// Stages the candidate has beyond the baseline's (not judged).
     pub extra_stages: usize,
+    /// The candidate is a partial trace (its run did not finish): the stages it holds are
+    /// judged, the record [`PARTIAL_RECORD`] fails, and the verdict is never a pass.
+    pub partial: bool,
+    /// Baseline stage records a partial candidate never reached (not judged).
+    pub not_reached: usize,
     /// Near ties of the baseline's run that were not judged, and the like.
     pub notes: Vec<String>,
     pub stages: Vec<StageResult>,
 }
 
+/// The name of the failing record that stands for a partial candidate's unfinished run.
+pub const PARTIAL_RECORD: &str = "trace";
+
 impl GateReport {
     pub fn failures(&self) -> impl Iterator<Item = &StageResult> {
         self.stages.iter().filter(|s| s.status == Status::Fail)
+    }
+
+    /// Whether a stage the candidate holds broke its limits (beyond a partial trace's record).
+    pub fn regressed(&self) -> bool {
+        self.failures().any(|s| s.basis != Basis::Unfinished)
     }
 }
 
@@ -162,11 +177,17 @@ fn show(fingerprint: &str) -> String {
 /// Judge `candidate` against `baseline` (after [`check_config`]).
 pub fn check(baseline: &Baseline, candidate: &Trace, baseline_path: &str) -> Result<GateReport> {
     check_config(baseline, candidate)?;
+    let partial = !candidate.manifest().complete;
     let mut stages = Vec::new();
     let mut notes = Vec::new();
+    let mut not_reached = 0;
     for b in &baseline.stages {
         let eps = baseline.epsilon(b);
         let result = match candidate.stage(&b.name, b.rank) {
+            None if partial => {
+                not_reached += 1;
+                continue;
+            }
             None => missing(b, eps, "the candidate does not record this stage".into()),
             Some(c) if c.shape != b.shape || c.dtype != b.dtype => missing(
                 b,
@@ -180,8 +201,16 @@ pub fn check(baseline: &Baseline, candidate: &Trace, baseline_path: &str) -> Res
         };
         stages.push(result);
     }
-    if let Some(l) = &baseline.logits {
-        stages.push(judge_logits(baseline, l, candidate, &mut notes)?);
+    let reached_logits = candidate.stages().iter().any(|s| s.name == "logits");
+    match &baseline.logits {
+        Some(l) if reached_logits || !partial => {
+            stages.push(judge_logits(baseline, l, candidate, &mut notes)?)
+        }
+        Some(_) => not_reached += 1,
+        None => {}
+    }
+    if partial {
+        stages.push(unfinished(candidate, not_reached, baseline.limits.epsilon));
     }
     let known: std::collections::HashSet<(&str, Option<u32>)> = baseline
         .stages
@@ -208,9 +237,34 @@ pub fn check(baseline: &Baseline, candidate: &Trace, baseline_path: &str) -> Res
         checked: stages.len(),
         failed,
         extra_stages,
+        partial,
+        not_reached,
         notes,
         stages,
     })
+}
+
+/// The failing record of a partial candidate: what it did not reach.
+fn unfinished(candidate: &Trace, not_reached: usize, eps: f64) -> StageResult {
+    StageResult {
+        stage: PARTIAL_RECORD.into(),
+        rank: None,
+        status: Status::Fail,
+        basis: Basis::Unfinished,
+        headroom_used: f64::INFINITY,
+        closest: None,
+        epsilon: eps,
+        failures: vec![Broken {
+            check: "complete".into(),
+            baseline: None,
+            candidate: None,
+            limit: None,
+            why: format!(
+                "{} is a partial trace (its run did not finish): {not_reached} baseline records not reached, not judged",
+                candidate.dir().display()
+            ),
+        }],
+    }
 }
 
 fn missing(b: &StageBaseline, eps: f64, why: String) -> StageResult {

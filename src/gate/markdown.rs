@@ -17,9 +17,10 @@ fn value(v: Option<f64>) -> String {
 /// The report as Markdown.
 pub fn markdown(report: &GateReport) -> String {
     let mut m = String::new();
-    let verdict = match report.verdict {
-        Status::Pass => "✅ pass",
-        Status::Fail => "❌ regression",
+    let verdict = match (report.verdict, report.regressed()) {
+        (Status::Pass, _) => "✅ pass",
+        (Status::Fail, true) => "❌ regression",
+        (Status::Fail, false) => "❌ partial trace",
     };
     let _ = writeln!(m, "### glmcheck gate: {verdict}\n");
     let _ = writeln!(

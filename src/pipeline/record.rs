@@ -14,6 +14,7 @@ use crate::exec::backend::{Backend, Cpu};
 use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, Runner};
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
+use crate::exec::rendezvous;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
@@ -135,6 +136,12 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             );
         }
     }
+    // Every rank process present before any GPU or NCCL wait, which has no deadline of its own.
+    let watch = spec
+        .process
+        .as_ref()
+        .map(|p| rendezvous::join(&p.nccl_id, p.rank, p.world_size, p.timeout))
+        .transpose()?;
     // The GPUs first: without them no trace folder is left behind.
     let engine = match spec.dtype {
         Precision::F64 => None,
@@ -239,6 +246,9 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         }
     };
     if let Some(w) = writer {
+        w.finish()?;
+    }
+    if let Some(w) = watch {
         w.finish()?;
     }
     Ok(recorded)

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use super::{
-    basis_word, is_first, layer_rows, log_level, notable_stages, num, stage_label, verdict_word,
+    basis_word, headline, is_first, layer_rows, log_level, notable_stages, num, stage_label,
     LogitsSide, LogitsView,
 };
 use crate::compare::diff::Basis;
@@ -101,7 +101,7 @@ footer { color: #777; font-size: 12px; margin-top: 32px; }
 /// The report as one HTML document.
 pub fn html(report: &DiffReport, logits: Option<&LogitsView>) -> String {
     let mut h = String::with_capacity(64 * 1024);
-    let verdict = verdict_word(report.verdict);
+    let verdict = headline(report);
     let class = match report.verdict {
         Status::Pass => "pass",
         Status::Fail => "fail",

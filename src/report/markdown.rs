@@ -5,8 +5,8 @@
 use std::fmt::Write;
 
 use super::{
-    basis_word, is_first, layer_rows, log_level, notable_stages, num, stage_label, verdict_word,
-    LogitsView,
+    basis_word, headline, is_first, layer_rows, log_level, notable_stages, num, partial_note,
+    stage_label, LogitsView,
 };
 use crate::compare::{DiffReport, Status};
 
@@ -70,11 +70,10 @@ pub fn markdown(report: &DiffReport, logits: Option<&LogitsView>) -> String {
         Status::Pass => "✅",
         Status::Fail => "❌",
     };
-    let _ = writeln!(
-        md,
-        "### {icon} glmcheck diff: **{}**\n",
-        verdict_word(report.verdict)
-    );
+    let _ = writeln!(md, "### {icon} glmcheck diff: **{}**\n", headline(report));
+    if let Some(note) = partial_note(report) {
+        let _ = writeln!(md, "**{}**\n", text(&note));
+    }
     let _ = writeln!(
         md,
         "{} against {} · candidate dtype {} · tolerance: {} · a tolerance of {} would pass every \

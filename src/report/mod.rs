@@ -98,6 +98,27 @@ pub(crate) fn verdict_word(s: Status) -> &'static str {
     }
 }
 
+/// The report's verdict in one word: `PARTIAL` where a trace is partial and its stages show no
+/// divergence (never a pass), else the verdict's.
+pub(crate) fn headline(report: &DiffReport) -> &'static str {
+    if report.partial.any() && report.first_divergence.is_none() {
+        "PARTIAL"
+    } else {
+        verdict_word(report.verdict)
+    }
+}
+
+/// Why a comparison with a partial trace cannot pass; None when both traces are complete.
+pub(crate) fn partial_note(report: &DiffReport) -> Option<String> {
+    report.partial.any().then(|| {
+        format!(
+            "the {} trace is partial (its run did not finish): only the {} stage records both hold are compared, and the verdict cannot be a pass",
+            report.partial.sides(),
+            report.stages.len()
+        )
+    })
+}
+
 /// `values` / `stats` / `ids`.
 pub(crate) fn basis_word(b: Basis) -> &'static str {
     match b {

@@ -39,11 +39,20 @@ pub struct Manifest {
     pub dtype: String,
     /// Tensor-parallel degree; ranks of per-rank stages are below it.
     pub tp: u32,
+    /// Whether the run finished: a writer says `false` until its last group is written, so a
+    /// run that was killed leaves a trace readers can open and know to be partial. Traces
+    /// without the field (older ones, probes that write the manifest once) are complete.
+    #[serde(default = "complete_by_default")]
+    pub complete: bool,
     /// In execution order.
     #[serde(default)]
     pub stages: Vec<StageRecord>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+fn complete_by_default() -> bool {
+    true
 }
 
 /// Which model the run used.

@@ -4,8 +4,9 @@
 //! Stages are grouped by layer (`L{n}.…`; every other stage, such as `embed` or `logits`, is a
 //! group of its own). A group is written when the next one starts, or at [`TraceWriter::finish`]:
 //! its tensors to `GROUP.safetensors` and then `manifest.json` with every finished group, each
-//! under a temporary name renamed into place. A crashed run thus leaves a readable trace of the
-//! groups it finished and loses at most the one in progress.
+//! under a temporary name renamed into place. Until [`TraceWriter::finish`] the manifest says
+//! `"complete": false`, so a crashed or killed run leaves a readable trace of the groups it
+//! finished, marked partial, and loses at most the one in progress.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -119,6 +120,7 @@ impl TraceWriter {
             backend: header.backend,
             dtype: header.dtype,
             tp: header.tp,
+            complete: false,
             stages: Vec::new(),
             extra: Map::new(),
         };
@@ -239,9 +241,12 @@ impl TraceWriter {
         }
     }
 
-    /// Write the group in progress and the final manifest; the trace as written.
+    /// Write the group in progress and the final manifest, marked complete; the trace as
+    /// written.
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_group()?;
+        self.manifest.complete = true;
+        self.write_manifest()?;
         Ok(self.manifest)
     }
 
