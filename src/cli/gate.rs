@@ -2,22 +2,19 @@
 //! reviewed baseline; `--update` writes the baseline from the candidate instead.
 
 use crate::engine::BackendKind;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 use super::output::{num, table};
 use super::Outcome;
 use crate::compare::Status;
 use crate::dtype::Precision;
-use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
 use crate::gate::check::{Basis, GateReport};
 use crate::gate::{self, Baseline};
-use crate::pipeline::bisect::DEFAULT_PROMPT;
-use crate::pipeline::record::{prompt_tokens, record, RunSpec};
-use crate::pipeline::Model;
-use crate::trace::{FullSelector, Trace, DEFAULT_FULL};
+use crate::pipeline::gate::{candidate_trace, check, ModelRun};
+use crate::trace::Trace;
 
 #[derive(clap::Args, Debug)]
 pub struct GateArgs {
@@ -69,107 +66,25 @@ pub struct GateArgs {
     pub out: Option<PathBuf>,
 }
 
-/// Whether `path` is a trace folder rather than a model.
-fn is_trace(path: &Path) -> bool {
-    path.join(crate::trace::manifest::MANIFEST_NAME).is_file()
-}
-
-/// Run the model candidate as the baseline (or the options) say, into `out`.
-fn record_candidate(
-    args: &GateArgs,
-    baseline: Option<&Baseline>,
-    out: &Path,
-) -> anyhow::Result<()> {
-    let model = Model::open(&args.candidate)?;
-    let prompt = match (&args.prompt, args.tokens.is_empty(), baseline) {
-        (Some(p), _, _) => Some(p.clone()),
-        (None, false, _) | (None, true, Some(_)) => None,
-        (None, true, None) => Some(DEFAULT_PROMPT.to_string()),
-    };
-    let ids = match (args.tokens.is_empty(), baseline) {
-        (true, Some(b)) => b.tokens.clone(),
-        _ => args.tokens.clone(),
-    };
-    let (tokens, _) = prompt_tokens(&model.files, prompt.as_deref(), &ids)?;
-    let dtype = match (args.dtype, baseline) {
-        (Some(d), _) => d,
-        (None, Some(b)) => Precision::from_name(&b.dtype)?,
-        (None, None) => Precision::F32,
-    };
-    let tp = args.tp.or(baseline.map(|b| u64::from(b.tp))).unwrap_or(1);
-    let ep = args.ep || baseline.is_some_and(|b| b.ep);
-    let latent_norm_eps = args
-        .latent_norm_eps
-        .or(baseline.and_then(Baseline::latent_norm_eps))
-        .unwrap_or(HF_LATENT_NORM_EPS);
-    // The logits and layer outputs in full, and the top-k boundary gaps so that a baseline knows
-    // its near ties, with the choices made there; the baseline's choices at its near ties are
-    // taken again.
-    let mut full: Vec<&str> = DEFAULT_FULL.to_vec();
-    full.extend([
-        "L*.attn.index_gap",
-        "L*.moe.topk_gap",
-        "L*.attn.index_topk",
-        "L*.moe.topk_ids",
-    ]);
-    let ties = baseline.map(Baseline::tie_breaks);
-    record(RunSpec {
-        model: &model,
-        tokens: &tokens,
-        out,
-        full: FullSelector::new(&full)?,
-        latent_norm_eps,
-        dtype,
-        tp,
-        ep,
-        backend: args.backend,
-        process: None,
-        inject: args.inject,
-        generate: 0,
-        warm_up: 0,
-        ties: ties.as_ref().filter(|t| t.count() > 0),
-        stored_as: None,
-        hybrid: None,
-    })?;
-    Ok(())
-}
-
 pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
     let baseline = if args.update {
         None
     } else {
         Some(Baseline::load(&args.baseline)?)
     };
-    let model_only = [
-        ("--dtype", args.dtype.is_some()),
-        ("--tp", args.tp.is_some()),
-        ("--ep", args.ep),
-        ("--inject", args.inject.is_some()),
-        ("--tokens", !args.tokens.is_empty()),
-        ("--prompt", args.prompt.is_some()),
-        ("--latent-norm-eps", args.latent_norm_eps.is_some()),
-        ("--out", args.out.is_some()),
-    ];
-    let scratch = tempfile::tempdir().context("a temporary folder for the candidate's trace")?;
-    let trace_dir = if is_trace(&args.candidate) {
-        if let Some((flag, _)) = model_only.iter().find(|(_, given)| *given) {
-            bail!(
-                "{}: {flag} applies to a model candidate, and this is a trace",
-                args.candidate.display()
-            );
-        }
-        args.candidate.clone()
-    } else {
-        if !args.candidate.exists() {
-            bail!("{}: no such trace or model", args.candidate.display());
-        }
-        let out = args
-            .out
-            .clone()
-            .unwrap_or_else(|| scratch.path().join("candidate.trace"));
-        record_candidate(&args, baseline.as_ref(), &out)?;
-        out
+    let run = ModelRun {
+        dtype: args.dtype,
+        tp: args.tp,
+        ep: args.ep,
+        backend: args.backend,
+        inject: args.inject,
+        tokens: args.tokens.clone(),
+        prompt: args.prompt.clone(),
+        latent_norm_eps: args.latent_norm_eps,
+        out: args.out.clone(),
     };
+    let scratch = tempfile::tempdir().context("a temporary folder for the candidate's trace")?;
+    let trace_dir = candidate_trace(&args.candidate, &run, baseline.as_ref(), scratch.path())?;
     let trace = Trace::open(&trace_dir).with_context(|| trace_dir.display().to_string())?;
 
     let Some(baseline) = baseline else {
@@ -200,19 +115,7 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
         return Ok(Outcome::Pass);
     };
 
-    let shown = if is_trace(&args.candidate) {
-        args.candidate.display().to_string()
-    } else {
-        format!("{} (run here)", args.candidate.display())
-    };
-    let mut report = gate::check(&baseline, &trace, &args.baseline.display().to_string())?;
-    report.candidate = shown;
-    let taken = baseline.tie_breaks().count();
-    if taken > 0 && !is_trace(&args.candidate) {
-        report.notes.push(format!(
-            "{taken} top-k positions were near ties in the baseline's run; the candidate run took the baseline's choice there"
-        ));
-    }
+    let report = check(&baseline, &args.baseline, &args.candidate, &trace)?;
     if let Some(out) = &args.junit {
         let suite = args
             .baseline
