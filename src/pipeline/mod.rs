@@ -3,6 +3,7 @@
 //! into these and prints what they return (docs/design.md §3).
 
 pub mod bisect;
+pub mod fault_matrix;
 pub mod gate;
 pub mod model;
 pub mod record;

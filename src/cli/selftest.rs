@@ -2,8 +2,6 @@
 //! same op in f64 on the CPU, one table row per op, shape and dtype with its NMSE and limit; with
 //! `--faults MODEL`, the fault catalogue planted and bisected on the backend.
 
-mod faults;
-
 use anyhow::{bail, Context, Result};
 use comfy_table::Cell;
 use serde_json::json;
@@ -15,6 +13,7 @@ use super::Outcome;
 use crate::dtype::Precision;
 use crate::engine::{BackendKind, Engine};
 use crate::exec::selftest;
+use crate::pipeline::fault_matrix;
 
 #[derive(clap::Args, Debug)]
 pub struct SelftestArgs {
@@ -60,7 +59,7 @@ pub struct SelftestArgs {
 /// found.
 fn fault_matrix(args: &SelftestArgs, model: &Path, dtypes: &[Precision]) -> Result<Outcome> {
     let bar = progress(0, args.json, "fault matrix");
-    let cases = faults::matrix(model, args.backend, args.tp, dtypes, &args.only, |what| {
+    let cases = fault_matrix::matrix(model, args.backend, args.tp, dtypes, &args.only, |what| {
         bar.set_message(what.to_string());
         bar.tick();
     })?;

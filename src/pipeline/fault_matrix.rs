@@ -1,17 +1,18 @@
-//! `glmcheck selftest --faults MODEL`: glmcheck's own diagnosis checked on a backend. Every fault
-//! of the catalogue is planted in turn in a candidate run at the given TP and dtypes, and
-//! `bisect` must name the catalogue's class at its stage; a clean candidate must pass.
+//! The fault matrix (`glmcheck selftest --faults MODEL`): glmcheck's own diagnosis checked on a
+//! backend. Every fault of the catalogue is planted in turn in a candidate run at the given TP
+//! and dtypes, and `bisect` must name the catalogue's class at its stage; a clean candidate
+//! must pass.
 
 use anyhow::{bail, Result};
 use serde::Serialize;
 
+use super::bisect::{bisect, BisectOptions};
+use super::Model;
 use crate::compare::Status;
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
 use crate::exec::inject::{Injection, CATALOGUE};
 use crate::model::stages::{stage_names, stage_weights};
-use crate::pipeline::bisect::{bisect, BisectOptions};
-use crate::pipeline::Model;
 use crate::weights::GgmlType;
 
 /// The prompt of every case: 12 tokens, enough for the DSA top-k to choose.
