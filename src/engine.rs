@@ -4,7 +4,9 @@
 
 use anyhow::Result;
 
-use crate::cuda::backend::{Cuda, GpuWeight, ProcessRank, RankMemory};
+use crate::cuda::backend::{Cuda, GpuWeight};
+use crate::cuda::memory::RankMemory;
+use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu};

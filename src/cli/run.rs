@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::Outcome;
-use crate::cuda::backend::ProcessRank;
+use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;

@@ -17,8 +17,14 @@ use crate::weights::GgmlType;
 
 pub mod backend;
 pub mod check;
+mod device;
+mod dtype;
+mod launch;
+pub mod memory;
 mod nccl_id;
 mod nvrtc;
+pub mod ranks;
+mod resident;
 
 pub use backend::Cuda;
 

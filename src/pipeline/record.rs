@@ -7,7 +7,8 @@ use anyhow::{bail, Context};
 use serde_json::json;
 
 use super::Model;
-use crate::cuda::backend::{ProcessRank, RankMemory};
+use crate::cuda::memory::RankMemory;
+use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::engine::{BackendKind, Engine};
 use crate::exec::backend::{Backend, Cpu};

@@ -1,0 +1,123 @@
+//! One rank's GPU: opening it with its cuBLAS handle, memory meter and resident blocks; values to
+//! and from it; a stored weight dequantized on it.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, Context, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+
+use super::dtype::Dtype;
+use super::memory::{Buffer, Meter};
+use super::resident::Resident;
+use super::Gpu;
+use crate::exec::stored::StoredBlock;
+
+/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks.
+pub(super) struct Device {
+    pub(super) gpu: Gpu,
+    pub(super) blas: CudaBlas,
+    pub(super) meter: Arc<Meter>,
+    pub(super) resident: Resident,
+}
+
+// SAFETY: a Device is only used under its mutex, by one thread at a time; its context is bound
+// to that thread before each use.
+unsafe impl Send for Device {}
+
+impl Device {
+    pub(super) fn bind(&self) -> Result<()> {
+        self.gpu.stream.context().bind_to_thread()?;
+        Ok(())
+    }
+
+    pub(super) fn alloc<D: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buffer<D>> {
+        let slice = self
+            .gpu
+            .stream
+            .alloc_zeros::<D>(n.max(1))
+            .with_context(|| format!("allocating {n} values on {}", self.gpu.name))?;
+        self.meter
+            .take((slice.len() * std::mem::size_of::<D>()) as u64);
+        Ok(Buffer {
+            slice,
+            meter: self.meter.clone(),
+        })
+    }
+
+    /// Host f32 values as dtype `D` on this GPU.
+    pub(super) fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
+        let mut buf = self.alloc::<D>(values.len())?;
+        if !values.is_empty() {
+            let host: Vec<D> = values.iter().map(|&v| D::from_f32(v)).collect();
+            self.gpu.stream.memcpy_htod(&host, &mut buf.slice)?;
+        }
+        Ok(buf)
+    }
+
+    /// The first `n` values of `buf` as host f32.
+    pub(super) fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
+        let host = self.gpu.stream.clone_dtoh(&buf.slice)?;
+        Ok(host.into_iter().take(n).map(D::to_f32).collect())
+    }
+
+    /// A stored block of a weight dequantized on this GPU to dtype `D`: from its blocks kept
+    /// here, or read from the file and uploaded first (and kept, within the budget).
+    pub(super) fn dequantize_stored<D: Dtype>(&mut self, w: &StoredBlock<'_>) -> Result<Buffer<D>> {
+        let (rows, cols) = w.shape();
+        let n = rows * cols;
+        let mut out = self.alloc::<D>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let key = w.key();
+        if let Some(blocks) = self.resident.blocks.get(&key) {
+            self.gpu
+                .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+            return Ok(out);
+        }
+        let began = std::time::Instant::now();
+        let bytes = w.nbytes();
+        let mut blocks = self.alloc::<u8>(bytes)?;
+        {
+            let staging = self.resident.staging(&self.gpu, bytes)?;
+            w.read_into(&mut staging[..bytes])?;
+            let stream = &self.gpu.stream;
+            stream.context().bind_to_thread()?;
+            let (dst, _record) = blocks.slice.device_ptr_mut(stream);
+            // SAFETY: `dst` holds `bytes` bytes (n > 0 values need some); the copy is waited
+            // for before the staging buffer is written again.
+            unsafe {
+                let to = stream.cu_stream();
+                cudarc::driver::result::memcpy_htod_async(dst, &staging[..bytes], to)
+            }?;
+            stream.synchronize()?;
+        }
+        self.gpu
+            .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+        let r = &mut self.resident;
+        r.loaded += bytes as u64;
+        r.load_seconds += began.elapsed().as_secs_f64();
+        if r.kept + bytes as u64 <= r.budget {
+            r.kept += bytes as u64;
+            r.blocks.insert(key, blocks);
+        }
+        Ok(out)
+    }
+}
+
+/// GPU `ordinal` as a rank's device, its resident budget taken from its free memory now.
+pub(super) fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
+    let gpu = Gpu::open(ordinal)?;
+    let blas =
+        CudaBlas::new(gpu.stream.clone()).map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
+    gpu.stream.context().bind_to_thread()?;
+    let (free, total) = cudarc::driver::result::mem_get_info()
+        .map_err(|e| anyhow!("free memory of {}: {e:?}", gpu.name))?;
+    Ok(Mutex::new(Device {
+        gpu,
+        blas,
+        meter: Arc::default(),
+        resident: Resident::new(free as u64, total as u64),
+    }))
+}

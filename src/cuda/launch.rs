@@ -1,0 +1,336 @@
+//! The ops on one rank's GPU: launches of the kernels of `kernels/ops.cu` (norms, element-wise
+//! ops, rounding, RoPE, attention) and cuBLAS GEMMs, host matrices in and out.
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::device::Device;
+use super::dtype::Dtype;
+use super::memory::Buffer;
+use crate::exec::attention_core::AttentionInputs;
+use crate::exec::mat::Mat;
+use crate::exec::rope::{Rope, RotateSpec};
+
+/// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
+const ROW_THREADS: u32 = 256;
+/// Shared memory one attention block may use for its scores (the default limit per block).
+const MAX_SCORES_BYTES: u32 = 40 << 10;
+/// Threads per block of the element-wise kernels.
+const ELEMENT_THREADS: u32 = 256;
+
+impl Device {
+    fn kernel(&self, op: &str, suffix: &str) -> Result<cudarc::driver::CudaFunction> {
+        self.gpu.ops_kernel(&format!("{op}_{suffix}"))
+    }
+
+    /// RMSNorm (no bias) or LayerNorm (`bias` Some) of every row of `x`.
+    pub(super) fn norm<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        w: &[f32],
+        bias: Option<&[f32]>,
+        eps: f64,
+    ) -> Result<Mat<f32>> {
+        check_len("norm weight", w.len(), x.cols)?;
+        if let Some(b) = bias {
+            check_len("norm bias", b.len(), x.cols)?;
+        }
+        let (input, weight) = (self.upload::<D>(&x.data)?, self.upload::<D>(w)?);
+        let mut out = self.alloc::<D>(x.data.len())?;
+        let (cols, eps) = (to_u32(x.cols)?, eps as f32);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(x.rows)?, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if x.rows == 0 {
+            return Ok(x.clone());
+        }
+        match bias {
+            None => {
+                let f = self.kernel("rms_norm", D::SUFFIX)?;
+                let mut launch = self.gpu.stream.launch_builder(&f);
+                launch
+                    .arg(&input.slice)
+                    .arg(&weight.slice)
+                    .arg(&mut out.slice)
+                    .arg(&cols)
+                    .arg(&eps);
+                // SAFETY: rows × cols values in and out, cols weights, as allocated above.
+                unsafe { launch.launch(cfg) }?;
+            }
+            Some(b) => {
+                let bias = self.upload::<D>(b)?;
+                let f = self.kernel("layer_norm", D::SUFFIX)?;
+                let mut launch = self.gpu.stream.launch_builder(&f);
+                launch
+                    .arg(&input.slice)
+                    .arg(&weight.slice)
+                    .arg(&bias.slice)
+                    .arg(&mut out.slice)
+                    .arg(&cols)
+                    .arg(&eps);
+                // SAFETY: as above, with cols bias values.
+                unsafe { launch.launch(cfg) }?;
+            }
+        }
+        Ok(Mat::new(x.rows, x.cols, self.download(&out, x.data.len())?))
+    }
+
+    /// An element-wise op of two equally shaped matrices (`silu_mul`, `add`).
+    pub(super) fn elementwise<D: Dtype>(
+        &self,
+        op: &str,
+        a: &Mat<f32>,
+        b: &Mat<f32>,
+    ) -> Result<Mat<f32>> {
+        if (a.rows, a.cols) != (b.rows, b.cols) {
+            bail!(
+                "{op}: {}×{} and {}×{} differ",
+                a.rows,
+                a.cols,
+                b.rows,
+                b.cols
+            );
+        }
+        let n = a.data.len();
+        if n == 0 {
+            return Ok(a.clone());
+        }
+        let (x, y) = (self.upload::<D>(&a.data)?, self.upload::<D>(&b.data)?);
+        let mut out = self.alloc::<D>(n)?;
+        let count = to_u32(n)?;
+        let f = self.kernel(op, D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&x.slice)
+            .arg(&y.slice)
+            .arg(&mut out.slice)
+            .arg(&count);
+        // SAFETY: n values in each input and the output.
+        unsafe { launch.launch(elements(count)) }?;
+        Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
+    }
+
+    /// f32 values rounded to the dtype by the GPU.
+    pub(super) fn round<D: Dtype>(&self, xs: &mut [f32]) -> Result<()> {
+        if xs.is_empty() {
+            return Ok(());
+        }
+        let input = self.upload::<f32>(xs)?;
+        let mut out = self.alloc::<D>(xs.len())?;
+        let count = to_u32(xs.len())?;
+        let f = self.kernel("round_to", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(&input.slice).arg(&mut out.slice).arg(&count);
+        // SAFETY: n values in and out.
+        unsafe { launch.launch(elements(count)) }?;
+        xs.copy_from_slice(&self.download(&out, xs.len())?);
+        Ok(())
+    }
+
+    /// RoPE on `m`'s rows in place (f32 in and out, as the caller rounds).
+    pub(super) fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+        let half = rope.inv_freq().len();
+        if spec.width == 0 || m.cols % spec.width != 0 || spec.offset + 2 * half > spec.width {
+            bail!(
+                "rope: rows of {} values do not hold heads of {} with {} rope dims from {}",
+                m.cols,
+                spec.width,
+                2 * half,
+                spec.offset
+            );
+        }
+        let heads = m.cols / spec.width;
+        let n = m.rows * heads * half;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut x = self.upload::<f32>(&m.data)?;
+        let freq = self.upload::<f32>(rope.inv_freq())?;
+        let f = self.kernel("rope", "f32")?;
+        let (rows, width, heads32) = (to_u32(m.rows)?, to_u32(spec.width)?, to_u32(heads)?);
+        let (offset, half32, start) = (to_u32(spec.offset)?, to_u32(half)?, to_u32(spec.start)?);
+        let (interleaved, scale) = (u32::from(spec.interleaved), rope.scale());
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&mut x.slice)
+            .arg(&freq.slice)
+            .arg(&rows)
+            .arg(&width)
+            .arg(&heads32)
+            .arg(&offset)
+            .arg(&half32)
+            .arg(&start)
+            .arg(&interleaved)
+            .arg(&scale);
+        // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
+        // head (checked above).
+        unsafe { launch.launch(elements(to_u32(n)?)) }?;
+        m.data = self.download(&x, m.data.len())?;
+        Ok(())
+    }
+
+    /// MLA attention (see [`AttentionInputs`]), one block per position and head, the context
+    /// in f32.
+    pub(super) fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+        let (t, heads) = (a.q.rows, a.heads);
+        let n = t * heads * a.v;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut keys = vec![-1i32; t * slots];
+        for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
+            for (k, &j) in row.iter_mut().zip(chosen) {
+                if j >= 0 && j as usize >= a.positions {
+                    bail!(
+                        "attention: key {j} beyond the {} cached positions",
+                        a.positions
+                    );
+                }
+                *k = j;
+            }
+        }
+        let shared = (slots * std::mem::size_of::<f32>()) as u32;
+        if shared > MAX_SCORES_BYTES {
+            bail!(
+                "attention over {slots} keys: at most {} in one block",
+                MAX_SCORES_BYTES / 4
+            );
+        }
+        let q = self.upload::<D>(&a.q.data)?;
+        let kv = self.upload::<D>(a.kv)?;
+        let k_rope = self.upload::<D>(a.k_rope)?;
+        let mut key_buf = self.gpu.stream.alloc_zeros::<i32>(keys.len())?;
+        self.gpu.stream.memcpy_htod(&keys, &mut key_buf)?;
+        let mut out = self.alloc::<f32>(n)?;
+        let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
+        let (v, slots32) = (to_u32(a.v)?, to_u32(slots)?);
+        let scale = a.scale;
+        let f = self.kernel("attention", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&q.slice)
+            .arg(&kv.slice)
+            .arg(&k_rope.slice)
+            .arg(&key_buf)
+            .arg(&mut out.slice)
+            .arg(&heads32)
+            .arg(&nope)
+            .arg(&rope)
+            .arg(&v)
+            .arg(&slots32)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(t)?, heads32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached position
+        // the keys name (checked above), keys t × slots, out t × heads × v; the scores take
+        // `shared` bytes.
+        unsafe { launch.launch(cfg) }?;
+        self.download(&out, n)
+    }
+
+    /// `x · wᵀ` through cuBLAS, f32 accumulation; the output in the dtype, or in f32 (`exact`).
+    pub(super) fn linear<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        w: &Buffer<D>,
+        w_rows: usize,
+        exact: bool,
+    ) -> Result<Mat<f32>> {
+        let input = self.upload::<D>(&x.data)?;
+        let n = x.rows * w_rows;
+        if n == 0 {
+            return Ok(Mat::zeros(x.rows, w_rows));
+        }
+        let data = if exact {
+            let mut out = self.alloc::<f32>(n)?;
+            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.download(&out, n)?
+        } else {
+            let mut out = self.alloc::<D>(n)?;
+            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.download(&out, n)?
+        };
+        Ok(Mat::new(x.rows, w_rows, data))
+    }
+
+    /// `out[t, w_rows] = input[t, k] · w[w_rows, k]ᵀ`: in cuBLAS's column-major terms
+    /// `outᵀ = w · inputᵀ`, with `w` read transposed from its row-major storage.
+    fn gemm<D: Dtype, O: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        input: &Buffer<D>,
+        w: &Buffer<D>,
+        w_rows: usize,
+        out: &mut Buffer<O>,
+    ) -> Result<()> {
+        let (m, n, k) = (to_i32(w_rows)?, to_i32(x.rows)?, to_i32(x.cols)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stream = &self.gpu.stream;
+        let (a, _a) = w.slice.device_ptr(stream);
+        let (b, _b) = input.slice.device_ptr(stream);
+        let (c, _c) = out.slice.device_ptr_mut(stream);
+        // SAFETY: w holds w_rows × k values, input t × k, out t × w_rows, as the leading
+        // dimensions say; alpha and beta are f32 as CUBLAS_COMPUTE_32F needs.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                D::CUDA,
+                k,
+                b as *const _,
+                D::CUDA,
+                k,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                O::CUDA,
+                m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| {
+            anyhow!(
+                "cuBLAS GEMM {w_rows}×{}·{}ᵀ on {}: {e:?}",
+                x.cols,
+                x.rows,
+                self.gpu.name
+            )
+        })
+    }
+}
+
+fn elements(count: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (count.div_ceil(ELEMENT_THREADS), 1, 1),
+        block_dim: (ELEMENT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn to_u32(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| anyhow!("{n} is past a kernel's 2^32 - 1 limit"))
+}
+
+fn to_i32(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| anyhow!("{n} is past cuBLAS's 2^31 - 1 limit"))
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        bail!("{what} has {got} values for {want} columns");
+    }
+    Ok(())
+}
