@@ -218,7 +218,13 @@ fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
         );
         assert_eq!(err.lines().count(), 1, "{err}");
     }
-    // Right arguments, no GPU: the driver is what is missing.
-    says_no_driver(&run(&cuda, "1", "2"), "run --rank");
+    // Right arguments, the other rank never started: the ranks meet before any GPU is touched,
+    // so this rank stops within --rank-timeout naming the one missing (then, with every rank
+    // there, a machine without a GPU says its driver is missing, as above).
+    let alone = run(&[&cuda[..], &["--rank-timeout", "1"]].concat(), "1", "2");
+    assert_eq!(alone.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(err.contains("rank 0 did not arrive"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(!trace.exists(), "no trace folder left behind");
 }
