@@ -9,11 +9,8 @@ use super::diff::print_report;
 use super::output::table;
 use super::Outcome;
 use crate::compare::Status;
-use crate::dtype::Precision;
-use crate::engine::BackendKind;
-use crate::exec::forward::HF_LATENT_NORM_EPS;
-use crate::exec::inject::{Injection, CATALOGUE};
-use crate::pipeline::bisect::{bisect, gguf_meta, BisectOptions, BisectReport, Mode, WeightCheck};
+use crate::exec::inject::CATALOGUE;
+use crate::pipeline::bisect::{bisect, gguf_meta, BisectOptions, BisectReport};
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {
@@ -21,62 +18,11 @@ pub struct BisectArgs {
     /// `--candidate` names another.
     #[arg(required_unless_present = "list_faults")]
     pub model: Option<PathBuf>,
-    /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
-    pub tp: u64,
-    /// The candidate with expert parallelism: routed experts whole on their owning rank.
-    #[arg(long)]
-    pub ep: bool,
-    /// Where the candidate's ops run: `cpu`, or `cuda` (one GPU per rank, cuBLAS, NCCL); the
-    /// reference always runs on the CPU.
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub backend: BackendKind,
-    /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
-    #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: Precision,
-    /// Plant a fault in the candidate (`--list-faults`), as `NAME[=ARG]`.
-    #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
-    pub inject: Option<Injection>,
-    /// The candidate: another MODEL (a conversion of the reference: HF folder against its GGUF)
-    /// run with the options above, or a TRACE an engine probe wrote (then the prompt is the
-    /// trace's tokens).
-    #[arg(long, value_name = "MODEL|TRACE")]
-    pub candidate: Option<PathBuf>,
-    /// Prompt text (default "The capital of France is"), through the model's tokenizer.
-    #[arg(long, conflicts_with = "tokens")]
-    pub prompt: Option<String>,
-    /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',')]
-    pub tokens: Vec<u32>,
-    /// Greedy tokens generated after the prompt on both sides, to show what each prints.
-    #[arg(long, default_value_t = 8)]
-    pub generate: usize,
-    /// Eps of the q_a/kv_a RMSNorms on both sides (transformers 1e-6; vLLM, llama.cpp
-    /// `rms_norm_eps`).
-    #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
-    pub latent_norm_eps: f64,
-    /// An engine's shard manifest (the format `glmcheck shards --actual` reads): at the first
-    /// divergence, each rank's shards of the weights that stage reads are checked against the
-    /// plan — the drill-down for an engine's `--candidate TRACE`.
-    #[arg(long, value_name = "MANIFEST")]
-    pub actual: Option<PathBuf>,
-    /// Keep the traces in this folder (reference.trace, envelope.trace, candidate.trace);
-    /// default: a temporary folder, removed after.
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// A conversion's weights checked as `glmcheck verify` checks them (a corrupted tensor fails
-    /// the run even inside the envelope): `all` before the runs, `divergent` only those the first
-    /// divergent stage reads, `auto` all up to 32 GiB of candidate files, else divergent.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub weights: WeightCheck,
+    #[command(flatten)]
+    pub options: BisectOptions,
     /// List the fault catalogue (name, ARG, class and stage a correct diagnosis gives).
     #[arg(long)]
     pub list_faults: bool,
-    /// `stages`: compare every stage both sides record. `logits`: judge the candidate by its
-    /// logits alone, as an engine exposing nothing else, and find the first faulty layer by
-    /// hybrid runs (the candidate up to a layer, the reference after it; O(log L) runs).
-    #[arg(long, value_enum, default_value = "stages")]
-    pub mode: Mode,
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -84,24 +30,11 @@ pub struct BisectArgs {
 
 impl BisectArgs {
     /// The pipeline's options (MODEL is required unless `--list-faults`).
-    pub fn options(&self) -> anyhow::Result<BisectOptions> {
+    pub fn options(self) -> anyhow::Result<BisectOptions> {
         Ok(BisectOptions {
-            model: self.model.clone().context("MODEL is required")?,
-            tp: self.tp,
-            ep: self.ep,
-            backend: self.backend,
-            dtype: self.dtype,
-            inject: self.inject,
-            candidate: self.candidate.clone(),
-            prompt: self.prompt.clone(),
-            tokens: self.tokens.clone(),
-            generate: self.generate,
-            latent_norm_eps: self.latent_norm_eps,
-            actual: self.actual.clone(),
-            out: self.out.clone(),
-            weights: self.weights,
-            mode: self.mode,
+            model: self.model.context("MODEL is required")?,
             quiet: self.json,
+            ..self.options
         })
     }
 }
@@ -148,8 +81,9 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
     if args.list_faults {
         return list_faults(args.json);
     }
+    let json = args.json;
     let out = bisect(&args.options()?)?;
-    if args.json {
+    if json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print_bisect(&out);

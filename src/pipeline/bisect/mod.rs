@@ -37,12 +37,14 @@ pub use weights::{WeightCheck, WeightsInfo};
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
 
-#[derive(clap::Args, Debug)]
-pub struct BisectArgs {
-    /// A GLM-5 GGUF or Hugging Face folder: the reference, and the candidate unless
-    /// `--candidate` names another.
-    #[arg(required_unless_present = "list_faults")]
-    pub model: Option<PathBuf>,
+/// What to bisect and how: the `bisect` command's options, which the command line parses into
+/// this type directly.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BisectOptions {
+    /// The reference, and the candidate unless `candidate` names another (the command line's
+    /// positional MODEL).
+    #[arg(skip)]
+    pub model: PathBuf,
     /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub tp: u64,
@@ -91,76 +93,29 @@ pub struct BisectArgs {
     /// divergent stage reads, `auto` all up to 32 GiB of candidate files, else divergent.
     #[arg(long, value_enum, default_value = "auto")]
     pub weights: WeightCheck,
-    /// List the fault catalogue (name, ARG, class and stage a correct diagnosis gives).
-    #[arg(long)]
-    pub list_faults: bool,
     /// `stages`: compare every stage both sides record. `logits`: judge the candidate by its
     /// logits alone, as an engine exposing nothing else, and find the first faulty layer by
     /// hybrid runs (the candidate up to a layer, the reference after it; O(log L) runs).
     #[arg(long, value_enum, default_value = "stages")]
     pub mode: Mode,
-    /// Machine-readable JSON on stdout.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// What to bisect and how: the command line's `bisect` arguments, typed.
-#[derive(Clone, Debug)]
-pub struct BisectOptions {
-    /// The reference, and the candidate unless `candidate` names another.
-    pub model: PathBuf,
-    /// The candidate's tensor-parallel degree (vLLM's split).
-    pub tp: u64,
-    /// The candidate with expert parallelism.
-    pub ep: bool,
-    /// Where the candidate's ops run; the reference always runs on the CPU.
-    pub backend: BackendKind,
-    /// The candidate's dtype; bf16/f16 are judged against the reference re-run at it.
-    pub dtype: Precision,
-    /// A fault planted in the candidate.
-    pub inject: Option<Injection>,
-    /// Another MODEL (a conversion of the reference) or an engine's TRACE.
-    pub candidate: Option<PathBuf>,
-    /// Prompt text; none and no `tokens`: [`DEFAULT_PROMPT`].
-    pub prompt: Option<String>,
-    pub tokens: Vec<u32>,
-    /// Greedy tokens generated after the prompt on both sides.
-    pub generate: usize,
-    /// Eps of the q_a/kv_a RMSNorms on both sides.
-    pub latent_norm_eps: f64,
-    /// An engine's shard manifest, checked at the first divergence.
-    pub actual: Option<PathBuf>,
-    /// Where the traces are kept; none: a temporary folder.
-    pub out: Option<PathBuf>,
-    /// Which of a conversion's weights are checked.
-    pub weights: WeightCheck,
-    pub mode: Mode,
     /// No progress bar (JSON output, tests).
+    #[arg(skip)]
     pub quiet: bool,
 }
 
 impl BisectOptions {
-    /// Bisect `model` against itself as the candidate with every other option at its default:
-    /// CPU, TP 1, f32, the default prompt.
+    /// Bisect `model` against itself as the candidate with every other option at the command
+    /// line's default (CPU, TP 1, f32, the default prompt), without a progress bar.
     pub fn new(model: PathBuf) -> Self {
-        BisectOptions {
-            model,
-            tp: 1,
-            ep: false,
-            backend: BackendKind::Cpu,
-            dtype: Precision::F32,
-            inject: None,
-            candidate: None,
-            prompt: None,
-            tokens: Vec::new(),
-            generate: 8,
-            latent_norm_eps: HF_LATENT_NORM_EPS,
-            actual: None,
-            out: None,
-            weights: WeightCheck::Auto,
-            mode: Mode::Stages,
-            quiet: true,
+        #[derive(clap::Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            options: BisectOptions,
         }
+        let mut options = <Defaults as clap::Parser>::parse_from(["bisect"]).options;
+        options.model = model;
+        options.quiet = true;
+        options
     }
 }
 
