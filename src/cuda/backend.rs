@@ -7,14 +7,15 @@
 //! the CPU and the GPUs, and each op can be checked against the CPU's (`glmcheck selftest`).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use anyhow::{bail, Result};
 use half::{bf16, f16};
 
+use super::device::Device;
 use super::dtype::{Dtype, Held};
 use super::memory::RankMemory;
-use super::ranks::{lock, Ranks};
+use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
@@ -60,6 +61,31 @@ pub struct GpuWeight {
 }
 
 impl Cuda {
+    /// GPUs 0..`tp`, one per rank, at `precision` (f32, bf16 or f16).
+    pub fn open(precision: Precision, tp: usize) -> Result<Cuda> {
+        Ok(Cuda::over(Ranks::open(precision, tp)?, precision))
+    }
+
+    /// Rank `p.rank` of `p.world_size` in a process of its own, on GPU `rank` (modulo the GPUs
+    /// visible), joined to the others through the NCCL id in `p.nccl_id` — the route to
+    /// several nodes.
+    pub fn open_rank(precision: Precision, p: &ProcessRank) -> Result<Cuda> {
+        Ok(Cuda::over(Ranks::open_rank(precision, p)?, precision))
+    }
+
+    fn over(ranks: Ranks, precision: Precision) -> Cuda {
+        Cuda {
+            ranks: Arc::new(ranks),
+            rank: 0,
+            precision,
+        }
+    }
+
+    /// This rank's device, bound to the calling thread.
+    fn device(&self, rank: usize) -> Result<MutexGuard<'_, Device>> {
+        self.ranks.device(rank)
+    }
+
     /// The GPUs' names, by rank.
     pub fn device_names(&self) -> Vec<String> {
         self.ranks
@@ -200,7 +226,7 @@ impl Backend for Cuda {
                     bail!("rank {own}'s own part is missing");
                 };
                 let comms = lock(comms);
-                with_dtype!(self.precision, D => self.nccl_gather::<D>(&comms, mine))
+                with_dtype!(self.precision, D => self.ranks.nccl_gather::<D>(&comms, mine))
             }
             _ => all_computed(parts),
         }
@@ -214,7 +240,7 @@ impl Backend for Cuda {
         match &self.ranks.comms {
             Some(comms) if parts.len() == self.ranks.tp && shapes_agree => {
                 let comms = lock(comms);
-                with_dtype!(self.precision, D => self.nccl_all_reduce::<D>(&comms, parts))
+                with_dtype!(self.precision, D => self.ranks.nccl_all_reduce::<D>(&comms, parts))
             }
             _ => sum_in_rank_order(self, parts),
         }

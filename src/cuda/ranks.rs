@@ -1,12 +1,11 @@
 //! The tensor-parallel ranks: their GPUs opened, all in one process or one in each process of a
 //! run, and the NCCL all-reduce and all-gather across them.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nccl::{Comm, ReduceOp};
 
-use super::backend::Cuda;
 use super::device::{open_device, Device};
 use super::dtype::Dtype;
 use crate::dtype::Precision;
@@ -63,9 +62,9 @@ fn check_setup(precision: Precision, ranks: usize) -> Result<()> {
     Ok(())
 }
 
-impl Cuda {
+impl Ranks {
     /// GPUs 0..`tp`, one per rank, at `precision` (f32, bf16 or f16).
-    pub fn open(precision: Precision, tp: usize) -> Result<Cuda> {
+    pub(super) fn open(precision: Precision, tp: usize) -> Result<Ranks> {
         check_setup(precision, tp)?;
         let visible = cudarc::driver::CudaContext::device_count()? as usize;
         if tp > visible {
@@ -80,22 +79,18 @@ impl Cuda {
         } else {
             None
         };
-        Ok(Cuda {
-            ranks: Arc::new(Ranks {
-                devices,
-                comms,
-                local: (0..tp).collect(),
-                tp,
-            }),
-            rank: 0,
-            precision,
+        Ok(Ranks {
+            devices,
+            comms,
+            local: (0..tp).collect(),
+            tp,
         })
     }
 
     /// Rank `p.rank` of `p.world_size` in a process of its own, on GPU `rank` (modulo the GPUs
     /// visible), joined to the others through the NCCL id in `p.nccl_id` — the route to
     /// several nodes.
-    pub fn open_rank(precision: Precision, p: &ProcessRank) -> Result<Cuda> {
+    pub(super) fn open_rank(precision: Precision, p: &ProcessRank) -> Result<Ranks> {
         let ProcessRank {
             rank, world_size, ..
         } = *p;
@@ -112,21 +107,17 @@ impl Cuda {
         let stream = lock(&device).gpu.stream.clone();
         let comm = Comm::from_rank(stream, rank, world_size, id)
             .map_err(|e| anyhow!("NCCL rank {rank} of {world_size}: {e:?}"))?;
-        Ok(Cuda {
-            ranks: Arc::new(Ranks {
-                devices: vec![device],
-                comms: Some(Mutex::new(Comms(vec![comm]))),
-                local: vec![rank],
-                tp: world_size,
-            }),
-            rank: 0,
-            precision,
+        Ok(Ranks {
+            devices: vec![device],
+            comms: Some(Mutex::new(Comms(vec![comm]))),
+            local: vec![rank],
+            tp: world_size,
         })
     }
 
     /// This rank's device, bound to the calling thread.
     pub(super) fn device(&self, rank: usize) -> Result<MutexGuard<'_, Device>> {
-        let device = lock(&self.ranks.devices[rank]);
+        let device = lock(&self.devices[rank]);
         device.bind()?;
         Ok(device)
     }
@@ -137,7 +128,7 @@ impl Cuda {
         comms: &Comms,
         parts: &[Mat<f32>],
     ) -> Result<Mat<f32>> {
-        let local = &self.ranks.local;
+        let local = &self.local;
         let devices: Vec<MutexGuard<'_, Device>> = (0..local.len())
             .map(|d| self.device(d))
             .collect::<Result<_>>()?;
@@ -178,7 +169,7 @@ impl Cuda {
         let device = self.device(0)?;
         let send = device.upload::<D>(&own.data)?;
         let n = own.data.len();
-        let tp = self.ranks.tp;
+        let tp = self.tp;
         let mut receive = device.alloc::<D>(n * tp)?;
         nccl_group(|| {
             comms.0[0]

@@ -1,0 +1,241 @@
+//! The crate's import graph: no file-level cycles, and every `crate::`/`super::` import points
+//! down the layer order that docs/design.md draws (the CLI on top, the weight readers at the
+//! bottom). Unit-test modules may reach anywhere and are left out.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Top-level modules, highest first: a module imports only from modules after it.
+const LAYERS: &[&str] = &[
+    "cli", "pipeline", "gate", "verify", "diagnose", "report", "engine", "cuda", "exec", "synth",
+    "shard", "compare", "trace", "model", "weights", "dtype", "progress",
+];
+
+type ModPath = Vec<String>;
+
+/// Every `.rs` file under `src/` by its module path (`src/exec/mod.rs` is `exec`).
+fn source_files(dir: &Path, prefix: &[String], out: &mut BTreeMap<ModPath, String>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        if path.is_dir() {
+            let mut p = prefix.to_vec();
+            p.push(name);
+            source_files(&path, &p, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let mut module = prefix.to_vec();
+            if !matches!(name.as_str(), "mod" | "lib" | "main") {
+                module.push(name);
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            out.insert(module, text);
+        }
+    }
+}
+
+/// The source without comments and without its unit-test module.
+fn code_of(text: &str) -> String {
+    let body = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+    body.lines()
+        .map(|l| l.split("//").next().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The paths `crate::…`/`super::…` in `code` names, groups `{a, b::c}` expanded, each made
+/// absolute from `module`.
+fn imported_paths(code: &str, module: &[String]) -> Vec<ModPath> {
+    let bytes = code.as_bytes();
+    let mut out = Vec::new();
+    for start in ["crate::", "super::"] {
+        let mut at = 0;
+        while let Some(found) = code[at..].find(start) {
+            let i = at + found;
+            at = i + start.len();
+            if i > 0
+                && (bytes[i - 1].is_ascii_alphanumeric()
+                    || bytes[i - 1] == b'_'
+                    || bytes[i - 1] == b':')
+            {
+                continue;
+            }
+            let base: ModPath = if start == "crate::" {
+                Vec::new()
+            } else {
+                module[..module.len().saturating_sub(1)].to_vec()
+            };
+            expand(&code[at..], base, &mut out);
+        }
+    }
+    out
+}
+
+/// Reads `seg::seg::{…}` from the head of `rest` onto `base`.
+fn expand(rest: &str, mut base: ModPath, out: &mut Vec<ModPath>) {
+    let mut s = rest;
+    loop {
+        let ident: String = s
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if ident.is_empty() {
+            break;
+        }
+        s = &s[ident.len()..];
+        match ident.as_str() {
+            "super" => {
+                base.pop();
+            }
+            "self" => {}
+            _ => base.push(ident),
+        }
+        match s.strip_prefix("::") {
+            Some(next) => s = next,
+            None => break,
+        }
+    }
+    if let Some(group) = s.strip_prefix('{') {
+        let mut depth = 1;
+        let mut item_start = 0;
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' | ',' if depth == 1 => {
+                    expand(group[item_start..i].trim_start(), base.clone(), out);
+                    item_start = i + 1;
+                    if c == '}' {
+                        break;
+                    }
+                }
+                '}' => depth -= 1,
+                _ => {}
+            }
+        }
+    } else {
+        out.push(base);
+    }
+}
+
+/// The import graph between files: an edge to the longest module prefix of each path.
+fn file_graph() -> BTreeMap<ModPath, BTreeSet<ModPath>> {
+    let mut files = BTreeMap::new();
+    source_files(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &[],
+        &mut files,
+    );
+    let modules: BTreeSet<ModPath> = files.keys().cloned().collect();
+    files
+        .iter()
+        .map(|(module, text)| {
+            let targets = imported_paths(&code_of(text), module)
+                .into_iter()
+                .filter_map(|p| {
+                    (0..=p.len())
+                        .rev()
+                        .map(|n| p[..n].to_vec())
+                        .find(|m| modules.contains(m))
+                })
+                .filter(|t| t != module && !module.starts_with(t))
+                .collect();
+            (module.clone(), targets)
+        })
+        .collect()
+}
+
+#[test]
+fn no_file_imports_itself_back() {
+    let graph = file_graph();
+    // A cycle exists iff some file reaches itself: depth-first search from each file.
+    for start in graph.keys() {
+        let mut stack: Vec<(ModPath, Vec<ModPath>)> = vec![(start.clone(), vec![start.clone()])];
+        let mut seen = BTreeSet::new();
+        while let Some((at, trail)) = stack.pop() {
+            for next in &graph[&at] {
+                if next == start {
+                    let names: Vec<String> = trail.iter().map(|m| m.join("::")).collect();
+                    panic!(
+                        "import cycle: {} -> {}",
+                        names.join(" -> "),
+                        start.join("::")
+                    );
+                }
+                if seen.insert(next.clone()) {
+                    let mut t = trail.clone();
+                    t.push(next.clone());
+                    stack.push((next.clone(), t));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn imports_point_down_the_layers() {
+    let rank = |m: &ModPath| {
+        m.first()
+            .and_then(|top| LAYERS.iter().position(|l| l == top))
+    };
+    let mut upward = Vec::new();
+    for (from, targets) in file_graph() {
+        let Some(from_rank) = rank(&from) else {
+            continue;
+        };
+        for to in targets {
+            let to_rank = rank(&to).unwrap_or_else(|| {
+                panic!(
+                    "{} imports {}, which is in no layer",
+                    from.join("::"),
+                    to.join("::")
+                )
+            });
+            if to_rank < from_rank {
+                upward.push(format!("{} -> {}", from.join("::"), to.join("::")));
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports from a lower layer to a higher one:\n{}",
+        upward.join("\n")
+    );
+}
+
+#[test]
+fn every_top_level_module_has_a_layer() {
+    let graph = file_graph();
+    let tops: BTreeSet<&String> = graph.keys().filter_map(|m| m.first()).collect();
+    for top in tops {
+        assert!(
+            LAYERS.contains(&top.as_str()),
+            "src/{top} is in no layer of LAYERS"
+        );
+    }
+}
+
+#[test]
+fn the_reader_sees_grouped_imports_and_skips_comments_and_tests() {
+    // The graph's own reader: groups, nested groups, `super` and `self`.
+    let module: ModPath = vec!["exec".into(), "forward".into()];
+    let paths = imported_paths(
+        "use crate::model::{stage::Stage, names::{A, B}};\nuse super::mat::Mat;\nlet x = super::super::dtype::F;",
+        &module,
+    );
+    let joined: BTreeSet<String> = paths.iter().map(|p| p.join("::")).collect();
+    for want in [
+        "model::stage::Stage",
+        "model::names::A",
+        "model::names::B",
+        "exec::mat::Mat",
+        "dtype::F",
+    ] {
+        assert!(joined.contains(want), "{want} not read from {joined:?}");
+    }
+    // Comments and the unit-test module are not read.
+    let code = code_of("use crate::a::X; // crate::b\n#[cfg(test)]\nmod tests { use crate::c; }");
+    let only: Vec<String> = imported_paths(&code, &["b".into()])
+        .iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(only, vec!["a::X"]);
+}
