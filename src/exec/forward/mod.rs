@@ -9,26 +9,25 @@
 //! expert, dense MLP layers, the final norm and an untied `lm_head`. Only the experts the tokens
 //! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
 
-use std::borrow::Cow;
-
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::attention::{attention, KvCache, LayerCache, Selection, Step, NO_BOUNDARY};
-use super::backend::Backend;
-use super::lazy_weight::LazyWeight;
-use super::mat::Mat;
-use super::ops::{sigmoid, softmax, topk};
+mod moe;
+mod residual_scale;
 
-use super::real::Real;
-use super::sharder::Sharder;
-use super::source::WeightSource;
-use super::ties::TieBreaks;
-use crate::dtype::Precision;
+use crate::exec::attention::{attention, KvCache, LayerCache, Selection, Step};
+use crate::exec::backend::Backend;
+use crate::exec::lazy_weight::LazyWeight;
+use crate::exec::mat::Mat;
+use crate::exec::ops::topk;
+use crate::exec::real::Real;
+use crate::exec::sharder::Sharder;
+use crate::exec::source::WeightSource;
+use crate::exec::ties::TieBreaks;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::stage::{Place, Stage as StageName};
-use crate::shard::plan::expert_rank;
 use crate::trace::writer::Stage;
+use residual_scale::ResidualScale;
 
 /// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
 /// vLLM and llama.cpp use `rms_norm_eps` instead).
@@ -314,10 +313,6 @@ fn lm_head<B: Backend>(
     Ok(logits)
 }
 
-/// Routed experts dequantized and computed at once: enough to keep the cores busy on small
-/// experts, few enough that memory stays at a handful of experts whatever the core count.
-const EXPERTS_IN_FLIGHT: usize = 4;
-
 /// One decoder layer's run.
 struct Layer<'a, B: Backend> {
     src: &'a WeightSource,
@@ -330,49 +325,6 @@ struct Layer<'a, B: Backend> {
     be: &'a B,
     opts: ForwardOptions<'a>,
     scale: ResidualScale<B::E>,
-}
-
-/// vLLM's fp16 guard against overflow: the residual stream held divided by
-/// `routed_scaling_factor` (each layer's attention and FFN outputs scaled down before they are
-/// added; RMSNorm does not see the scale). Stages are recorded in the reference's units. Only
-/// in f16, and not under `--inject fp16-overflow`.
-#[derive(Clone, Copy)]
-struct ResidualScale<E>(Option<E>);
-
-impl<E: Real> ResidualScale<E> {
-    fn of<B: Backend<E = E>>(src: &WeightSource, be: &B) -> Self {
-        let guarded = be.precision() == Precision::F16 && src.hooks().fp16_residual_rescale();
-        ResidualScale(guarded.then(|| E::lit(src.cfg.routed_scaling_factor)))
-    }
-
-    /// `m` in the stream's units, held in the dtype.
-    fn down<B: Backend<E = E>>(&self, be: &B, mut m: Mat<E>) -> Result<Mat<E>> {
-        if let Some(c) = self.0 {
-            m.data.iter_mut().for_each(|v| *v /= c);
-            be.round(&mut m.data)?;
-        }
-        Ok(m)
-    }
-
-    /// The stream `x`, held by this scale, as `next` holds it (a hybrid run changing sides).
-    fn convert<B: Backend<E = E>>(&self, be: &B, next: Self, x: Mat<E>) -> Result<Mat<E>> {
-        if self.0 == next.0 {
-            return Ok(x);
-        }
-        next.down(be, self.up(&x).into_owned())
-    }
-
-    /// The stream `m` in the reference's units.
-    fn up<'m>(&self, m: &'m Mat<E>) -> Cow<'m, Mat<E>> {
-        match self.0 {
-            None => Cow::Borrowed(m),
-            Some(c) => Cow::Owned(Mat::new(
-                m.rows,
-                m.cols,
-                m.data.iter().map(|&v| v * c).collect(),
-            )),
-        }
-    }
 }
 
 impl<B: Backend> Layer<'_, B> {
@@ -571,219 +523,4 @@ impl<B: Backend> Layer<'_, B> {
         }
         Ok((a.out, a.selection))
     }
-
-    fn moe(&mut self, x: &Mat<B::E>) -> Result<Mat<B::E>> {
-        let cfg = &self.src.cfg;
-        let (t, h) = (self.t, cfg.hidden_size as usize);
-        let e = cfg.n_routed_experts as usize;
-        let be = self.be;
-        let logits = be.linear_exact(x, &self.matrix(Router)?)?;
-        self.rec("moe.router_logits", &[t, e], "t e", values(&logits))?;
-        // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
-        let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
-        let (mut ids, mut weights, mut gaps) = (
-            Vec::with_capacity(t),
-            Vec::with_capacity(t),
-            Vec::with_capacity(t),
-        );
-        let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
-        for s in 0..t {
-            let tie = self
-                .opts
-                .ties
-                .and_then(|ties| ties.moe_at(self.l, self.start + s));
-            let (i, w, gap) = route(cfg, softmax, logits.row(s), &bias, tie);
-            ids.push(i);
-            weights.push(w);
-            gaps.push(gap);
-        }
-        let k = cfg.num_experts_per_tok as usize;
-        let flat_ids: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
-        self.rec("moe.topk_ids", &[t, k], "t k", Stage::I32(&flat_ids))?;
-        let flat_w: Vec<B::E> = weights.iter().flatten().copied().collect();
-        self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
-        self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
-        let tp = self.opts.tp;
-        let sharder = self.sharder();
-        // The expert `nan-expert` poisons: the first the first token chooses.
-        let poisoned = self
-            .src
-            .hooks()
-            .poisons_expert(cfg, self.l)
-            .then(|| ids[0][0]);
-        let mut routed = vec![Mat::zeros(t, h); tp];
-        let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
-        used.sort_unstable();
-        used.dedup();
-        // A few experts computed at once; their outputs are added in expert order, so the sum
-        // does not depend on the thread count.
-        // Ranks in processes of their own must issue their collectives in one order: one
-        // expert at a time there.
-        let in_flight = if be.collectives_across_processes() {
-            1
-        } else {
-            EXPERTS_IN_FLIGHT
-        };
-        for group in used.chunks(in_flight) {
-            let outputs = group
-                .par_iter()
-                .map(|&e| {
-                    let mut out =
-                        routed_expert(self.src, be, self.l, e, x, (&ids, &weights), sharder)?;
-                    if poisoned == Some(e) {
-                        out.parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
-                    }
-                    Ok(out)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            for ExpertOutput { rows, parts } in outputs {
-                for (rank, y) in &parts {
-                    let part = &mut routed[*rank];
-                    for (r, &(s, w)) in rows.iter().enumerate() {
-                        part.row_mut(s)
-                            .iter_mut()
-                            .zip(y.row(r))
-                            .for_each(|(o, &v)| *o += w * v);
-                    }
-                }
-            }
-        }
-        if self.src.hooks().routed_scale_again() {
-            let factor = B::E::lit(cfg.routed_scaling_factor);
-            routed
-                .iter_mut()
-                .for_each(|p| p.data.iter_mut().for_each(|v| *v *= factor));
-        }
-        for p in &mut routed {
-            be.round(&mut p.data)?;
-        }
-        let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
-            self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
-        } else {
-            (Mat::zeros(t, h), vec![Mat::zeros(t, h); tp])
-        };
-        let routed_whole = be.all_reduce(&routed)?;
-        self.rec_parts("moe.routed", &routed_whole, &routed, &[], "t d partial(tp)")?;
-        self.rec_parts("moe.shared", &shared_whole, &shared, &[], "t d partial(tp)")?;
-        if tp == 1 {
-            return be.add(&routed[0], &shared_whole);
-        }
-        // One all-reduce of each rank's routed and shared partial sums, as vLLM's FusedMoE.
-        let per_rank: Vec<Mat<B::E>> = routed
-            .iter()
-            .zip(&shared)
-            .map(|(r, s)| be.add(r, s))
-            .collect::<Result<_>>()?;
-        be.all_reduce(&per_rank)
-    }
-}
-
-/// One routed expert's work: the tokens that chose it with their routing weights, and its
-/// output row for each.
-struct ExpertOutput<E> {
-    rows: Vec<(usize, E)>,
-    /// The ranks computing it with their partial outputs: every rank its part of the
-    /// intermediate dimension under TP, the owning rank the whole expert under EP.
-    parts: Vec<(usize, Mat<E>)>,
-}
-
-/// Routed expert `expert` on the tokens that chose it.
-fn routed_expert<B: Backend>(
-    src: &WeightSource,
-    be: &B,
-    l: u64,
-    expert: usize,
-    x: &Mat<B::E>,
-    (ids, weights): (&[Vec<usize>], &[Vec<B::E>]),
-    sharder: Sharder,
-) -> Result<ExpertOutput<B::E>> {
-    let [gate, up, down] = [ExpertsGate, ExpertsUp, ExpertsDown]
-        .map(|role| LazyWeight::expert(src, l, expert as u64, role));
-    let rows: Vec<(usize, B::E)> = (0..x.rows)
-        .filter_map(|s| {
-            ids[s]
-                .iter()
-                .position(|&i| i == expert)
-                .map(|k| (s, weights[s][k]))
-        })
-        .collect();
-    let xs = Mat::new(
-        rows.len(),
-        x.cols,
-        rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
-    );
-    if sharder.tp > 1 && !sharder.ep {
-        // Split along the intermediate dimension: each rank a partial output.
-        let y = super::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
-        return Ok(ExpertOutput {
-            rows,
-            parts: y.into_iter().enumerate().collect(),
-        });
-    }
-    let experts = src.cfg.n_routed_experts;
-    let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
-    let be = be.on_rank(owner);
-    let (gate, up, down) = (gate.held(&be)?, up.held(&be)?, down.held(&be)?);
-    let y = be.linear(
-        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?)?,
-        &down,
-    )?;
-    Ok(ExpertOutput {
-        rows,
-        parts: vec![(owner, y)],
-    })
-}
-
-/// One token's expert choice from its router logits: expert ids, their weights, and the choice
-/// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
-fn route<E: Real>(
-    cfg: &crate::model::Glm5Config,
-    softmax_scores: bool,
-    logits: &[E],
-    bias: &[E],
-    tie: Option<&[i32]>,
-) -> (Vec<usize>, Vec<E>, E) {
-    let scores: Vec<E> = if softmax_scores {
-        let mut s = logits.to_vec();
-        softmax(&mut s);
-        s
-    } else {
-        logits.iter().map(|&v| sigmoid(v)).collect()
-    };
-    let mut choice: Vec<E> = scores.iter().zip(bias).map(|(&s, &b)| s + b).collect();
-    let (groups, per) = (
-        cfg.n_group as usize,
-        cfg.n_routed_experts as usize / cfg.n_group as usize,
-    );
-    if groups > 1 {
-        // A group's score is the sum of its two best; only the best `topk_group` groups compete.
-        let group_score: Vec<E> = choice
-            .chunks(per)
-            .map(|g| topk(g, 2).iter().map(|&i| g[i]).sum())
-            .collect();
-        let keep = topk(&group_score, cfg.topk_group as usize);
-        for (g, chunk) in choice.chunks_mut(per).enumerate() {
-            if !keep.contains(&g) {
-                chunk.iter_mut().for_each(|v| *v = E::neg_infinity());
-            }
-        }
-    }
-    let k = cfg.num_experts_per_tok as usize;
-    let mut ids = topk(&choice, k + 1);
-    let gap = match (ids.get(k - 1), ids.get(k)) {
-        (Some(&a), Some(&b)) if choice[b].is_finite() => choice[a] - choice[b],
-        _ => E::lit(NO_BOUNDARY),
-    };
-    ids.truncate(k);
-    if let Some(reference) = tie {
-        ids = reference.iter().map(|&i| i as usize).collect();
-    }
-    let mut w: Vec<E> = ids.iter().map(|&i| scores[i]).collect();
-    if cfg.norm_topk_prob {
-        let denom = w.iter().copied().sum::<E>() + E::lit(1e-20);
-        w.iter_mut().for_each(|v| *v /= denom);
-    }
-    let factor = E::lit(cfg.routed_scaling_factor);
-    w.iter_mut().for_each(|v| *v *= factor);
-    (ids, w, gap)
 }
