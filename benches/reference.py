@@ -15,6 +15,10 @@ peak memory must not grow with the depth of a model. This bench checks both in o
   `glmcheck run` (each file is written, measured and deleted in turn: they are several GB);
 * `glmcheck bisect` at TP 8 on `glm5-dims` with one dense and one MoE layer: clean, bf16 and
   planted faults, time and peak RSS.
+* Later passes (`--generate 8`) on `glm5-dims` with one dense and one MoE layer of 32 experts:
+  `run` in f32 and bf16 and `bisect` at TP 8, each with the weights kept between passes (the
+  default) and without (`GLMCHECK_KEEP_WEIGHTS_GIB=0`); the bf16 run against the f32 run is the
+  emulated envelope's cost (`--passes-only` runs just this part).
 
 Peak RSS is per child process (os.wait4). The Markdown table goes to bench-results/reference.md
 and to stdout. It builds nothing: `just bench` runs `cargo build --release` first.
@@ -232,6 +236,30 @@ def bench_bisect(glmcheck: str, tmp: Path, threads: int) -> list:
     return rows
 
 
+def bench_passes(glmcheck: str, tmp: Path, threads: int) -> list:
+    """(command, dtype, kept?, measure) for a prompt and 8 generated tokens on glm5-dims with
+    one dense and one MoE layer of 32 experts, q4_k_m; the file is deleted after."""
+    print("glm5-dims, later passes…", file=sys.stderr)
+    model = tmp / "glm5-passes.gguf"
+    synth(glmcheck, model, "--preset", "glm5-dims", "--layers", "2", "--experts", "32", "--set",
+          "first_k_dense_replace=1", "--fast", "--quant", "q4_k_m")
+    rows = []
+    try:
+        for command, dtype in (("run", "f32"), ("run", "bf16"), ("bisect", "f32"),
+                               ("bisect", "bf16")):
+            for kept in (False, True):
+                out = tmp / f"{command}-{dtype}-{kept}"
+                args = (["run", str(model), "--out", f"{out}.trace"] if command == "run"
+                        else ["bisect", str(model), "--tp", "8", "--out", str(out)])
+                cmd = [glmcheck, *args, "--tokens", ids(GLM5_PROMPT), "--generate", "8",
+                       "--dtype", dtype, "--json"]
+                env = {**thread_env(threads), **({} if kept else {"GLMCHECK_KEEP_WEIGHTS_GIB": "0"})}
+                rows.append((command, dtype, kept, measure(cmd, env, answers=(0, 1))))
+    finally:
+        model.unlink()
+    return rows
+
+
 # ---- the report ----
 
 def markdown_table(headers: list, rows: list) -> str:
@@ -261,14 +289,36 @@ def machine(threads: int) -> str:
 
 
 def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
-           glm5: list, bisect: list) -> str:
+           glm5: list, bisect: list, passes: list) -> str:
     """The Markdown of bench-results/reference.md."""
+    parts = ["# Reference executor", f"Machine: {machine(threads)}. {versions}."]
+    if small:
+        parts += small_report(reps, py_reps, small)
+    parts += glm5_report(glm5, bisect)
+    if passes:
+        f32_run = {kept: r["wall"] for c, d, kept, r in passes if (c, d) == ("run", "f32")}
+        rows = [(c, d, "kept" if kept else "not kept", f"{r['wall']:.2f}", f"{r['cpu']:.2f}",
+                 f"{r['rss']:.0f}", f"{r['wall'] / f32_run[kept]:.2f}×" if c == "run" else "")
+                for c, d, kept, r in passes]
+        parts += [
+            "## Later passes: 8 generated tokens on `glm5-dims`, one dense and one MoE layer of "
+            "32 experts, `--fast --quant q4_k_m`",
+            "One process per row. `run` at TP 1; `bisect` at TP 8 (reference, envelope where "
+            "bf16, candidate), each generating 8 tokens after the 8-token prompt. \"kept\": the "
+            "default, weights held once and kept for the later passes within the budget; \"not "
+            "kept\": `GLMCHECK_KEEP_WEIGHTS_GIB=0`, every pass dequantizes again. Aim: the bf16 "
+            "run within 1.5× of the f32 run.",
+            markdown_table(["command", "dtype", "weights", "wall s", "CPU s", "peak RSS MiB",
+                            "run / f32 run"], rows),
+        ]
+    return "\n\n".join(parts) + "\n"
+
+
+def small_report(reps: int, py_reps: int, small: list) -> list:
     base = small[0][2]["best"]
     small_rows = [(who, what, f"{t['best']:.3f}", f"{t['median']:.3f}", f"{t['cpu']:.3f}",
                    f"{t['rss']:.0f}", f"{t['best'] / base:.2f}×") for who, what, t in small]
-    parts = [
-        "# Reference executor",
-        f"Machine: {machine(threads)}. {versions}.",
+    return [
         "## `small`, one 64-token prompt (float32)",
         f"Wall seconds, best and median of {reps} runs ({py_reps} for the transformers processes; "
         "the warm rows after one untimed forward); CPU seconds (user + system, all threads) of "
@@ -278,6 +328,10 @@ def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
         markdown_table(["contender", "timed", "best s", "median s", "CPU s", "peak RSS MiB",
                         "best / glmcheck HF"], small_rows),
     ]
+
+
+def glm5_report(glm5: list, bisect: list) -> list:
+    parts = []
     if glm5:
         rss2 = glm5[0][2]["rss"]
         glm5_rows = [(n, f"{gib:.2f}", len(GLM5_PROMPT), f"{r['wall']:.2f}", f"{r['cpu']:.2f}",
@@ -302,7 +356,7 @@ def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
             markdown_table(["case", "verdict", "first divergence", "class", "wall s", "CPU s",
                             "peak RSS MiB"], bisect_rows),
         ]
-    return "\n\n".join(parts) + "\n"
+    return parts
 
 
 def main() -> None:
@@ -314,14 +368,21 @@ def main() -> None:
     parser.add_argument("--py-reps", type=int, default=3, help="timed transformers processes")
     parser.add_argument("--skip-glm5", action="store_true",
                         help="leave out the multi-GB glm5-dims runs (and bisect on them)")
+    parser.add_argument("--passes-only", action="store_true",
+                        help="only the later-passes table (kept weights, the bf16 envelope)")
     args = parser.parse_args()
     print(f"reference bench on {args.threads} threads", file=sys.stderr)
+    small, versions, glm5, bisect, passes = [], "", [], [], []
     with tempfile.TemporaryDirectory(prefix="glmcheck-bench-") as tmp:
-        small, versions = bench_small(args.glmcheck, Path(tmp), args.threads, args.reps,
-                                      args.py_reps)
-        glm5 = [] if args.skip_glm5 else bench_glm5(args.glmcheck, Path(tmp), args.threads)
-        bisect = [] if args.skip_glm5 else bench_bisect(args.glmcheck, Path(tmp), args.threads)
-    text = report(args.threads, args.reps, args.py_reps, small, versions, glm5, bisect)
+        if not args.passes_only:
+            small, versions = bench_small(args.glmcheck, Path(tmp), args.threads, args.reps,
+                                          args.py_reps)
+        if not (args.skip_glm5 or args.passes_only):
+            glm5 = bench_glm5(args.glmcheck, Path(tmp), args.threads)
+            bisect = bench_bisect(args.glmcheck, Path(tmp), args.threads)
+        if not args.skip_glm5:
+            passes = bench_passes(args.glmcheck, Path(tmp), args.threads)
+    text = report(args.threads, args.reps, args.py_reps, small, versions, glm5, bisect, passes)
     out = ROOT / "bench-results" / "reference.md"
     out.parent.mkdir(exist_ok=True)
     out.write_text(text)

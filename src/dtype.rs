@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 /// The dtype activations and weights are held in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum Precision {
     F64,
     F32,

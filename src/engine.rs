@@ -175,6 +175,13 @@ impl Backend for Engine {
         on_backend!(self, be => be.collectives_across_processes())
     }
 
+    fn host_bytes(&self, w: &EngineWeight) -> Option<u64> {
+        match (self, w) {
+            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.host_bytes(w),
+            _ => None,
+        }
+    }
+
     fn computes(&self, rank: usize) -> bool {
         on_backend!(self, be => be.computes(rank))
     }

@@ -219,36 +219,88 @@ fn shared_indexer_layers_agree_with_transformers() {
     );
 }
 
+/// `glmcheck run MODEL ARGS --out DIR/NAME.trace` under the environment `env`: the trace and
+/// what the run printed.
+fn run_under(model: &Path, args: &[&str], env: &[(&str, &str)], out: &Path) -> (Trace, String) {
+    let run = Command::new(common::glmcheck_bin())
+        .envs(env.iter().copied())
+        .args(["run", model.to_str().unwrap(), "--tokens", TOKENS, "--json"])
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let printed = String::from_utf8_lossy(&run.stdout).replace(&out.display().to_string(), "");
+    (Trace::open(out).unwrap(), printed)
+}
+
+fn assert_same_stages(x: &Trace, y: &Trace) {
+    assert_eq!(x.stages().len(), y.stages().len());
+    for (x, y) in x.stages().iter().zip(y.stages()) {
+        assert_eq!(
+            (&x.name, x.rank, &x.stats),
+            (&y.name, y.rank, &y.stats),
+            "statistics and content hash"
+        );
+    }
+}
+
 #[test]
 fn the_same_run_on_another_thread_count_gives_the_same_trace() {
     let dir = common::scratch();
     let gguf = dir.path().join("m.gguf");
     glmcheck(&["synth", "--quant", "q4_k_m", "--out"], &gguf);
-    let traces: Vec<Trace> = ["1", "2"]
-        .iter()
-        .map(|threads| {
-            let out = dir.path().join(format!("t{threads}.trace"));
-            let run = Command::new(common::glmcheck_bin())
-                .env("RAYON_NUM_THREADS", threads)
-                .args(["run", gguf.to_str().unwrap(), "--tokens", TOKENS, "--out"])
-                .arg(&out)
-                .output()
-                .unwrap();
-            assert!(
-                run.status.success(),
-                "{}",
-                String::from_utf8_lossy(&run.stderr)
-            );
-            Trace::open(&out).unwrap()
-        })
-        .collect();
-    for (x, y) in traces[0].stages().iter().zip(traces[1].stages()) {
-        assert_eq!(
-            (&x.name, &x.stats),
-            (&y.name, &y.stats),
-            "statistics and content hash"
-        );
+    let out = |name: &str| dir.path().join(name);
+    let (one, _) = run_under(&gguf, &[], &[("RAYON_NUM_THREADS", "1")], &out("t1.trace"));
+    let (two, _) = run_under(&gguf, &[], &[("RAYON_NUM_THREADS", "2")], &out("t2.trace"));
+    assert_same_stages(&one, &two);
+}
+
+#[test]
+fn weights_kept_between_passes_change_no_value() {
+    // A generation keeps the weights it holds for its later passes, within a budget: none
+    // kept, a few kept (a budget of 256 KiB), all kept must give the same stages and tokens,
+    // at TP 1 and 2 (each rank's shard kept apart), in f32 and bf16.
+    let dir = common::scratch();
+    let gguf = dir.path().join("m.gguf");
+    glmcheck(&["synth", "--quant", "q4_k_m", "--out"], &gguf);
+    for (tp, dtype) in [("1", "f32"), ("2", "bf16")] {
+        let args = ["--generate", "4", "--tp", tp, "--dtype", dtype];
+        let runs: Vec<(Trace, String)> = ["0", "0.00025", "4"]
+            .iter()
+            .map(|gib| {
+                let out = dir.path().join(format!("tp{tp}-{dtype}-{gib}.trace"));
+                run_under(&gguf, &args, &[("GLMCHECK_KEEP_WEIGHTS_GIB", gib)], &out)
+            })
+            .collect();
+        for (trace, printed) in &runs[1..] {
+            assert_same_stages(&runs[0].0, trace);
+            assert_eq!(&runs[0].1, printed, "tokens generated");
+        }
     }
+}
+
+#[test]
+fn a_keeping_budget_that_is_no_number_is_a_one_line_error() {
+    let dir = common::scratch();
+    let gguf = dir.path().join("m.gguf");
+    glmcheck(&["synth", "--out"], &gguf);
+    let run = Command::new(common::glmcheck_bin())
+        .env("GLMCHECK_KEEP_WEIGHTS_GIB", "lots")
+        .args(["run", gguf.to_str().unwrap(), "--tokens", TOKENS, "--generate", "1"])
+        .arg("--out")
+        .arg(dir.path().join("x.trace"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{err}");
+    assert!(err.contains("GLMCHECK_KEEP_WEIGHTS_GIB=lots"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
 #[test]

@@ -165,18 +165,18 @@ pub fn attention<B: Backend>(
         cfg.v_head_dim as usize,
     );
     let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
-    let q_a = be.linear(hn, &matrix(QA)?)?;
+    let q_a = be.linear(hn, &*matrix(QA)?)?;
     let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps)?;
     // ColumnParallel up-projections: each rank its whole heads.
     let up = |x: &Mat<B::E>, role| -> Result<WithParts<B::E>> {
         if tp == 1 {
-            return Ok((be.linear(x, &matrix(role)?)?, Vec::new()));
+            return Ok((be.linear(x, &*matrix(role)?)?, Vec::new()));
         }
         let parts = column_parallel(be, x, &LazyWeight::layer(src, l, role), sharder)?;
         Ok((concat_columns(&parts), parts))
     };
     let (q, q_parts) = up(&q_a_norm, QB)?;
-    let kv_a = be.linear(hn, &matrix(KvA)?)?;
+    let kv_a = be.linear(hn, &*matrix(KvA)?)?;
     let kv_a_norm = be.rms_norm(&kv_a.columns(0, kvl), &vector(KvANorm)?, latent_norm_eps)?;
     let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
@@ -244,7 +244,7 @@ pub fn attention<B: Backend>(
     // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
     let (out, ctx_parts, out_parts) = if tp == 1 {
         (
-            be.linear(&ctx_mat, &matrix(AttnOut)?)?,
+            be.linear(&ctx_mat, &*matrix(AttnOut)?)?,
             Vec::new(),
             Vec::new(),
         )
@@ -296,15 +296,15 @@ fn indexer<B: Backend>(
     let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
     let t = hn.rows;
     let (ih, ihd) = (cfg.index_n_heads as usize, cfg.index_head_dim as usize);
-    let mut q = be.linear(q_a_norm, &matrix(IndexerQB)?)?;
-    let k_lin = be.linear(hn, &matrix(IndexerK)?)?;
+    let mut q = be.linear(q_a_norm, &*matrix(IndexerQB)?)?;
+    let k_lin = be.linear(hn, &*matrix(IndexerK)?)?;
     let mut k = be.layer_norm(
         &k_lin,
         &vector(IndexerKNorm)?,
         &vector(IndexerKNormBias)?,
         INDEXER_NORM_EPS,
     )?;
-    let weights = be.linear(hn, &matrix(IndexerProj)?)?;
+    let weights = be.linear(hn, &*matrix(IndexerProj)?)?;
     // The key is one head of `ihd`; the rope dims lead each head.
     let spec = RotateSpec {
         width: ihd,

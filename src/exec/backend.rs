@@ -30,7 +30,7 @@ const WEIGHT_ROWS_PER_TASK: usize = 256;
 pub trait Backend: Sync + Clone {
     type E: Real;
     /// A matrix weight `[out, in]` as the backend holds it.
-    type Weight;
+    type Weight: Send + Sync + 'static;
 
     /// The name traces record (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -88,6 +88,11 @@ pub trait Backend: Sync + Clone {
     /// must issue them in the same order, so work that reaches them runs one item at a time.
     fn collectives_across_processes(&self) -> bool {
         false
+    }
+    /// The host memory a held weight takes, for a run that keeps weights between passes
+    /// ([`super::kept`]); `None` where it lives elsewhere (a GPU's memory) and is not kept.
+    fn host_bytes(&self, _w: &Self::Weight) -> Option<u64> {
+        None
     }
     /// Every rank's part from those this process computed (`None` for the others'): an
     /// all-gather when ranks are processes, so that every process goes on with all of them.
@@ -276,5 +281,9 @@ impl<E: Real> Backend for Cpu<E> {
     fn round(&self, xs: &mut [E]) -> Result<()> {
         self.round_in_place(xs);
         Ok(())
+    }
+
+    fn host_bytes(&self, w: &Mat<E>) -> Option<u64> {
+        Some(std::mem::size_of_val(w.data.as_slice()) as u64)
     }
 }

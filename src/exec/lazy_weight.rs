@@ -3,10 +3,13 @@
 //! and a GPU backend dequantizes it on the device), else the whole matrix dequantized on the
 //! host once and cut into shards there.
 
+use std::sync::Arc;
+
 use anyhow::{anyhow, Result};
 use once_cell::sync::OnceCell;
 
 use super::backend::Backend;
+use super::kept::Part;
 use super::mat::Mat;
 use super::sharder::Sharder;
 use super::source::WeightSource;
@@ -63,15 +66,28 @@ impl<'a> LazyWeight<'a> {
         self.role
     }
 
-    /// The whole matrix as `be` holds it.
-    pub fn held<B: Backend>(self, be: &B) -> Result<B::Weight> {
-        if let Some(m) = &self.stored {
-            return be.hold_stored(&m.whole());
-        }
-        match (self.host.into_inner(), self.origin) {
-            (Some(w), _) => be.hold(w),
-            (None, Some((src, id))) => be.hold(src.matrix(id)?),
-            (None, None) => Err(anyhow!("{:?}: no values", self.role)),
+    /// The whole matrix as `be` holds it (kept for later passes where the source keeps
+    /// weights).
+    pub fn held<B: Backend>(self, be: &B) -> Result<Arc<B::Weight>> {
+        let LazyWeight {
+            role,
+            origin,
+            stored,
+            host,
+        } = self;
+        let hold = move || -> Result<B::Weight> {
+            if let Some(m) = &stored {
+                return be.hold_stored(&m.whole());
+            }
+            match (host.into_inner(), origin) {
+                (Some(w), _) => be.hold(w),
+                (None, Some((src, id))) => be.hold(src.matrix(id)?),
+                (None, None) => Err(anyhow!("{role:?}: no values")),
+            }
+        };
+        match origin {
+            Some((src, id)) => src.held(be, Self::part(id, None), hold),
+            None => hold().map(Arc::new),
         }
     }
 
@@ -81,14 +97,28 @@ impl<'a> LazyWeight<'a> {
         be: &B,
         sharder: Sharder,
         rank: usize,
-    ) -> Result<B::Weight> {
-        if let Some(m) = &self.stored {
-            let block = sharder.block(self.role, rank, m.rows, m.cols)?;
-            if let Some(b) = block.and_then(|(rows, cols)| m.block(rows, cols)) {
-                return be.hold_stored(&b);
+    ) -> Result<Arc<B::Weight>> {
+        let hold = || -> Result<B::Weight> {
+            if let Some(m) = &self.stored {
+                let block = sharder.block(self.role, rank, m.rows, m.cols)?;
+                if let Some(b) = block.and_then(|(rows, cols)| m.block(rows, cols)) {
+                    return be.hold_stored(&b);
+                }
             }
+            be.hold(sharder.shard(self.whole()?, self.role, rank)?)
+        };
+        match self.origin {
+            Some((src, id)) => src.held(be, Self::part(id, Some((rank, sharder))), hold),
+            None => hold().map(Arc::new),
         }
-        be.hold(sharder.shard(self.whole()?, self.role, rank)?)
+    }
+
+    fn part(id: WeightId, shard: Option<(usize, Sharder)>) -> Part {
+        Part {
+            id,
+            rows: None,
+            shard: shard.map(|(rank, s)| (rank, s.tp, s.ep)),
+        }
     }
 
     fn whole(&self) -> Result<&Mat> {

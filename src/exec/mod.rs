@@ -6,6 +6,7 @@ pub mod backend;
 pub mod forward;
 pub mod hooks;
 pub mod inject;
+pub mod kept;
 pub mod lazy_weight;
 pub mod mat;
 pub mod ops;

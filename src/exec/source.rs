@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use super::backend::Backend;
 use super::hooks::Hooks;
 use super::inject::Injection;
+use super::kept::{KeptWeights, Part};
 use super::mat::Mat;
 use super::stored::StoredMatrix;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
@@ -28,6 +29,8 @@ pub struct WeightSource {
     /// Storage types of another file set each weight is passed through on load (see
     /// [`WeightSource::stored_as`]).
     storage: Option<HashMap<WeightId, GgmlType>>,
+    /// Weights held for the run's later passes, when it has some ([`Self::keeping_weights`]).
+    kept: Option<KeptWeights>,
 }
 
 impl WeightSource {
@@ -40,6 +43,30 @@ impl WeightSource {
             layout,
             fault: None,
             storage: None,
+            kept: None,
+        }
+    }
+
+    /// This source keeping the weights it holds for a run's later passes (a generation, a
+    /// warm-up), within the process's budget ([`super::kept`]).
+    pub fn keeping_weights(self) -> Self {
+        WeightSource {
+            kept: Some(KeptWeights::default()),
+            ..self
+        }
+    }
+
+    /// `part` as `be` holds it, made by `hold` unless this source keeps it from an earlier
+    /// pass.
+    pub fn held<B: Backend>(
+        &self,
+        be: &B,
+        part: Part,
+        hold: impl FnOnce() -> Result<B::Weight>,
+    ) -> Result<Arc<B::Weight>> {
+        match &self.kept {
+            Some(kept) => kept.get_or_hold(be, part, hold),
+            None => hold().map(Arc::new),
         }
     }
 
@@ -201,11 +228,16 @@ impl WeightSource {
 
     /// A matrix weight as `be` holds it: from its stored blocks where it can be read that way
     /// (see [`Self::stored_matrix`]), else dequantized here.
-    pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<B::Weight> {
-        match self.stored_matrix(id) {
+    pub fn matrix_in<B: Backend>(&self, be: &B, id: WeightId) -> Result<Arc<B::Weight>> {
+        let part = Part {
+            id,
+            rows: None,
+            shard: None,
+        };
+        self.held(be, part, || match self.stored_matrix(id) {
             Some(m) => be.hold_stored(&m.whole()),
             None => be.hold(self.matrix(id)?),
-        }
+        })
     }
 
     /// Rows `rows` of a matrix weight as `be` holds them (a slice of lm_head).
@@ -214,15 +246,22 @@ impl WeightSource {
         be: &B,
         id: WeightId,
         rows: std::ops::Range<u64>,
-    ) -> Result<B::Weight> {
-        let block = self.stored_matrix(id).and_then(|m| {
-            let cols = m.cols;
-            m.block(rows.start as usize..rows.end as usize, 0..cols)
-        });
-        match block {
-            Some(b) => be.hold_stored(&b),
-            None => be.hold(self.matrix_rows(id, rows)?),
-        }
+    ) -> Result<Arc<B::Weight>> {
+        let part = Part {
+            id,
+            rows: Some((rows.start, rows.end)),
+            shard: None,
+        };
+        self.held(be, part, || {
+            let block = self.stored_matrix(id).and_then(|m| {
+                let cols = m.cols;
+                m.block(rows.start as usize..rows.end as usize, 0..cols)
+            });
+            match block {
+                Some(b) => be.hold_stored(&b),
+                None => be.hold(self.matrix_rows(id, rows)?),
+            }
+        })
     }
 
     /// A matrix `[out, in]`; `kv_b_proj` is assembled from llama.cpp's split form if need be,

@@ -42,7 +42,7 @@ fn rank_linear<B: Backend>(
         return Ok(None);
     }
     let be = be.on_rank(r);
-    Ok(Some(be.linear(x, &w.shard_held(&be, sharder, r)?)?))
+    Ok(Some(be.linear(x, &*w.shard_held(&be, sharder, r)?)?))
 }
 
 /// The ranks' column blocks side by side (the all-gather of a ColumnParallel output).

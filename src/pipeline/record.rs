@@ -16,6 +16,7 @@ use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, 
 use crate::exec::inject::Injection;
 use crate::exec::ops::topk;
 use crate::exec::rendezvous;
+use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
@@ -169,6 +170,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     if let Some(other) = spec.stored_as {
         source = source.stored_as(&other.source());
     }
+    // Generated tokens and warm-up passes run every weight again: hold each once.
+    let later_passes = spec.generate > 0 || spec.warm_up > 0;
+    let keeping = |s: WeightSource| if later_passes { s.keeping_weights() } else { s };
+    let source = keeping(source);
     let opts = ForwardOptions {
         latent_norm_eps: spec.latent_norm_eps,
         tp: spec.tp as usize,
@@ -205,7 +210,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     greedy(&run, n, g, rec)?
                 }
                 Some(split) => {
-                    let reference = split.reference.source();
+                    let reference = keeping(split.reference.source());
                     let f32_be = Engine::Cpu(Cpu::new(Precision::F32));
                     let reference = Runner {
                         src: &reference,

@@ -298,7 +298,10 @@ fn lm_head<B: Backend>(
                 .step_by(LM_HEAD_ROWS as usize)
                 .map(|start| {
                     let rows = start..(start + LM_HEAD_ROWS).min(end);
-                    Ok((start, be.linear(norm, &src.matrix_rows_in(&be, id, rows)?)?))
+                    Ok((
+                        start,
+                        be.linear(norm, &*src.matrix_rows_in(&be, id, rows)?)?,
+                    ))
                 })
                 .collect::<Result<Vec<_>>>()
         })
@@ -383,7 +386,7 @@ impl<B: Backend> Layer<'_, B> {
         }
     }
 
-    fn matrix(&self, w: LayerWeight) -> Result<B::Weight> {
+    fn matrix(&self, w: LayerWeight) -> Result<std::sync::Arc<B::Weight>> {
         self.src.matrix_in(self.be, self.w(w))
     }
 
@@ -448,10 +451,10 @@ impl<B: Backend> Layer<'_, B> {
             let parts = super::tp::mlp_partials(be, x, weights, self.sharder())?;
             return Ok((be.all_reduce(&parts)?, parts));
         }
-        let g = be.linear(x, &self.matrix(gate)?)?;
-        let u = be.linear(x, &self.matrix(up)?)?;
+        let g = be.linear(x, &*self.matrix(gate)?)?;
+        let u = be.linear(x, &*self.matrix(up)?)?;
         Ok((
-            be.linear(&be.silu_mul(&g, &u)?, &self.matrix(down)?)?,
+            be.linear(&be.silu_mul(&g, &u)?, &*self.matrix(down)?)?,
             Vec::new(),
         ))
     }

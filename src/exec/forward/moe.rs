@@ -29,7 +29,7 @@ impl<B: Backend> Layer<'_, B> {
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let e = cfg.n_routed_experts as usize;
         let be = self.be;
-        let logits = be.linear_exact(x, &self.matrix(Router)?)?;
+        let logits = be.linear_exact(x, &*self.matrix(Router)?)?;
         self.rec("moe.router_logits", &[t, e], "t e", values(&logits))?;
         // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
