@@ -50,6 +50,21 @@ fuzz target="gguf_header" seconds="300":
     .venv/bin/python fuzz/make_seeds.py
     cd fuzz && cargo +nightly fuzz run {{target}} -- -max_total_time={{seconds}}
 
+# The fuzz targets built for a many-core machine (release, no sanitizer: the AddressSanitizer
+# build takes over an hour on 2 cores), stripped into target/device/fuzz-bin, seeds beside them.
+fuzz-build:
+    scripts/setup-venv
+    .venv/bin/python fuzz/make_seeds.py
+    cd fuzz && cargo +nightly fuzz build -s none --release
+    mkdir -p target/device/fuzz-bin target/device/seeds
+    for t in gguf_header safetensors_header trace_manifest shard_manifest; do strip -o target/device/fuzz-bin/$t fuzz/target/x86_64-unknown-linux-gnu/release/$t; done
+    cp -r fuzz/corpus/. target/device/seeds/
+
+# Every fuzz target at once, SECONDS each over FORKS processes: fuzz/README.md's figures
+# (target/fuzz-figures/figures.md, crash inputs in target/fuzz-figures/artifacts/).
+fuzz-figures seconds="530" forks="3":
+    scripts/fuzz-figures target/device/fuzz-bin target/device/seeds target/fuzz-figures --seconds {{seconds}} --forks {{forks}}
+
 # On the GPU machine (device tool): every mix's GPU dequantization against the CPU, bit for bit.
 gpu-dequant-check:
     scripts/gpu-dequant-check target/release/glmcheck
