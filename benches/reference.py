@@ -291,7 +291,7 @@ def machine(threads: int) -> str:
 def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
            glm5: list, bisect: list, passes: list) -> str:
     """The Markdown of bench-results/reference.md."""
-    parts = ["# Reference executor", f"Machine: {machine(threads)}. {versions}."]
+    parts = ["# Reference executor", f"Machine: {machine(threads)}." + (f" {versions}." if versions else "")]
     if small:
         parts += small_report(reps, py_reps, small)
     parts += glm5_report(glm5, bisect)

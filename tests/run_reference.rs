@@ -292,7 +292,14 @@ fn a_keeping_budget_that_is_no_number_is_a_one_line_error() {
     glmcheck(&["synth", "--out"], &gguf);
     let run = Command::new(common::glmcheck_bin())
         .env("GLMCHECK_KEEP_WEIGHTS_GIB", "lots")
-        .args(["run", gguf.to_str().unwrap(), "--tokens", TOKENS, "--generate", "1"])
+        .args([
+            "run",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--generate",
+            "1",
+        ])
         .arg("--out")
         .arg(dir.path().join("x.trace"))
         .output()

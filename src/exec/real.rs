@@ -20,6 +20,10 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     }
     /// `x` as the nearest value of `p` (round to nearest even; ±Inf past f16's range).
     fn round_to(self, p: Precision) -> Self;
+    /// Every value as [`Self::round_to`] rounds it.
+    fn round_all(xs: &mut [Self], p: Precision) {
+        xs.iter_mut().for_each(|x| *x = x.round_to(p));
+    }
     /// Largest first, NaN above +∞, as `f32::total_cmp`.
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering;
     /// The values as a trace stores them.
@@ -35,6 +39,9 @@ impl Real for f32 {
     }
     fn round_to(self, p: Precision) -> Self {
         p.round_f32(self)
+    }
+    fn round_all(xs: &mut [Self], p: Precision) {
+        p.round_slice_f32(xs)
     }
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering {
         f32::total_cmp(self, other)
