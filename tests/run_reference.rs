@@ -573,3 +573,22 @@ fn f64_reference_agrees_with_f32_to_f32_rounding() {
         .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
     assert!(err <= 1e-4 * scale, "f64 − transformers: {err} of {scale}");
 }
+
+#[test]
+fn a_trace_folder_in_use_is_named_once_in_a_one_line_error() {
+    let dir = common::scratch();
+    let gguf = dir.path().join("m.gguf");
+    glmcheck(&["synth", "--out"], &gguf);
+    let out = dir.path().join("used.trace");
+    run_under(&gguf, &[], &[], &out);
+    let again = Command::new(common::glmcheck_bin())
+        .args(["run", gguf.to_str().unwrap(), "--tokens", TOKENS, "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(2), "{err}");
+    assert_eq!(err.matches(&*out.display().to_string()).count(), 1, "{err}");
+    assert!(err.contains("already holds files"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::json;
 
 use super::Model;
@@ -158,8 +158,8 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     let mut writer = match &spec.process {
         Some(p) if p.rank != 0 => None,
         _ => Some(
-            TraceWriter::create(spec.out, header, spec.full)
-                .with_context(|| spec.out.display().to_string())?,
+            // Its errors name the trace's folder.
+            TraceWriter::create(spec.out, header, spec.full)?,
         ),
     };
     let rec: &mut dyn Recorder = match &mut writer {

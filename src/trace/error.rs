@@ -7,10 +7,11 @@ use crate::weights::WeightError;
 /// A trace could not be written or read, or holds something it must not.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("{}: {source}", path.display())]
+    /// The I/O error is in the message, not a source: an error chain would print it twice.
+    #[error("{}: {cause}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// `manifest.json` is not JSON at all.
     #[error("{}: broken JSON at line {line} column {column}: {reason}", path.display())]
@@ -40,7 +41,7 @@ impl TraceError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         TraceError::Io {
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 

@@ -5,10 +5,11 @@ use std::path::PathBuf;
 /// A weight file could not be read, or a tensor in it could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
-    #[error("{}: {source}", file.display())]
+    /// The I/O error is in the message, not a source: an error chain would print it twice.
+    #[error("{}: {cause}", file.display())]
     Io {
         file: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file's structure is broken: `field` names what was being read, `offset` where.
     #[error("{}: {field} at byte {offset}: {reason}", file.display())]
@@ -34,7 +35,7 @@ impl WeightError {
     pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
         WeightError::Io {
             file: file.into(),
-            source,
+            cause: source,
         }
     }
 
