@@ -136,21 +136,23 @@ fn weight_rows_times_x<E: Real>(w: &[E], rows: usize, x: &Mat<E>) -> Vec<E> {
         w.len() >= rows * k && x.data.len() == t * k,
         "gemm operands too short"
     );
-    // SAFETY: dst is rows × t, column-major (column r is token r); lhs is `rows` weight rows of
-    // k values; rhs is xᵀ (k × t, column r is x's row r). The assert bounds every read.
+    // SAFETY: dst is t × rows, row-major (row r is token r); lhs is x (t × k, row-major); rhs
+    // is the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
+    // weight is the large operand, and gemm reads a column-contiguous rhs without packing it.
+    // The assert bounds every read.
     unsafe {
         gemm::gemm(
-            rows,
             t,
+            rows,
             k,
             dst.as_mut_ptr(),
-            rows as isize,
             1,
+            rows as isize,
             false,
-            w.as_ptr(),
+            x.data.as_ptr(),
             1,
             k as isize,
-            x.data.as_ptr(),
+            w.as_ptr(),
             k as isize,
             1,
             E::zero(),
