@@ -20,17 +20,19 @@ const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
 /// orders: transformers' and ours agree to about 1e-6 on these models.
 const F32_NOISE: f64 = 1e-5;
 
-fn glmcheck(args: &[&str], out: &Path) {
-    let run = Command::new(common::glmcheck_bin())
-        .args(args)
-        .arg(out)
-        .output()
-        .unwrap();
+/// `cmd` run to its end, which must succeed.
+fn succeeded(cmd: &mut Command) -> std::process::Output {
+    let run = cmd.output().unwrap();
     assert!(
         run.status.success(),
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    run
+}
+
+fn glmcheck(args: &[&str], out: &Path) {
+    succeeded(Command::new(common::glmcheck_bin()).args(args).arg(out));
 }
 
 fn run_ours(model: &Path, out: &Path) -> Trace {
@@ -222,18 +224,13 @@ fn shared_indexer_layers_agree_with_transformers() {
 /// `glmcheck run MODEL ARGS --out DIR/NAME.trace` under the environment `env`: the trace and
 /// what the run printed.
 fn run_under(model: &Path, args: &[&str], env: &[(&str, &str)], out: &Path) -> (Trace, String) {
-    let run = Command::new(common::glmcheck_bin())
-        .envs(env.iter().copied())
-        .args(["run", model.to_str().unwrap(), "--tokens", TOKENS, "--json"])
-        .args(args)
-        .arg("--out")
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
+    let run = succeeded(
+        Command::new(common::glmcheck_bin())
+            .envs(env.iter().copied())
+            .args(["run", model.to_str().unwrap(), "--tokens", TOKENS, "--json"])
+            .args(args)
+            .arg("--out")
+            .arg(out),
     );
     let printed = String::from_utf8_lossy(&run.stdout).replace(&out.display().to_string(), "");
     (Trace::open(out).unwrap(), printed)
