@@ -116,14 +116,22 @@ fn expand(rest: &str, mut base: ModPath, out: &mut Vec<ModPath>) {
     }
 }
 
-/// The import graph between files: an edge to the longest module prefix of each path.
-fn file_graph() -> BTreeMap<ModPath, BTreeSet<ModPath>> {
+type Graph = BTreeMap<ModPath, BTreeSet<ModPath>>;
+
+/// The import graph of `src/`.
+fn file_graph() -> Graph {
     let mut files = BTreeMap::new();
     source_files(
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
         &[],
         &mut files,
     );
+    graph_of(&files)
+}
+
+/// The import graph between files (module path to source): an edge to the longest module
+/// prefix of each imported path.
+fn graph_of(files: &BTreeMap<ModPath, String>) -> Graph {
     let modules: BTreeSet<ModPath> = files.keys().cloned().collect();
     files
         .iter()
@@ -143,22 +151,19 @@ fn file_graph() -> BTreeMap<ModPath, BTreeSet<ModPath>> {
         .collect()
 }
 
-#[test]
-fn no_file_imports_itself_back() {
-    let graph = file_graph();
-    // A cycle exists iff some file reaches itself: depth-first search from each file.
+/// Every import cycle, as `a -> b -> a`, one per file that reaches itself (depth-first search
+/// from each file).
+fn cycles(graph: &Graph) -> Vec<String> {
+    let mut found = Vec::new();
     for start in graph.keys() {
         let mut stack: Vec<(ModPath, Vec<ModPath>)> = vec![(start.clone(), vec![start.clone()])];
         let mut seen = BTreeSet::new();
-        while let Some((at, trail)) = stack.pop() {
+        'search: while let Some((at, trail)) = stack.pop() {
             for next in &graph[&at] {
                 if next == start {
                     let names: Vec<String> = trail.iter().map(|m| m.join("::")).collect();
-                    panic!(
-                        "import cycle: {} -> {}",
-                        names.join(" -> "),
-                        start.join("::")
-                    );
+                    found.push(format!("{} -> {}", names.join(" -> "), start.join("::")));
+                    break 'search;
                 }
                 if seen.insert(next.clone()) {
                     let mut t = trail.clone();
@@ -168,37 +173,68 @@ fn no_file_imports_itself_back() {
             }
         }
     }
+    found
 }
 
-#[test]
-fn imports_point_down_the_layers() {
+/// Every import from a lower layer to a higher one, as `from -> to`.
+fn upward_imports(graph: &Graph) -> Vec<String> {
     let rank = |m: &ModPath| {
         m.first()
             .and_then(|top| LAYERS.iter().position(|l| l == top))
     };
     let mut upward = Vec::new();
-    for (from, targets) in file_graph() {
-        let Some(from_rank) = rank(&from) else {
+    for (from, targets) in graph {
+        let Some(from_rank) = rank(from) else {
             continue;
         };
         for to in targets {
-            let to_rank = rank(&to).unwrap_or_else(|| {
-                panic!(
-                    "{} imports {}, which is in no layer",
-                    from.join("::"),
-                    to.join("::")
-                )
-            });
-            if to_rank < from_rank {
+            if rank(to).is_none_or(|to_rank| to_rank < from_rank) {
                 upward.push(format!("{} -> {}", from.join("::"), to.join("::")));
             }
         }
     }
+    upward
+}
+
+#[test]
+fn no_file_imports_itself_back() {
+    let found = cycles(&file_graph());
+    assert!(found.is_empty(), "import cycles:\n{}", found.join("\n"));
+}
+
+#[test]
+fn imports_point_down_the_layers() {
+    let upward = upward_imports(&file_graph());
     assert!(
         upward.is_empty(),
-        "imports from a lower layer to a higher one:\n{}",
+        "imports from a lower layer to a higher one (or into no layer):\n{}",
         upward.join("\n")
     );
+}
+
+#[test]
+fn a_planted_cycle_and_upward_import_are_found() {
+    let files: BTreeMap<ModPath, String> = [
+        ("cuda::backend", "use super::ranks::Ranks;"),
+        (
+            "cuda::ranks",
+            "use super::backend::Cuda;\nuse crate::weights::X;",
+        ),
+        ("weights", "use crate::pipeline::bisect;"),
+        ("pipeline", ""),
+    ]
+    .into_iter()
+    .map(|(m, code)| (m.split("::").map(String::from).collect(), code.to_string()))
+    .collect();
+    let graph = graph_of(&files);
+    assert_eq!(
+        cycles(&graph),
+        [
+            "cuda::backend -> cuda::ranks -> cuda::backend",
+            "cuda::ranks -> cuda::backend -> cuda::ranks"
+        ]
+    );
+    assert_eq!(upward_imports(&graph), ["weights -> pipeline"]);
 }
 
 #[test]
