@@ -1,8 +1,8 @@
 // GGUF blocks to f32, bf16 or f16 on the GPU. Every value is decoded in f32 with every product
 // and difference rounded on its own (__fmul_rn, __fsub_rn, __fadd_rn; the program is also
 // compiled with --fmad=false), in the order glmcheck's CPU dequantizers use, so that the f32
-// results are bit-identical to them; the bf16 and f16 kernels then round that f32 value with
-// dtypes.cuh's `store` (to nearest even). Each source type has a kernel per output,
+// results are bit-identical to them; the bf16 and f16 kernels then round that f32 value to
+// nearest even, two values per paired hardware conversion (`store4`). Each source type has a kernel per output,
 // `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
 //
 // Launch shape (src/cuda/mod.rs, `dequant_launch`): thread blocks of DQ_THREADS threads, each
@@ -75,18 +75,24 @@ __device__ __forceinline__ float sbyte(u32 w, int j) { return (float)(signed cha
 // 16-byte store of f32 ...
 __device__ __forceinline__ void store4(float* dst, u32 f, float4 v) { ((float4*)dst)[f] = v; }
 
-// ... or as four 16-bit values (bf16 or f16), each rounded by `store` exactly as a single value
-// is, packed little-endian into one 8-byte store (aligned: 4f values of 2 bytes).
-template <class T>
-__device__ __forceinline__ u32 bits_of(float v) {
-    T t;
-    store(&t, v);
-    return t.bits;
+// ... or as four 16-bit values (bf16 or f16), two at a time by the paired hardware conversion
+// (one instruction rounds two values to nearest even, `lo` into the low half), packed
+// little-endian into one 8-byte store (aligned: 4f values of 2 bytes). Finite values and
+// infinities round as `store` rounds them; a NaN becomes the canonical NaN (the dequantization
+// check takes any NaN for any NaN).
+__device__ __forceinline__ u32 pair_bits(bf16*, float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ u32 pair_bits(f16*, float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 template <class T>
 __device__ __forceinline__ void store4(T* dst, u32 f, float4 v) {
-    ((uint2*)dst)[f] = make_uint2(bits_of<T>(v.x) | (bits_of<T>(v.y) << 16),
-                                  bits_of<T>(v.z) | (bits_of<T>(v.w) << 16));
+    ((uint2*)dst)[f] = make_uint2(pair_bits((T*)0, v.x, v.y), pair_bits((T*)0, v.z, v.w));
 }
 
 // The kernel `dq_<name>_<O>`: `run` (a dequant_plain or dequant_tile) writing O values.
