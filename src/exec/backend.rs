@@ -138,7 +138,8 @@ fn weight_rows_times_x<E: Real>(w: &[E], rows: usize, x: &Mat<E>) -> Vec<E> {
     );
     // SAFETY: dst is t × rows, row-major (row r is token r); lhs is x (t × k, row-major); rhs
     // is the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
-    // weight is the large operand, and gemm reads a column-contiguous rhs without packing it.
+    // weight is the large operand, and gemm reads a column-contiguous rhs without packing it
+    // (on x86, up to 128 × its kernel height of tokens: thousands).
     // The assert bounds every read.
     unsafe {
         gemm::gemm(

@@ -24,8 +24,8 @@ static KEPT_BYTES: AtomicU64 = AtomicU64::new(0);
 /// The environment variable that sets the budget, in GiB.
 pub const BUDGET_VARIABLE: &str = "GLMCHECK_KEEP_WEIGHTS_GIB";
 
-/// Which held weight: its id, the rows a slice of it covers, the rank's shard (rank, TP, EP)
-/// and the holder's weight type and precision.
+/// Which part of a weight: its id, the rows a slice of it covers, the rank's shard (rank, TP,
+/// EP).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Part {
     pub id: WeightId,
@@ -33,6 +33,7 @@ pub struct Part {
     pub shard: Option<(usize, usize, bool)>,
 }
 
+/// A part as one holder holds it: its weight type and precision.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Key {
     part: Part,
