@@ -2,8 +2,8 @@
 // and difference rounded on its own (__fmul_rn, __fsub_rn, __fadd_rn; the program is also
 // compiled with --fmad=false), in the order glmcheck's CPU dequantizers use, so that the f32
 // results are bit-identical to them; the bf16 and f16 kernels then round that f32 value to
-// nearest even, two values per paired hardware conversion (`store4`). Each source type has a kernel per output,
-// `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
+// nearest even, two values per paired hardware conversion (`store4`). Each source type has a
+// kernel per output, `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
 //
 // Launch shape (src/cuda/mod.rs, `dequant_launch`): thread blocks of DQ_THREADS threads, each
 // block writing DQ_TILE consecutive output values, so ceil(n / DQ_TILE) of them. Each thread
