@@ -56,6 +56,17 @@ fn without_a_driver_cuda_commands_say_so() {
         "bisect",
     );
     says_no_driver(
+        &common::glmcheck_output(&[
+            "bisect",
+            m,
+            "--tokens",
+            "1,2",
+            "--reference-backend",
+            "cuda",
+        ]),
+        "bisect with the reference on the GPU",
+    );
+    says_no_driver(
         &common::glmcheck_output(&["selftest", "--backend", "cuda"]),
         "selftest",
     );

@@ -39,10 +39,12 @@ pub struct SelftestArgs {
     pub cubin_dir: Option<PathBuf>,
     /// Instead of the ops: plant every catalogue fault in turn (and none) in a candidate of
     /// MODEL on the backend at `--tp` and each dtype, and check that `bisect` names its class at
-    /// its stage (and passes the clean one).
+    /// its stage (and passes the clean one). On `cuda`, also bisect a clean CPU candidate at f32
+    /// against the reference run on the GPU (`bisect --reference-backend cuda`): it must pass
+    /// at f32's tolerance.
     #[arg(long, value_name = "MODEL")]
     pub faults: Option<PathBuf>,
-    /// With `--faults`: only these catalogue faults (comma-separated names), and no clean run.
+    /// With `--faults`: only these catalogue faults (comma-separated names), and no clean runs.
     #[arg(
         long = "fault",
         value_name = "NAME",
@@ -71,7 +73,15 @@ fn fault_matrix(args: &SelftestArgs, model: &Path, dtypes: &[Precision]) -> Resu
             json!({"backend": args.backend.name(), "tp": args.tp, "cases": cases, "missed": missed})
         );
     } else {
-        let mut t = table(&["fault", "dtype", "expected", "found stage", "class", ""]);
+        let mut t = table(&[
+            "fault",
+            "dtype",
+            "expected",
+            "found stage",
+            "class",
+            "tolerance to pass",
+            "",
+        ]);
         for c in &cases {
             let expected = match c.expected_class {
                 None => "pass".to_string(),
@@ -84,6 +94,7 @@ fn fault_matrix(args: &SelftestArgs, model: &Path, dtypes: &[Precision]) -> Resu
                 Cell::new(expected),
                 Cell::new(c.stage.as_deref().unwrap_or("-")),
                 Cell::new(c.class.unwrap_or("-")),
+                Cell::new(format!("{:.1e}", c.tolerance_to_pass)),
                 Cell::new(if c.ok { "ok" } else { "MISSED" }),
             ]);
         }

@@ -81,6 +81,16 @@ impl Cuda {
         }
     }
 
+    /// The same GPUs (their kept blocks and memory budget shared) at another precision, from
+    /// rank 0: a hybrid run's f32 reference beside a candidate on them.
+    pub fn at_precision(&self, precision: Precision) -> Cuda {
+        Cuda {
+            ranks: self.ranks.clone(),
+            rank: 0,
+            precision,
+        }
+    }
+
     /// This rank's device, bound to the calling thread.
     fn device(&self, rank: usize) -> Result<MutexGuard<'_, Device>> {
         self.ranks.device(rank)

@@ -1,14 +1,15 @@
 //! The fault matrix (`glmcheck selftest --faults MODEL`): glmcheck's own diagnosis checked on a
 //! backend. Every fault of the catalogue is planted in turn in a candidate run at the given TP
 //! and dtypes, and `bisect` must name the catalogue's class at its stage; a clean candidate
-//! must pass.
+//! must pass. On a GPU backend, a clean CPU candidate is also bisected against the reference
+//! run on that backend (`bisect --reference-backend`), and must pass at f32's tolerance.
 
 use anyhow::{bail, Result};
 use serde::Serialize;
 
 use super::bisect::{bisect, BisectOptions};
 use super::Model;
-use crate::compare::Status;
+use crate::compare::{DiffReport, Status};
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
 use crate::exec::inject::{Injection, CATALOGUE};
@@ -30,7 +31,56 @@ pub struct FaultCase {
     pub verdict: String,
     pub stage: Option<String>,
     pub class: Option<&'static str>,
+    /// The largest `rel_diff` of any stage: how close a clean case came to its tolerance.
+    pub tolerance_to_pass: f64,
     pub ok: bool,
+}
+
+impl FaultCase {
+    /// What bisect's `diff` made of a case expecting `(class, stages)` (no class: a pass).
+    fn judged(
+        fault: String,
+        dtype: Precision,
+        (expected_class, expected_stages): (Option<&'static str>, Vec<String>),
+        diff: &DiffReport,
+    ) -> FaultCase {
+        let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());
+        let class = diff.fault.as_ref().map(|f| f.class.name());
+        let ok = match expected_class {
+            None => diff.verdict == Status::Pass,
+            Some(want) => {
+                diff.verdict == Status::Fail
+                    && class == Some(want)
+                    && (expected_stages.is_empty()
+                        || stage.as_ref().is_some_and(|s| expected_stages.contains(s)))
+            }
+        };
+        FaultCase {
+            fault,
+            dtype: dtype.name(),
+            expected_class,
+            expected_stages,
+            verdict: if diff.verdict == Status::Pass {
+                "pass"
+            } else {
+                "fail"
+            }
+            .into(),
+            stage,
+            class,
+            tolerance_to_pass: diff.tolerance_to_pass,
+            ok,
+        }
+    }
+}
+
+/// Every case's bisect options: the fixed prompt, nothing generated, the rest the defaults.
+fn case_options(model: &std::path::Path) -> BisectOptions {
+    BisectOptions {
+        tokens: TOKENS.to_vec(),
+        generate: 0,
+        ..BisectOptions::new(model.to_path_buf())
+    }
 }
 
 /// The first stage that reads a Q4_K weight, where a broken Q4_K dequantizer first shows.
@@ -90,44 +140,33 @@ pub fn matrix(
             backend,
             dtype,
             inject: fault,
-            tokens: TOKENS.to_vec(),
-            generate: 0,
-            ..BisectOptions::new(model.to_path_buf())
+            ..case_options(model)
         })?;
-        let diff = &report.diff;
-        let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());
-        let class = diff.fault.as_ref().map(|f| f.class.name());
-        let (expected_class, expected_stages) = match fault {
+        let expected = match fault {
             Some(f) => (
                 Some(f.entry().class.name()),
                 f.expected_stages(&cfg, first_q4k.as_deref()),
             ),
             None => (None, Vec::new()),
         };
-        let ok = match expected_class {
-            None => diff.verdict == Status::Pass,
-            Some(want) => {
-                diff.verdict == Status::Fail
-                    && class == Some(want)
-                    && (expected_stages.is_empty()
-                        || stage.as_ref().is_some_and(|s| expected_stages.contains(s)))
-            }
-        };
-        cases.push(FaultCase {
-            fault: name,
-            dtype: dtype.name(),
-            expected_class,
-            expected_stages,
-            verdict: if diff.verdict == Status::Pass {
-                "pass"
-            } else {
-                "fail"
-            }
-            .into(),
-            stage,
-            class,
-            ok,
-        });
+        cases.push(FaultCase::judged(name, dtype, expected, &report.diff));
+    }
+    // The backend as the reference: a clean CPU candidate at f32 must agree with it within the
+    // f32 tolerance, as the CPU reference agrees with itself.
+    if backend != BackendKind::Cpu && only.is_empty() {
+        let name = format!("clean, reference on {}", backend.name());
+        progress(&name);
+        let report = bisect(&BisectOptions {
+            tp,
+            reference_backend: backend,
+            ..case_options(model)
+        })?;
+        cases.push(FaultCase::judged(
+            name,
+            Precision::F32,
+            (None, Vec::new()),
+            &report.diff,
+        ));
     }
     Ok(cases)
 }

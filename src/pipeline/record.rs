@@ -54,7 +54,7 @@ pub struct RunSpec<'a> {
     /// Pass every weight through the storage types of this model's files (the quantization
     /// envelope of a conversion to it).
     pub stored_as: Option<&'a Model>,
-    /// A hybrid run with a reference model on the CPU at f32, TP 1.
+    /// A hybrid run with a reference model at f32, TP 1.
     pub hybrid: Option<Split<'a>>,
 }
 
@@ -63,6 +63,8 @@ pub struct RunSpec<'a> {
 #[derive(Clone, Copy)]
 pub struct Split<'a> {
     pub reference: &'a Model,
+    /// Where the reference's blocks run (on the GPU: GPU 0).
+    pub reference_backend: BackendKind,
     pub switch: usize,
     /// The reference below the switch (replaying the candidate from the reference's inputs),
     /// or above it (the reference finishing what the candidate began).
@@ -211,7 +213,13 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 }
                 Some(split) => {
                     let reference = keeping(split.reference.source());
-                    let f32_be = Engine::Cpu(Cpu::new(Precision::F32));
+                    // On the candidate's GPUs when both run there: one memory budget for both.
+                    let f32_be = match (&be, split.reference_backend) {
+                        (Engine::Cuda(gpus), BackendKind::Cuda) => {
+                            Engine::Cuda(gpus.at_precision(Precision::F32))
+                        }
+                        (_, kind) => Engine::open(kind, Precision::F32, 1, None)?,
+                    };
                     let reference = Runner {
                         src: &reference,
                         be: &f32_be,

@@ -128,6 +128,7 @@ impl Hybrids<'_> {
             ties: self.ties,
             hybrid: Some(Split {
                 reference: self.model,
+                reference_backend: self.args.reference_backend,
                 switch,
                 reference_below,
             }),

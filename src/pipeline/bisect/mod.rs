@@ -51,10 +51,14 @@ pub struct BisectOptions {
     /// The candidate with expert parallelism: routed experts whole on their owning rank.
     #[arg(long)]
     pub ep: bool,
-    /// Where the candidate's ops run: `cpu`, or `cuda` (one GPU per rank, cuBLAS, NCCL); the
-    /// reference always runs on the CPU.
+    /// Where the candidate's ops run: `cpu`, or `cuda` (one GPU per rank, cuBLAS, NCCL).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendKind,
+    /// Where the reference and its envelope run (TP 1): `cpu`, or `cuda` on GPU 0, in f32
+    /// within the f32 tolerance (1e-8 `rel_diff`) of the CPU's, so that a large model's
+    /// reference does not wait on the host's cores.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub reference_backend: BackendKind,
     /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
@@ -141,6 +145,8 @@ pub struct BisectInfo {
     pub candidate: String,
     /// Where the candidate ran: `cpu`, `cuda`, or the backend an engine trace names.
     pub backend: String,
+    /// Where the reference and the envelope ran: `cpu` or `cuda`.
+    pub reference_backend: &'static str,
     pub tp: u64,
     pub dtype: String,
     pub inject: Option<String>,
@@ -249,7 +255,8 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         bar.inc(1);
     }
     let paths = ["reference", "envelope", "candidate"].map(|n| dir.join(format!("{n}.trace")));
-    bar.set_message("reference run (CPU, TP 1, f32)");
+    let on = args.reference_backend.name();
+    bar.set_message(format!("reference run ({on}, TP 1, f32)"));
     let ref_run = record(reference_spec(args, &tokens, &reference_model, &paths[0]))?;
     bar.inc(1);
     let reference = Trace::open(&paths[0])?;
@@ -259,7 +266,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         TieBreaks::default()
     };
     let envelope = if lower {
-        bar.set_message(format!("envelope run (CPU, TP 1, {})", dtype.name()));
+        bar.set_message(format!("envelope run ({on}, TP 1, {})", dtype.name()));
         record(RunSpec {
             dtype,
             ties: Some(&ties),
@@ -438,6 +445,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
             } else {
                 candidate.manifest().backend.clone()
             },
+            reference_backend: args.reference_backend.name(),
             tp: if cand_run.is_some() {
                 args.tp
             } else {
@@ -695,7 +703,7 @@ fn reference_spec<'a>(
         dtype: Precision::F32,
         tp: 1,
         ep: false,
-        backend: BackendKind::Cpu,
+        backend: args.reference_backend,
         process: None,
         inject: None,
         generate: args.generate,
