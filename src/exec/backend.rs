@@ -124,35 +124,39 @@ pub fn sum_in_rank_order<B: Backend>(be: &B, parts: &[Mat<B::E>]) -> Result<Mat<
         .try_fold(first.clone(), |sum, p| be.add(&sum, p))
 }
 
-/// `w[..rows] · xᵀ` for the first `rows` rows of a row-major weight `w` with `x.cols`
-/// features, laid out `[x.rows, rows]`.
-fn weight_rows_times_x<E: Real>(w: &[E], rows: usize, x: &Mat<E>) -> Vec<E> {
-    let (t, k) = (x.rows, x.cols);
+/// `x · w[..rows]ᵀ` for the first `rows` rows of a row-major weight `w` with `k` features and
+/// the activations `x_cols` column-major (`[k, t]` row-major: a token's features at stride
+/// `t`), laid out column-major too: `[rows, t]`, a weight row's outputs for every token.
+fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) -> Vec<E> {
+    let k = x_cols.len() / t.max(1);
     let mut dst = vec![E::zero(); t * rows];
     if t == 0 || rows == 0 {
         return dst;
     }
     assert!(
-        w.len() >= rows * k && x.data.len() == t * k,
+        w.len() >= rows * k && x_cols.len() == t * k,
         "gemm operands too short"
     );
-    // SAFETY: dst is t × rows, row-major (row r is token r); lhs is x (t × k, row-major); rhs
-    // is the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
+    // SAFETY: every operand is column-major, the order gemm's kernel works in: given another,
+    // gemm transposes the whole problem or copies the operand into that order on every call (a
+    // linear makes one call per block of weight rows), and that copying cost more than the
+    // arithmetic. dst is t × rows (column j: weight row j's outputs); lhs is x (t × k); rhs is
+    // the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
     // weight is the large operand, and gemm reads a column-contiguous rhs without packing it
-    // (on x86, up to 128 × its kernel height of tokens: thousands).
-    // The assert bounds every read.
+    // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
+    // read.
     unsafe {
         gemm::gemm(
             t,
             rows,
             k,
             dst.as_mut_ptr(),
+            t as isize,
             1,
-            rows as isize,
             false,
-            x.data.as_ptr(),
+            x_cols.as_ptr(),
+            t as isize,
             1,
-            k as isize,
             w.as_ptr(),
             k as isize,
             1,
@@ -165,6 +169,17 @@ fn weight_rows_times_x<E: Real>(w: &[E], rows: usize, x: &Mat<E>) -> Vec<E> {
         );
     }
     dst
+}
+
+/// `x`'s values column by column (`xᵀ` row-major).
+fn column_major<E: Real>(x: &Mat<E>) -> Vec<E> {
+    let mut out = vec![E::zero(); x.data.len()];
+    for (r, row) in x.data.chunks_exact(x.cols.max(1)).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * x.rows + r] = v;
+        }
+    }
+    out
 }
 
 /// The CPU backend: `gemm` and the loops of [`ops`], in `E` at a precision.
@@ -249,19 +264,21 @@ impl<E: Real> Backend for Cpu<E> {
                 w.cols
             );
         }
+        let x_cols = column_major(x);
         let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
         let blocks: Vec<Vec<E>> = starts
             .par_iter()
             .map(|&start| {
                 let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                weight_rows_times_x(&w.data[start * features..], rows, x)
+                x_times_weight_rows(&x_cols, t, &w.data[start * features..], rows)
             })
             .collect();
         let mut y = Mat::zeros(t, out);
         for (start, block) in starts.into_iter().zip(blocks) {
-            let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-            for r in 0..t {
-                y.row_mut(r)[start..start + rows].copy_from_slice(&block[r * rows..][..rows]);
+            for (j, outputs) in block.chunks_exact(t.max(1)).enumerate() {
+                for (r, &v) in outputs.iter().enumerate() {
+                    y.data[r * out + start + j] = v;
+                }
             }
         }
         Ok(y)
