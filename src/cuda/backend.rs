@@ -137,7 +137,7 @@ impl Backend for Cuda {
 
     fn hold(&self, w: Mat<f32>) -> Result<GpuWeight> {
         let device = self.device(self.rank)?;
-        let data = with_dtype!(self.precision, D => D::held(device.upload::<D>(&w.data)?));
+        let data = with_dtype!(self.precision, D => D::held(device.upload_weight::<D>(&w.data)?));
         Ok(GpuWeight {
             rank: self.rank,
             rows: w.rows,

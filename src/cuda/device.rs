@@ -12,6 +12,7 @@ use super::memory::{Buffer, Meter};
 use super::resident::Resident;
 use super::Gpu;
 use crate::exec::stored::StoredBlock;
+use crate::weights::GgmlType;
 
 /// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks.
 pub(super) struct Device {
@@ -53,6 +54,25 @@ impl Device {
             self.gpu.stream.memcpy_htod(&host, &mut buf.slice)?;
         }
         Ok(buf)
+    }
+
+    /// A weight's host f32 values as dtype `D` on this GPU: sent as f32 and rounded there by the
+    /// F32 dequantization kernel (bit for bit the host's rounding to nearest even), so that a
+    /// weight made on the host (llama.cpp's split kv_b assembled, a planted fault) is not
+    /// rounded value by value on one host core on its way up.
+    pub(super) fn upload_weight<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
+        let n = values.len();
+        let mut out = self.alloc::<D>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let mut raw = self.alloc::<u8>(std::mem::size_of_val(values))?;
+        self.gpu
+            .stream
+            .memcpy_htod(bytemuck::cast_slice::<f32, u8>(values), &mut raw.slice)?;
+        self.gpu
+            .launch_dequant(GgmlType::F32, &raw.slice, &mut out.slice, n)?;
+        Ok(out)
     }
 
     /// The first `n` values of `buf` as host f32.

@@ -7,9 +7,14 @@
 //! under a temporary name renamed into place. Until [`TraceWriter::finish`] the manifest says
 //! `"complete": false`, so a crashed or killed run leaves a readable trace of the groups it
 //! finished, marked partial, and loses at most the one in progress.
+//!
+//! A stage's statistics and content hash are computed on the thread pool while the forward
+//! goes on (FNV-1a is one multiply per byte in sequence: tens of milliseconds a layer at
+//! GLM-5's widths); a group waits for its own when it is written.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -57,11 +62,11 @@ impl Stage<'_> {
         }
     }
 
-    fn stats(self) -> TensorStats {
+    fn to_owned(self) -> OwnedStage {
         match self {
-            Stage::F32(v) => TensorStats::of(v),
-            Stage::F64(v) => TensorStats::of(v),
-            Stage::I32(v) => TensorStats::of(v),
+            Stage::F32(v) => OwnedStage::F32(v.to_vec()),
+            Stage::F64(v) => OwnedStage::F64(v.to_vec()),
+            Stage::I32(v) => OwnedStage::I32(v.to_vec()),
         }
     }
 
@@ -75,6 +80,58 @@ impl Stage<'_> {
     }
 }
 
+/// A stage's values copied out of the forward, for statistics computed beside it.
+enum OwnedStage {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I32(Vec<i32>),
+}
+
+impl OwnedStage {
+    fn stats(&self) -> TensorStats {
+        match self {
+            OwnedStage::F32(v) => TensorStats::of(v),
+            OwnedStage::F64(v) => TensorStats::of(v),
+            OwnedStage::I32(v) => TensorStats::of(v),
+        }
+    }
+}
+
+/// A stage's statistics: its values until someone computes them, then the statistics.
+enum StatsCell {
+    Values(OwnedStage),
+    Done(TensorStats),
+}
+
+/// Statistics being computed on the thread pool; whoever needs them first computes them (so a
+/// pool with no thread free never leaves the writer waiting on a queued task).
+struct PendingStats(Arc<Mutex<StatsCell>>);
+
+impl PendingStats {
+    fn start(values: Stage<'_>) -> PendingStats {
+        let cell = Arc::new(Mutex::new(StatsCell::Values(values.to_owned())));
+        let task = cell.clone();
+        rayon::spawn(move || {
+            resolve(&task);
+        });
+        PendingStats(cell)
+    }
+
+    fn wait(&self) -> TensorStats {
+        resolve(&self.0)
+    }
+}
+
+fn resolve(cell: &Mutex<StatsCell>) -> TensorStats {
+    let mut cell = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let stats = match &*cell {
+        StatsCell::Done(stats) => return stats.clone(),
+        StatsCell::Values(values) => values.stats(),
+    };
+    *cell = StatsCell::Done(stats.clone());
+    stats
+}
+
 /// A full tensor waiting for its group's file.
 struct Held {
     name: String,
@@ -83,11 +140,12 @@ struct Held {
     bytes: Vec<u8>,
 }
 
-/// The stages of the group in progress.
+/// The stages of the group in progress, each with its statistics on the way.
 #[derive(Default)]
 struct Group {
     name: String,
     stages: Vec<StageRecord>,
+    stats: Vec<PendingStats>,
     held: Vec<Held>,
 }
 
@@ -194,7 +252,8 @@ impl TraceWriter {
             dtype: values.elem_type(),
             dims: dims.to_string(),
             rank,
-            stats: values.stats(),
+            // Filled in when the group is written.
+            stats: TensorStats::of::<f32>(&[]),
             file: None,
             tensor: None,
             extra: Map::new(),
@@ -218,6 +277,7 @@ impl TraceWriter {
             record.tensor = Some(tensor);
         }
         self.open.stages.push(record);
+        self.open.stats.push(PendingStats::start(values));
         Ok(())
     }
 
@@ -253,9 +313,12 @@ impl TraceWriter {
     /// Write the open group's file (if it holds full tensors), add its stages to the manifest
     /// and rewrite the manifest.
     fn close_group(&mut self) -> Result<()> {
-        let group = std::mem::take(&mut self.open);
+        let mut group = std::mem::take(&mut self.open);
         if group.stages.is_empty() {
             return Ok(());
+        }
+        for (stage, stats) in group.stages.iter_mut().zip(&group.stats) {
+            stage.stats = stats.wait();
         }
         if !group.held.is_empty() {
             self.write_tensors(&group)?;
