@@ -12,6 +12,7 @@ use super::backend::Backend;
 use super::mat::Mat;
 use super::ops::topk;
 use num_traits::{Float, Zero};
+use rayon::prelude::*;
 
 use super::lazy_weight::LazyWeight;
 use super::real::Real;
@@ -321,35 +322,40 @@ fn indexer<B: Backend>(
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
     let (scale, head_scale) = (power(ihd), power(ih));
     let k_sel = (cfg.index_topk as usize).min(total);
-    let (mut selection, mut gaps) = (Vec::with_capacity(t), Vec::with_capacity(t));
-    for i in 0..t {
-        let p = start + i;
-        let mut score = vec![B::E::neg_infinity(); total];
-        for (j, sc) in score.iter_mut().enumerate().take(p + 1) {
-            let key = &cache.index_k[j * ihd..(j + 1) * ihd];
-            *sc = (0..ih)
-                .map(|head| {
-                    let dot: B::E = q.row(i)[head * ihd..(head + 1) * ihd]
-                        .iter()
-                        .zip(key)
-                        .map(|(&a, &b)| a * b)
-                        .sum();
-                    weights.row(i)[head] * head_scale * (dot * scale).max(B::E::zero())
-                })
-                .sum();
-        }
-        let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
-        gaps.push(if p + 1 > k_sel {
-            score[ranked[k_sel - 1]] - score[ranked[k_sel]]
-        } else {
-            B::E::lit(NO_BOUNDARY)
-        });
-        let mut chosen: Vec<i32> = ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
-        chosen.resize(k_sel, -1);
-        if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
-            chosen = reference.to_vec();
-        }
-        selection.push(chosen);
-    }
+    let index_k = &cache.index_k;
+    // Query positions in parallel: each position's scores are its own sums, in one order.
+    let chosen: Vec<(Vec<i32>, B::E)> = (0..t)
+        .into_par_iter()
+        .map(|i| {
+            let p = start + i;
+            let mut score = vec![B::E::neg_infinity(); total];
+            for (j, sc) in score.iter_mut().enumerate().take(p + 1) {
+                let key = &index_k[j * ihd..(j + 1) * ihd];
+                *sc = (0..ih)
+                    .map(|head| {
+                        let dot: B::E = q.row(i)[head * ihd..(head + 1) * ihd]
+                            .iter()
+                            .zip(key)
+                            .map(|(&a, &b)| a * b)
+                            .sum();
+                        weights.row(i)[head] * head_scale * (dot * scale).max(B::E::zero())
+                    })
+                    .sum();
+            }
+            let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
+            let gap = if p + 1 > k_sel {
+                score[ranked[k_sel - 1]] - score[ranked[k_sel]]
+            } else {
+                B::E::lit(NO_BOUNDARY)
+            };
+            let mut chosen: Vec<i32> = ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
+            chosen.resize(k_sel, -1);
+            if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
+                chosen = reference.to_vec();
+            }
+            (chosen, gap)
+        })
+        .collect();
+    let (selection, gaps) = chosen.into_iter().unzip();
     Ok((selection, gaps))
 }
