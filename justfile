@@ -70,13 +70,24 @@ gpu-dequant-check:
     scripts/gpu-dequant-check target/release/glmcheck
 
 # On the GPU machine: the CUDA backend's selftest, clean bisects against the CPU at TP 1/2/4 on
-# tiny, small and glm5-dims, the fault matrix at TP 2/4, per-rank GPU memory (writes OUT/gpu-backend.md).
+# tiny, small and glm5-dims, the reference on the GPU against the CPU's, the fault matrix at TP
+# 2/4 (TP 1 on one GPU), per-rank GPU memory (writes OUT/gpu-backend.md).
 gpu-backend-check out="target/gpu-backend":
     scripts/gpu-env scripts/gpu-backend-check target/release/glmcheck {{out}}
 
 # On the GPU machine: one glm5-dims MoE block, glmcheck's CUDA backend against transformers' module in PyTorch.
 gpu-moe-bench out="target/gpu-moe":
     scripts/gpu-env scripts/gpu-moe-bench target/release/glmcheck {{out}}
+
+# On the GPU machine: glm5-dims' whole forward (4 layers) at 8/64/512 tokens, glmcheck's CUDA
+# backend against transformers' eager model on the same GPU (writes OUT/gpu-forward.md).
+gpu-forward-bench out="target/gpu-forward":
+    scripts/gpu-env scripts/gpu-forward-bench target/release/glmcheck {{out}}
+
+# Per-layer time, bytes and peak memory on glm5-dims at 8/64/512 tokens for the full-model
+# projection in BENCHMARKS.md: the CPU at 2 and all cores, and (on the GPU machine) the GPU.
+projection out="target/projection" sides="cpu:2:f32,cpu:all:f32,cpu:all:bf16":
+    scripts/gpu-env python3 benches/projection.py target/release/glmcheck {{out}} --sides {{sides}}
 
 # On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
 gpu-dequant-bench:

@@ -112,8 +112,17 @@ def worker(model_dir: str, threads: int, reps: int, record: bool, trace_dir: str
                 model(prompt, use_cache=False)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    # The decoder layers alone (and the final norm), fed the embedded prompt: what glmcheck's
+    # layer seconds time.
+    layers = []
+    with torch.no_grad():
+        embedded = model.model.embed_tokens(prompt)
+        for _ in range(reps if not record else 0):
+            start = time.perf_counter()
+            model.model(inputs_embeds=embedded, use_cache=False)
+            layers.append(time.perf_counter() - start)
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    print(json.dumps({"warm": times[1:], "cpu": cpu[1:], "versions": versions}))
+    print(json.dumps({"warm": times[1:], "cpu": cpu[1:], "layers": layers, "versions": versions}))
 
 
 def record_forward(model, model_dir: str, prompt, out: Path) -> None:
@@ -147,9 +156,25 @@ def transformers_warm(env: dict, model: Path, threads: int, reps: int, record: b
     one warm-up), the worker's peak RSS and the versions it ran."""
     run = measure(worker_cmd(model, threads, reps, record, tmp), env)
     times = json.loads(run["stdout"].strip().splitlines()[-1])
-    warm = times["warm"]
+    warm, layers = times["warm"], times["layers"]
     return {"best": min(warm), "median": statistics.median(warm), "cpu": min(times["cpu"]),
-            "rss": run["rss"], "versions": times["versions"]}
+            "rss": run["rss"], "versions": times["versions"],
+            "layers": {"best": min(layers), "median": statistics.median(layers),
+                       "cpu": float("nan"), "rss": run["rss"]} if layers else None}
+
+
+def glmcheck_warm(glmcheck: str, model: Path, env: dict, reps: int, tmp: Path) -> dict:
+    """The recorded forward after one unrecorded warm-up pass, by the trace's layer seconds (the
+    decoder layers with every stage's statistics; not the embedding and the head)."""
+    layers, rss = [], 0.0
+    for i in range(reps):
+        trace = tmp / f"glmcheck-warm{i}.trace"
+        run = measure([*glmcheck_run(glmcheck, model, PROMPT, trace), "--warm-up", "1"], env)
+        seconds = json.loads((trace / "manifest.json").read_text())["producer"]["layer_seconds"]
+        layers.append(sum(v for k, v in seconds.items() if "." not in k))
+        rss = max(rss, run["rss"])
+    return {"best": min(layers), "median": statistics.median(layers), "cpu": float("nan"),
+            "rss": rss}
 
 
 # ---- the two benchmarks ----
@@ -178,7 +203,10 @@ def bench_small(glmcheck: str, tmp: Path, threads: int, reps: int, py_reps: int)
     plain_process = repeat(lambda _: worker_cmd(hf, threads, 0, False, tmp), env, py_reps)
     recording = transformers_warm(env, hf, threads, reps, True, tmp)
     rows += [
+        ("glmcheck run --warm-up 1, GGUF f32", "warm forward: the layers (trace's layer seconds)",
+         glmcheck_warm(glmcheck, gguf, env, reps, tmp)),
         ("transformers", "warm forward only (in process)", plain),
+        ("transformers", "warm forward: the layers (in process)", plain["layers"]),
         ("transformers", "process: import, load, one forward", plain_process),
         ("transformers + glmcheck_probe", "warm forward recording every stage", recording),
         ("transformers + glmcheck_probe", "process: the probe CLI",
@@ -316,7 +344,8 @@ def report(threads: int, reps: int, py_reps: int, small: list, versions: str,
 
 def small_report(reps: int, py_reps: int, small: list) -> list:
     base = small[0][2]["best"]
-    small_rows = [(who, what, f"{t['best']:.3f}", f"{t['median']:.3f}", f"{t['cpu']:.3f}",
+    small_rows = [(who, what, f"{t['best']:.3f}", f"{t['median']:.3f}",
+                   "-" if t["cpu"] != t["cpu"] else f"{t['cpu']:.3f}",
                    f"{t['rss']:.0f}", f"{t['best'] / base:.2f}×") for who, what, t in small]
     return [
         "## `small`, one 64-token prompt (float32)",
