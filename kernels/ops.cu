@@ -87,6 +87,18 @@ __device__ void round_to(const float* x, T* y, u32 n) {
     store(&y[e], x[e]);
 }
 
+// kv_b from llama.cpp's split form, f32 in, the dtype out: head h's rows are attn_k_b[h]
+// transposed (`[nope, kv_lora]` from `[kv_lora, nope]`), then attn_v_b[h] (`[v, kv_lora]`).
+template <typename T>
+__device__ void assemble_kv_b(const float* k_b, const float* v_b, T* y, u32 kv_lora, u32 nope,
+                              u32 v, u32 n) {
+    ELEMENT(e, n);
+    u32 c = e % kv_lora, r = (e / kv_lora) % (nope + v), h = e / (kv_lora * (nope + v));
+    float x = r < nope ? k_b[((u64)h * kv_lora + c) * nope + r]
+                       : v_b[((u64)h * v + (r - nope)) * kv_lora + c];
+    store(&y[e], x);
+}
+
 #define OPS(T)                                                                                   \
     extern "C" __global__ void rms_norm_##T(const T* x, const T* w, T* y, u32 cols, float eps) { \
         rms_norm(x, w, y, cols, eps);                                                            \
@@ -99,7 +111,11 @@ __device__ void round_to(const float* x, T* y, u32 n) {
         silu_mul(gate, up, y, n);                                                                \
     }                                                                                            \
     extern "C" __global__ void add_##T(const T* a, const T* b, T* y, u32 n) { add(a, b, y, n); } \
-    extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); }
+    extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); } \
+    extern "C" __global__ void assemble_kv_b_##T(const float* k_b, const float* v_b, T* y,       \
+                                                 u32 kv_lora, u32 nope, u32 v, u32 n) {          \
+        assemble_kv_b(k_b, v_b, y, kv_lora, nope, v, n);                                         \
+    }
 
 OPS(f32)
 OPS(bf16)

@@ -13,6 +13,7 @@ use crate::exec::backend::{Backend, Cpu};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
+use crate::model::kv_b::KvBDims;
 
 /// Where the candidate's ops run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -105,6 +106,18 @@ impl Backend for Engine {
         Ok(match self {
             Engine::Cpu(be) => EngineWeight::Cpu(be.hold_stored(w)?),
             Engine::Cuda(be) => EngineWeight::Cuda(be.hold_stored(w)?),
+        })
+    }
+
+    fn hold_kv_b(
+        &self,
+        k_b: &StoredBlock<'_>,
+        v_b: &StoredBlock<'_>,
+        d: KvBDims,
+    ) -> Result<EngineWeight> {
+        Ok(match self {
+            Engine::Cpu(be) => EngineWeight::Cpu(be.hold_kv_b(k_b, v_b, d)?),
+            Engine::Cuda(be) => EngineWeight::Cuda(be.hold_kv_b(k_b, v_b, d)?),
         })
     }
 

@@ -19,10 +19,11 @@ use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{all_computed, sum_in_rank_order, Backend};
+use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
+use crate::model::kv_b::KvBDims;
 
 /// `$body` with the type `$D` standing for the dtype of precision `$p`.
 macro_rules! with_dtype {
@@ -159,6 +160,32 @@ impl Backend for Cuda {
             rank: self.rank,
             rows,
             cols,
+            data,
+        })
+    }
+
+    /// Assembled on this rank's GPU from the two tensors' blocks, dequantized there (and kept
+    /// there as blocks, within the budget), so that no pass assembles it on the host.
+    fn hold_kv_b(
+        &self,
+        k_b: &StoredBlock<'_>,
+        v_b: &StoredBlock<'_>,
+        d: KvBDims,
+    ) -> Result<GpuWeight> {
+        let mut device = self.device(self.rank)?;
+        if !(device.gpu.dequantizes(k_b.ty()) && device.gpu.dequantizes(v_b.ty())) {
+            drop(device);
+            return self.hold(kv_b_on_host(k_b, v_b, d)?);
+        }
+        let (k, v) = (
+            device.dequantize_stored::<f32>(k_b)?,
+            device.dequantize_stored::<f32>(v_b)?,
+        );
+        let data = with_dtype!(self.precision, D => D::held(device.assemble_kv_b::<D>(&k, &v, d)?));
+        Ok(GpuWeight {
+            rank: self.rank,
+            rows: d.heads * (d.nope + d.v),
+            cols: d.kv_lora,
             data,
         })
     }

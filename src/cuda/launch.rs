@@ -11,6 +11,7 @@ use super::memory::Buffer;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
+use crate::model::kv_b::KvBDims;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
 const ROW_THREADS: u32 = 256;
@@ -128,6 +129,49 @@ impl Device {
         unsafe { launch.launch(elements(count)) }?;
         xs.copy_from_slice(&self.download(&out, xs.len())?);
         Ok(())
+    }
+
+    /// kv_b (`[heads · (nope + v), kv_lora]`) assembled from llama.cpp's split `attn_k_b` and
+    /// `attn_v_b`, dequantized here to f32, and rounded to the dtype.
+    pub(super) fn assemble_kv_b<D: Dtype>(
+        &self,
+        k_b: &Buffer<f32>,
+        v_b: &Buffer<f32>,
+        d: KvBDims,
+    ) -> Result<Buffer<D>> {
+        for (what, got, want) in [
+            ("attn_k_b", k_b.slice.len(), d.k_b_len()),
+            ("attn_v_b", v_b.slice.len(), d.v_b_len()),
+        ] {
+            if got < want {
+                bail!("kv_b assembly: {what} has {got} values, {want} needed");
+            }
+        }
+        let n = d.kv_b_len();
+        let mut out = self.alloc::<D>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let f = self.kernel("assemble_kv_b", D::SUFFIX)?;
+        let (kv_lora, nope, v, count) = (
+            to_u32(d.kv_lora)?,
+            to_u32(d.nope)?,
+            to_u32(d.v)?,
+            to_u32(n)?,
+        );
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&k_b.slice)
+            .arg(&v_b.slice)
+            .arg(&mut out.slice)
+            .arg(&kv_lora)
+            .arg(&nope)
+            .arg(&v)
+            .arg(&count);
+        // SAFETY: the two inputs hold the split form of `d` (checked above), the output kv_b's
+        // `n` values.
+        unsafe { launch.launch(elements(count)) }?;
+        Ok(out)
     }
 
     /// RoPE on `m`'s rows in place (f32 in and out, as the caller rounds).

@@ -20,6 +20,7 @@ use super::stored::StoredBlock;
 
 use super::real::Real;
 use crate::dtype::Precision;
+use crate::model::kv_b::{assemble_kv_b, KvBDims};
 
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
@@ -41,6 +42,17 @@ pub trait Backend: Sync + Clone {
     /// here; a GPU backend dequantizes the blocks on its device.
     fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<Self::Weight> {
         self.hold(w.dequantize()?)
+    }
+    /// kv_b (or a block of its heads) assembled from llama.cpp's split `attn_k_b` and
+    /// `attn_v_b` blocks, rounded to the dtype: on the host here; a GPU backend assembles it on
+    /// its device.
+    fn hold_kv_b(
+        &self,
+        k_b: &StoredBlock<'_>,
+        v_b: &StoredBlock<'_>,
+        d: KvBDims,
+    ) -> Result<Self::Weight> {
+        self.hold(kv_b_on_host(k_b, v_b, d)?)
     }
     /// Values rounded to the dtype (norm weights, embedding rows).
     fn hold_values(&self, v: Vec<f32>) -> Vec<Self::E>;
@@ -104,6 +116,13 @@ pub trait Backend: Sync + Clone {
     fn all_reduce(&self, parts: &[Mat<Self::E>]) -> Result<Mat<Self::E>> {
         sum_in_rank_order(self, parts)
     }
+}
+
+/// kv_b (or a block of its heads) dequantized and assembled on the host from llama.cpp's split
+/// blocks.
+pub fn kv_b_on_host(k_b: &StoredBlock<'_>, v_b: &StoredBlock<'_>, d: KvBDims) -> Result<Mat<f32>> {
+    let kv_b = assemble_kv_b(&k_b.dequantize()?.data, &v_b.dequantize()?.data, d)?;
+    Ok(Mat::new(d.heads * (d.nope + d.v), d.kv_lora, kv_b))
 }
 
 /// Every rank's part, computed in this process.

@@ -14,6 +14,7 @@ use super::mat::Mat;
 use super::sharder::Sharder;
 use super::source::WeightSource;
 use super::stored::StoredMatrix;
+use crate::model::kv_b::KvBDims;
 use crate::model::names::{LayerWeight, WeightId};
 
 pub struct LazyWeight<'a> {
@@ -105,12 +106,49 @@ impl<'a> LazyWeight<'a> {
                     return be.hold_stored(&b);
                 }
             }
+            if let Some(w) = self.split_kv_b_shard(be, sharder, rank)? {
+                return Ok(w);
+            }
             be.hold(sharder.shard(self.whole()?, self.role, rank)?)
         };
         match self.origin {
             Some((src, id)) => src.held(be, Self::part(id, Some((rank, sharder))), hold),
             None => hold().map(Arc::new),
         }
+    }
+
+    /// Rank `rank`'s heads of llama.cpp's split kv_b, from the blocks of those heads of
+    /// `attn_k_b` and `attn_v_b`, where the file stores it so and the rank's rows are whole heads.
+    fn split_kv_b_shard<B: Backend>(
+        &self,
+        be: &B,
+        sharder: Sharder,
+        rank: usize,
+    ) -> Result<Option<B::Weight>> {
+        let Some((src, WeightId::Layer(l, LayerWeight::KvB))) = self.origin else {
+            return Ok(None);
+        };
+        let Some((k_b, v_b, d)) = src.stored_kv_b(l) else {
+            return Ok(None);
+        };
+        let per_head = d.nope + d.v;
+        let Some((rows, _)) = sharder.block(self.role, rank, d.heads * per_head, d.kv_lora)? else {
+            return Ok(None);
+        };
+        if rows.start % per_head != 0 || rows.end % per_head != 0 {
+            return Ok(None);
+        }
+        let heads = rows.start / per_head..rows.end / per_head;
+        let k = k_b.block(heads.start * d.kv_lora..heads.end * d.kv_lora, 0..d.nope);
+        let v = v_b.block(heads.start * d.v..heads.end * d.v, 0..d.kv_lora);
+        let (Some(k), Some(v)) = (k, v) else {
+            return Ok(None);
+        };
+        let d = KvBDims {
+            heads: heads.len(),
+            ..d
+        };
+        be.hold_kv_b(&k, &v, d).map(Some)
     }
 
     fn part(id: WeightId, shard: Option<(usize, Sharder)>) -> Part {

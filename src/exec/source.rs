@@ -234,9 +234,16 @@ impl WeightSource {
             rows: None,
             shard: None,
         };
-        self.held(be, part, || match self.stored_matrix(id) {
-            Some(m) => be.hold_stored(&m.whole()),
-            None => be.hold(self.matrix(id)?),
+        self.held(be, part, || {
+            if let Some(m) = self.stored_matrix(id) {
+                return be.hold_stored(&m.whole());
+            }
+            if let WeightId::Layer(l, LayerWeight::KvB) = id {
+                if let Some((k_b, v_b, d)) = self.stored_kv_b(l) {
+                    return be.hold_kv_b(&k_b.whole(), &v_b.whole(), d);
+                }
+            }
+            be.hold(self.matrix(id)?)
         })
     }
 
@@ -293,14 +300,37 @@ impl WeightSource {
         Ok(self.hooks().rearranged(&self.cfg, id, stored))
     }
 
-    fn assembled_kv_b(&self, l: u64) -> Result<Mat> {
+    fn kv_b_dims(&self) -> KvBDims {
         let c = &self.cfg;
-        let dims = KvBDims {
+        KvBDims {
             heads: c.num_attention_heads as usize,
             kv_lora: c.kv_lora_rank as usize,
             nope: c.qk_nope_head_dim as usize,
             v: c.v_head_dim as usize,
+        }
+    }
+
+    /// llama.cpp's split kv_b of layer `l` (`attn_k_b`, `attn_v_b`) as stored blocks, when a
+    /// run may read it that way (as [`Self::stored_matrix`] says for a matrix): a GPU backend
+    /// assembles kv_b from them on the device.
+    pub fn stored_kv_b(&self, l: u64) -> Option<(StoredMatrix<'_>, StoredMatrix<'_>, KvBDims)> {
+        let id = WeightId::Layer(l, LayerWeight::KvB);
+        let split = matches!(self.layout.kv_b, KvBForm::Split | KvBForm::SplitFolded);
+        if !split || self.storage.is_some() || self.hooks().changes_weight(id) {
+            return None;
+        }
+        let d = self.kv_b_dims();
+        let stored = |w, rows: usize| {
+            let t = self.files.get(&self.name(WeightId::Layer(l, w)))?;
+            StoredMatrix::new(&self.files, t, 0, rows as u64)
         };
+        let k_b = stored(LayerWeight::KB, d.heads * d.kv_lora)?;
+        let v_b = stored(LayerWeight::VB, d.heads * d.v)?;
+        (k_b.cols == d.nope && v_b.cols == d.kv_lora).then_some((k_b, v_b, d))
+    }
+
+    fn assembled_kv_b(&self, l: u64) -> Result<Mat> {
+        let dims = self.kv_b_dims();
         let part = |w| self.load(&self.name(WeightId::Layer(l, w))).map(|(d, _)| d);
         let kv_b = assemble_kv_b(&part(LayerWeight::KB)?, &part(LayerWeight::VB)?, dims)
             .with_context(|| format!("layer {l} kv_b assembly"))?;

@@ -73,16 +73,16 @@ pub fn assemble_kv_b(k_b: &[f32], v_b: &[f32], d: KvBDims) -> Result<Vec<f32>, K
     out.par_chunks_exact_mut(d.rows_per_head() * d.kv_lora)
         .enumerate()
         .for_each(|(h, head_out)| {
-        let k_head = &k_b[h * d.kv_lora * d.nope..][..d.kv_lora * d.nope];
-        let (uk, uv) = head_out.split_at_mut(d.nope * d.kv_lora);
-        // uk[i][c] = k_head[c][i]: undo the per-head transpose.
-        for (c, k_row) in k_head.chunks_exact(d.nope).enumerate() {
-            for (i, &x) in k_row.iter().enumerate() {
-                uk[i * d.kv_lora + c] = x;
+            let k_head = &k_b[h * d.kv_lora * d.nope..][..d.kv_lora * d.nope];
+            let (uk, uv) = head_out.split_at_mut(d.nope * d.kv_lora);
+            // uk[i][c] = k_head[c][i]: undo the per-head transpose.
+            for (c, k_row) in k_head.chunks_exact(d.nope).enumerate() {
+                for (i, &x) in k_row.iter().enumerate() {
+                    uk[i * d.kv_lora + c] = x;
+                }
             }
-        }
-        uv.copy_from_slice(&v_b[h * d.v * d.kv_lora..][..d.v * d.kv_lora]);
-    });
+            uv.copy_from_slice(&v_b[h * d.v * d.kv_lora..][..d.v * d.kv_lora]);
+        });
     Ok(out)
 }
 
