@@ -1,7 +1,9 @@
 //! The CUDA backend: the ops of [`Backend`] on NVIDIA GPUs, one GPU per tensor-parallel rank.
 //! Each rank keeps its shards' stored GGML blocks on its GPU after their first use and
 //! dequantizes a weight there into the run's dtype (f32, bf16 or f16) for the op that multiplies
-//! by it, freeing that copy after; GEMMs go through cuBLAS with f32 accumulation, norms and element-wise ops through `kernels/ops.cu`, and the
+//! by it, freeing that copy after (llama.cpp's split kv_b is assembled there from its two
+//! tensors' blocks); GEMMs go through cuBLAS with f32 accumulation, norms and element-wise ops
+//! through `kernels/ops.cu`, and the
 //! all-reduce of a TP run through NCCL across the ranks' GPUs. Activations travel as host
 //! matrices between ops (they are a few rows at most), so the same forward and shard plan drive
 //! the CPU and the GPUs, and each op can be checked against the CPU's (`glmcheck selftest`).

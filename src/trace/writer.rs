@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -97,39 +97,70 @@ impl OwnedStage {
     }
 }
 
-/// A stage's statistics: its values until someone computes them, then the statistics.
+/// A stage's statistics: its values until someone takes them to compute, then the statistics.
 enum StatsCell {
     Values(OwnedStage),
+    Computing,
     Done(TensorStats),
 }
 
-/// Statistics being computed on the thread pool; whoever needs them first computes them (so a
-/// pool with no thread free never leaves the writer waiting on a queued task).
-struct PendingStats(Arc<Mutex<StatsCell>>);
+/// Statistics being computed on the thread pool. Whoever comes first takes the values and
+/// computes without holding the lock (the computation itself uses the pool, whose threads may
+/// be the ones asking); the pool's task never waits, and the writer waits only for a
+/// computation under way.
+struct PendingStats(Arc<(Mutex<StatsCell>, Condvar)>);
 
 impl PendingStats {
     fn start(values: Stage<'_>) -> PendingStats {
-        let cell = Arc::new(Mutex::new(StatsCell::Values(values.to_owned())));
+        let cell = Arc::new((
+            Mutex::new(StatsCell::Values(values.to_owned())),
+            Condvar::new(),
+        ));
         let task = cell.clone();
         rayon::spawn(move || {
-            resolve(&task);
+            if let Some(values) = claim(&task.0) {
+                finish(&task, values.stats());
+            }
         });
         PendingStats(cell)
     }
 
     fn wait(&self) -> TensorStats {
-        resolve(&self.0)
+        let (cell, done) = &*self.0;
+        if let Some(values) = claim(cell) {
+            let stats = values.stats();
+            finish(&self.0, stats.clone());
+            return stats;
+        }
+        let mut state = lock(cell);
+        loop {
+            if let StatsCell::Done(stats) = &*state {
+                return stats.clone();
+            }
+            state = done.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
     }
 }
 
-fn resolve(cell: &Mutex<StatsCell>) -> TensorStats {
-    let mut cell = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let stats = match &*cell {
-        StatsCell::Done(stats) => return stats.clone(),
-        StatsCell::Values(values) => values.stats(),
-    };
-    *cell = StatsCell::Done(stats.clone());
-    stats
+fn lock(cell: &Mutex<StatsCell>) -> std::sync::MutexGuard<'_, StatsCell> {
+    cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The values, when nobody has taken them yet.
+fn claim(cell: &Mutex<StatsCell>) -> Option<OwnedStage> {
+    let mut state = lock(cell);
+    match std::mem::replace(&mut *state, StatsCell::Computing) {
+        StatsCell::Values(values) => Some(values),
+        other => {
+            *state = other;
+            None
+        }
+    }
+}
+
+fn finish((cell, done): &(Mutex<StatsCell>, Condvar), stats: TensorStats) {
+    *lock(cell) = StatsCell::Done(stats);
+    done.notify_all();
 }
 
 /// A full tensor waiting for its group's file.
