@@ -322,6 +322,9 @@ impl WeightSource {
         let d = self.kv_b_dims();
         let stored = |w, rows: usize| {
             let t = self.files.get(&self.name(WeightId::Layer(l, w)))?;
+            // Exactly the split form's rows: any other shape goes to the host's assembly, which
+            // names the tensor that does not fit.
+            (t.rows() == rows as u64).then_some(())?;
             StoredMatrix::new(&self.files, t, 0, rows as u64)
         };
         let k_b = stored(LayerWeight::KB, d.heads * d.kv_lora)?;
