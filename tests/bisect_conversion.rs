@@ -4,7 +4,8 @@
 //! while a GGUF whose kv_b was split wrongly (rows of the re-assembled kv_b moved), or whose
 //! attn_k_b lacks its per-head transpose (written by gguf-py from the correct F32 file), is a
 //! `weight_layout` at `L0.attn.kv` naming `blk.0.attn_k_b.weight`; a candidate whose Q4_K
-//! dequantizer is broken is a `wrong_dequant`: its reading of its own bytes differs.
+//! dequantizer is broken is a `wrong_dequant`: its reading of its own bytes differs. A split
+//! kv_b of a shape no config explains is a one-line error.
 
 mod common;
 
@@ -88,4 +89,38 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
         j["bisect"]["weights"]["failed"], 0,
         "the file itself is honest"
     );
+}
+
+/// A split kv_b whose shape no config explains (one head too many in layer 0's `attn_k_b`) is
+/// a one-line error naming the file, the tensor and its shape, exit 2: not a silent read of its
+/// first heads.
+#[test]
+fn a_split_kv_b_of_the_wrong_shape_is_a_one_line_error() {
+    let dir = common::scratch();
+    let (good, bad) = (dir.path().join("f32.gguf"), dir.path().join("extra.gguf"));
+    common::synth_tiny(&good, &["--quant", "f32"]);
+    common::run_oracle(
+        "break_kv_b.py",
+        &[good.to_str().unwrap(), bad.to_str().unwrap(), "extra-head"],
+    );
+    let trace = dir.path().join("r.trace");
+    let out = common::glmcheck_output(&[
+        "run",
+        bad.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--out",
+        trace.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    for part in [
+        bad.to_str().unwrap(),
+        "blk.0.attn_k_b.weight",
+        "shape",
+        "attn_k_b holds",
+    ] {
+        assert!(err.contains(part), "{part}: {err}");
+    }
 }

@@ -336,7 +336,13 @@ impl WeightSource {
         let dims = self.kv_b_dims();
         let part = |w| self.load(&self.name(WeightId::Layer(l, w))).map(|(d, _)| d);
         let kv_b = assemble_kv_b(&part(LayerWeight::KB)?, &part(LayerWeight::VB)?, dims)
-            .with_context(|| format!("layer {l} kv_b assembly"))?;
+            .with_context(|| {
+                let k_b = self.name(WeightId::Layer(l, LayerWeight::KB));
+                match self.files.get(&k_b) {
+                    Some(t) => format!("{}: {k_b}: shape", self.files.file_of(t).display()),
+                    None => format!("layer {l} kv_b assembly"),
+                }
+            })?;
         Ok(Mat::new(
             dims.heads * (dims.nope + dims.v),
             dims.kv_lora,

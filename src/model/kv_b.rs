@@ -36,14 +36,31 @@ impl KvBDims {
 }
 
 /// Why the split tensors cannot be assembled.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{part} holds {got} values, {dims:?} needs {expected}")]
+#[derive(Debug, PartialEq, Eq)]
 pub struct KvBSizeError {
     pub part: &'static str,
     pub got: usize,
     pub expected: usize,
     pub dims: KvBDims,
 }
+
+impl std::fmt::Display for KvBSizeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = &self.dims;
+        let per_head = match self.part {
+            "attn_k_b" => format!("kv_lora {} × nope {}", d.kv_lora, d.nope),
+            "attn_v_b" => format!("v {} × kv_lora {}", d.v, d.kv_lora),
+            _ => format!("(nope {} + v {}) × kv_lora {}", d.nope, d.v, d.kv_lora),
+        };
+        write!(
+            f,
+            "{} holds {} values; {} heads of {per_head} are {}",
+            self.part, self.got, d.heads, self.expected
+        )
+    }
+}
+
+impl std::error::Error for KvBSizeError {}
 
 fn check_len(
     part: &'static str,

@@ -1,12 +1,14 @@
 """Copy an F32 glm-dsa GGUF with its kv_b split the way a broken converter splits it, for
 tests/bisect_conversion.rs. Everything else (metadata, other tensors) is copied as is.
 
-usage: break_kv_b.py SRC.gguf DST.gguf split-order|no-transpose
+usage: break_kv_b.py SRC.gguf DST.gguf split-order|no-transpose|extra-head
 
 split-order   kv_b read as every head's K rows, then every head's V rows (instead of per head),
               then split and transposed as llama.cpp's converter does
 no-transpose  attn_k_b written without its per-head transpose ([heads, nope, kv_lora] data under
               the [heads, kv_lora, nope] shape)
+extra-head    layer 0's attn_k_b with one head too many ([heads + 1, kv_lora, nope]): a shape
+              no config explains
 """
 
 import sys
@@ -36,7 +38,10 @@ def main(src: str, dst: str, mode: str) -> None:
         data = np.array(t.data, dtype=np.float32)
         if t.name.endswith(".attn_k_b.weight"):
             heads, kv_lora, nope = data.shape
-            if mode == "no-transpose":
+            if mode == "extra-head":
+                if t.name.startswith("blk.0."):
+                    data = np.concatenate([data, data[:1]], axis=0)
+            elif mode == "no-transpose":
                 data = data.transpose(0, 2, 1).copy().reshape(heads, kv_lora, nope)
             else:
                 v_b = np.array(tensors[t.name.replace("attn_k_b", "attn_v_b")].data, dtype=np.float32)
