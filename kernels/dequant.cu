@@ -2,24 +2,24 @@
 // and difference rounded on its own (__fmul_rn, __fsub_rn, __fadd_rn; the program is also
 // compiled with --fmad=false), in the order glmcheck's CPU dequantizers use, so that the f32
 // results are bit-identical to them; the bf16 and f16 kernels then round that f32 value to
-// nearest even, two values per paired hardware conversion (`store4`). Each source type has a
-// kernel per output, `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
+// nearest even, two values per paired hardware conversion (`Out<T>::put`). Each source type has
+// a kernel per output, `dq_<type>_<output>`: dq_q4_k_f32, dq_q4_k_bf16, dq_q4_k_f16.
 //
 // Launch shape (src/cuda/mod.rs, `dequant_launch`): thread blocks of DQ_THREADS threads, each
 // block writing DQ_TILE consecutive output values, so ceil(n / DQ_TILE) of them. Each thread
-// writes four values at a time, a float4 (f32) or four 16-bit values in one uint2 (bf16, f16),
-// the threads of a warp 512 (256) consecutive bytes per store. The quantized types first copy
-// the tile's blocks (a contiguous byte range) into shared memory with aligned 16-byte loads,
-// whatever their block size, then decode four values at a time from there: a block's scale is
-// read once per four values, from shared memory. `src` and `dst` must be 16-byte aligned
-// (cudaMalloc'd); `n` is below 2^32; byte offsets into `src` are 64-bit.
+// writes a group of 16 bytes at a time: four f32 values (a float4) or eight bf16/f16 values (a
+// uint4), so that every store of a warp covers 512 consecutive bytes whatever the output, and a
+// 16-bit output takes half the stores (and half the scale decodes) of an f32 one. The quantized
+// types first copy the tile's blocks (a contiguous byte range) into shared memory with aligned
+// 16-byte loads, whatever their block size, then decode four values at a time from there: a
+// group never straddles a scale, so its scales are read from shared memory once per four
+// values. `src` and `dst` must be 16-byte aligned (cudaMalloc'd); `n` is below 2^32; byte
+// offsets into `src` are 64-bit.
 
 #include "dtypes.cuh"
 
 #define DQ_THREADS 256
 #define DQ_TILE 4096
-// float4s (four values each, whatever the output) per thread per tile.
-#define DQ_VEC (DQ_TILE / 4 / DQ_THREADS)
 
 // IEEE half bits to float, exactly (subnormals, infinities and NaN payloads included), without
 // branches: a subnormal m * 2^-24 is (2^-14 + m * 2^-24) - 2^-14, both exact f32 normals.
@@ -71,15 +71,9 @@ __device__ __forceinline__ u32 iq4_levels(u32 c) {
 // Signed byte j of w as float.
 __device__ __forceinline__ float sbyte(u32 w, int j) { return (float)(signed char)BYTE(w, j); }
 
-// Four values decoded in f32 (positions 4f..4f+3 of the output) written to `dst` as one
-// 16-byte store of f32 ...
-__device__ __forceinline__ void store4(float* dst, u32 f, float4 v) { ((float4*)dst)[f] = v; }
-
-// ... or as four 16-bit values (bf16 or f16), two at a time by the paired hardware conversion
-// (one instruction rounds two values to nearest even, `lo` into the low half), packed
-// little-endian into one 8-byte store (aligned: 4f values of 2 bytes). Finite values and
-// infinities round as `store` rounds them; a NaN becomes the canonical NaN (the dequantization
-// check takes any NaN for any NaN).
+// The paired hardware conversion: two f32 values rounded to nearest even in one instruction,
+// `lo` into the low half. Finite values and infinities round as `store` rounds them; a NaN
+// becomes the canonical NaN (the dequantization check takes any NaN for any NaN).
 __device__ __forceinline__ u32 pair_bits(bf16*, float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
@@ -90,48 +84,74 @@ __device__ __forceinline__ u32 pair_bits(f16*, float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
+
+// How output T is written: G values (16 bytes) per group, group g being values G*g..G*g+G-1;
+// `put` stores a group decoded in f32 as G / 4 float4s.
 template <class T>
-__device__ __forceinline__ void store4(T* dst, u32 f, float4 v) {
-    ((uint2*)dst)[f] = make_uint2(pair_bits((T*)0, v.x, v.y), pair_bits((T*)0, v.z, v.w));
-}
+struct Out {
+    static constexpr int G = 8;
+    static __device__ __forceinline__ void put(T* dst, u32 g, const float4* v) {
+        ((uint4*)dst)[g] = make_uint4(pair_bits((T*)0, v[0].x, v[0].y),
+                                      pair_bits((T*)0, v[0].z, v[0].w),
+                                      pair_bits((T*)0, v[1].x, v[1].y),
+                                      pair_bits((T*)0, v[1].z, v[1].w));
+    }
+};
+template <>
+struct Out<float> {
+    static constexpr int G = 4;
+    static __device__ __forceinline__ void put(float* dst, u32 g, const float4* v) {
+        ((float4*)dst)[g] = v[0];
+    }
+};
+
+// Thread blocks resident per SM that every kernel must allow: 8 of DQ_THREADS fill an SM's
+// 2048 threads, at 32 registers a thread. Left to itself the compiler takes 56 for the quantized
+// types (4 blocks an SM, half the threads to hide the loads' latency); at 32 nothing spills.
+#define DQ_BLOCKS_PER_SM 8
 
 // The kernel `dq_<name>_<O>`: `run` (a dequant_plain or dequant_tile) writing O values.
-#define DQ_OUT(name, O, run)                                                                   \
-    extern "C" __global__ void dq_##name##_##O(const u8* __restrict__ src, O* __restrict__ dst, \
-                                               u64 n) {                                         \
-        run(src, dst, n);                                                                       \
+#define DQ_OUT(name, O, run)                                                                 \
+    extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_BLOCKS_PER_SM)                \
+        dq_##name##_##O(const u8* __restrict__ src, O* __restrict__ dst, u64 n) {             \
+        run(src, dst, n);                                                                     \
     }
 // The three kernels of source type `name`: dq_<name>_f32, dq_<name>_bf16, dq_<name>_f16.
 #define DQ(name, run) DQ_OUT(name, f32, run) DQ_OUT(name, bf16, run) DQ_OUT(name, f16, run)
 
 // ---------------------------------------------------------------------------------------------
 // Unquantized types: four values per D::Word loaded (16 bytes for F32, 8 for F16 and BF16), all
-// of a thread's loads issued before its stores; a last, partial four (n not a multiple of 4)
+// of a thread's loads issued before its stores; a last, partial group (n not a multiple of G)
 // value by value, each a D::Value decoded by D::one.
-
-// The float4 slots (four values each) of this thread in its tile: slot v is float4 `base +
-// threadIdx.x + v * DQ_THREADS` of the output.
-#define SLOT(v) (blockIdx.x * (DQ_TILE / 4) + threadIdx.x + (v) * DQ_THREADS)
 
 template <class D, class O>
 __device__ __forceinline__ void dequant_plain(const u8* __restrict__ src, O* __restrict__ dst,
                                               u64 n) {
     typedef typename D::Word Word;
     typedef typename D::Value Value;
-    Word w[DQ_VEC];
+    constexpr int G = Out<O>::G, FOURS = G / 4, PER = DQ_TILE / G / DQ_THREADS;
+    // Group v of this thread: `first + v * DQ_THREADS` of the output.
+    u32 first = blockIdx.x * (DQ_TILE / G) + threadIdx.x;
+    Word w[PER][FOURS];
 #pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) w[v] = __ldg((const Word*)src + f);
+    for (int v = 0; v < PER; v++) {
+        u32 g = first + v * DQ_THREADS;
+        if ((u64)G * g + G <= n) {
+#pragma unroll
+            for (int u = 0; u < FOURS; u++) w[v][u] = __ldg((const Word*)src + FOURS * g + u);
+        }
     }
 #pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        u32 f = SLOT(v);
-        if ((u64)4 * f + 4 <= n) {
-            store4(dst, f, D::four(w[v]));
+    for (int v = 0; v < PER; v++) {
+        u32 g = first + v * DQ_THREADS;
+        if ((u64)G * g + G <= n) {
+            float4 f[FOURS];
+#pragma unroll
+            for (int u = 0; u < FOURS; u++) f[u] = D::four(w[v][u]);
+            Out<O>::put(dst, g, f);
         } else {
-            // The last, partial float4.
-            for (u64 e = (u64)4 * f; e < n; e++) store(dst + e, D::one(((const Value*)src)[e]));
+            // The last, partial group.
+            for (u64 e = (u64)G * g; e < n; e++) store(dst + e, D::one(((const Value*)src)[e]));
         }
     }
 }
@@ -172,7 +192,8 @@ DQ(bf16, dequant_plain<BF16>)
 // ---------------------------------------------------------------------------------------------
 // Quantized types: D::BS values in D::TS-byte blocks. The tile's DQ_TILE / BS blocks are copied
 // to shared memory, then each four values of output are decoded by D::four(block, k): values
-// k..k+3 of the block (k a multiple of 4, so the four share every scale).
+// k..k+3 of the block (k a multiple of 4, so the four share every scale; a group of eight
+// shares them too, every scale covering 16 or more aligned values).
 
 template <class D, class O>
 __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __restrict__ dst,
@@ -193,32 +214,31 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
     int words = (int)((end - aligned + 15) / 16);
     for (int w = threadIdx.x; w < words; w += DQ_THREADS) {
         u64 at = aligned + (u64)16 * w;
-        uint4 v;
         if (at + 16 <= total) {
-            v = __ldg((const uint4*)(src + at));
+            tile[w] = __ldg((const uint4*)(src + at));
         } else {
-            // The last word of `src`, read byte by byte so as not to read past it.
-            u32 b[16];
-#pragma unroll
-            for (int i = 0; i < 16; i++) b[i] = at + i < total ? src[at + i] : 0;
-            v = make_uint4(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24,
-                           b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24,
-                           b[8] | b[9] << 8 | b[10] << 16 | b[11] << 24,
-                           b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
+            // The last word of `src`, byte by byte so as not to read past it (and written
+            // byte by byte, so that this rare path holds no registers of its own).
+            u8* bytes = (u8*)&tile[w];
+            for (int i = 0; i < 16; i++) bytes[i] = at + i < total ? src[at + i] : 0;
         }
-        tile[w] = v;
     }
     __syncthreads();
 
     const u8* base = (const u8*)tile + (start - aligned);
     O* out = dst + first * BS;
-    int fours = count * (BS / 4);
+    constexpr int G = Out<O>::G, FOURS = G / 4;
+    int groups = count * (BS / G);
 #pragma unroll
-    for (int v = 0; v < DQ_VEC; v++) {
-        int f = threadIdx.x + v * DQ_THREADS;
-        if (f < fours) {
-            int k = 4 * f;
-            store4(out, f, D::four(base + (k / BS) * TS, k % BS));
+    for (int v = 0; v < DQ_TILE / G / DQ_THREADS; v++) {
+        int g = threadIdx.x + v * DQ_THREADS;
+        if (g < groups) {
+            int k = G * g;
+            const u8* block = base + (k / BS) * TS;
+            float4 f[FOURS];
+#pragma unroll
+            for (int u = 0; u < FOURS; u++) f[u] = D::four(block, k % BS + 4 * u);
+            Out<O>::put(out, g, f);
         }
     }
 }

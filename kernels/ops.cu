@@ -80,13 +80,6 @@ __device__ void add(const T* a, const T* b, T* y, u32 n) {
     store(&y[e], to_f32(a[e]) + to_f32(b[e]));
 }
 
-// f32 values to the dtype.
-template <typename T>
-__device__ void round_to(const float* x, T* y, u32 n) {
-    ELEMENT(e, n);
-    store(&y[e], x[e]);
-}
-
 // kv_b from llama.cpp's split form, f32 in, the dtype out: head h's rows are attn_k_b[h]
 // transposed (`[nope, kv_lora]` from `[kv_lora, nope]`), then attn_v_b[h] (`[v, kv_lora]`).
 template <typename T>
@@ -111,7 +104,6 @@ __device__ void assemble_kv_b(const float* k_b, const float* v_b, T* y, u32 kv_l
         silu_mul(gate, up, y, n);                                                                \
     }                                                                                            \
     extern "C" __global__ void add_##T(const T* a, const T* b, T* y, u32 n) { add(a, b, y, n); } \
-    extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); } \
     extern "C" __global__ void assemble_kv_b_##T(const float* k_b, const float* v_b, T* y,       \
                                                  u32 kv_lora, u32 nope, u32 v, u32 n) {          \
         assemble_kv_b(k_b, v_b, y, kv_lora, nope, v, n);                                         \
@@ -192,6 +184,37 @@ __device__ void attention(const T* q, const T* kv, const T* k_rope, const int* k
 ATTENTION(f32)
 ATTENTION(bf16)
 ATTENTION(f16)
+
+// The DSA indexer's score of query blockIdx.y (position start + blockIdx.y) against key
+// blockIdx.x · blockDim.x + threadIdx.x: Σ_h (w_h · head_scale) · relu(q_h · k · scale), −∞ past
+// the query's position. In the CPU's order (`indexer_scores_core`): each dot product and the
+// sum over heads from −0 in sequence, every product and sum rounded on its own (--fmad=false),
+// relu(x) = x > 0 ? x : +0; so that the two agree bit for bit. The query's heads and weights
+// sit in dynamic shared memory, read by every thread alike.
+extern "C" __global__ void indexer_scores_f32(const float* q, const float* keys, const float* w,
+                                              float* out, u32 total, u32 heads, u32 dim,
+                                              u32 start, float scale, float head_scale) {
+    extern __shared__ float query[];
+    u32 i = blockIdx.y, width = heads * dim;
+    for (u32 e = threadIdx.x; e < width; e += blockDim.x) query[e] = q[(u64)i * width + e];
+    for (u32 e = threadIdx.x; e < heads; e += blockDim.x) query[width + e] = w[(u64)i * heads + e];
+    __syncthreads();
+    u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= total) return;
+    float score = NEG_INF;
+    if (j <= start + i) {
+        const float* k = keys + (u64)j * dim;
+        score = -0.0f;
+        for (u32 h = 0; h < heads; h++) {
+            const float* qh = query + h * dim;
+            float dot = -0.0f;
+            for (u32 d = 0; d < dim; d++) dot = dot + qh[d] * k[d];
+            float r = dot * scale;
+            score = score + query[width + h] * head_scale * (r > 0.0f ? r : 0.0f);
+        }
+    }
+    out[(u64)i * total + j] = score;
+}
 
 // RoPE on f32 rows in place, one thread per (row, head, pair): each row's heads of `width`
 // values, the rope dims from `offset`, row r at position start + r; pair i rotated by angle

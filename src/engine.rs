@@ -10,6 +10,7 @@ use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu};
+use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
@@ -171,6 +172,25 @@ impl Backend for Engine {
 
     fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
         on_backend!(self, be => be.attention(a))
+    }
+
+    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Vec<f32>> {
+        on_backend!(self, be => be.indexer_scores(a))
+    }
+
+    fn mlp(
+        &self,
+        x: &Mat<f32>,
+        gate: &EngineWeight,
+        up: &EngineWeight,
+        down: &EngineWeight,
+    ) -> Result<Mat<f32>> {
+        use EngineWeight::{Cpu as OnCpu, Cuda as OnCuda};
+        match (self, gate, up, down) {
+            (Engine::Cpu(be), OnCpu(g), OnCpu(u), OnCpu(d)) => be.mlp(x, g, u, d),
+            (Engine::Cuda(be), OnCuda(g), OnCuda(u), OnCuda(d)) => be.mlp(x, g, u, d),
+            _ => anyhow::bail!("a weight held by one backend given to another"),
+        }
     }
 
     fn on_rank(&self, rank: usize) -> Self {

@@ -86,8 +86,9 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
-    /// Every backend op (GEMM, norms, SiLU, add, rounding, all-reduce) on random inputs against
-    /// f64 on the CPU: a table of NMSE per op and dtype with limits; `--backend cuda` on GPUs.
+    /// Every backend op (GEMM, an expert's whole MLP, norms, SiLU, add, rounding, RoPE, MLA
+    /// attention, the DSA indexer's scores, all-reduce) on random inputs against f64 on the CPU:
+    /// a table of NMSE per op and dtype with limits; `--backend cuda` on GPUs.
     Selftest(selftest::SelftestArgs),
 }
 

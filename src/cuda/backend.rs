@@ -13,6 +13,7 @@ use std::sync::{Arc, MutexGuard};
 
 use anyhow::{bail, Result};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use super::device::Device;
 use super::dtype::{Dtype, Held};
@@ -22,10 +23,14 @@ use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend};
+use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
 use crate::model::kv_b::KvBDims;
+
+/// Values per parallel task of the host's rounding.
+const ROUND_CHUNK: usize = 1 << 14;
 
 /// `$body` with the type `$D` standing for the dtype of precision `$p`.
 macro_rules! with_dtype {
@@ -228,9 +233,14 @@ impl Backend for Cuda {
         with_dtype!(self.precision, D => device.elementwise::<D>("add", a, b))
     }
 
+    /// On the host, in parallel: activations are host matrices between ops, so a trip to the
+    /// GPU and back would only add two copies (the host's rounding to nearest even is the GPU
+    /// kernels' `store`, bit for bit, NaN payloads aside).
     fn round(&self, xs: &mut [f32]) -> Result<()> {
-        let device = self.device(self.rank)?;
-        with_dtype!(self.precision, D => device.round::<D>(xs))
+        with_dtype!(self.precision, D => xs
+            .par_chunks_mut(ROUND_CHUNK)
+            .for_each(|c| c.iter_mut().for_each(|x| *x = D::from_f32(*x).to_f32())));
+        Ok(())
     }
 
     fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
@@ -240,6 +250,55 @@ impl Backend for Cuda {
     fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
         let device = self.device(self.rank)?;
         with_dtype!(self.precision, D => device.attention::<D>(a))
+    }
+
+    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Vec<f32>> {
+        match self.device(self.rank)?.indexer_scores(a)? {
+            Some(scores) => Ok(scores),
+            None => Ok(indexer_scores_core(a)),
+        }
+    }
+
+    /// The three GEMMs and SiLU·up on the weights' GPU, the input sent once and the output
+    /// fetched once.
+    fn mlp(
+        &self,
+        x: &Mat<f32>,
+        gate: &GpuWeight,
+        up: &GpuWeight,
+        down: &GpuWeight,
+    ) -> Result<Mat<f32>> {
+        if x.cols != gate.cols
+            || (up.rows, up.cols) != (gate.rows, gate.cols)
+            || down.cols != gate.rows
+        {
+            bail!(
+                "mlp: input of {} features, gate {}×{}, up {}×{}, down {}×{}",
+                x.cols,
+                gate.rows,
+                gate.cols,
+                up.rows,
+                up.cols,
+                down.rows,
+                down.cols
+            );
+        }
+        if gate.rank != up.rank || gate.rank != down.rank {
+            bail!(
+                "mlp: weights on ranks {}, {} and {}",
+                gate.rank,
+                up.rank,
+                down.rank
+            );
+        }
+        let device = self.device(gate.rank)?;
+        let rows = (gate.rows, down.rows);
+        match (&gate.data, &up.data, &down.data) {
+            (Held::F32(g), Held::F32(u), Held::F32(d)) => device.mlp(x, [g, u, d], rows),
+            (Held::Bf16(g), Held::Bf16(u), Held::Bf16(d)) => device.mlp(x, [g, u, d], rows),
+            (Held::F16(g), Held::F16(u), Held::F16(d)) => device.mlp(x, [g, u, d], rows),
+            _ => bail!("mlp: weights held in different dtypes"),
+        }
     }
 
     fn on_rank(&self, rank: usize) -> Self {

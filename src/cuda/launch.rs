@@ -1,5 +1,5 @@
 //! The ops on one rank's GPU: launches of the kernels of `kernels/ops.cu` (norms, element-wise
-//! ops, rounding, RoPE, attention) and cuBLAS GEMMs, host matrices in and out.
+//! ops, RoPE, attention, the DSA indexer's scores) and cuBLAS GEMMs, host matrices in and out.
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
@@ -9,13 +9,14 @@ use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
 use crate::exec::attention_core::AttentionInputs;
+use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::model::kv_b::KvBDims;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
 const ROW_THREADS: u32 = 256;
-/// Shared memory one attention block may use for its scores (the default limit per block).
+/// Shared memory one attention or indexer block may use (the default limit per block is 48 KiB).
 const MAX_SCORES_BYTES: u32 = 40 << 10;
 /// Threads per block of the element-wise kernels.
 const ELEMENT_THREADS: u32 = 256;
@@ -112,23 +113,6 @@ impl Device {
         // SAFETY: n values in each input and the output.
         unsafe { launch.launch(elements(count)) }?;
         Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
-    }
-
-    /// f32 values rounded to the dtype by the GPU.
-    pub(super) fn round<D: Dtype>(&self, xs: &mut [f32]) -> Result<()> {
-        if xs.is_empty() {
-            return Ok(());
-        }
-        let input = self.upload::<f32>(xs)?;
-        let mut out = self.alloc::<D>(xs.len())?;
-        let count = to_u32(xs.len())?;
-        let f = self.kernel("round_to", D::SUFFIX)?;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(&input.slice).arg(&mut out.slice).arg(&count);
-        // SAFETY: n values in and out.
-        unsafe { launch.launch(elements(count)) }?;
-        xs.copy_from_slice(&self.download(&out, xs.len())?);
-        Ok(())
     }
 
     /// kv_b (`[heads · (nope + v), kv_lora]`) assembled from llama.cpp's split `attn_k_b` and
@@ -294,27 +278,117 @@ impl Device {
         }
         let data = if exact {
             let mut out = self.alloc::<f32>(n)?;
-            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
             self.download(&out, n)?
         } else {
             let mut out = self.alloc::<D>(n)?;
-            self.gemm(x, &input, w, w_rows, &mut out)?;
+            self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
             self.download(&out, n)?
         };
         Ok(Mat::new(x.rows, w_rows, data))
     }
 
-    /// `out[t, w_rows] = input[t, k] · w[w_rows, k]ᵀ`: in cuBLAS's column-major terms
+    /// `down(silu(x · gateᵀ) ⊙ x · upᵀ)` with `[gate, up, down]` of `(gate rows, down rows)`,
+    /// shapes checked by the caller: every intermediate stays here in the dtype, rounded as the
+    /// separate ops round it.
+    pub(super) fn mlp<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        [gate, up, down]: [&Buffer<D>; 3],
+        (inner, out_rows): (usize, usize),
+    ) -> Result<Mat<f32>> {
+        let (t, n) = (x.rows, x.rows * inner);
+        if n == 0 || out_rows == 0 {
+            return Ok(Mat::zeros(t, out_rows));
+        }
+        let input = self.upload::<D>(&x.data)?;
+        let (mut g, mut u, mut h) = (
+            self.alloc::<D>(n)?,
+            self.alloc::<D>(n)?,
+            self.alloc::<D>(n)?,
+        );
+        self.gemm((t, x.cols), &input, gate, inner, &mut g)?;
+        self.gemm((t, x.cols), &input, up, inner, &mut u)?;
+        let count = to_u32(n)?;
+        let f = self.kernel("silu_mul", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&g.slice)
+            .arg(&u.slice)
+            .arg(&mut h.slice)
+            .arg(&count);
+        // SAFETY: n values in each input and the output.
+        unsafe { launch.launch(elements(count)) }?;
+        let mut out = self.alloc::<D>(t * out_rows)?;
+        self.gemm((t, inner), &h, down, out_rows, &mut out)?;
+        Ok(Mat::new(t, out_rows, self.download(&out, t * out_rows)?))
+    }
+
+    /// The DSA indexer's scores (see [`IndexerInputs`]) in f32, in the CPU's order, one thread
+    /// per query and key; `None` where a query's heads do not fit in a block's shared memory.
+    pub(super) fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Option<Vec<f32>>> {
+        let (t, total, width) = (a.q.rows, a.positions(), a.heads * a.dim);
+        if a.q.cols != width || a.weights.cols != a.heads || a.weights.rows != t {
+            bail!(
+                "indexer scores: queries of {} values and weights {}×{} for {t} queries of {} heads of {}",
+                a.q.cols,
+                a.weights.rows,
+                a.weights.cols,
+                a.heads,
+                a.dim
+            );
+        }
+        let shared = ((width + a.heads) * std::mem::size_of::<f32>()) as u32;
+        if shared > MAX_SCORES_BYTES {
+            return Ok(None);
+        }
+        if t * total == 0 {
+            return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
+        }
+        let (q, keys) = (self.upload::<f32>(&a.q.data)?, self.upload::<f32>(a.keys)?);
+        let weights = self.upload::<f32>(&a.weights.data)?;
+        let mut out = self.alloc::<f32>(t * total)?;
+        let (total32, heads, dim, start) = (
+            to_u32(total)?,
+            to_u32(a.heads)?,
+            to_u32(a.dim)?,
+            to_u32(a.start)?,
+        );
+        let f = self.kernel("indexer_scores", "f32")?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&q.slice)
+            .arg(&keys.slice)
+            .arg(&weights.slice)
+            .arg(&mut out.slice)
+            .arg(&total32)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&start)
+            .arg(&a.scale)
+            .arg(&a.head_scale);
+        let cfg = LaunchConfig {
+            grid_dim: (total32.div_ceil(ROW_THREADS), to_u32(t)?, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: q holds t × heads × dim values, keys total × dim, weights t × heads (checked
+        // above), out t × total; a query's values and weights take `shared` bytes.
+        unsafe { launch.launch(cfg) }?;
+        Ok(Some(self.download(&out, t * total)?))
+    }
+
+    /// `out[t, w_rows] = input[t, cols] · w[w_rows, cols]ᵀ`: in cuBLAS's column-major terms
     /// `outᵀ = w · inputᵀ`, with `w` read transposed from its row-major storage.
     fn gemm<D: Dtype, O: Dtype>(
         &self,
-        x: &Mat<f32>,
+        (t, cols): (usize, usize),
         input: &Buffer<D>,
         w: &Buffer<D>,
         w_rows: usize,
         out: &mut Buffer<O>,
     ) -> Result<()> {
-        let (m, n, k) = (to_i32(w_rows)?, to_i32(x.rows)?, to_i32(x.cols)?);
+        let (m, n, k) = (to_i32(w_rows)?, to_i32(t)?, to_i32(cols)?);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let stream = &self.gpu.stream;
         let (a, _a) = w.slice.device_ptr(stream);
@@ -347,9 +421,7 @@ impl Device {
         }
         .map_err(|e| {
             anyhow!(
-                "cuBLAS GEMM {w_rows}×{}·{}ᵀ on {}: {e:?}",
-                x.cols,
-                x.rows,
+                "cuBLAS GEMM {w_rows}×{cols}·{t}ᵀ on {}: {e:?}",
                 self.gpu.name
             )
         })

@@ -48,8 +48,8 @@ const L2_FLUSH_BYTES: usize = 256 << 20;
 /// Threads per thread block of the kernels of `kernels/dequant.cu` (its `DQ_THREADS`).
 const DQ_THREADS: u32 = 256;
 
-/// Output values per thread block of those kernels (its `DQ_TILE`): 16 per thread, as four
-/// float4s; a quantized type's tile is 128 blocks of 32 or 16 of 256.
+/// Output values per thread block of those kernels (its `DQ_TILE`): 16 per thread, in 16-byte
+/// groups (four f32 or eight bf16/f16); a quantized type's tile is 128 blocks of 32 or 16 of 256.
 const DQ_TILE: usize = 4096;
 
 /// The launch shape of every kernel of `kernels/dequant.cu` for `n` values: a thread block per

@@ -9,9 +9,10 @@ use anyhow::{bail, Result};
 
 use super::attention_core::AttentionInputs;
 use super::backend::Backend;
+use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
 use super::ops::topk;
-use num_traits::{Float, Zero};
+use num_traits::Float;
 use rayon::prelude::*;
 
 use super::lazy_weight::LazyWeight;
@@ -320,28 +321,23 @@ fn indexer<B: Backend>(
     cache.index_k.extend_from_slice(&k.data);
     let total = start + t;
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
-    let (scale, head_scale) = (power(ihd), power(ih));
+    let scores = be.indexer_scores(&IndexerInputs {
+        q: &q,
+        keys: &cache.index_k,
+        weights: &weights,
+        heads: ih,
+        dim: ihd,
+        start,
+        scale: power(ihd),
+        head_scale: power(ih),
+    })?;
     let k_sel = (cfg.index_topk as usize).min(total);
-    let index_k = &cache.index_k;
-    // Query positions in parallel: each position's scores are its own sums, in one order.
-    let chosen: Vec<(Vec<i32>, B::E)> = (0..t)
-        .into_par_iter()
-        .map(|i| {
+    // Query positions in parallel, each its own top-k.
+    let chosen: Vec<(Vec<i32>, B::E)> = scores
+        .par_chunks(total)
+        .enumerate()
+        .map(|(i, score)| {
             let p = start + i;
-            let mut score = vec![B::E::neg_infinity(); total];
-            for (j, sc) in score.iter_mut().enumerate().take(p + 1) {
-                let key = &index_k[j * ihd..(j + 1) * ihd];
-                *sc = (0..ih)
-                    .map(|head| {
-                        let dot: B::E = q.row(i)[head * ihd..(head + 1) * ihd]
-                            .iter()
-                            .zip(key)
-                            .map(|(&a, &b)| a * b)
-                            .sum();
-                        weights.row(i)[head] * head_scale * (dot * scale).max(B::E::zero())
-                    })
-                    .sum();
-            }
             let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
             let gap = if p + 1 > k_sel {
                 score[ranked[k_sel - 1]] - score[ranked[k_sel]]

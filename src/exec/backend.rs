@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
+use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
 use super::ops;
 use super::rope::{Rope, RotateSpec};
@@ -85,6 +86,24 @@ pub trait Backend: Sync + Clone {
     /// default the CPU's loops.
     fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
         Ok(attention_core(a))
+    }
+    /// The DSA indexer's scores of new positions against every cached key, unrounded (see
+    /// [`IndexerInputs`]); by default the CPU's loops.
+    fn indexer_scores(&self, a: &IndexerInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
+        Ok(indexer_scores_core(a))
+    }
+    /// A gated MLP whose three weights are held at once (a routed expert),
+    /// `down(silu(x · gateᵀ) ⊙ x · upᵀ)`, each op rounded as on its own; a GPU backend keeps the
+    /// intermediates on its device.
+    fn mlp(
+        &self,
+        x: &Mat<Self::E>,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+    ) -> Result<Mat<Self::E>> {
+        let h = self.silu_mul(&self.linear(x, gate)?, &self.linear(x, up)?)?;
+        self.linear(&h, down)
     }
     /// The backend as tensor-parallel rank `rank` runs it: on its own GPU, where there is one
     /// per rank. Weights held through it live there.

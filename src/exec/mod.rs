@@ -5,6 +5,7 @@ pub mod attention_core;
 pub mod backend;
 pub mod forward;
 pub mod hooks;
+pub mod indexer_core;
 pub mod inject;
 pub mod kept;
 pub mod lazy_weight;

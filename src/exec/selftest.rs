@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::attention_core::AttentionInputs;
 use super::backend::{Backend, Cpu};
+use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
 use super::real::Real;
 use super::rope::{Rope, RotateSpec};
@@ -64,6 +65,20 @@ pub enum Op {
         start: usize,
         interleaved: bool,
     },
+    /// A gated MLP (a routed expert): `x[t, k]`, `inner` intermediate features.
+    Mlp {
+        t: usize,
+        k: usize,
+        inner: usize,
+    },
+    /// The DSA indexer's scores of `t` new positions against `positions` cached keys, `heads`
+    /// query heads of `dim`.
+    IndexerScores {
+        t: usize,
+        positions: usize,
+        heads: usize,
+        dim: usize,
+    },
     /// MLA attention of `t` new positions over `positions` cached ones (GLM-5's head dims:
     /// no-RoPE 192, RoPE 64, value 256), each seeing every position up to its own, or (`sparse`)
     /// a DSA-like choice of `sparse` of them.
@@ -77,7 +92,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 18] = [
+pub const CASES: [Op; 22] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -106,6 +121,16 @@ pub const CASES: [Op; 18] = [
     Op::SiluMul { t: 8, d: 2048 },
     Op::SiluMul { t: 1, d: 999 },
     Op::Add { t: 8, d: 6144 },
+    Op::Mlp {
+        t: 6,
+        k: 6144,
+        inner: 2048,
+    },
+    Op::Mlp {
+        t: 1,
+        k: 300,
+        inner: 77,
+    },
     Op::Round { n: 100_003 },
     Op::AllReduce { t: 8, d: 6144 },
     Op::Rope {
@@ -123,6 +148,18 @@ pub const CASES: [Op; 18] = [
         offset: 0,
         start: 7,
         interleaved: false,
+    },
+    Op::IndexerScores {
+        t: 4,
+        positions: 300,
+        heads: 32,
+        dim: 128,
+    },
+    Op::IndexerScores {
+        t: 3,
+        positions: 37,
+        heads: 5,
+        dim: 33,
     },
     Op::Attention {
         t: 5,
@@ -168,6 +205,8 @@ impl Op {
                 interleaved: true, ..
             } => "rope",
             Op::Rope { .. } => "rope_neox",
+            Op::Mlp { .. } => "mlp",
+            Op::IndexerScores { .. } => "indexer_scores",
             Op::Attention { sparse: 0, .. } => "attention",
             Op::Attention { .. } => "attention_dsa",
         }
@@ -181,6 +220,13 @@ impl Op {
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Round { n } => format!("[{n}]"),
+            Op::Mlp { t, k, inner } => format!("[{t},{k}] through {inner}"),
+            Op::IndexerScores {
+                t,
+                positions,
+                heads,
+                dim,
+            } => format!("{t} of {positions} positions, {heads} heads of {dim}"),
             Op::AllReduce { t, d } => format!("{ranks}×[{t},{d}]"),
             Op::Rope {
                 t,
@@ -210,7 +256,10 @@ impl Op {
     fn exact_output(self) -> bool {
         matches!(
             self,
-            Op::LinearExact { .. } | Op::Attention { .. } | Op::Rope { .. }
+            Op::LinearExact { .. }
+                | Op::Attention { .. }
+                | Op::Rope { .. }
+                | Op::IndexerScores { .. }
         )
     }
 
@@ -251,6 +300,9 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
         // A score sums no-RoPE and RoPE products; the softmax and the value mix sum over the
         // positions.
         Op::Attention { positions, .. } => HEAD_DIMS.0 + HEAD_DIMS.1 + 2 * positions,
+        Op::Mlp { k, inner, .. } => k + inner,
+        // Every head's dot product and the sum over heads.
+        Op::IndexerScores { heads, dim, .. } => heads * dim,
         _ => 1,
     };
     let accumulation = terms as f64 * Precision::F32.unit_roundoff().powi(2);
@@ -429,6 +481,53 @@ fn run_op<B: Backend<E = f32>>(
             ))?;
             (out, reference)
         }
+        Op::Mlp { t, k, inner } => {
+            let x = mat(rng, t, k, 1.0, p);
+            let [gate, up, down] = [(inner, k), (inner, k), (k, inner)]
+                .map(|(rows, cols)| mat(rng, rows, cols, 1.0 / (cols as f32).sqrt(), p));
+            let reference = f64s.mlp(
+                &wide(&x),
+                &f64s.hold(gate.clone())?,
+                &f64s.hold(up.clone())?,
+                &f64s.hold(down.clone())?,
+            )?;
+            let out = be.mlp(&x, &be.hold(gate)?, &be.hold(up)?, &be.hold(down)?)?;
+            (out.data, reference.data)
+        }
+        Op::IndexerScores {
+            t,
+            positions,
+            heads,
+            dim,
+        } => {
+            let q = mat(rng, t, heads * dim, 1.0, p);
+            let keys = values(rng, positions * dim, 1.0, p);
+            let weights = mat(rng, t, heads, 1.0, p);
+            let start = positions - t;
+            let power = |n: usize| (n as f64).powf(-0.5);
+            let (wq, wk, ww) = (wide(&q), wide_v(&keys), wide(&weights));
+            let reference = f64s.indexer_scores(&IndexerInputs {
+                q: &wq,
+                keys: &wk,
+                weights: &ww,
+                heads,
+                dim,
+                start,
+                scale: power(dim),
+                head_scale: power(heads),
+            })?;
+            let out = be.indexer_scores(&IndexerInputs {
+                q: &q,
+                keys: &keys,
+                weights: &weights,
+                heads,
+                dim,
+                start,
+                scale: power(dim) as f32,
+                head_scale: power(heads) as f32,
+            })?;
+            causal_scores(&out, &reference, start, positions)
+        }
         Op::AllReduce { t, d } => {
             let parts: Vec<Mat<f32>> = (0..ranks).map(|_| mat(rng, t, d, 1.0, p)).collect();
             let mut reference = vec![0.0f64; t * d];
@@ -441,6 +540,34 @@ fn run_op<B: Backend<E = f32>>(
             (be.all_reduce(&parts)?.data, reference)
         }
     })
+}
+
+/// The scores of keys up to each query's position, from the backend's `[t, positions]` and the
+/// reference's; a score past a query's position that is not −∞ becomes a NaN, failing the case.
+fn causal_scores(
+    out: &[f32],
+    reference: &[f64],
+    start: usize,
+    positions: usize,
+) -> (Vec<f32>, Vec<f64>) {
+    let (mut seen, mut wide) = (Vec::new(), Vec::new());
+    for (i, (row, ref_row)) in out
+        .chunks(positions)
+        .zip(reference.chunks(positions))
+        .enumerate()
+    {
+        let p = start + i;
+        seen.extend_from_slice(&row[..=p]);
+        wide.extend_from_slice(&ref_row[..=p]);
+        if row[p + 1..].iter().any(|&v| v != f32::NEG_INFINITY) {
+            seen.push(f32::NAN);
+            wide.push(0.0);
+        }
+    }
+    if out.len() != reference.len() {
+        seen.push(f32::NAN);
+    }
+    (seen, wide)
 }
 
 /// Every case on `be` (with `ranks` ranks for the all-reduce) from random seed `seed`.

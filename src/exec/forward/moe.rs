@@ -176,10 +176,7 @@ fn routed_expert<B: Backend>(
     let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
     let be = be.on_rank(owner);
     let (gate, up, down) = (gate.held(&be)?, up.held(&be)?, down.held(&be)?);
-    let y = be.linear(
-        &be.silu_mul(&be.linear(&xs, &gate)?, &be.linear(&xs, &up)?)?,
-        &down,
-    )?;
+    let y = be.mlp(&xs, &gate, &up, &down)?;
     Ok(ExpertOutput {
         rows,
         parts: vec![(owner, y)],
