@@ -7,12 +7,17 @@ use anyhow::{anyhow, Context, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
+use rayon::prelude::*;
+
 use super::dtype::Dtype;
 use super::memory::{Buffer, Meter};
 use super::resident::Resident;
 use super::Gpu;
 use crate::exec::stored::StoredBlock;
 use crate::weights::GgmlType;
+
+/// Values per parallel task of the host's conversions to and from a dtype.
+const CONVERT_CHUNK: usize = 1 << 15;
 
 /// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks.
 pub(super) struct Device {
@@ -46,11 +51,16 @@ impl Device {
         })
     }
 
-    /// Host f32 values as dtype `D` on this GPU.
+    /// Host f32 values as dtype `D` on this GPU, converted on the host's cores (an activation
+    /// is tens of millions of values at GLM-5's widths and 512 tokens).
     pub(super) fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
         let mut buf = self.alloc::<D>(values.len())?;
         if !values.is_empty() {
-            let host: Vec<D> = values.iter().map(|&v| D::from_f32(v)).collect();
+            let host: Vec<D> = values
+                .par_iter()
+                .with_min_len(CONVERT_CHUNK)
+                .map(|&v| D::from_f32(v))
+                .collect();
             self.gpu.stream.memcpy_htod(&host, &mut buf.slice)?;
         }
         Ok(buf)
@@ -75,10 +85,14 @@ impl Device {
         Ok(out)
     }
 
-    /// The first `n` values of `buf` as host f32.
+    /// The first `n` values of `buf` as host f32, widened on the host's cores.
     pub(super) fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
         let host = self.gpu.stream.clone_dtoh(&buf.slice)?;
-        Ok(host.into_iter().take(n).map(D::to_f32).collect())
+        Ok(host[..n.min(host.len())]
+            .par_iter()
+            .with_min_len(CONVERT_CHUNK)
+            .map(|&v| v.to_f32())
+            .collect())
     }
 
     /// A stored block of a weight dequantized on this GPU to dtype `D`: from its blocks kept

@@ -26,6 +26,9 @@ use crate::model::kv_b::{assemble_kv_b, KvBDims};
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
 
+/// Token rows per parallel task of a GEMM output's transpose back to row-major.
+const TOKENS_PER_TRANSPOSE: usize = 8;
+
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way
 /// (in its dtype, where it computes).
@@ -311,13 +314,23 @@ impl<E: Real> Backend for Cpu<E> {
                 x_times_weight_rows(&x_cols, t, &w.data[start * features..], rows)
             })
             .collect();
+        // Back to row-major, a few token rows per task: each weight row's outputs for those
+        // tokens are one short contiguous read.
         let mut y = Mat::zeros(t, out);
-        for (start, block) in starts.into_iter().zip(blocks) {
-            for (j, outputs) in block.chunks_exact(t.max(1)).enumerate() {
-                for (r, &v) in outputs.iter().enumerate() {
-                    y.data[r * out + start + j] = v;
-                }
-            }
+        if out > 0 {
+            y.data
+                .par_chunks_mut(out * TOKENS_PER_TRANSPOSE)
+                .enumerate()
+                .for_each(|(tile, rows)| {
+                    let (first, n) = (tile * TOKENS_PER_TRANSPOSE, rows.len() / out);
+                    for (&start, block) in starts.iter().zip(&blocks) {
+                        for (j, outputs) in block.chunks_exact(t).enumerate() {
+                            for (r, &v) in outputs[first..first + n].iter().enumerate() {
+                                rows[r * out + start + j] = v;
+                            }
+                        }
+                    }
+                });
         }
         Ok(y)
     }

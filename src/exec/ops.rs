@@ -68,9 +68,19 @@ pub fn softmax<E: Real>(row: &mut [E]) {
 
 /// Indices of the `k` largest values, largest first (ties to the lower index), as torch.topk.
 pub fn topk<E: Real>(values: &[E], k: usize) -> Vec<usize> {
+    // A total order (the index breaks ties), so selecting the k first and sorting only them
+    // gives exactly what sorting every index would.
+    let order = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
     let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
-    idx.truncate(k);
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
     idx
 }
 
@@ -81,6 +91,9 @@ mod tests {
     #[test]
     fn topk_is_largest_first_and_softmax_ignores_minus_infinity() {
         assert_eq!(topk(&[0.1f32, 3.0, -1.0, 3.0], 3), vec![1, 3, 0]);
+        assert_eq!(topk(&[0.1f32, 3.0, -1.0, 3.0], 9), vec![1, 3, 0, 2]);
+        assert_eq!(topk(&[2.0f32, -0.0, 0.0, 2.0, 0.0], 4), vec![0, 3, 2, 4]);
+        assert!(topk(&[1.0f32], 0).is_empty());
         let mut r = [0.0f64, f64::NEG_INFINITY, 0.0];
         softmax(&mut r);
         assert_eq!(r, [0.5, 0.0, 0.5]);
