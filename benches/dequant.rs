@@ -1,5 +1,6 @@
 //! Dequantization throughput, GB/s of f32 written: glmcheck on one and two rayon threads, candle's
-//! CPU dequantizer and gguf-py's numpy one, all on the same random valid blocks.
+//! CPU dequantizer and gguf-py's numpy one, all on the same random valid blocks, and one core's
+//! plain f32 write loop over the same output (the ceiling a dequantizer writing f32 works under).
 //!
 //! `benches/gguf_py_dequant.py` writes the blocks (about 64 MiB of f32 per type) and times gguf-py;
 //! this program times the Rust contenders, checks once per type that glmcheck and candle give the
@@ -13,13 +14,19 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0};
+use candle_core::quantized::k_quants::{
+    self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+    BlockQ6K, BlockQ8_0,
+};
 use comfy_table::{presets, Table, TableStyle};
 use glmcheck::weights::quant;
 use glmcheck::weights::GgmlType;
 
-/// The types measured: the common k- and legacy quants, and two i-quants candle lacks.
-const TYPES: [&str; 6] = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ2_XXS"];
+/// The types measured: every k-quant and legacy quant, the IQ4s, and IQ2_XXS.
+const TYPES: [&str; 13] = [
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL",
+    "IQ4_XS", "IQ2_XXS",
+];
 /// f32 output per type.
 const MIB: usize = 64;
 /// Elements per row handed to `dequantize_rows` (a whole number of blocks of every type).
@@ -58,6 +65,8 @@ fn run() -> Result<bool> {
     let gguf_py = gguf_py(data.path())?;
     let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build();
     let (one, two) = (pool(1)?, pool(2)?);
+    let n = MIB << 18;
+    let write_loop = gbps(&mut vec![0f32; n], plain_writes);
     let mut rows = Vec::new();
     for name in TYPES {
         let ty = GgmlType::from_name(name).context(name)?;
@@ -82,7 +91,7 @@ fn run() -> Result<bool> {
             same_bits,
         });
     }
-    report(&rows)?;
+    report(&rows, write_loop)?;
     Ok(rows.iter().all(|r| r.same_bits != Some(false)))
 }
 
@@ -125,13 +134,27 @@ fn gbps(out: &mut [f32], mut f: impl FnMut(&mut [f32])) -> f64 {
     std::mem::size_of_val(out) as f64 / best.as_secs_f64() / 1e9
 }
 
+/// One core storing a constant to every f32 of `out` (vector stores, not a memset): what a
+/// dequantizer's stores cost with nothing to decode.
+fn plain_writes(out: &mut [f32]) {
+    let value = std::hint::black_box(1.5f32);
+    out.iter_mut().for_each(|v| *v = value);
+    std::hint::black_box(out);
+}
+
 /// candle's GB/s and output on `blocks`, if candle has the type.
 fn candle(ty: GgmlType, blocks: &[u8], n: usize) -> Option<(f64, Vec<f32>)> {
     Some(match ty {
+        GgmlType::Q2_K => candle_run::<BlockQ2K>(blocks, n),
+        GgmlType::Q3_K => candle_run::<BlockQ3K>(blocks, n),
         GgmlType::Q4_K => candle_run::<BlockQ4K>(blocks, n),
+        GgmlType::Q5_K => candle_run::<BlockQ5K>(blocks, n),
         GgmlType::Q6_K => candle_run::<BlockQ6K>(blocks, n),
-        GgmlType::Q8_0 => candle_run::<BlockQ8_0>(blocks, n),
         GgmlType::Q4_0 => candle_run::<BlockQ4_0>(blocks, n),
+        GgmlType::Q4_1 => candle_run::<BlockQ4_1>(blocks, n),
+        GgmlType::Q5_0 => candle_run::<BlockQ5_0>(blocks, n),
+        GgmlType::Q5_1 => candle_run::<BlockQ5_1>(blocks, n),
+        GgmlType::Q8_0 => candle_run::<BlockQ8_0>(blocks, n),
         _ => return None,
     })
 }
@@ -186,22 +209,24 @@ fn same_bits(name: &str, ours: &[f32], theirs: &[f32]) -> bool {
 }
 
 /// Print the table and write it as Markdown to `bench-results/dequant.md`.
-fn report(rows: &[Row]) -> Result<()> {
-    println!("{}", table(rows, presets::UTF8_FULL_CONDENSED));
+fn report(rows: &[Row], write_loop: f64) -> Result<()> {
+    let header = format!("one core's plain f32 write loop: {write_loop:.2} GB/s");
+    println!("{header}");
+    println!("{}", table(rows, write_loop, presets::UTF8_FULL_CONDENSED));
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("dequant.md");
     let markdown = format!(
         "# Dequantization throughput\n\nGB/s of f32 written, best of {REPS} runs ({PY_REPS} for gguf-py), \
-         {MIB} MiB of f32 per type, rows of {ROW_LEN}.\n\n{}\n",
-        table(rows, presets::ASCII_MARKDOWN)
+         {MIB} MiB of f32 per type, rows of {ROW_LEN}; {header}.\n\n{}\n",
+        table(rows, write_loop, presets::ASCII_MARKDOWN)
     );
     std::fs::write(&path, markdown).with_context(|| path.display().to_string())?;
     println!("wrote {}", path.display());
     Ok(())
 }
 
-fn table(rows: &[Row], preset: TableStyle) -> Table {
+fn table(rows: &[Row], write_loop: f64, preset: TableStyle) -> Table {
     let mut t = Table::new();
     t.load_style(preset).set_header([
         "type",
@@ -209,6 +234,7 @@ fn table(rows: &[Row], preset: TableStyle) -> Table {
         "glmcheck 2 threads",
         "candle (1 thread)",
         "glmcheck 1 / candle",
+        "glmcheck 1 / write loop",
         "gguf-py numpy",
         "bits equal candle",
     ]);
@@ -228,6 +254,7 @@ fn table(rows: &[Row], preset: TableStyle) -> Table {
             r.candle.map_or_else(dash, |c| format!("{c:.2}")),
             r.candle
                 .map_or_else(dash, |c| format!("{:.2}×", r.glmcheck_1 / c)),
+            format!("{:.0}%", 100.0 * r.glmcheck_1 / write_loop),
             r.gguf_py.map_or_else(dash, |p| format!("{p:.3}")),
             equal,
         ]);
