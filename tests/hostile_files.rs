@@ -517,3 +517,48 @@ fn cli_reports_one_error_line() {
         }
     }
 }
+
+/// A DSA indexer head narrower than the RoPE dims it rotates (GGUF `attention.indexer.key_length`
+/// rewritten in the file's bytes; HF `index_head_dim` in config.json) is refused before any
+/// forward: `run` exits 2 with one line naming the file and the field, where the forward
+/// used to panic inside RoPE.
+#[test]
+fn an_indexer_head_narrower_than_its_rope_is_a_one_line_error() {
+    let dir = common::scratch();
+    let good = dir.path().join("tiny.gguf");
+    common::synth_tiny(&good, &["--quant", "f32"]);
+    let bytes = std::fs::read(&good).unwrap();
+    let value = after(&bytes, "glm-dsa.attention.indexer.key_length") + 4;
+    let narrow = dir.path().join("narrow.gguf");
+    std::fs::write(&narrow, overwrite(&bytes, value, &4u32.to_le_bytes())).unwrap();
+
+    let hf = dir.path().join("hf");
+    common::synth_tiny(&hf, &["--format", "hf"]);
+    let config = hf.join("config.json");
+    let mut j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    j["index_head_dim"] = 0.into();
+    std::fs::write(&config, serde_json::to_vec_pretty(&j).unwrap()).unwrap();
+
+    for (model, width) in [(&narrow, "4"), (&hf, "0")] {
+        let trace = dir.path().join("r.trace");
+        let out = common::glmcheck_output(&[
+            "run",
+            model.to_str().unwrap(),
+            "--tokens",
+            "1,2,3",
+            "--out",
+            trace.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        for part in [
+            model.to_str().unwrap(),
+            "index_head_dim",
+            &format!("{width} is less than qk_rope_head_dim"),
+        ] {
+            assert!(err.contains(part), "{part}: {err}");
+        }
+    }
+}

@@ -421,6 +421,16 @@ impl Glm5Config {
                 format!("{} is odd; RoPE rotates pairs", self.qk_rope_head_dim),
             ));
         }
+        if self.has_dsa() && self.index_head_dim < self.qk_rope_head_dim {
+            return Err(cfg_err(
+                "index_head_dim",
+                format!(
+                    "{} is less than qk_rope_head_dim {}: the DSA indexer rotates the first \
+                     qk_rope_head_dim values of each of its heads",
+                    self.index_head_dim, self.qk_rope_head_dim
+                ),
+            ));
+        }
         if self.num_experts_per_tok > self.n_routed_experts {
             return Err(cfg_err(
                 "num_experts_per_tok",
