@@ -252,11 +252,11 @@ impl Backend for Cuda {
         with_dtype!(self.precision, D => device.attention::<D>(a))
     }
 
+    /// On the GPU; on the host where a query's heads do not fit in a block's shared memory
+    /// (the GPU free meanwhile).
     fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Vec<f32>> {
-        match self.device(self.rank)?.indexer_scores(a)? {
-            Some(scores) => Ok(scores),
-            None => Ok(indexer_scores_core(a)),
-        }
+        let on_gpu = self.device(self.rank)?.indexer_scores(a)?;
+        Ok(on_gpu.unwrap_or_else(|| indexer_scores_core(a)))
     }
 
     /// The three GEMMs and SiLU·up on the weights' GPU, the input sent once and the output

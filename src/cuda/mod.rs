@@ -338,9 +338,9 @@ mod tests {
         assert_eq!(DEQUANT_SRC.matches("\nDQ(").count(), types.len());
         assert_eq!(dequant_kernel(GgmlType::IQ2_XXS), None);
         // `DQ` emits a kernel per output, named with the host's suffixes.
-        assert!(DEQUANT_SRC.contains(
-            "__global__ void __launch_bounds__(DQ_THREADS, DQ_BLOCKS_PER_SM)"
-        ));
+        assert!(
+            DEQUANT_SRC.contains("__global__ void __launch_bounds__(DQ_THREADS, DQ_BLOCKS_PER_SM)")
+        );
         assert!(DEQUANT_SRC.contains(" dq_##name##_##O(const u8* __restrict__ src, O* "));
         for suffix in [f32::SUFFIX, half::bf16::SUFFIX, half::f16::SUFFIX] {
             assert!(
