@@ -103,18 +103,7 @@ fn a_split_kv_b_of_the_wrong_shape_is_a_one_line_error() {
         "break_kv_b.py",
         &[good.to_str().unwrap(), bad.to_str().unwrap(), "extra-head"],
     );
-    let trace = dir.path().join("r.trace");
-    let out = common::glmcheck_output(&[
-        "run",
-        bad.to_str().unwrap(),
-        "--tokens",
-        "1,2,3",
-        "--out",
-        trace.to_str().unwrap(),
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = common::run_error_line(&bad);
     for part in [
         bad.to_str().unwrap(),
         "blk.0.attn_k_b.weight",

@@ -541,18 +541,7 @@ fn an_indexer_head_narrower_than_its_rope_is_a_one_line_error() {
     std::fs::write(&config, serde_json::to_vec_pretty(&j).unwrap()).unwrap();
 
     for (model, width) in [(&narrow, "4"), (&hf, "0")] {
-        let trace = dir.path().join("r.trace");
-        let out = common::glmcheck_output(&[
-            "run",
-            model.to_str().unwrap(),
-            "--tokens",
-            "1,2,3",
-            "--out",
-            trace.to_str().unwrap(),
-        ]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{err}");
-        assert_eq!(err.lines().count(), 1, "{err}");
+        let err = common::run_error_line(model);
         for part in [
             model.to_str().unwrap(),
             "index_head_dim",

@@ -101,6 +101,19 @@ impl Device {
             return Ok(a.clone());
         }
         let (x, y) = (self.upload::<D>(&a.data)?, self.upload::<D>(&b.data)?);
+        let out = self.elementwise_here(op, &x, &y, n)?;
+        Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
+    }
+
+    /// An element-wise op of the first `n` values of two buffers already on this GPU, `n > 0`
+    /// and within both (the callers' checks).
+    fn elementwise_here<D: Dtype>(
+        &self,
+        op: &str,
+        x: &Buffer<D>,
+        y: &Buffer<D>,
+        n: usize,
+    ) -> Result<Buffer<D>> {
         let mut out = self.alloc::<D>(n)?;
         let count = to_u32(n)?;
         let f = self.kernel(op, D::SUFFIX)?;
@@ -112,7 +125,7 @@ impl Device {
             .arg(&count);
         // SAFETY: n values in each input and the output.
         unsafe { launch.launch(elements(count)) }?;
-        Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
+        Ok(out)
     }
 
     /// kv_b (`[heads · (nope + v), kv_lora]`) assembled from llama.cpp's split `attn_k_b` and
@@ -302,23 +315,10 @@ impl Device {
             return Ok(Mat::zeros(t, out_rows));
         }
         let input = self.upload::<D>(&x.data)?;
-        let (mut g, mut u, mut h) = (
-            self.alloc::<D>(n)?,
-            self.alloc::<D>(n)?,
-            self.alloc::<D>(n)?,
-        );
+        let (mut g, mut u) = (self.alloc::<D>(n)?, self.alloc::<D>(n)?);
         self.gemm((t, x.cols), &input, gate, inner, &mut g)?;
         self.gemm((t, x.cols), &input, up, inner, &mut u)?;
-        let count = to_u32(n)?;
-        let f = self.kernel("silu_mul", D::SUFFIX)?;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(&g.slice)
-            .arg(&u.slice)
-            .arg(&mut h.slice)
-            .arg(&count);
-        // SAFETY: n values in each input and the output.
-        unsafe { launch.launch(elements(count)) }?;
+        let h = self.elementwise_here("silu_mul", &g, &u, n)?;
         let mut out = self.alloc::<D>(t * out_rows)?;
         self.gemm((t, inner), &h, down, out_rows, &mut out)?;
         Ok(Mat::new(t, out_rows, self.download(&out, t * out_rows)?))

@@ -334,7 +334,7 @@ fn indexer<B: Backend>(
     let k_sel = (cfg.index_topk as usize).min(total);
     // Query positions in parallel, each its own top-k.
     let chosen: Vec<(Vec<i32>, B::E)> = scores
-        .par_chunks(total)
+        .par_chunks(total.max(1))
         .enumerate()
         .map(|(i, score)| {
             let p = start + i;

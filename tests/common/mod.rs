@@ -49,6 +49,25 @@ pub fn glmcheck_bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_glmcheck"))
 }
 
+/// `glmcheck run MODEL` on three tokens, which must fail on its input: exit 2 and a single line
+/// on stderr, returned for the caller to check what it names.
+pub fn run_error_line(model: &Path) -> String {
+    let dir = scratch();
+    let trace = dir.path().join("r.trace");
+    let out = glmcheck_output(&[
+        "run",
+        model.to_str().expect("a UTF-8 path"),
+        "--tokens",
+        "1,2,3",
+        "--out",
+        trace.to_str().expect("a UTF-8 path"),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    err
+}
+
 /// `glmcheck ARGS…` run to its end: exit code, stdout and stderr.
 pub fn glmcheck_output(args: &[&str]) -> std::process::Output {
     Command::new(glmcheck_bin())
