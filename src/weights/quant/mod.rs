@@ -10,6 +10,7 @@ pub(crate) mod grids;
 mod iquants;
 mod kquants;
 mod legacy;
+mod stream;
 mod ternary;
 
 use rayon::prelude::*;
@@ -117,9 +118,15 @@ fn rows_by(
     let row_bytes = row_len / bs * ts;
     // Chunks of about 256 KiB of output keep rayon's overhead negligible and the cache warm.
     let rows_per_chunk = (65536 / row_len).max(1);
-    src.par_chunks(row_bytes * rows_per_chunk)
-        .zip(dst.par_chunks_mut(row_len * rows_per_chunk))
-        .for_each(|(s, d)| decode(s, d));
+    let streams = std::mem::size_of_val(dst) >= stream::STREAM_MIN_BYTES;
+    let chunks = src
+        .par_chunks(row_bytes * rows_per_chunk)
+        .zip(dst.par_chunks_mut(row_len * rows_per_chunk));
+    if streams {
+        chunks.for_each(|(s, d)| stream::decode_streaming(decode, (bs, ts), s, d));
+    } else {
+        chunks.for_each(|(s, d)| decode(s, d));
+    }
     Ok(())
 }
 
