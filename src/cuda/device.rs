@@ -1,16 +1,17 @@
 //! One rank's GPU: opening it with its cuBLAS handle, memory meter and resident blocks; values to
 //! and from it; a stored weight dequantized on it.
 
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Context, Result};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
 use rayon::prelude::*;
 
 use super::dtype::Dtype;
-use super::memory::{Buffer, Meter};
+use super::memory::{Buffer, Meter, Pinned};
 use super::resident::Resident;
 use super::Gpu;
 use crate::exec::stored::StoredBlock;
@@ -19,12 +20,14 @@ use crate::weights::GgmlType;
 /// Values per parallel task of the host's conversions to and from a dtype.
 const CONVERT_CHUNK: usize = 1 << 15;
 
-/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks.
+/// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks, and
+/// the page-locked buffer every copy to and from it goes through.
 pub(super) struct Device {
     pub(super) gpu: Gpu,
     pub(super) blas: CudaBlas,
     pub(super) meter: Arc<Meter>,
     pub(super) resident: Resident,
+    pinned: RefCell<Pinned>,
 }
 
 // SAFETY: a Device is only used under its mutex, by one thread at a time; its context is bound
@@ -51,19 +54,54 @@ impl Device {
         })
     }
 
-    /// Host f32 values as dtype `D` on this GPU, converted on the host's cores (an activation
-    /// is tens of millions of values at GLM-5's widths and 512 tokens).
+    /// Host f32 values as dtype `D` on this GPU, converted on the host's cores straight into
+    /// page-locked memory (an activation is tens of millions of values at GLM-5's widths and 512
+    /// tokens) and copied from there.
     pub(super) fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
         let mut buf = self.alloc::<D>(values.len())?;
+        if values.is_empty() {
+            return Ok(buf);
+        }
+        let mut pinned = self.pinned.borrow_mut();
+        let host: &mut [D] =
+            bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, values.len() * size_of::<D>())?);
+        host.par_chunks_mut(CONVERT_CHUNK)
+            .zip(values.par_chunks(CONVERT_CHUNK))
+            .for_each(|(to, from)| {
+                to.iter_mut()
+                    .zip(from)
+                    .for_each(|(t, &v)| *t = D::from_f32(v))
+            });
+        self.copy_up(host, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Values sent as they are, through the page-locked buffer.
+    pub(super) fn upload_exact<T: DeviceRepr + ValidAsZeroBits + bytemuck::Pod>(
+        &self,
+        values: &[T],
+    ) -> Result<Buffer<T>> {
+        let mut buf = self.alloc::<T>(values.len())?;
         if !values.is_empty() {
-            let host: Vec<D> = values
-                .par_iter()
-                .with_min_len(CONVERT_CHUNK)
-                .map(|&v| D::from_f32(v))
-                .collect();
-            self.gpu.stream.memcpy_htod(&host, &mut buf.slice)?;
+            let mut pinned = self.pinned.borrow_mut();
+            let host = pinned.bytes(&self.gpu, size_of_val(values))?;
+            host.copy_from_slice(bytemuck::cast_slice(values));
+            self.copy_up(bytemuck::cast_slice::<u8, T>(host), &mut buf)?;
         }
         Ok(buf)
+    }
+
+    /// `host` into the start of `buf`, waited for (so that the page-locked buffer may be
+    /// written again).
+    fn copy_up<T: DeviceRepr>(&self, host: &[T], buf: &mut Buffer<T>) -> Result<()> {
+        let stream = &self.gpu.stream;
+        stream.context().bind_to_thread()?;
+        let (dst, _record) = buf.slice.device_ptr_mut(stream);
+        // SAFETY: `buf` holds at least `host.len()` values (callers size it so); the copy is
+        // waited for before `host` can change.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, host, stream.cu_stream()) }?;
+        stream.synchronize()?;
+        Ok(())
     }
 
     /// A weight's host f32 values as dtype `D` on this GPU: sent as f32 and rounded there by the
@@ -76,19 +114,31 @@ impl Device {
         if n == 0 {
             return Ok(out);
         }
-        let mut raw = self.alloc::<u8>(std::mem::size_of_val(values))?;
-        self.gpu
-            .stream
-            .memcpy_htod(bytemuck::cast_slice::<f32, u8>(values), &mut raw.slice)?;
+        let raw = self.upload_exact(bytemuck::cast_slice::<f32, u8>(values))?;
         self.gpu
             .launch_dequant(GgmlType::F32, &raw.slice, &mut out.slice, n)?;
         Ok(out)
     }
 
-    /// The first `n` values of `buf` as host f32, widened on the host's cores.
+    /// The first `n` values of `buf` as host f32: copied into page-locked memory, then widened
+    /// on the host's cores.
     pub(super) fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
-        let host = self.gpu.stream.clone_dtoh(&buf.slice)?;
-        Ok(host[..n.min(host.len())]
+        let n = n.min(buf.slice.len());
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut pinned = self.pinned.borrow_mut();
+        let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, n * size_of::<D>())?);
+        let stream = &self.gpu.stream;
+        stream.context().bind_to_thread()?;
+        {
+            let (src, _record) = buf.slice.device_ptr(stream);
+            // SAFETY: `buf` holds at least `n` values; the copy is waited for before `host` is
+            // read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src, stream.cu_stream()) }?;
+        }
+        stream.synchronize()?;
+        Ok(host
             .par_iter()
             .with_min_len(CONVERT_CHUNK)
             .map(|&v| v.to_f32())
@@ -114,18 +164,10 @@ impl Device {
         let bytes = w.nbytes();
         let mut blocks = self.alloc::<u8>(bytes)?;
         {
-            let staging = self.resident.staging(&self.gpu, bytes)?;
-            w.read_into(&mut staging[..bytes])?;
-            let stream = &self.gpu.stream;
-            stream.context().bind_to_thread()?;
-            let (dst, _record) = blocks.slice.device_ptr_mut(stream);
-            // SAFETY: `dst` holds `bytes` bytes (n > 0 values need some); the copy is waited
-            // for before the staging buffer is written again.
-            unsafe {
-                let to = stream.cu_stream();
-                cudarc::driver::result::memcpy_htod_async(dst, &staging[..bytes], to)
-            }?;
-            stream.synchronize()?;
+            let mut pinned = self.pinned.borrow_mut();
+            let staging = pinned.bytes(&self.gpu, bytes)?;
+            w.read_into(staging)?;
+            self.copy_up(staging, &mut blocks)?;
         }
         self.gpu
             .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
@@ -153,5 +195,6 @@ pub(super) fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
         blas,
         meter: Arc::default(),
         resident: Resident::new(free as u64, total as u64),
+        pinned: RefCell::default(),
     }))
 }

@@ -10,7 +10,9 @@ use super::DequantOutput;
 
 /// A dtype the GPU holds activations and weights in (its kernels' suffix and widening come
 /// from [`DequantOutput`]).
-pub(super) trait Dtype: DequantOutput + NcclType + Unpin + Send + Sync + 'static {
+pub(super) trait Dtype:
+    DequantOutput + NcclType + bytemuck::Pod + Unpin + Send + Sync + 'static
+{
     const CUDA: cudaDataType;
     /// `v` rounded to nearest even (exact for values the dtype holds).
     fn from_f32(v: f32) -> Self;

@@ -244,8 +244,7 @@ impl Device {
         let q = self.upload::<D>(&a.q.data)?;
         let kv = self.upload::<D>(a.kv)?;
         let k_rope = self.upload::<D>(a.k_rope)?;
-        let mut key_buf = self.gpu.stream.alloc_zeros::<i32>(keys.len())?;
-        self.gpu.stream.memcpy_htod(&keys, &mut key_buf)?;
+        let key_buf = self.upload_exact(&keys)?;
         let mut out = self.alloc::<f32>(n)?;
         let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
         let (v, slots32) = (to_u32(a.v)?, to_u32(slots)?);
@@ -256,7 +255,7 @@ impl Device {
             .arg(&q.slice)
             .arg(&kv.slice)
             .arg(&k_rope.slice)
-            .arg(&key_buf)
+            .arg(&key_buf.slice)
             .arg(&mut out.slice)
             .arg(&heads32)
             .arg(&nope)

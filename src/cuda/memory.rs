@@ -1,10 +1,14 @@
 //! What glmcheck holds on each GPU: a meter of the bytes held now and at most, the device
-//! buffers that count themselves on it while they live, and a rank's use of its GPU in a run.
+//! buffers that count themselves on it while they live, a rank's use of its GPU in a run, and
+//! the page-locked host buffer its copies go through.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use anyhow::{Context, Result};
+use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice};
+
+use super::Gpu;
 
 /// Bytes glmcheck holds on one GPU now and at most so far.
 #[derive(Default)]
@@ -46,5 +50,29 @@ impl<D: DeviceRepr> Drop for Buffer<D> {
     fn drop(&mut self) {
         self.meter
             .give((self.slice.len() * std::mem::size_of::<D>()) as u64);
+    }
+}
+
+/// Page-locked host memory that copies to and from a GPU pass through: the DMA engine copies it
+/// at the link's speed, where pageable memory goes through the driver's own staging, a few GB/s.
+/// Every user waits for its copy before it returns, so one buffer serves them all in turn.
+#[derive(Default)]
+pub(super) struct Pinned(Option<PinnedHostSlice<u8>>);
+
+impl Pinned {
+    /// The buffer's first `bytes` bytes, grown to the next power of two at least that large (so
+    /// that a run allocates it a few times at most).
+    pub(super) fn bytes(&mut self, gpu: &Gpu, bytes: usize) -> Result<&mut [u8]> {
+        if self.0.as_ref().is_none_or(|s| s.len() < bytes) {
+            self.0 = None;
+            let ctx = gpu.stream.context();
+            // SAFETY: callers write every byte they read (a file's blocks, converted values, a
+            // copy from the GPU).
+            let pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0) }
+                .with_context(|| format!("{bytes} bytes of page-locked memory"))?;
+            self.0 = Some(pinned);
+        }
+        let all = self.0.as_mut().expect("allocated above").as_mut_slice()?;
+        Ok(&mut all[..bytes])
     }
 }
