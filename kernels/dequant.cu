@@ -42,9 +42,6 @@ __device__ __forceinline__ u32 ld32_2(const u8* p) { return ld16(p) | (ld16(p + 
 
 __device__ __forceinline__ float half_at(const u8* p) { return half_to_float(ld16(p)); }
 
-// Byte j (0..3) of w.
-#define BYTE(w, j) (((w) >> (8 * (j))) & 0xff)
-
 // The four nibbles of bytes w at bit `shift` (0: low nibbles, 4: high), one per byte.
 __device__ __forceinline__ u32 nibbles4(u32 w, int shift) { return (w >> shift) & 0x0f0f0f0f; }
 
@@ -68,8 +65,42 @@ __device__ __forceinline__ u32 iq4_levels(u32 c) {
     return __byte_perm(lo, hi, 0x3210 | ((s & 0x8888) >> 1));
 }
 
-// Signed byte j of w as float.
-__device__ __forceinline__ float sbyte(u32 w, int j) { return (float)(signed char)BYTE(w, j); }
+// Integer to float without the conversion instruction, which issues at a quarter of the rate
+// of an add: x sits in the mantissa of 2^23, and subtracting 2^23 + offset leaves x - offset,
+// exactly (every operand and the result are integers below 2^24 in magnitude).
+#define TWO_23 8388608.0f
+__device__ __forceinline__ float int_minus(u32 x, float offset) {
+    return __fsub_rn(__uint_as_float(0x4b000000u | x), TWO_23 + offset);
+}
+
+// The four bytes of w, each minus `offset`, as floats: each byte moved into the mantissa of
+// 2^23 by one byte permute, then as in `int_minus`.
+__device__ __forceinline__ float4 bytes_minus(u32 w, float offset) {
+    float o = TWO_23 + offset;
+    return make_float4(__fsub_rn(__uint_as_float(__byte_perm(w, 0x4b000000u, 0x7650)), o),
+                       __fsub_rn(__uint_as_float(__byte_perm(w, 0x4b000000u, 0x7651)), o),
+                       __fsub_rn(__uint_as_float(__byte_perm(w, 0x4b000000u, 0x7652)), o),
+                       __fsub_rn(__uint_as_float(__byte_perm(w, 0x4b000000u, 0x7653)), o));
+}
+
+// The four bytes of w as signed bytes, as floats: flipping the sign bit maps -128..127 to
+// 0..255 in order.
+__device__ __forceinline__ float4 signed_bytes(u32 w) { return bytes_minus(w ^ 0x80808080u, 128.0f); }
+
+// d * x for the four values of x.
+__device__ __forceinline__ float4 times4(float d, float4 x) {
+    return make_float4(__fmul_rn(d, x.x), __fmul_rn(d, x.y), __fmul_rn(d, x.z), __fmul_rn(d, x.w));
+}
+
+// d * x + m and d * x - m for the four values of x, the product rounded before the sum.
+__device__ __forceinline__ float4 plus4(float d, float4 x, float m) {
+    return make_float4(__fadd_rn(__fmul_rn(d, x.x), m), __fadd_rn(__fmul_rn(d, x.y), m),
+                       __fadd_rn(__fmul_rn(d, x.z), m), __fadd_rn(__fmul_rn(d, x.w), m));
+}
+__device__ __forceinline__ float4 minus4(float d, float4 x, float m) {
+    return make_float4(__fsub_rn(__fmul_rn(d, x.x), m), __fsub_rn(__fmul_rn(d, x.y), m),
+                       __fsub_rn(__fmul_rn(d, x.z), m), __fsub_rn(__fmul_rn(d, x.w), m));
+}
 
 // The paired hardware conversion: two f32 values rounded to nearest even in one instruction,
 // `lo` into the low half. Finite values and infinities round as `store` rounds them; a NaN
@@ -191,9 +222,11 @@ DQ(bf16, dequant_plain<BF16>)
 
 // ---------------------------------------------------------------------------------------------
 // Quantized types: D::BS values in D::TS-byte blocks. The tile's DQ_TILE / BS blocks are copied
-// to shared memory, then each four values of output are decoded by D::four(block, k): values
-// k..k+3 of the block (k a multiple of 4, so the four share every scale; a group of eight
-// shares them too, every scale covering 16 or more aligned values).
+// to shared memory, then each four values of output are decoded by D::four(block, k, o): values
+// k + o .. k + o + 3 of the block, k being where the thread's group starts (a multiple of 4 or
+// 8) and o 0 or 4. A group never straddles a scale (every scale covers 16 or more aligned
+// values), so a type reads its scales at k: the same expressions for both fours of a group of
+// eight, which the compiler then computes once.
 
 template <class D, class O>
 __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __restrict__ dst,
@@ -228,16 +261,16 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
     const u8* base = (const u8*)tile + (start - aligned);
     O* out = dst + first * BS;
     constexpr int G = Out<O>::G, FOURS = G / 4;
-    int groups = count * (BS / G);
+    u32 groups = count * (BS / G);
 #pragma unroll
     for (int v = 0; v < DQ_TILE / G / DQ_THREADS; v++) {
-        int g = threadIdx.x + v * DQ_THREADS;
+        u32 g = threadIdx.x + v * DQ_THREADS;
         if (g < groups) {
-            int k = G * g;
+            u32 k = G * g;
             const u8* block = base + (k / BS) * TS;
             float4 f[FOURS];
 #pragma unroll
-            for (int u = 0; u < FOURS; u++) f[u] = D::four(block, k % BS + 4 * u);
+            for (int u = 0; u < FOURS; u++) f[u] = D::four(block, k % BS, 4 * u);
             Out<O>::put(out, g, f);
         }
     }
@@ -246,11 +279,11 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
 // Q8_0: 34-byte blocks of 32: f16 d, 32 int8 q; d * q.
 struct Q8_0 {
     static constexpr int BS = 32, TS = 34;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b);
         u32 q = ld32_2(b + 2 + k);
-        return make_float4(__fmul_rn(d, sbyte(q, 0)), __fmul_rn(d, sbyte(q, 1)),
-                           __fmul_rn(d, sbyte(q, 2)), __fmul_rn(d, sbyte(q, 3)));
+        return times4(d, signed_bytes(q));
     }
 };
 DQ(q8_0, dequant_tile<Q8_0>)
@@ -259,13 +292,11 @@ DQ(q8_0, dequant_tile<Q8_0>)
 // d * (q - 8).
 struct Q4_0 {
     static constexpr int BS = 32, TS = 18;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b);
         u32 q = nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0);
-        return make_float4(__fmul_rn(d, (float)((int)BYTE(q, 0) - 8)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 1) - 8)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 2) - 8)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 3) - 8)));
+        return times4(d, bytes_minus(q, 8.0f));
     }
 };
 DQ(q4_0, dequant_tile<Q4_0>)
@@ -274,20 +305,18 @@ DQ(q4_0, dequant_tile<Q4_0>)
 // rounded before the sum.
 struct Q4_1 {
     static constexpr int BS = 32, TS = 20;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b), m = half_at(b + 2);
         u32 q = nibbles4(ld32(b + 4 + (k & 15)), k & 16 ? 4 : 0);
-        return make_float4(__fadd_rn(__fmul_rn(d, (float)BYTE(q, 0)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 1)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 2)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
+        return plus4(d, bytes_minus(q, 0.0f), m);
     }
 };
 DQ(q4_1, dequant_tile<Q4_1>)
 
 // The 5-bit codes k..k+3 of a Q5_0/Q5_1 block: fifth bits `qh` (bit i for element i), low
 // nibbles in 16 bytes `ql` (element i low, i + 16 high), one code per byte.
-__device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, int k) {
+__device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, u32 k) {
     u32 low = nibbles4(ql4, k & 16 ? 4 : 0);
     u32 h = (qh >> k) & 0xf;  // the fifth bits of elements k..k+3
     u32 high = (h & 1) | ((h & 2) << 7) | ((h & 4) << 14) | ((h & 8) << 21);
@@ -298,13 +327,11 @@ __device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, int k) {
 // d * (q - 16).
 struct Q5_0 {
     static constexpr int BS = 32, TS = 22;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b);
         u32 q = five_bit4(ld32_2(b + 2), ld32_2(b + 6 + (k & 15)), k);
-        return make_float4(__fmul_rn(d, (float)((int)BYTE(q, 0) - 16)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 1) - 16)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 2) - 16)),
-                           __fmul_rn(d, (float)((int)BYTE(q, 3) - 16)));
+        return times4(d, bytes_minus(q, 16.0f));
     }
 };
 DQ(q5_0, dequant_tile<Q5_0>)
@@ -313,13 +340,11 @@ DQ(q5_0, dequant_tile<Q5_0>)
 // d * q + m.
 struct Q5_1 {
     static constexpr int BS = 32, TS = 24;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b), m = half_at(b + 2);
         u32 q = five_bit4(ld32(b + 4), ld32(b + 8 + (k & 15)), k);
-        return make_float4(__fadd_rn(__fmul_rn(d, (float)BYTE(q, 0)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 1)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 2)), m),
-                           __fadd_rn(__fmul_rn(d, (float)BYTE(q, 3)), m));
+        return plus4(d, bytes_minus(q, 0.0f), m);
     }
 };
 DQ(q5_1, dequant_tile<Q5_1>)
@@ -327,11 +352,11 @@ DQ(q5_1, dequant_tile<Q5_1>)
 // IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
 struct IQ4_NL {
     static constexpr int BS = 32, TS = 18;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+        u32 k = k0 + o;
         float d = half_at(b);
         u32 l = iq4_levels(nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0));
-        return make_float4(__fmul_rn(d, sbyte(l, 0)), __fmul_rn(d, sbyte(l, 1)),
-                           __fmul_rn(d, sbyte(l, 2)), __fmul_rn(d, sbyte(l, 3)));
+        return times4(d, signed_bytes(l));
     }
 };
 DQ(iq4_nl, dequant_tile<IQ4_NL>)
@@ -341,15 +366,14 @@ DQ(iq4_nl, dequant_tile<IQ4_NL>)
 // (d * scale) * level.
 struct IQ4_XS {
     static constexpr int BS = 256, TS = 136;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int j = k / 32, i = k % 32;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 j = k / 32, i = k % 32 + o;
         u32 tops = ld16(b + 2);
         u32 low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
-        int ls = (int)(low | (((tops >> (2 * j)) & 3) << 4)) - 32;
-        float dl = __fmul_rn(half_at(b), (float)ls);
+        // The 6-bit scale minus 32.
+        float dl = __fmul_rn(half_at(b), int_minus(low | (((tops >> (2 * j)) & 3) << 4), 32.0f));
         u32 l = iq4_levels(nibbles4(ld32(b + 8 + 16 * j + (i & 15)), i & 16 ? 4 : 0));
-        return make_float4(__fmul_rn(dl, sbyte(l, 0)), __fmul_rn(dl, sbyte(l, 1)),
-                           __fmul_rn(dl, sbyte(l, 2)), __fmul_rn(dl, sbyte(l, 3)));
+        return times4(dl, signed_bytes(l));
     }
 };
 DQ(iq4_xs, dequant_tile<IQ4_XS>)
@@ -359,16 +383,13 @@ DQ(iq4_xs, dequant_tile<IQ4_XS>)
 // (d * scale) * q - dmin * min.
 struct Q2_K {
     static constexpr int BS = 256, TS = 84;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int h = k / 128, r = (k % 128) / 32, i = k % 32;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 h = k / 128, r = (k % 128) / 32, i = k % 32;
         u32 sm = b[2 * (4 * h + r) + i / 16];
-        float dl = __fmul_rn(half_at(b + 80), (float)(sm & 0x0f));
-        float ml = __fmul_rn(half_at(b + 82), (float)(sm >> 4));
-        u32 q = (ld32(b + 16 + 32 * h + i) >> (2 * r)) & 0x03030303;
-        return make_float4(__fsub_rn(__fmul_rn(dl, (float)BYTE(q, 0)), ml),
-                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 1)), ml),
-                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 2)), ml),
-                           __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 3)), ml));
+        float dl = __fmul_rn(half_at(b + 80), int_minus(sm & 0x0f, 0.0f));
+        float ml = __fmul_rn(half_at(b + 82), int_minus(sm >> 4, 0.0f));
+        u32 q = (ld32(b + 16 + 32 * h + i + o) >> (2 * r)) & 0x03030303;
+        return minus4(dl, bytes_minus(q, 0.0f), ml);
     }
 };
 DQ(q2_k, dequant_tile<Q2_K>)
@@ -377,57 +398,48 @@ DQ(q2_k, dequant_tile<Q2_K>)
 // 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d; (d * scale) * (q - off).
 struct Q3_K {
     static constexpr int BS = 256, TS = 110;
-    static __device__ __forceinline__ int q(u32 codes, u32 high, int j, int row) {
-        int offset = (int)((((BYTE(high, j) >> row) & 1) ^ 1) << 2);
-        return (int)BYTE(codes, j) - offset;
-    }
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int h = k / 128, r = (k % 128) / 32, i = k % 32;
-        int row = 4 * h + r, g = 2 * row + i / 16;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 h = k / 128, r = (k % 128) / 32, i = k % 32;
+        u32 row = 4 * h + r, g = 2 * row + i / 16;
         const u8* s = b + 96;
         u32 low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
         u32 high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-        int scale = (int)(low | (high << 4)) - 32;
-        float dl = __fmul_rn(half_at(b + 108), (float)scale);
-        u32 codes = (ld32_2(b + 32 + 32 * h + i) >> (2 * r)) & 0x03030303;
-        u32 hm = ld32_2(b + i);
-        return make_float4(__fmul_rn(dl, (float)q(codes, hm, 0, row)),
-                           __fmul_rn(dl, (float)q(codes, hm, 1, row)),
-                           __fmul_rn(dl, (float)q(codes, hm, 2, row)),
-                           __fmul_rn(dl, (float)q(codes, hm, 3, row)));
+        float dl = __fmul_rn(half_at(b + 108), int_minus(low | (high << 4), 32.0f));
+        u32 codes = (ld32_2(b + 32 + 32 * h + i + o) >> (2 * r)) & 0x03030303;
+        // A set high bit cancels the -4: code + 4 * bit - 4, the high bit as bit 2 of the byte.
+        u32 set = (ld32_2(b + i + o) >> row) & 0x01010101;
+        return times4(dl, bytes_minus(codes | (set << 2), 4.0f));
     }
 };
 DQ(q3_k, dequant_tile<Q3_K>)
 
-// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 packed bytes.
-__device__ __forceinline__ void scale_min(const u8* s, int j, u32* sc, u32* m) {
-    if (j < 4) {
-        *sc = s[j] & 0x3f;
-        *m = s[j + 4] & 0x3f;
-    } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 packed bytes: sub-blocks
+// 0-3 from bytes j and j + 4, 4-7 from bytes j + 4 and their top bits in j - 4 and j. Computed
+// both ways and selected, since the lanes of a warp decode every sub-block of a block at once
+// (a branch would run both sides one after the other).
+__device__ __forceinline__ void scale_min(const u8* s, u32 j, u32* sc, u32* m) {
+    u32 i = j & 3;
+    u32 a = s[i], c = s[i + 4], e = s[i + 8];
+    bool low = j < 4;
+    *sc = low ? a & 0x3f : (e & 0x0f) | ((a >> 2) & 0x30);
+    *m = low ? c & 0x3f : (e >> 4) | ((c >> 2) & 0x30);
 }
 
 // Codes q (one per byte) of sub-block j of a Q4_K/Q5_K block b: (d * scale) * q - dmin * min.
-__device__ __forceinline__ float4 k_scaled4(const u8* b, int j, u32 q) {
+__device__ __forceinline__ float4 k_scaled4(const u8* b, u32 j, u32 q) {
     u32 sc, m;
     scale_min(b + 4, j, &sc, &m);
-    float dl = __fmul_rn(half_at(b), (float)sc);
-    float ml = __fmul_rn(half_at(b + 2), (float)m);
-    return make_float4(__fsub_rn(__fmul_rn(dl, (float)BYTE(q, 0)), ml),
-                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 1)), ml),
-                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 2)), ml),
-                       __fsub_rn(__fmul_rn(dl, (float)BYTE(q, 3)), ml));
+    float dl = __fmul_rn(half_at(b), int_minus(sc, 0.0f));
+    float ml = __fmul_rn(half_at(b + 2), int_minus(m, 0.0f));
+    return minus4(dl, bytes_minus(q, 0.0f), ml);
 }
 
 // Q4_K: 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of scales and mins, then 4 chunks of
 // 32 bytes holding 64 elements each (sub-block 2c in the low nibbles, 2c + 1 in the high).
 struct Q4_K {
     static constexpr int BS = 256, TS = 144;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int c = k / 64, half = (k % 64) / 32, i = k % 32;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 c = k / 64, half = (k % 64) / 32, i = k % 32 + o;
         u32 q = nibbles4(ld32(b + 16 + 32 * c + i), 4 * half);
         return k_scaled4(b, 2 * c + half, q);
     }
@@ -438,8 +450,8 @@ DQ(q4_k, dequant_tile<Q4_K>)
 // (element l of chunk c, half h at bit 2c + h of byte l), then Q4_K's nibbles.
 struct Q5_K {
     static constexpr int BS = 256, TS = 176;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int c = k / 64, half = (k % 64) / 32, l = k % 32, j = 2 * c + half;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 c = k / 64, half = (k % 64) / 32, l = k % 32 + o, j = 2 * c + half;
         u32 low = nibbles4(ld32(b + 48 + 32 * c + l), 4 * half);
         u32 high = (ld32(b + 16 + l) >> j) & 0x01010101;
         return k_scaled4(b, j, low | (high << 4));
@@ -451,17 +463,14 @@ DQ(q5_k, dequant_tile<Q5_K>)
 // scales, f16 d; per half of 128, four rows of 32; (d * scale) * (q - 32).
 struct Q6_K {
     static constexpr int BS = 256, TS = 210;
-    static __device__ __forceinline__ float4 four(const u8* b, int k) {
-        int h = k / 128, r = (k % 128) / 32, i = k % 32;
-        u32 low = nibbles4(ld32_2(b + 64 * h + 32 * (r % 2) + i), 4 * (r / 2));
-        u32 high = (ld32_2(b + 128 + 32 * h + i) >> (2 * r)) & 0x03030303;
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+        u32 h = k / 128, r = (k % 128) / 32, i = k % 32, at = i + o;
+        u32 low = nibbles4(ld32_2(b + 64 * h + 32 * (r % 2) + at), 4 * (r / 2));
+        u32 high = (ld32_2(b + 128 + 32 * h + at) >> (2 * r)) & 0x03030303;
         u32 q = low | (high << 4);
-        float scale = (float)(signed char)b[192 + 8 * h + 2 * r + i / 16];
+        float scale = int_minus(b[192 + 8 * h + 2 * r + i / 16] ^ 0x80u, 128.0f);
         float dl = __fmul_rn(half_at(b + 208), scale);
-        return make_float4(__fmul_rn(dl, (float)((int)BYTE(q, 0) - 32)),
-                           __fmul_rn(dl, (float)((int)BYTE(q, 1) - 32)),
-                           __fmul_rn(dl, (float)((int)BYTE(q, 2) - 32)),
-                           __fmul_rn(dl, (float)((int)BYTE(q, 3) - 32)));
+        return times4(dl, bytes_minus(q, 32.0f));
     }
 };
 DQ(q6_k, dequant_tile<Q6_K>)
