@@ -148,15 +148,16 @@ impl StoredBlock<'_> {
     /// The block's values in f32, dequantized on the host.
     pub fn dequantize(&self) -> Result<Mat<f32>> {
         let (rows, cols) = self.shape();
-        let mut out = vec![0.0f32; rows * cols];
-        if !out.is_empty() {
-            let mut blocks = vec![0u8; self.nbytes()];
-            self.read_into(&mut blocks)?;
-            quant::dequantize_rows(self.matrix.ty, &blocks, &mut out, cols).with_context(|| {
+        if rows * cols == 0 {
+            return Ok(Mat::zeros(rows, cols));
+        }
+        let mut blocks = vec![0u8; self.nbytes()];
+        self.read_into(&mut blocks)?;
+        let out =
+            quant::dequantize_rows_to_vec(self.matrix.ty, &blocks, cols).with_context(|| {
                 let m = &self.matrix;
                 format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
             })?;
-        }
         Ok(Mat::new(rows, cols, out))
     }
 }

@@ -13,6 +13,8 @@ mod legacy;
 mod stream;
 mod ternary;
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::ggml_type::GgmlType;
@@ -97,37 +99,94 @@ fn rows_by(
     dst: &mut [f32],
     row_len: usize,
 ) -> Result<(), QuantError> {
-    let ts = ty.type_size();
-    let bs = ty.block_size();
-    if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {
-        return Err(QuantError::PartialBlock {
-            ty,
-            bytes: src.len(),
-            type_size: ts,
-        });
-    }
-    let blocks = src.len() / ts;
-    if dst.len() != blocks * bs {
-        return Err(QuantError::OutputSize {
-            ty,
-            blocks,
-            expected: blocks * bs,
-            got: dst.len(),
-        });
-    }
-    let row_bytes = row_len / bs * ts;
-    // Chunks of about 256 KiB of output keep rayon's overhead negligible and the cache warm.
-    let rows_per_chunk = (65536 / row_len).max(1);
-    let streams = std::mem::size_of_val(dst) >= stream::STREAM_MIN_BYTES;
-    let chunks = src
-        .par_chunks(row_bytes * rows_per_chunk)
-        .zip(dst.par_chunks_mut(row_len * rows_per_chunk));
-    if streams {
-        chunks.for_each(|(s, d)| stream::decode_streaming(decode, (bs, ts), s, d));
+    let rows = Rows::of(ty, src, dst.len(), row_len)?;
+    if rows.stream() {
+        // SAFETY: the streaming path writes every value of `dst`, each an initialized f32.
+        let dst = unsafe { &mut *(std::ptr::from_mut(dst) as *mut [MaybeUninit<f32>]) };
+        rows.stream_into(decode, src, dst);
     } else {
-        chunks.for_each(|(s, d)| decode(s, d));
+        src.par_chunks(rows.chunk_bytes)
+            .zip(dst.par_chunks_mut(rows.chunk_values))
+            .for_each(|(s, d)| decode(s, d));
     }
     Ok(())
+}
+
+/// [`dequantize_rows`] into a new vector. A large one is written once, straight from the
+/// decoder's L1 buffer into memory not yet written, without a zero fill first (which cost as
+/// much as the decoding).
+pub fn dequantize_rows_to_vec(
+    ty: GgmlType,
+    src: &[u8],
+    row_len: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let decode = block_decoder(ty)?;
+    let n = src.len() / ty.type_size() * ty.block_size();
+    let rows = Rows::of(ty, src, n, row_len)?;
+    if !rows.stream() {
+        let mut out = vec![0.0; n];
+        rows_by(decode, ty, src, &mut out, row_len)?;
+        return Ok(out);
+    }
+    let mut out = Vec::with_capacity(n);
+    rows.stream_into(decode, src, &mut out.spare_capacity_mut()[..n]);
+    // SAFETY: `stream_into` wrote all `n` values.
+    unsafe { out.set_len(n) };
+    Ok(out)
+}
+
+/// How whole rows of a type split into the chunks decoded in parallel.
+struct Rows {
+    bs: usize,
+    ts: usize,
+    chunk_bytes: usize,
+    chunk_values: usize,
+    out_bytes: usize,
+}
+
+impl Rows {
+    /// `src` checked to hold whole rows of `row_len` values of `ty`, decoding to `out_len`
+    /// values.
+    fn of(ty: GgmlType, src: &[u8], out_len: usize, row_len: usize) -> Result<Rows, QuantError> {
+        let (ts, bs) = (ty.type_size(), ty.block_size());
+        if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {
+            return Err(QuantError::PartialBlock {
+                ty,
+                bytes: src.len(),
+                type_size: ts,
+            });
+        }
+        let blocks = src.len() / ts;
+        if out_len != blocks * bs {
+            return Err(QuantError::OutputSize {
+                ty,
+                blocks,
+                expected: blocks * bs,
+                got: out_len,
+            });
+        }
+        // Chunks of about 256 KiB of output keep rayon's overhead negligible and the cache warm.
+        let rows_per_chunk = (65536 / row_len).max(1);
+        Ok(Rows {
+            bs,
+            ts,
+            chunk_bytes: row_len / bs * ts * rows_per_chunk,
+            chunk_values: row_len * rows_per_chunk,
+            out_bytes: out_len * size_of::<f32>(),
+        })
+    }
+
+    /// Whether the output is large enough to stream past the cache.
+    fn stream(&self) -> bool {
+        self.out_bytes >= stream::STREAM_MIN_BYTES
+    }
+
+    /// Every value of `dst` written, the chunks in parallel, each streamed past the cache.
+    fn stream_into(&self, decode: BlockDecoder, src: &[u8], dst: &mut [MaybeUninit<f32>]) {
+        src.par_chunks(self.chunk_bytes)
+            .zip(dst.par_chunks_mut(self.chunk_values))
+            .for_each(|(s, d)| stream::decode_streaming(decode, (self.bs, self.ts), s, d));
+    }
 }
 
 /// A decoder of whole blocks: `src.len()` is a multiple of the type size and `dst` matches it.

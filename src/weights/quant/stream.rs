@@ -2,7 +2,10 @@
 //! anyway, and ordinary stores make each core read every output line before overwriting it. A
 //! block decoder fills a small buffer that stays in L1, and that buffer goes out with
 //! non-temporal stores, which on x86 write whole lines without reading them first (2.5–4× the
-//! rate of ordinary stores on one core).
+//! rate of ordinary stores on one core). The output may be memory never written: each value is
+//! written once, so a new weight needs no zero fill first.
+
+use std::mem::MaybeUninit;
 
 use super::BlockDecoder;
 
@@ -14,12 +17,13 @@ pub(super) const STREAM_MIN_BYTES: usize = 32 << 20;
 const STEP_VALUES: usize = 4096;
 
 /// `decode` of `src` (whole blocks of `bs` values in `ts` bytes) into `dst`, a step of blocks
-/// at a time through an L1 buffer streamed out to `dst`. The values are `decode`'s own.
+/// at a time through an L1 buffer streamed out to `dst`. The values are `decode`'s own; every
+/// value of `dst` is written.
 pub(super) fn decode_streaming(
     decode: BlockDecoder,
     (bs, ts): (usize, usize),
     src: &[u8],
-    dst: &mut [f32],
+    dst: &mut [MaybeUninit<f32>],
 ) {
     let blocks_per_step = (STEP_VALUES / bs).max(1);
     let mut buffer = vec![0f32; blocks_per_step * bs];
@@ -37,7 +41,7 @@ pub(super) fn decode_streaming(
 /// `dst` ← `src`, the aligned middle of `dst` with non-temporal stores: 32 bytes a store
 /// where the CPU has AVX, else SSE's 16.
 #[cfg(target_arch = "x86_64")]
-fn copy_past_cache(src: &[f32], dst: &mut [f32]) {
+fn copy_past_cache(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
     if std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: the CPU has AVX.
         unsafe { copy_past_cache_avx(src, dst) }
@@ -48,14 +52,14 @@ fn copy_past_cache(src: &[f32], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-unsafe fn copy_past_cache_avx(src: &[f32], dst: &mut [f32]) {
+unsafe fn copy_past_cache_avx(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::{__m256, _mm256_loadu_ps, _mm256_stream_ps};
-    // SAFETY: every bit pattern is a valid `__m256`; the aligned middle is only written, each
-    // vector from eight values of `src`, which is as long as `dst`.
-    let (head, middle, tail) = unsafe { dst.align_to_mut::<__m256>() };
+    // SAFETY: `MaybeUninit<__m256>` takes any bytes, written or not; the aligned middle is only
+    // written, each vector from eight values of `src`, which is as long as `dst`.
+    let (head, middle, tail) = unsafe { dst.align_to_mut::<MaybeUninit<__m256>>() };
     let (src_head, rest) = src.split_at(head.len());
     let (src_middle, src_tail) = rest.split_at(middle.len() * 8);
-    head.copy_from_slice(src_head);
+    write_all(head, src_head);
     for (to, from) in middle.iter_mut().zip(src_middle.chunks_exact(8)) {
         // SAFETY: `from` holds eight values; `to` is aligned and writable.
         unsafe {
@@ -65,27 +69,34 @@ unsafe fn copy_past_cache_avx(src: &[f32], dst: &mut [f32]) {
             )
         };
     }
-    tail.copy_from_slice(src_tail);
+    write_all(tail, src_tail);
 }
 
 #[cfg(target_arch = "x86_64")]
-fn copy_past_cache_sse(src: &[f32], dst: &mut [f32]) {
+fn copy_past_cache_sse(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::{__m128, _mm_loadu_ps, _mm_stream_ps};
     // SAFETY: as in `copy_past_cache_avx`, with SSE (part of x86_64) and four values a vector.
-    let (head, middle, tail) = unsafe { dst.align_to_mut::<__m128>() };
+    let (head, middle, tail) = unsafe { dst.align_to_mut::<MaybeUninit<__m128>>() };
     let (src_head, rest) = src.split_at(head.len());
     let (src_middle, src_tail) = rest.split_at(middle.len() * 4);
-    head.copy_from_slice(src_head);
+    write_all(head, src_head);
     for (to, from) in middle.iter_mut().zip(src_middle.chunks_exact(4)) {
         // SAFETY: `from` holds four values; `to` is aligned and writable.
-        unsafe { _mm_stream_ps(std::ptr::from_mut(to).cast(), _mm_loadu_ps(from.as_ptr())) };
+        unsafe { _mm_stream_ps(to.as_mut_ptr().cast(), _mm_loadu_ps(from.as_ptr())) };
     }
-    tail.copy_from_slice(src_tail);
+    write_all(tail, src_tail);
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn copy_past_cache(src: &[f32], dst: &mut [f32]) {
-    dst.copy_from_slice(src);
+fn copy_past_cache(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
+    write_all(dst, src);
+}
+
+/// `dst` ← `src` with ordinary stores.
+fn write_all(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, &v)| {
+        d.write(v);
+    });
 }
 
 /// Orders the streamed stores before any later store or read of them, by this thread or one
@@ -100,7 +111,7 @@ fn finish_streams() {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{block_decoder, dequantize, dequantize_rows};
+    use super::super::{block_decoder, dequantize, dequantize_rows, dequantize_rows_to_vec};
     use super::*;
     use crate::synth::quantize::random_blocks;
     use crate::synth::SplitMix;
@@ -110,8 +121,21 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// Values written beforehand (a NaN each), so that every one can be read back: one the
+    /// streaming missed shows as that NaN.
+    fn poisoned(n: usize) -> Vec<MaybeUninit<f32>> {
+        vec![MaybeUninit::new(f32::NAN); n]
+    }
+
+    fn read(v: &[MaybeUninit<f32>]) -> Vec<u32> {
+        // SAFETY: every value was written, by `poisoned` if by nothing else.
+        v.iter()
+            .map(|x| unsafe { x.assume_init() }.to_bits())
+            .collect()
+    }
+
     /// Through the L1 buffer and both store widths, into outputs at every alignment, the values
-    /// are the decoder's own, bit for bit.
+    /// are the decoder's own, bit for bit, and every one is written.
     #[test]
     fn streamed_values_are_the_decoders_at_every_alignment() {
         for ty in [
@@ -127,7 +151,7 @@ mod tests {
             let mut plain = vec![0f32; blocks * bs];
             dequantize(ty, &src, &mut plain).unwrap();
             for offset in 0..9 {
-                let mut out = vec![f32::NAN; offset + plain.len()];
+                let mut out = poisoned(offset + plain.len());
                 decode_streaming(
                     block_decoder(ty).unwrap(),
                     (bs, ts),
@@ -135,22 +159,23 @@ mod tests {
                     &mut out[offset..],
                 );
                 assert_eq!(
-                    bits(&out[offset..]),
+                    read(&out[offset..]),
                     bits(&plain),
                     "{ty} at offset {offset}"
                 );
                 #[cfg(target_arch = "x86_64")]
                 {
-                    let mut sse = vec![f32::NAN; offset + plain.len()];
+                    let mut sse = poisoned(offset + plain.len());
                     copy_past_cache_sse(&plain, &mut sse[offset..]);
                     finish_streams();
-                    assert_eq!(bits(&sse[offset..]), bits(&plain), "SSE at offset {offset}");
+                    assert_eq!(read(&sse[offset..]), bits(&plain), "SSE at offset {offset}");
                 }
             }
         }
     }
 
-    /// An output past the streaming threshold, spread over the pool, equals the plain decode.
+    /// An output past the streaming threshold, spread over the pool, into a given buffer or a
+    /// new vector, equals the plain decode.
     #[test]
     fn a_large_output_streams_to_the_same_values() {
         let ty = GgmlType::Q4_K;
@@ -160,5 +185,7 @@ mod tests {
         dequantize(ty, &src, &mut plain).unwrap();
         dequantize_rows(ty, &src, &mut rows, 4096).unwrap();
         assert!(bits(&plain) == bits(&rows));
+        let fresh = dequantize_rows_to_vec(ty, &src, 4096).unwrap();
+        assert!(bits(&plain) == bits(&fresh));
     }
 }
