@@ -137,7 +137,14 @@ fn samples() -> Vec<Sample> {
             noise(32, 7, 1.0),
         ),
         Sample::f64("L1.attn_resid", &[4, 8], noise(32, 10, 2.0)),
-        Sample::f32("L1.out", &[3, 70_000], "t d", None, noise(210_000, 8, 40.0)),
+        // Past one piece of the content hash (1 MiB).
+        Sample::f32(
+            "L1.out",
+            &[3, 100_000],
+            "t d",
+            None,
+            noise(300_000, 8, 40.0),
+        ),
         Sample::f32("final_norm", &[2, 2], "t d", None, vec![f32::NAN; 4]),
         Sample::f32("logits", &[4, 50], "t v(tp)", None, noise(200, 9, 12.0)),
     ]

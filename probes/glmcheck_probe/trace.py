@@ -35,11 +35,24 @@ LAYER = re.compile(r"^L[0-9]+$")
 
 
 def fnv1a(data: bytes) -> int:
-    """FNV-1a 64 over `data`: the content hash both sides compare bit for bit."""
+    """FNV-1a 64 over `data` (a shard manifest's hash, and a stage's of one piece)."""
     h = FNV_OFFSET
     for b in data:
         h = ((h ^ b) * FNV_PRIME) & MASK64
     return h
+
+
+# Bytes per piece of a stage's content hash (the Rust `HASH_PIECE_BYTES`).
+HASH_PIECE = 1 << 20
+
+
+def content_hash(data: bytes) -> int:
+    """A stage's content hash, as glmcheck computes it: FNV-1a 64 of the bytes up to one piece;
+    past that, FNV-1a 64 of the pieces' FNV-1a 64 hashes, 8 little-endian bytes each."""
+    if len(data) <= HASH_PIECE:
+        return fnv1a(data)
+    pieces = (fnv1a(data[i:i + HASH_PIECE]) for i in range(0, len(data), HASH_PIECE))
+    return fnv1a(b"".join(h.to_bytes(8, "little") for h in pieces))
 
 
 def _sequential_sum(xs: np.ndarray) -> float:
@@ -51,7 +64,7 @@ def tensor_stats(x: np.ndarray) -> dict:
     """The stats record of `x` (f32 or i32): moments over the finite values, and the hash."""
     flat = np.ascontiguousarray(x).reshape(-1)
     stats = moments(flat)
-    stats["hash"] = f"{fnv1a(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
+    stats["hash"] = f"{content_hash(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
     return stats
 
 
