@@ -41,11 +41,25 @@ impl Device {
     }
 
     pub(super) fn alloc<D: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buffer<D>> {
-        let slice = self
-            .gpu
-            .stream
-            .alloc_zeros::<D>(n.max(1))
-            .with_context(|| format!("allocating {n} values on {}", self.gpu.name))?;
+        let slice = self.gpu.stream.alloc_zeros::<D>(n.max(1));
+        self.counted(slice, n)
+    }
+
+    /// A buffer for `n` values that the op allocating it writes in full before anything reads
+    /// it (a copy from the host, a dequantization, a GEMM's output): not zeroed first, which
+    /// for a routed expert's three weights was a memset of its whole dequantized size.
+    pub(super) fn alloc_written<D: DeviceRepr>(&self, n: usize) -> Result<Buffer<D>> {
+        // SAFETY: the caller writes every value before any is read.
+        let slice = unsafe { self.gpu.stream.alloc::<D>(n.max(1)) };
+        self.counted(slice, n)
+    }
+
+    fn counted<D: DeviceRepr>(
+        &self,
+        slice: Result<cudarc::driver::CudaSlice<D>, cudarc::driver::DriverError>,
+        n: usize,
+    ) -> Result<Buffer<D>> {
+        let slice = slice.with_context(|| format!("allocating {n} values on {}", self.gpu.name))?;
         self.meter
             .take((slice.len() * std::mem::size_of::<D>()) as u64);
         Ok(Buffer {
@@ -58,7 +72,7 @@ impl Device {
     /// page-locked memory (an activation is tens of millions of values at GLM-5's widths and 512
     /// tokens) and copied from there.
     pub(super) fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
-        let mut buf = self.alloc::<D>(values.len())?;
+        let mut buf = self.alloc_written::<D>(values.len())?;
         if values.is_empty() {
             return Ok(buf);
         }
@@ -81,7 +95,7 @@ impl Device {
         &self,
         values: &[T],
     ) -> Result<Buffer<T>> {
-        let mut buf = self.alloc::<T>(values.len())?;
+        let mut buf = self.alloc_written::<T>(values.len())?;
         if !values.is_empty() {
             let mut pinned = self.pinned.borrow_mut();
             let host = pinned.bytes(&self.gpu, size_of_val(values))?;
@@ -110,7 +124,7 @@ impl Device {
     /// rounded value by value on one host core on its way up.
     pub(super) fn upload_weight<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
         let n = values.len();
-        let mut out = self.alloc::<D>(n)?;
+        let mut out = self.alloc_written::<D>(n)?;
         if n == 0 {
             return Ok(out);
         }
@@ -150,7 +164,7 @@ impl Device {
     pub(super) fn dequantize_stored<D: Dtype>(&mut self, w: &StoredBlock<'_>) -> Result<Buffer<D>> {
         let (rows, cols) = w.shape();
         let n = rows * cols;
-        let mut out = self.alloc::<D>(n)?;
+        let mut out = self.alloc_written::<D>(n)?;
         if n == 0 {
             return Ok(out);
         }
@@ -162,7 +176,7 @@ impl Device {
         }
         let began = std::time::Instant::now();
         let bytes = w.nbytes();
-        let mut blocks = self.alloc::<u8>(bytes)?;
+        let mut blocks = self.alloc_written::<u8>(bytes)?;
         {
             let mut pinned = self.pinned.borrow_mut();
             let staging = pinned.bytes(&self.gpu, bytes)?;

@@ -289,11 +289,11 @@ impl Device {
             return Ok(Mat::zeros(x.rows, w_rows));
         }
         let data = if exact {
-            let mut out = self.alloc::<f32>(n)?;
+            let mut out = self.alloc_written::<f32>(n)?;
             self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
             self.download(&out, n)?
         } else {
-            let mut out = self.alloc::<D>(n)?;
+            let mut out = self.alloc_written::<D>(n)?;
             self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
             self.download(&out, n)?
         };
@@ -314,11 +314,11 @@ impl Device {
             return Ok(Mat::zeros(t, out_rows));
         }
         let input = self.upload::<D>(&x.data)?;
-        let (mut g, mut u) = (self.alloc::<D>(n)?, self.alloc::<D>(n)?);
+        let (mut g, mut u) = (self.alloc_written::<D>(n)?, self.alloc_written::<D>(n)?);
         self.gemm((t, x.cols), &input, gate, inner, &mut g)?;
         self.gemm((t, x.cols), &input, up, inner, &mut u)?;
         let h = self.elementwise_here("silu_mul", &g, &u, n)?;
-        let mut out = self.alloc::<D>(t * out_rows)?;
+        let mut out = self.alloc_written::<D>(t * out_rows)?;
         self.gemm((t, inner), &h, down, out_rows, &mut out)?;
         Ok(Mat::new(t, out_rows, self.download(&out, t * out_rows)?))
     }
