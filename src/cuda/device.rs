@@ -91,7 +91,7 @@ impl Device {
     }
 
     /// Values sent as they are, through the page-locked buffer.
-    pub(super) fn upload_exact<T: DeviceRepr + ValidAsZeroBits + bytemuck::Pod>(
+    pub(super) fn upload_exact<T: DeviceRepr + bytemuck::Pod>(
         &self,
         values: &[T],
     ) -> Result<Buffer<T>> {

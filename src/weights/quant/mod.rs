@@ -105,9 +105,7 @@ fn rows_by(
         let dst = unsafe { &mut *(std::ptr::from_mut(dst) as *mut [MaybeUninit<f32>]) };
         rows.stream_into(decode, src, dst);
     } else {
-        src.par_chunks(rows.chunk_bytes)
-            .zip(dst.par_chunks_mut(rows.chunk_values))
-            .for_each(|(s, d)| decode(s, d));
+        rows.decode_into(decode, src, dst);
     }
     Ok(())
 }
@@ -125,7 +123,7 @@ pub fn dequantize_rows_to_vec(
     let rows = Rows::of(ty, src, n, row_len)?;
     if !rows.stream() {
         let mut out = vec![0.0; n];
-        rows_by(decode, ty, src, &mut out, row_len)?;
+        rows.decode_into(decode, src, &mut out);
         return Ok(out);
     }
     let mut out = Vec::with_capacity(n);
@@ -179,6 +177,13 @@ impl Rows {
     /// Whether the output is large enough to stream past the cache.
     fn stream(&self) -> bool {
         self.out_bytes >= stream::STREAM_MIN_BYTES
+    }
+
+    /// Every value of `dst` written, the chunks in parallel, with ordinary stores.
+    fn decode_into(&self, decode: BlockDecoder, src: &[u8], dst: &mut [f32]) {
+        src.par_chunks(self.chunk_bytes)
+            .zip(dst.par_chunks_mut(self.chunk_values))
+            .for_each(|(s, d)| decode(s, d));
     }
 
     /// Every value of `dst` written, the chunks in parallel, each streamed past the cache.
