@@ -4,29 +4,62 @@
 /// Calls `decode` on each `TS`-byte block and its `BS` outputs. Fixed-size arrays let the compiler
 /// drop bounds checks and unroll; the caller has checked that both slices hold whole blocks.
 #[inline(always)]
-pub(super) fn each_block<const TS: usize, const BS: usize, F: Fn(&[u8; TS], &mut [f32; BS])>(
+pub(super) fn each_block<const TS: usize, const BS: usize>(
     src: &[u8],
     dst: &mut [f32],
-    decode: F,
+    decode: impl Fn(&[u8; TS], &mut [f32; BS]),
 ) {
     for (s, d) in src.chunks_exact(TS).zip(dst.chunks_exact_mut(BS)) {
         // `chunks_exact` makes both conversions infallible.
         if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-            one_block(&decode, s, d);
+            decode(s, d);
         }
     }
 }
 
-/// One block, kept out of line so that LLVM vectorizes within the block. Inlined into the loop
-/// over blocks, it vectorizes across blocks instead (a lane per block, strided byte gathers and
-/// scalar stores), which measured 1.6x slower on Q4_0.
-#[inline(never)]
-fn one_block<const TS: usize, const BS: usize, F: Fn(&[u8; TS], &mut [f32; BS])>(
-    decode: &F,
-    src: &[u8; TS],
-    dst: &mut [f32; BS],
-) {
-    decode(src, dst);
+/// The `BlockDecoder` of a function decoding one `$ts`-byte block into `$bs` values. The block
+/// function is inlined into an out-of-line function per block, so that LLVM vectorizes within
+/// the block (inlined into the loop over blocks, it vectorizes across blocks instead: a lane per
+/// block, strided byte gathers and scalar stores, 1.6x slower on Q4_0). Where the CPU has AVX2
+/// the blocks go through a second copy compiled for it: twice the lanes, the same operations in
+/// the same order, so the same bits.
+macro_rules! blocks {
+    ($decode:path, $ts:literal, $bs:literal) => {{
+        fn decode(src: &[u8], dst: &mut [f32]) {
+            #[inline(never)]
+            fn one(b: &[u8; $ts], out: &mut [f32; $bs]) {
+                $decode(b, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            #[inline(never)]
+            fn one_avx2(b: &[u8; $ts], out: &mut [f32; $bs]) {
+                $decode(b, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if $crate::weights::quant::block::has_avx2() {
+                // SAFETY: the CPU has AVX2.
+                return $crate::weights::quant::block::each_block(src, dst, |b, out| unsafe {
+                    one_avx2(b, out)
+                });
+            }
+            $crate::weights::quant::block::each_block(src, dst, one)
+        }
+        decode as $crate::weights::quant::BlockDecoder
+    }};
+}
+pub(super) use blocks;
+
+/// Whether the CPU has AVX2, so that `blocks!` takes its AVX2 copy (a test can turn it off
+/// on its thread to check the plain copy).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn has_avx2() -> bool {
+    #[cfg(test)]
+    if tests::PLAIN_ONLY.with(std::cell::Cell::get) {
+        return false;
+    }
+    std::arch::is_x86_feature_detected!("avx2")
 }
 
 /// f16 bits to f32 as numpy converts them: exact, and NaN payloads (signalling ones too) kept,
@@ -121,6 +154,34 @@ pub(super) fn codebook_nibbles(d: f32, levels: &[i8; 16], q: &[u8], out: &mut [f
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::synth::quantize::random_blocks;
+    use crate::synth::SplitMix;
+    use crate::weights::quant::dequantize;
+    use crate::weights::GgmlType;
+
+    thread_local! {
+        /// Set: `blocks!` decoders on this thread take their plain copy.
+        pub(super) static PLAIN_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// The AVX2 copy of every decoder gives the plain copy's bits (the oracle tests check
+    /// whichever copy the machine runs against gguf-py).
+    #[test]
+    fn avx2_and_plain_decoders_agree() {
+        for ty in GgmlType::all().filter(|t| t.block_size() > 1) {
+            let src = random_blocks(ty, 64, &mut SplitMix::new(5));
+            let mut fast = vec![0f32; 64 * ty.block_size()];
+            let mut plain = fast.clone();
+            if dequantize(ty, &src, &mut fast).is_err() {
+                continue;
+            }
+            PLAIN_ONLY.with(|p| p.set(true));
+            dequantize(ty, &src, &mut plain).unwrap();
+            PLAIN_ONLY.with(|p| p.set(false));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&plain), "{ty}");
+        }
+    }
 
     #[test]
     fn f16_conversion_keeps_every_bit_pattern() {

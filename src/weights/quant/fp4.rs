@@ -1,7 +1,7 @@
 //! The 4-bit float types: E2M1 values (doubled to integers) times a power-of-two E8M0 scale
 //! (MXFP4) or an unsigned E4M3 scale (NVFP4), both halved to undo the doubling.
 
-use super::block::{codebook_nibbles, each_block};
+use super::block::codebook_nibbles;
 use super::grids::E2M1_VALUES;
 
 /// Half of an E8M0 scale, 2^(e - 128), built from bits as ggml does; exponents 0 and 1 give
@@ -42,21 +42,19 @@ static UE4M3_HALF: [f32; 256] = {
 };
 
 /// MXFP4: an E8M0 exponent byte, then 16 bytes of E2M1 nibbles.
-pub(super) fn mxfp4(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 17], out: &mut [f32; 32]| {
-        codebook_nibbles(e8m0_half(b[0]), &E2M1_VALUES, &b[1..], out);
-    });
+#[inline(always)]
+pub(super) fn mxfp4(b: &[u8; 17], out: &mut [f32; 32]) {
+    codebook_nibbles(e8m0_half(b[0]), &E2M1_VALUES, &b[1..], out);
 }
 
 /// NVFP4: four UE4M3 scale bytes, then per 16 elements 8 bytes of E2M1 nibbles.
-pub(super) fn nvfp4(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 36], out: &mut [f32; 64]| {
-        for ((o, q), &s) in out
-            .chunks_exact_mut(16)
-            .zip(b[4..].chunks_exact(8))
-            .zip(&b[..4])
-        {
-            codebook_nibbles(UE4M3_HALF[usize::from(s)], &E2M1_VALUES, q, o);
-        }
-    });
+#[inline(always)]
+pub(super) fn nvfp4(b: &[u8; 36], out: &mut [f32; 64]) {
+    for ((o, q), &s) in out
+        .chunks_exact_mut(16)
+        .zip(b[4..].chunks_exact(8))
+        .zip(&b[..4])
+    {
+        codebook_nibbles(UE4M3_HALF[usize::from(s)], &E2M1_VALUES, q, o);
+    }
 }

@@ -1,22 +1,20 @@
 //! The first ggml quants: 32 elements per block behind an f16 scale `d` (and, for the `_1` types,
 //! an f16 minimum `m`). Values are `d * q`, or `d * q + m` with the product rounded before the sum.
 
-use super::block::{each_block, f16_at, nibbles, nibbles_at};
+use super::block::{f16_at, nibbles, nibbles_at};
 
 /// Q4_0: `d`, then 16 bytes of 4-bit `q - 8`.
-pub(super) fn q4_0(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 18], out: &mut [f32; 32]| {
-        let d = f16_at(b, 0);
-        nibbles(&b[2..], out, |n, _| d * f32::from(n as i8 - 8));
-    });
+#[inline(always)]
+pub(super) fn q4_0(b: &[u8; 18], out: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    nibbles(&b[2..], out, |n, _| d * f32::from(n as i8 - 8));
 }
 
 /// Q4_1: `d`, `m`, then 16 bytes of 4-bit `q`.
-pub(super) fn q4_1(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 20], out: &mut [f32; 32]| {
-        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-        nibbles(&b[4..], out, |n, _| d * f32::from(n) + m);
-    });
+#[inline(always)]
+pub(super) fn q4_1(b: &[u8; 20], out: &mut [f32; 32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    nibbles(&b[4..], out, |n, _| d * f32::from(n) + m);
 }
 
 /// Bit `k` of a byte moved to bit 4 of byte `k`: Q5's fifth bits spread to one byte per element
@@ -44,27 +42,24 @@ fn five_bit(qh: &[u8], ql: &[u8], out: &mut [f32; 32], f: impl Fn(u8) -> f32) {
 }
 
 /// Q5_0: `d`, 4 bytes of fifth bits, 16 bytes of low nibbles; codes are `q - 16`.
-pub(super) fn q5_0(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 22], out: &mut [f32; 32]| {
-        let d = f16_at(b, 0);
-        five_bit(&b[2..6], &b[6..], out, |q| d * f32::from(q as i8 - 16));
-    });
+#[inline(always)]
+pub(super) fn q5_0(b: &[u8; 22], out: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    five_bit(&b[2..6], &b[6..], out, |q| d * f32::from(q as i8 - 16));
 }
 
 /// Q5_1: `d`, `m`, 4 bytes of fifth bits, 16 bytes of low nibbles.
-pub(super) fn q5_1(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 24], out: &mut [f32; 32]| {
-        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-        five_bit(&b[4..8], &b[8..], out, |q| d * f32::from(q) + m);
-    });
+#[inline(always)]
+pub(super) fn q5_1(b: &[u8; 24], out: &mut [f32; 32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    five_bit(&b[4..8], &b[8..], out, |q| d * f32::from(q) + m);
 }
 
 /// Q8_0: `d`, then 32 signed bytes.
-pub(super) fn q8_0(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 34], out: &mut [f32; 32]| {
-        let d = f16_at(b, 0);
-        for (o, &x) in out.iter_mut().zip(&b[2..]) {
-            *o = f32::from(x as i8) * d;
-        }
-    });
+#[inline(always)]
+pub(super) fn q8_0(b: &[u8; 34], out: &mut [f32; 32]) {
+    let d = f16_at(b, 0);
+    for (o, &x) in out.iter_mut().zip(&b[2..]) {
+        *o = f32::from(x as i8) * d;
+    }
 }

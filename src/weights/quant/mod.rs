@@ -1,9 +1,11 @@
 //! Dequantizers from raw GGML blocks to f32, bit-identical to gguf-py's `gguf.quants.dequantize`.
 //!
-//! Each type's block decoder is a plain function over whole blocks; [`dequantize`] dispatches on
-//! the type and [`dequantize_rows`] spreads rows over the rayon pool.
+//! Each type's decoder is a plain function over one block, made into a decoder of whole blocks by
+//! `blocks!` (with a copy for AVX2); [`dequantize`] dispatches on the type and
+//! [`dequantize_rows`] spreads rows over the rayon pool.
 
 mod block;
+use block::blocks;
 mod float;
 mod fp4;
 pub(crate) mod grids;
@@ -86,7 +88,7 @@ pub fn dequantize_rows_misreading_q4k(
     row_len: usize,
 ) -> Result<(), QuantError> {
     let decode = match ty {
-        GgmlType::Q4_K => kquants::q4_k_misread_upper_scales,
+        GgmlType::Q4_K => blocks!(kquants::q4_k_misread_upper_scales, 144, 256),
         _ => block_decoder(ty)?,
     };
     rows_by(decode, ty, src, dst, row_len)
@@ -203,29 +205,29 @@ fn block_decoder(ty: GgmlType) -> Result<BlockDecoder, QuantError> {
         T::F32 => float::from_f32,
         T::F16 => float::from_f16,
         T::BF16 => float::from_bf16,
-        T::Q4_0 => legacy::q4_0,
-        T::Q4_1 => legacy::q4_1,
-        T::Q5_0 => legacy::q5_0,
-        T::Q5_1 => legacy::q5_1,
-        T::Q8_0 => legacy::q8_0,
-        T::Q2_K => kquants::q2_k,
-        T::Q3_K => kquants::q3_k,
-        T::Q4_K => kquants::q4_k,
-        T::Q5_K => kquants::q5_k,
-        T::Q6_K => kquants::q6_k,
-        T::IQ1_S => iquants::iq1_s,
-        T::IQ1_M => iquants::iq1_m,
-        T::IQ2_XXS => iquants::iq2_xxs,
-        T::IQ2_XS => iquants::iq2_xs,
-        T::IQ2_S => iquants::iq2_s,
-        T::IQ3_XXS => iquants::iq3_xxs,
-        T::IQ3_S => iquants::iq3_s,
-        T::IQ4_NL => iquants::iq4_nl,
-        T::IQ4_XS => iquants::iq4_xs,
-        T::TQ1_0 => ternary::tq1_0,
-        T::TQ2_0 => ternary::tq2_0,
-        T::MXFP4 => fp4::mxfp4,
-        T::NVFP4 => fp4::nvfp4,
+        T::Q4_0 => blocks!(legacy::q4_0, 18, 32),
+        T::Q4_1 => blocks!(legacy::q4_1, 20, 32),
+        T::Q5_0 => blocks!(legacy::q5_0, 22, 32),
+        T::Q5_1 => blocks!(legacy::q5_1, 24, 32),
+        T::Q8_0 => blocks!(legacy::q8_0, 34, 32),
+        T::Q2_K => blocks!(kquants::q2_k, 84, 256),
+        T::Q3_K => blocks!(kquants::q3_k, 110, 256),
+        T::Q4_K => blocks!(kquants::q4_k, 144, 256),
+        T::Q5_K => blocks!(kquants::q5_k, 176, 256),
+        T::Q6_K => blocks!(kquants::q6_k, 210, 256),
+        T::IQ1_S => blocks!(iquants::iq1_s, 50, 256),
+        T::IQ1_M => blocks!(iquants::iq1_m, 56, 256),
+        T::IQ2_XXS => blocks!(iquants::iq2_xxs, 66, 256),
+        T::IQ2_XS => blocks!(iquants::iq2_xs, 74, 256),
+        T::IQ2_S => blocks!(iquants::iq2_s, 82, 256),
+        T::IQ3_XXS => blocks!(iquants::iq3_xxs, 98, 256),
+        T::IQ3_S => blocks!(iquants::iq3_s, 110, 256),
+        T::IQ4_NL => blocks!(iquants::iq4_nl, 18, 32),
+        T::IQ4_XS => blocks!(iquants::iq4_xs, 136, 256),
+        T::TQ1_0 => blocks!(ternary::tq1_0, 54, 256),
+        T::TQ2_0 => blocks!(ternary::tq2_0, 66, 256),
+        T::MXFP4 => blocks!(fp4::mxfp4, 17, 32),
+        T::NVFP4 => blocks!(fp4::nvfp4, 36, 64),
         T::Q8_1 | T::Q8_K | T::Q1_0 | T::I8 | T::I16 | T::I32 | T::I64 | T::F64 => {
             return Err(QuantError::Unsupported(ty))
         }

@@ -1,6 +1,6 @@
 //! The ternary quants TQ1_0 and TQ2_0: 256 values in {-1, 0, 1} times an f16 `d` at the end.
 
-use super::block::{crumb_rows, each_block, f16_at};
+use super::block::{crumb_rows, f16_at};
 
 /// One trit of a TQ1_0 byte, which packs five as a base-3 fraction of 256: multiplying by 3^p
 /// (wrapping) moves digit `p` to the top, and the top bits of three times that are the digit.
@@ -20,21 +20,19 @@ fn trits(d: f32, q: &[u8], out: &mut [f32]) {
 }
 
 /// TQ1_0: 32 bytes of five trits (160 values), 16 more (80), 4 bytes of four trits (16), `d`.
-pub(super) fn tq1_0(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 54], out: &mut [f32; 256]| {
-        let d = f16_at(b, 52);
-        let (first, rest) = out.split_at_mut(160);
-        let (second, third) = rest.split_at_mut(80);
-        trits(d, &b[..32], first);
-        trits(d, &b[32..48], second);
-        trits(d, &b[48..52], third);
-    });
+#[inline(always)]
+pub(super) fn tq1_0(b: &[u8; 54], out: &mut [f32; 256]) {
+    let d = f16_at(b, 52);
+    let (first, rest) = out.split_at_mut(160);
+    let (second, third) = rest.split_at_mut(80);
+    trits(d, &b[..32], first);
+    trits(d, &b[32..48], second);
+    trits(d, &b[48..52], third);
 }
 
 /// TQ2_0: 64 bytes of 2-bit codes `q + 1` in ggml's 2-bit layout, then `d`.
-pub(super) fn tq2_0(src: &[u8], dst: &mut [f32]) {
-    each_block(src, dst, |b: &[u8; 66], out: &mut [f32; 256]| {
-        let d = f16_at(b, 64);
-        crumb_rows(&b[..64], out, |q, _, _| d * f32::from(q as i8 - 1));
-    });
+#[inline(always)]
+pub(super) fn tq2_0(b: &[u8; 66], out: &mut [f32; 256]) {
+    let d = f16_at(b, 64);
+    crumb_rows(&b[..64], out, |q, _, _| d * f32::from(q as i8 - 1));
 }
