@@ -9,7 +9,7 @@ use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{Backend, Cpu};
+use crate::exec::backend::{Backend, Cpu, MlpInput};
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
@@ -47,6 +47,32 @@ pub enum Engine {
 pub enum EngineWeight {
     Cpu(Mat<f32>),
     Cuda(GpuWeight),
+}
+
+impl EngineWeight {
+    fn on_cpu(&self) -> Result<&Mat<f32>> {
+        match self {
+            EngineWeight::Cpu(w) => Ok(w),
+            EngineWeight::Cuda(_) => anyhow::bail!("a weight held on a GPU given to the CPU"),
+        }
+    }
+
+    fn on_cuda(&self) -> Result<&GpuWeight> {
+        match self {
+            EngineWeight::Cuda(w) => Ok(w),
+            EngineWeight::Cpu(_) => anyhow::bail!("a weight held on the CPU given to a GPU"),
+        }
+    }
+}
+
+/// MLP jobs with their weights as backend `W` holds them.
+fn held_by<'a, W>(
+    jobs: &[MlpInput<'a, Engine>],
+    held: impl Fn(&'a EngineWeight) -> Result<&'a W>,
+) -> Result<Vec<(&'a Mat<f32>, [&'a W; 3])>> {
+    jobs.iter()
+        .map(|&(x, [g, u, d])| Ok((x, [held(g)?, held(u)?, held(d)?])))
+        .collect()
 }
 
 impl Engine {
@@ -185,12 +211,21 @@ impl Backend for Engine {
         up: &EngineWeight,
         down: &EngineWeight,
     ) -> Result<Mat<f32>> {
-        use EngineWeight::{Cpu as OnCpu, Cuda as OnCuda};
-        match (self, gate, up, down) {
-            (Engine::Cpu(be), OnCpu(g), OnCpu(u), OnCpu(d)) => be.mlp(x, g, u, d),
-            (Engine::Cuda(be), OnCuda(g), OnCuda(u), OnCuda(d)) => be.mlp(x, g, u, d),
-            _ => anyhow::bail!("a weight held by one backend given to another"),
+        match self {
+            Engine::Cpu(be) => be.mlp(x, gate.on_cpu()?, up.on_cpu()?, down.on_cpu()?),
+            Engine::Cuda(be) => be.mlp(x, gate.on_cuda()?, up.on_cuda()?, down.on_cuda()?),
         }
+    }
+
+    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<f32>>> {
+        match self {
+            Engine::Cpu(be) => be.mlps(&held_by(jobs, EngineWeight::on_cpu)?),
+            Engine::Cuda(be) => be.mlps(&held_by(jobs, EngineWeight::on_cuda)?),
+        }
+    }
+
+    fn experts_at_once(&self) -> usize {
+        on_backend!(self, be => be.experts_at_once())
     }
 
     fn on_rank(&self, rank: usize) -> Self {

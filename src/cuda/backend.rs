@@ -11,18 +11,19 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::device::Device;
 use super::dtype::{Dtype, Held};
-use super::memory::RankMemory;
+use super::launch::MlpJob;
+use super::memory::{Buffer, RankMemory};
 use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend};
+use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend, MlpInput};
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
@@ -31,6 +32,10 @@ use crate::model::kv_b::KvBDims;
 
 /// Values per parallel task of the host's rounding.
 const ROUND_CHUNK: usize = 1 << 14;
+
+/// Routed experts held and run in one GPU trip: their dequantized weights take 16 times an
+/// expert's (2.4 GB in bf16 at GLM-5's widths), and 256 experts go in 16 trips.
+const EXPERTS_PER_TRIP: usize = 16;
 
 /// `$body` with the type `$D` standing for the dtype of precision `$p`.
 macro_rules! with_dtype {
@@ -268,37 +273,47 @@ impl Backend for Cuda {
         up: &GpuWeight,
         down: &GpuWeight,
     ) -> Result<Mat<f32>> {
-        if x.cols != gate.cols
-            || (up.rows, up.cols) != (gate.rows, gate.cols)
-            || down.cols != gate.rows
-        {
-            bail!(
-                "mlp: input of {} features, gate {}×{}, up {}×{}, down {}×{}",
-                x.cols,
-                gate.rows,
-                gate.cols,
-                up.rows,
-                up.cols,
-                down.rows,
-                down.cols
-            );
+        let mut one = self.mlps(&[(x, [gate, up, down])])?;
+        Ok(one.remove(0))
+    }
+
+    /// Every expert of the group on its weights' GPU in one trip: all inputs sent in one copy,
+    /// all outputs fetched in one (256 trips a layer were most of a MoE layer's time).
+    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<f32>>> {
+        let Some((_, [first, ..])) = jobs.first() else {
+            return Ok(Vec::new());
+        };
+        for (x, [gate, up, down]) in jobs {
+            check_mlp(x, gate, up, down)?;
+            if [gate.rank, up.rank, down.rank] != [first.rank; 3] {
+                bail!(
+                    "mlp: weights on ranks {}, {} and {} in a group on rank {}",
+                    gate.rank,
+                    up.rank,
+                    down.rank,
+                    first.rank
+                );
+            }
         }
-        if gate.rank != up.rank || gate.rank != down.rank {
-            bail!(
-                "mlp: weights on ranks {}, {} and {}",
-                gate.rank,
-                up.rank,
-                down.rank
-            );
-        }
-        let device = self.device(gate.rank)?;
-        let rows = (gate.rows, down.rows);
-        match (&gate.data, &up.data, &down.data) {
-            (Held::F32(g), Held::F32(u), Held::F32(d)) => device.mlp(x, [g, u, d], rows),
-            (Held::Bf16(g), Held::Bf16(u), Held::Bf16(d)) => device.mlp(x, [g, u, d], rows),
-            (Held::F16(g), Held::F16(u), Held::F16(d)) => device.mlp(x, [g, u, d], rows),
-            _ => bail!("mlp: weights held in different dtypes"),
-        }
+        let device = self.device(first.rank)?;
+        with_dtype!(self.precision, D => {
+            let jobs = jobs
+                .iter()
+                .map(|(x, [gate, up, down])| {
+                    Ok(MlpJob {
+                        x,
+                        weights: [buffer::<D>(gate)?, buffer::<D>(up)?, buffer::<D>(down)?],
+                        inner: gate.rows,
+                        out_rows: down.rows,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            device.mlps(&jobs)
+        })
+    }
+
+    fn experts_at_once(&self) -> usize {
+        EXPERTS_PER_TRIP
     }
 
     fn on_rank(&self, rank: usize) -> Self {
@@ -361,4 +376,28 @@ impl Cuda {
             Held::F16(b) => device.linear(x, b, w.rows, exact),
         }
     }
+}
+
+/// A gated MLP's input and weights agree in shape: `x` of `gate`'s columns, `up` as `gate`,
+/// `down` from `gate`'s rows.
+fn check_mlp(x: &Mat<f32>, gate: &GpuWeight, up: &GpuWeight, down: &GpuWeight) -> Result<()> {
+    if x.cols != gate.cols || (up.rows, up.cols) != (gate.rows, gate.cols) || down.cols != gate.rows
+    {
+        bail!(
+            "mlp: input of {} features, gate {}×{}, up {}×{}, down {}×{}",
+            x.cols,
+            gate.rows,
+            gate.cols,
+            up.rows,
+            up.cols,
+            down.rows,
+            down.cols
+        );
+    }
+    Ok(())
+}
+
+/// A held weight's buffer in dtype `D`, the run's.
+fn buffer<D: Dtype>(w: &GpuWeight) -> Result<&Buffer<D>> {
+    D::of(&w.data).ok_or_else(|| anyhow!("mlp: a weight held in another dtype than the run's"))
 }

@@ -72,20 +72,31 @@ impl Device {
     /// page-locked memory (an activation is tens of millions of values at GLM-5's widths and 512
     /// tokens) and copied from there.
     pub(super) fn upload<D: Dtype>(&self, values: &[f32]) -> Result<Buffer<D>> {
-        let mut buf = self.alloc_written::<D>(values.len())?;
-        if values.is_empty() {
+        self.upload_parts(&[values])
+    }
+
+    /// [`Self::upload`] of the parts one after another in one buffer: one copy for many
+    /// inputs (the rows of every routed expert of a group).
+    pub(super) fn upload_parts<D: Dtype>(&self, parts: &[&[f32]]) -> Result<Buffer<D>> {
+        let n = parts.iter().map(|p| p.len()).sum();
+        let mut buf = self.alloc_written::<D>(n)?;
+        if n == 0 {
             return Ok(buf);
         }
         let mut pinned = self.pinned.borrow_mut();
-        let host: &mut [D] =
-            bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, values.len() * size_of::<D>())?);
-        host.par_chunks_mut(CONVERT_CHUNK)
-            .zip(values.par_chunks(CONVERT_CHUNK))
-            .for_each(|(to, from)| {
-                to.iter_mut()
-                    .zip(from)
-                    .for_each(|(t, &v)| *t = D::from_f32(v))
-            });
+        let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, n * size_of::<D>())?);
+        let mut at = 0;
+        for values in parts {
+            host[at..at + values.len()]
+                .par_chunks_mut(CONVERT_CHUNK)
+                .zip(values.par_chunks(CONVERT_CHUNK))
+                .for_each(|(to, from)| {
+                    to.iter_mut()
+                        .zip(from)
+                        .for_each(|(t, &v)| *t = D::from_f32(v))
+                });
+            at += values.len();
+        }
         self.copy_up(host, &mut buf)?;
         Ok(buf)
     }

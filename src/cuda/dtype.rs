@@ -18,6 +18,8 @@ pub(super) trait Dtype:
     fn from_f32(v: f32) -> Self;
     /// A weight buffer of this dtype.
     fn held(buf: Buffer<Self>) -> Held;
+    /// A held weight's buffer, if it is of this dtype.
+    fn of(held: &Held) -> Option<&Buffer<Self>>;
 }
 
 impl Dtype for f32 {
@@ -27,6 +29,12 @@ impl Dtype for f32 {
     }
     fn held(buf: Buffer<Self>) -> Held {
         Held::F32(buf)
+    }
+    fn of(held: &Held) -> Option<&Buffer<Self>> {
+        match held {
+            Held::F32(buf) => Some(buf),
+            _ => None,
+        }
     }
 }
 
@@ -38,6 +46,12 @@ impl Dtype for bf16 {
     fn held(buf: Buffer<Self>) -> Held {
         Held::Bf16(buf)
     }
+    fn of(held: &Held) -> Option<&Buffer<Self>> {
+        match held {
+            Held::Bf16(buf) => Some(buf),
+            _ => None,
+        }
+    }
 }
 
 impl Dtype for f16 {
@@ -47,6 +61,12 @@ impl Dtype for f16 {
     }
     fn held(buf: Buffer<Self>) -> Held {
         Held::F16(buf)
+    }
+    fn of(held: &Held) -> Option<&Buffer<Self>> {
+        match held {
+            Held::F16(buf) => Some(buf),
+            _ => None,
+        }
     }
 }
 

@@ -290,37 +290,59 @@ impl Device {
         }
         let data = if exact {
             let mut out = self.alloc_written::<f32>(n)?;
-            self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
+            self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
             self.download(&out, n)?
         } else {
             let mut out = self.alloc_written::<D>(n)?;
-            self.gemm((x.rows, x.cols), &input, w, w_rows, &mut out)?;
+            self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
             self.download(&out, n)?
         };
         Ok(Mat::new(x.rows, w_rows, data))
     }
 
-    /// `down(silu(x · gateᵀ) ⊙ x · upᵀ)` with `[gate, up, down]` of `(gate rows, down rows)`,
-    /// shapes checked by the caller: every intermediate stays here in the dtype, rounded as the
-    /// separate ops round it.
-    pub(super) fn mlp<D: Dtype>(
-        &self,
-        x: &Mat<f32>,
-        [gate, up, down]: [&Buffer<D>; 3],
-        (inner, out_rows): (usize, usize),
-    ) -> Result<Mat<f32>> {
-        let (t, n) = (x.rows, x.rows * inner);
-        if n == 0 || out_rows == 0 {
-            return Ok(Mat::zeros(t, out_rows));
+    /// Gated MLPs `down(silu(x · gateᵀ) ⊙ x · upᵀ)` (routed experts), shapes checked by the
+    /// caller: every input sent in one copy and every output fetched in one, the intermediates
+    /// kept here in the dtype, rounded as the separate ops round them. Each job's GEMMs are
+    /// those it would get on its own, so its values are too.
+    pub(super) fn mlps<D: Dtype>(&self, jobs: &[MlpJob<'_, D>]) -> Result<Vec<Mat<f32>>> {
+        let inputs: Vec<&[f32]> = jobs.iter().map(|j| j.x.data.as_slice()).collect();
+        let input = self.upload_parts::<D>(&inputs)?;
+        let out_len = |j: &MlpJob<'_, D>| j.x.rows * j.out_rows;
+        let total: usize = jobs.iter().map(out_len).sum();
+        // A job with no intermediate features (or no inputs) writes nothing: its zeros must be
+        // there already.
+        let mut out = if jobs.iter().all(|j| j.inner > 0) {
+            self.alloc_written::<D>(total)?
+        } else {
+            self.alloc::<D>(total)?
+        };
+        let (mut at_in, mut at_out) = (0, 0);
+        for j in jobs {
+            let (t, cols, n) = (j.x.rows, j.x.cols, j.x.rows * j.inner);
+            if n > 0 && j.out_rows > 0 {
+                let x = input.slice.slice(at_in..at_in + t * cols);
+                let (mut g, mut u) = (self.alloc_written::<D>(n)?, self.alloc_written::<D>(n)?);
+                let [gate, up, down] = j.weights;
+                self.gemm((t, cols), &x, gate, j.inner, &mut g.slice)?;
+                self.gemm((t, cols), &x, up, j.inner, &mut u.slice)?;
+                let h = self.elementwise_here("silu_mul", &g, &u, n)?;
+                let mut y = out.slice.slice_mut(at_out..at_out + out_len(j));
+                self.gemm((t, j.inner), &h.slice, down, j.out_rows, &mut y)?;
+            }
+            at_in += t * cols;
+            at_out += out_len(j);
         }
-        let input = self.upload::<D>(&x.data)?;
-        let (mut g, mut u) = (self.alloc_written::<D>(n)?, self.alloc_written::<D>(n)?);
-        self.gemm((t, x.cols), &input, gate, inner, &mut g)?;
-        self.gemm((t, x.cols), &input, up, inner, &mut u)?;
-        let h = self.elementwise_here("silu_mul", &g, &u, n)?;
-        let mut out = self.alloc_written::<D>(t * out_rows)?;
-        self.gemm((t, inner), &h, down, out_rows, &mut out)?;
-        Ok(Mat::new(t, out_rows, self.download(&out, t * out_rows)?))
+        let mut all = self.download(&out, total)?.into_iter();
+        Ok(jobs
+            .iter()
+            .map(|j| {
+                Mat::new(
+                    j.x.rows,
+                    j.out_rows,
+                    all.by_ref().take(out_len(j)).collect(),
+                )
+            })
+            .collect())
     }
 
     /// The DSA indexer's scores (see [`IndexerInputs`]) in f32, in the CPU's order, one thread
@@ -382,17 +404,17 @@ impl Device {
     fn gemm<D: Dtype, O: Dtype>(
         &self,
         (t, cols): (usize, usize),
-        input: &Buffer<D>,
+        input: &impl DevicePtr<D>,
         w: &Buffer<D>,
         w_rows: usize,
-        out: &mut Buffer<O>,
+        out: &mut impl DevicePtrMut<O>,
     ) -> Result<()> {
         let (m, n, k) = (to_i32(w_rows)?, to_i32(t)?, to_i32(cols)?);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let stream = &self.gpu.stream;
         let (a, _a) = w.slice.device_ptr(stream);
-        let (b, _b) = input.slice.device_ptr(stream);
-        let (c, _c) = out.slice.device_ptr_mut(stream);
+        let (b, _b) = input.device_ptr(stream);
+        let (c, _c) = out.device_ptr_mut(stream);
         // SAFETY: w holds w_rows × k values, input t × k, out t × w_rows, as the leading
         // dimensions say; alpha and beta are f32 as CUBLAS_COMPUTE_32F needs.
         unsafe {
@@ -425,6 +447,15 @@ impl Device {
             )
         })
     }
+}
+
+/// One gated MLP of [`Device::mlps`]: its input, `[gate, up, down]` on this GPU, and the
+/// gate's and down's rows.
+pub(super) struct MlpJob<'a, D: Dtype> {
+    pub(super) x: &'a Mat<f32>,
+    pub(super) weights: [&'a Buffer<D>; 3],
+    pub(super) inner: usize,
+    pub(super) out_rows: usize,
 }
 
 fn elements(count: u32) -> LaunchConfig {

@@ -29,6 +29,9 @@ const WEIGHT_ROWS_PER_TASK: usize = 256;
 /// Token rows per parallel task of a GEMM output's transpose back to row-major.
 const TOKENS_PER_TRANSPOSE: usize = 8;
 
+/// One gated MLP's input and `[gate, up, down]`, for [`Backend::mlps`].
+pub type MlpInput<'a, B> = (&'a Mat<<B as Backend>::E>, [&'a <B as Backend>::Weight; 3]);
+
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way
 /// (in its dtype, where it computes).
@@ -107,6 +110,19 @@ pub trait Backend: Sync + Clone {
     ) -> Result<Mat<Self::E>> {
         let h = self.silu_mul(&self.linear(x, gate)?, &self.linear(x, up)?)?;
         self.linear(&h, down)
+    }
+    /// Several gated MLPs ([`Self::mlp`]), each on its own input (routed experts): here in
+    /// parallel; a GPU backend sends the inputs in one copy and fetches the outputs in one.
+    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<Self::E>>> {
+        jobs.par_iter()
+            .map(|(x, [gate, up, down])| self.mlp(x, gate, up, down))
+            .collect()
+    }
+    /// How many routed experts to hold and run at once through [`Self::mlps`]: on the CPU
+    /// enough to keep the cores busy on small experts, few enough that memory stays at a
+    /// handful of experts whatever the core count.
+    fn experts_at_once(&self) -> usize {
+        4
     }
     /// The backend as tensor-parallel rank `rank` runs it: on its own GPU, where there is one
     /// per rank. Weights held through it live there.

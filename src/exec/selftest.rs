@@ -65,11 +65,13 @@ pub enum Op {
         start: usize,
         interleaved: bool,
     },
-    /// A gated MLP (a routed expert): `x[t, k]`, `inner` intermediate features.
+    /// Gated MLPs (routed experts) run as one group: `experts` of them, expert `i` on
+    /// `max(t - i, 1)` rows of `k` features, `inner` intermediate features.
     Mlp {
         t: usize,
         k: usize,
         inner: usize,
+        experts: usize,
     },
     /// The DSA indexer's scores of `t` new positions against `positions` cached keys, `heads`
     /// query heads of `dim`.
@@ -125,11 +127,13 @@ pub const CASES: [Op; 22] = [
         t: 6,
         k: 6144,
         inner: 2048,
+        experts: 3,
     },
     Op::Mlp {
         t: 1,
         k: 300,
         inner: 77,
+        experts: 1,
     },
     Op::Round { n: 100_003 },
     Op::AllReduce { t: 8, d: 6144 },
@@ -220,7 +224,12 @@ impl Op {
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Round { n } => format!("[{n}]"),
-            Op::Mlp { t, k, inner } => format!("[{t},{k}] through {inner}"),
+            Op::Mlp {
+                t,
+                k,
+                inner,
+                experts,
+            } => format!("{experts} × [{t},{k}] through {inner}"),
             Op::IndexerScores {
                 t,
                 positions,
@@ -481,18 +490,37 @@ fn run_op<B: Backend<E = f32>>(
             ))?;
             (out, reference)
         }
-        Op::Mlp { t, k, inner } => {
-            let x = mat(rng, t, k, 1.0, p);
-            let [gate, up, down] = [(inner, k), (inner, k), (k, inner)]
-                .map(|(rows, cols)| mat(rng, rows, cols, 1.0 / (cols as f32).sqrt(), p));
-            let reference = f64s.mlp(
-                &wide(&x),
-                &f64s.hold(gate.clone())?,
-                &f64s.hold(up.clone())?,
-                &f64s.hold(down.clone())?,
-            )?;
-            let out = be.mlp(&x, &be.hold(gate)?, &be.hold(up)?, &be.hold(down)?)?;
-            (out.data, reference.data)
+        Op::Mlp {
+            t,
+            k,
+            inner,
+            experts,
+        } => {
+            let (mut out, mut reference) = (Vec::new(), Vec::new());
+            let (mut xs, mut held, mut wide_held) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..experts {
+                xs.push(mat(rng, t.saturating_sub(i).max(1), k, 1.0, p));
+                let [gate, up, down] = [(inner, k), (inner, k), (k, inner)]
+                    .map(|(rows, cols)| mat(rng, rows, cols, 1.0 / (cols as f32).sqrt(), p));
+                wide_held.push([
+                    f64s.hold(gate.clone())?,
+                    f64s.hold(up.clone())?,
+                    f64s.hold(down.clone())?,
+                ]);
+                held.push([be.hold(gate)?, be.hold(up)?, be.hold(down)?]);
+            }
+            for (x, [g, u, d]) in xs.iter().zip(&wide_held) {
+                reference.extend(f64s.mlp(&wide(x), g, u, d)?.data);
+            }
+            let jobs: Vec<_> = xs
+                .iter()
+                .zip(&held)
+                .map(|(x, [g, u, d])| (x, [g, u, d]))
+                .collect();
+            for y in be.mlps(&jobs)? {
+                out.extend(y.data);
+            }
+            (out, reference)
         }
         Op::IndexerScores {
             t,

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{values, Layer};
 use crate::exec::attention::NO_BOUNDARY;
-use crate::exec::backend::Backend;
+use crate::exec::backend::{Backend, MlpInput};
 use crate::exec::lazy_weight::LazyWeight;
 use crate::exec::mat::Mat;
 use crate::exec::ops::{sigmoid, softmax, topk};
@@ -18,10 +18,6 @@ use crate::exec::source::WeightSource;
 use crate::model::names::LayerWeight::*;
 use crate::shard::plan::expert_rank;
 use crate::trace::writer::Stage;
-
-/// Routed experts dequantized and computed at once: enough to keep the cores busy on small
-/// experts, few enough that memory stays at a handful of experts whatever the core count.
-const EXPERTS_IN_FLIGHT: usize = 4;
 
 impl<B: Backend> Layer<'_, B> {
     pub(super) fn moe(&mut self, x: &Mat<B::E>) -> Result<Mat<B::E>> {
@@ -67,27 +63,21 @@ impl<B: Backend> Layer<'_, B> {
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
-        // A few experts computed at once; their outputs are added in expert order, so the sum
-        // does not depend on the thread count.
-        // Ranks in processes of their own must issue their collectives in one order: one
-        // expert at a time there.
-        let in_flight = if be.collectives_across_processes() {
+        // Experts run a group at a time (a few on the CPU's cores, more in one GPU trip);
+        // their outputs are added in expert order, so the sum depends on neither the group size
+        // nor the thread count. Ranks in processes of their own must issue their collectives in
+        // one order: one expert at a time there.
+        let at_once = if be.collectives_across_processes() {
             1
         } else {
-            EXPERTS_IN_FLIGHT
+            be.experts_at_once()
         };
-        for group in used.chunks(in_flight) {
-            let outputs = group
-                .par_iter()
-                .map(|&e| {
-                    let mut out =
-                        routed_expert(self.src, be, self.l, e, x, (&ids, &weights), sharder)?;
-                    if poisoned == Some(e) {
-                        out.parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
-                    }
-                    Ok(out)
-                })
-                .collect::<Result<Vec<_>>>()?;
+        for group in used.chunks(at_once) {
+            let mut outputs =
+                routed_experts(self.src, be, self.l, group, x, (&ids, &weights), sharder)?;
+            if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
+                outputs[i].parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
+            }
             for ExpertOutput { rows, parts } in outputs {
                 for (rank, y) in &parts {
                     let part = &mut routed[*rank];
@@ -139,19 +129,13 @@ struct ExpertOutput<E> {
     parts: Vec<(usize, Mat<E>)>,
 }
 
-/// Routed expert `expert` on the tokens that chose it.
-fn routed_expert<B: Backend>(
-    src: &WeightSource,
-    be: &B,
-    l: u64,
+/// The tokens that chose `expert`, with their routing weights, and their rows of `x`.
+fn expert_rows<E: Real>(
     expert: usize,
-    x: &Mat<B::E>,
-    (ids, weights): (&[Vec<usize>], &[Vec<B::E>]),
-    sharder: Sharder,
-) -> Result<ExpertOutput<B::E>> {
-    let [gate, up, down] = [ExpertsGate, ExpertsUp, ExpertsDown]
-        .map(|role| LazyWeight::expert(src, l, expert as u64, role));
-    let rows: Vec<(usize, B::E)> = (0..x.rows)
+    x: &Mat<E>,
+    (ids, weights): (&[Vec<usize>], &[Vec<E>]),
+) -> (Vec<(usize, E)>, Mat<E>) {
+    let rows: Vec<(usize, E)> = (0..x.rows)
         .filter_map(|s| {
             ids[s]
                 .iter()
@@ -164,23 +148,76 @@ fn routed_expert<B: Backend>(
         x.cols,
         rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
     );
+    (rows, xs)
+}
+
+/// Routed experts `group` on the tokens that chose each. Under TP each is split along the
+/// intermediate dimension, every rank a partial output; otherwise each runs whole on its owning
+/// rank (rank 0 without EP), each rank's experts in one [`Backend::mlps`] call.
+fn routed_experts<B: Backend>(
+    src: &WeightSource,
+    be: &B,
+    l: u64,
+    group: &[usize],
+    x: &Mat<B::E>,
+    routing: (&[Vec<usize>], &[Vec<B::E>]),
+    sharder: Sharder,
+) -> Result<Vec<ExpertOutput<B::E>>> {
+    let weights_of = |e: usize| {
+        [ExpertsGate, ExpertsUp, ExpertsDown].map(|role| LazyWeight::expert(src, l, e as u64, role))
+    };
+    let inputs: Vec<_> = group.iter().map(|&e| expert_rows(e, x, routing)).collect();
     if sharder.tp > 1 && !sharder.ep {
-        // Split along the intermediate dimension: each rank a partial output.
-        let y = crate::exec::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
-        return Ok(ExpertOutput {
-            rows,
-            parts: y.into_iter().enumerate().collect(),
-        });
+        return group
+            .par_iter()
+            .zip(inputs)
+            .map(|(&e, (rows, xs))| {
+                let [gate, up, down] = weights_of(e);
+                let y = crate::exec::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
+                Ok(ExpertOutput {
+                    rows,
+                    parts: y.into_iter().enumerate().collect(),
+                })
+            })
+            .collect();
     }
     let experts = src.cfg.n_routed_experts;
-    let owner = expert_rank(expert as u64, experts, sharder.tp as u64) as usize;
-    let be = be.on_rank(owner);
-    let (gate, up, down) = (gate.held(&be)?, up.held(&be)?, down.held(&be)?);
-    let y = be.mlp(&xs, &gate, &up, &down)?;
-    Ok(ExpertOutput {
-        rows,
-        parts: vec![(owner, y)],
-    })
+    let owners: Vec<usize> = group
+        .iter()
+        .map(|&e| expert_rank(e as u64, experts, sharder.tp as u64) as usize)
+        .collect();
+    let held = group
+        .par_iter()
+        .zip(&owners)
+        .map(|(&e, &owner)| {
+            let be = be.on_rank(owner);
+            let [gate, up, down] = weights_of(e);
+            Ok([gate.held(&be)?, up.held(&be)?, down.held(&be)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut ranks = owners.clone();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut outputs: Vec<Option<Mat<B::E>>> = group.iter().map(|_| None).collect();
+    for rank in ranks {
+        let members: Vec<usize> = (0..group.len()).filter(|&i| owners[i] == rank).collect();
+        let jobs: Vec<MlpInput<'_, B>> = members
+            .iter()
+            .map(|&i| (&inputs[i].1, [&*held[i][0], &*held[i][1], &*held[i][2]]))
+            .collect();
+        for (i, y) in members.iter().zip(be.on_rank(rank).mlps(&jobs)?) {
+            outputs[*i] = Some(y);
+        }
+    }
+    Ok(inputs
+        .into_iter()
+        .zip(outputs)
+        .zip(owners)
+        .map(|(((rows, _), y), owner)| ExpertOutput {
+            rows,
+            parts: vec![(owner, y.expect("every member's output"))],
+        })
+        .collect())
 }
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice
