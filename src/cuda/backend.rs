@@ -34,7 +34,7 @@ use crate::model::kv_b::KvBDims;
 const ROUND_CHUNK: usize = 1 << 14;
 
 /// Routed experts held and run in one GPU trip: their dequantized weights take 16 times an
-/// expert's (2.4 GB in bf16 at GLM-5's widths), and 256 experts go in 16 trips.
+/// expert's (1.2 GB in bf16 at GLM-5's widths, 2.4 GB in f32), and 256 experts go in 16 trips.
 const EXPERTS_PER_TRIP: usize = 16;
 
 /// `$body` with the type `$D` standing for the dtype of precision `$p`.
