@@ -11,6 +11,7 @@ use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu, MlpInput};
 use crate::exec::indexer_core::IndexerInputs;
+use crate::exec::kept::Claim;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
@@ -89,6 +90,14 @@ impl Engine {
             (BackendKind::Cuda, None) => Engine::Cuda(Cuda::open(precision, tp)?),
             (BackendKind::Cuda, Some(p)) => Engine::Cuda(Cuda::open_rank(precision, p)?),
         })
+    }
+
+    /// On GPUs: sets aside `bytes` of each rank's memory budget for stored blocks (see
+    /// [`Cuda::set_aside_for_blocks`]); the CPU has no such budget.
+    pub fn set_aside_for_blocks(&self, bytes: u64) {
+        if let Engine::Cuda(c) = self {
+            c.set_aside_for_blocks(bytes);
+        }
     }
 
     /// How each rank used its GPU (none on the CPU).
@@ -243,10 +252,11 @@ impl Backend for Engine {
         on_backend!(self, be => be.collectives_across_processes())
     }
 
-    fn host_bytes(&self, w: &EngineWeight) -> Option<u64> {
+    fn claim_kept(&self, w: &EngineWeight) -> Result<Option<Claim>> {
         match (self, w) {
-            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.host_bytes(w),
-            _ => None,
+            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.claim_kept(w),
+            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.claim_kept(w),
+            _ => Ok(None),
         }
     }
 

@@ -25,6 +25,7 @@ use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend, MlpInput};
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
+use crate::exec::kept::Claim;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::exec::stored::StoredBlock;
@@ -118,6 +119,14 @@ impl Cuda {
             .collect()
     }
 
+    /// Sets aside `bytes` of each rank's budget for stored blocks (its share of the model's
+    /// stored bytes): dequantized weights a run keeps for later passes take only the rest.
+    pub fn set_aside_for_blocks(&self, bytes: u64) {
+        for d in &self.ranks.devices {
+            lock(d).resident.for_blocks = bytes;
+        }
+    }
+
     /// How each local rank used its GPU so far.
     pub fn memory(&self) -> Vec<RankMemory> {
         self.ranks
@@ -128,6 +137,7 @@ impl Cuda {
                 RankMemory {
                     peak_bytes: d.meter.peak.load(Ordering::Relaxed),
                     resident_bytes: d.resident.kept,
+                    kept_weight_bytes: d.resident.weights.load(Ordering::Relaxed),
                     loaded_bytes: d.resident.loaded,
                     load_seconds: d.resident.load_seconds,
                 }
@@ -314,6 +324,11 @@ impl Backend for Cuda {
 
     fn experts_at_once(&self) -> usize {
         EXPERTS_PER_TRIP
+    }
+
+    /// On the weight's GPU, beside its blocks, within the room they leave.
+    fn claim_kept(&self, w: &GpuWeight) -> Result<Option<Claim>> {
+        Ok(self.device(w.rank)?.resident.claim_weight(w.data.bytes()))
     }
 
     fn on_rank(&self, rank: usize) -> Self {

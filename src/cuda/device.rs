@@ -199,7 +199,7 @@ impl Device {
         let r = &mut self.resident;
         r.loaded += bytes as u64;
         r.load_seconds += began.elapsed().as_secs_f64();
-        if r.kept + bytes as u64 <= r.budget {
+        if r.room_for_blocks(bytes as u64) {
             r.kept += bytes as u64;
             r.blocks.insert(key, blocks);
         }

@@ -76,3 +76,15 @@ pub(super) enum Held {
     Bf16(Buffer<bf16>),
     F16(Buffer<f16>),
 }
+
+impl Held {
+    /// Bytes of the buffer on the GPU.
+    pub(super) fn bytes(&self) -> u64 {
+        let (n, size) = match self {
+            Held::F32(b) => (b.slice.len(), 4),
+            Held::Bf16(b) => (b.slice.len(), 2),
+            Held::F16(b) => (b.slice.len(), 2),
+        };
+        (n * size) as u64
+    }
+}

@@ -35,6 +35,8 @@ pub struct RankMemory {
     pub peak_bytes: u64,
     /// Bytes of stored weight blocks kept on the GPU.
     pub resident_bytes: u64,
+    /// Bytes of dequantized weights kept on the GPU for a run's later passes, at the end.
+    pub kept_weight_bytes: u64,
     /// Bytes of stored blocks read from the model files and uploaded, and the seconds taken.
     pub loaded_bytes: u64,
     pub load_seconds: f64,

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
+use super::kept::{claim_host, Claim};
 use super::mat::Mat;
 use super::ops;
 use super::rope::{Rope, RotateSpec};
@@ -139,10 +140,10 @@ pub trait Backend: Sync + Clone {
     fn collectives_across_processes(&self) -> bool {
         false
     }
-    /// The host memory a held weight takes, for a run that keeps weights between passes
-    /// ([`super::kept`]); `None` where it lives elsewhere (a GPU's memory) and is not kept.
-    fn host_bytes(&self, _w: &Self::Weight) -> Option<u64> {
-        None
+    /// A claim on the memory that holds `w`, for a run that keeps weights between passes
+    /// ([`super::kept`]); `None` where it does not fit (or the backend keeps nothing).
+    fn claim_kept(&self, _w: &Self::Weight) -> Result<Option<Claim>> {
+        Ok(None)
     }
     /// Every rank's part from those this process computed (`None` for the others'): an
     /// all-gather when ranks are processes, so that every process goes on with all of them.
@@ -372,7 +373,7 @@ impl<E: Real> Backend for Cpu<E> {
         Ok(())
     }
 
-    fn host_bytes(&self, w: &Mat<E>) -> Option<u64> {
-        Some(std::mem::size_of_val(w.data.as_slice()) as u64)
+    fn claim_kept(&self, w: &Mat<E>) -> Result<Option<Claim>> {
+        claim_host(std::mem::size_of_val(w.data.as_slice()) as u64)
     }
 }

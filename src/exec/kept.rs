@@ -2,15 +2,17 @@
 //! warm-up runs every layer and lm_head again, and dequantizing a weight again costs far more
 //! than keeping it (GLM-5's lm_head alone is 3.8 GB of f32 decoded from Q6_K per pass).
 //!
-//! Bounded: all runs of the process together keep at most a byte budget (half the memory
-//! available when the first run starts, or `GLMCHECK_KEEP_WEIGHTS_GIB`; 0 keeps nothing).
-//! First come, first kept; a weight past the budget is dequantized for each use, as without
-//! keeping. Keeping never changes a value: a kept weight is the one the first pass held.
+//! Bounded: each kept weight holds a [`Claim`] on the memory its backend keeps it in. Host
+//! weights: all runs of the process together keep at most a byte budget (half the memory
+//! available when the first run starts, or `GLMCHECK_KEEP_WEIGHTS_GIB`; 0 keeps nothing). A GPU
+//! backend claims on the weight's GPU instead. First come, first kept; a weight past the budget
+//! is dequantized for each use, as without keeping. Keeping never changes a value: a kept
+//! weight is the one the first pass held.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 
 use anyhow::{Context, Result};
 
@@ -18,8 +20,8 @@ use super::backend::Backend;
 use crate::dtype::Precision;
 use crate::model::names::WeightId;
 
-/// Bytes kept by every run of this process.
-static KEPT_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Bytes of host memory kept by every run of this process.
+static HOST_KEPT: LazyLock<Arc<AtomicU64>> = LazyLock::new(Arc::default);
 
 /// The environment variable that sets the budget, in GiB.
 pub const BUDGET_VARIABLE: &str = "GLMCHECK_KEEP_WEIGHTS_GIB";
@@ -41,10 +43,44 @@ struct Key {
     precision: Precision,
 }
 
+/// Bytes a kept weight holds of a budget, given back when it is dropped with the weight.
+pub struct Claim {
+    bytes: u64,
+    used: Arc<AtomicU64>,
+}
+
+impl Claim {
+    /// `bytes` more counted on `used`, when the total stays within `budget`.
+    pub fn reserve(used: &Arc<AtomicU64>, bytes: u64, budget: u64) -> Option<Claim> {
+        used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+            now.checked_add(bytes).filter(|&total| total <= budget)
+        })
+        .ok()?;
+        Some(Claim {
+            bytes,
+            used: used.clone(),
+        })
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A claim on `bytes` of host memory against the process's budget, when they fit.
+pub fn claim_host(bytes: u64) -> Result<Option<Claim>> {
+    Ok(Claim::reserve(&HOST_KEPT, bytes, budget()?))
+}
+
+/// A kept weight and the claim on the memory that holds it (dropped after the weight).
+type Kept = (Arc<dyn Any + Send + Sync>, Claim);
+
 /// The weights one run keeps.
 #[derive(Default)]
 pub struct KeptWeights {
-    held: Mutex<HashMap<Key, Arc<dyn Any + Send + Sync>>>,
+    held: Mutex<HashMap<Key, Kept>>,
     bytes: AtomicU64,
 }
 
@@ -62,15 +98,17 @@ impl KeptWeights {
             holder: TypeId::of::<B::Weight>(),
             precision: be.precision(),
         };
-        let found = lock(&self.held).get(&key).cloned();
+        let found = lock(&self.held).get(&key).map(|(w, _)| w.clone());
         if let Some(w) = found.and_then(|w| w.downcast::<B::Weight>().ok()) {
             return Ok(w);
         }
         let w = Arc::new(hold()?);
-        if let Some(bytes) = be.host_bytes(&w) {
-            if reserve(bytes, budget()?) {
-                self.bytes.fetch_add(bytes, Ordering::Relaxed);
-                lock(&self.held).insert(key, w.clone());
+        if let Some(claim) = be.claim_kept(&w)? {
+            self.bytes.fetch_add(claim.bytes, Ordering::Relaxed);
+            // Two threads holding the same part keep the later one; the earlier one's claim is
+            // given back as it is replaced.
+            if let Some((_, replaced)) = lock(&self.held).insert(key, (w.clone(), claim)) {
+                self.bytes.fetch_sub(replaced.bytes, Ordering::Relaxed);
             }
         }
         Ok(w)
@@ -82,23 +120,8 @@ impl KeptWeights {
     }
 }
 
-impl Drop for KeptWeights {
-    fn drop(&mut self) {
-        KEPT_BYTES.fetch_sub(self.bytes(), Ordering::Relaxed);
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Counts `bytes` against the process's budget, when they fit.
-fn reserve(bytes: u64, budget: u64) -> bool {
-    KEPT_BYTES
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-            used.checked_add(bytes).filter(|&total| total <= budget)
-        })
-        .is_ok()
 }
 
 /// The process's budget, read once.
@@ -187,8 +210,17 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_kept_past_the_budget() {
-        assert!(!reserve(1, 0));
-        assert!(!reserve(u64::MAX, u64::MAX - 1));
+    fn nothing_is_kept_past_the_budget_and_a_dropped_claim_gives_its_bytes_back() {
+        let used = Arc::new(AtomicU64::new(0));
+        assert!(Claim::reserve(&used, 1, 0).is_none());
+        let first = Claim::reserve(&used, 6, 10).expect("fits");
+        assert!(Claim::reserve(&used, 5, 10).is_none());
+        let second = Claim::reserve(&used, 4, 10).expect("fits");
+        assert_eq!(used.load(Ordering::Relaxed), 10);
+        drop(first);
+        assert_eq!(used.load(Ordering::Relaxed), 4);
+        assert!(Claim::reserve(&used, u64::MAX, u64::MAX).is_none());
+        drop(second);
+        assert_eq!(used.load(Ordering::Relaxed), 0);
     }
 }

@@ -367,10 +367,11 @@ impl Baseline {
             }),
             None => None,
         };
-        const MEASURED: [&str; 5] = [
+        const MEASURED: [&str; 6] = [
             "layer_seconds",
             "gpu_peak_bytes",
             "gpu_resident_bytes",
+            "gpu_kept_weight_bytes",
             "gpu_loaded_bytes",
             "gpu_load_seconds",
         ];

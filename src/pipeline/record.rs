@@ -174,6 +174,11 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     }
     // Generated tokens and warm-up passes run every weight again: hold each once.
     let later_passes = spec.generate > 0 || spec.warm_up > 0;
+    if let (Some(engine), true) = (&engine, later_passes) {
+        // A rank's blocks first: they spare a read from disk, a kept weight only a dequantization.
+        let stored: u64 = source.files.tensors().iter().map(|t| t.nbytes).sum();
+        engine.set_aside_for_blocks(stored.div_ceil(spec.tp.max(1)));
+    }
     let keeping = |s: WeightSource| if later_passes { s.keeping_weights() } else { s };
     let source = keeping(source);
     let opts = ForwardOptions {
@@ -250,6 +255,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 };
                 w.set_producer("gpu_peak_bytes", per_rank(|m| json!(m.peak_bytes)));
                 w.set_producer("gpu_resident_bytes", per_rank(|m| json!(m.resident_bytes)));
+                w.set_producer(
+                    "gpu_kept_weight_bytes",
+                    per_rank(|m| json!(m.kept_weight_bytes)),
+                );
                 w.set_producer("gpu_loaded_bytes", per_rank(|m| json!(m.loaded_bytes)));
                 w.set_producer("gpu_load_seconds", per_rank(|m| json!(m.load_seconds)));
                 if let Some(p) = &spec.process {
