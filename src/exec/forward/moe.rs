@@ -29,18 +29,21 @@ impl<B: Backend> Layer<'_, B> {
         self.rec("moe.router_logits", &[t, e], "t e", values(&logits))?;
         // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
+        let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
+        let (ties, l, start) = (self.opts.ties, self.l, self.start);
+        let routes: Vec<_> = (0..t)
+            .into_par_iter()
+            .map(|s| {
+                let tie = ties.and_then(|ties| ties.moe_at(l, start + s));
+                route(cfg, softmax, logits.row(s), &bias, tie)
+            })
+            .collect();
         let (mut ids, mut weights, mut gaps) = (
             Vec::with_capacity(t),
             Vec::with_capacity(t),
             Vec::with_capacity(t),
         );
-        let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
-        for s in 0..t {
-            let tie = self
-                .opts
-                .ties
-                .and_then(|ties| ties.moe_at(self.l, self.start + s));
-            let (i, w, gap) = route(cfg, softmax, logits.row(s), &bias, tie);
+        for (i, w, gap) in routes {
             ids.push(i);
             weights.push(w);
             gaps.push(gap);
@@ -78,17 +81,7 @@ impl<B: Backend> Layer<'_, B> {
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
                 outputs[i].parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
             }
-            for ExpertOutput { rows, parts } in outputs {
-                for (rank, y) in &parts {
-                    let part = &mut routed[*rank];
-                    for (r, &(s, w)) in rows.iter().enumerate() {
-                        part.row_mut(s)
-                            .iter_mut()
-                            .zip(y.row(r))
-                            .for_each(|(o, &v)| *o += w * v);
-                    }
-                }
-            }
+            add_weighted(&mut routed, &outputs);
         }
         if self.src.hooks().routed_scale_again() {
             let factor = B::E::lit(cfg.routed_scaling_factor);
@@ -120,6 +113,32 @@ impl<B: Backend> Layer<'_, B> {
     }
 }
 
+/// Adds each expert's output rows, times their routing weights, to the tokens' rows of their
+/// rank's sum: tokens in parallel, each token's experts in `outputs`' order (so the sum is
+/// the one a single thread makes).
+fn add_weighted<E: Real>(routed: &mut [Mat<E>], outputs: &[ExpertOutput<E>]) {
+    for (rank, sum) in routed.iter_mut().enumerate() {
+        // Per token, the (output row, routing weight) of each expert it chose, in order.
+        let mut per_token: Vec<Vec<(&[E], E)>> = vec![Vec::new(); sum.rows];
+        for out in outputs {
+            for (_, y) in out.parts.iter().filter(|(r, _)| *r == rank) {
+                for (r, &(s, w)) in out.rows.iter().enumerate() {
+                    per_token[s].push((y.row(r), w));
+                }
+            }
+        }
+        let width = sum.cols.max(1);
+        sum.data
+            .par_chunks_mut(width)
+            .zip(per_token)
+            .for_each(|(row, chosen)| {
+                for (y, w) in chosen {
+                    row.iter_mut().zip(y).for_each(|(o, &v)| *o += w * v);
+                }
+            });
+    }
+}
+
 /// One routed expert's work: the tokens that chose it with their routing weights, and its
 /// output row for each.
 struct ExpertOutput<E> {
@@ -143,12 +162,12 @@ fn expert_rows<E: Real>(
                 .map(|k| (s, weights[s][k]))
         })
         .collect();
-    let xs = Mat::new(
-        rows.len(),
-        x.cols,
-        rows.iter().flat_map(|&(s, _)| x.row(s).to_vec()).collect(),
-    );
-    (rows, xs)
+    let mut xs = Vec::with_capacity(rows.len() * x.cols);
+    for &(s, _) in &rows {
+        xs.extend_from_slice(x.row(s));
+    }
+    let n = rows.len();
+    (rows, Mat::new(n, x.cols, xs))
 }
 
 /// Routed experts `group` on the tokens that chose each. Under TP each is split along the
@@ -166,7 +185,10 @@ fn routed_experts<B: Backend>(
     let weights_of = |e: usize| {
         [ExpertsGate, ExpertsUp, ExpertsDown].map(|role| LazyWeight::expert(src, l, e as u64, role))
     };
-    let inputs: Vec<_> = group.iter().map(|&e| expert_rows(e, x, routing)).collect();
+    let inputs: Vec<_> = group
+        .par_iter()
+        .map(|&e| expert_rows(e, x, routing))
+        .collect();
     if sharder.tp > 1 && !sharder.ep {
         return group
             .par_iter()
