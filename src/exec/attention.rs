@@ -194,11 +194,11 @@ pub fn attention<B: Backend>(
     };
     be.rope(&mut k_rope, &rope, spec(rope_d, 0))?;
     be.rope(&mut q_rot, &rope, spec(qk, nope))?;
-    let q_rope: Vec<B::E> = q_rot
-        .data
-        .chunks_exact(qk)
-        .flat_map(|hd| hd[nope..].to_vec())
-        .collect();
+    let mut q_rope = vec![B::E::lit(0.0); t * nh * rope_d];
+    q_rope
+        .par_chunks_mut(rope_d.max(1))
+        .zip(q_rot.data.par_chunks_exact(qk))
+        .for_each(|(to, head)| to.copy_from_slice(&head[nope..]));
     be.round(&mut q_rot.data)?;
     be.round(&mut k_rope.data)?;
     cache.kv.extend_from_slice(&kv.data);
