@@ -16,6 +16,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 
+use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{Map, Value};
@@ -64,19 +65,37 @@ impl Stage<'_> {
 
     fn to_owned(self) -> OwnedStage {
         match self {
-            Stage::F32(v) => OwnedStage::F32(v.to_vec()),
-            Stage::F64(v) => OwnedStage::F64(v.to_vec()),
-            Stage::I32(v) => OwnedStage::I32(v.to_vec()),
+            Stage::F32(v) => OwnedStage::F32(copied(v)),
+            Stage::F64(v) => OwnedStage::F64(copied(v)),
+            Stage::I32(v) => OwnedStage::I32(copied(v)),
         }
     }
 
     /// The values as safetensors stores them: little-endian bytes.
     fn le_bytes(self) -> Vec<u8> {
         match self {
-            Stage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Stage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Stage::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Stage::F32(v) => le_bytes(v, f32::to_le_bytes),
+            Stage::F64(v) => le_bytes(v, f64::to_le_bytes),
+            Stage::I32(v) => le_bytes(v, i32::to_le_bytes),
         }
+    }
+}
+
+/// Values per parallel task of a stage's copy.
+const COPY_CHUNK: usize = 1 << 15;
+
+/// `v` copied on the thread pool's cores: a stage at GLM-5's widths and 512 tokens is tens of
+/// MB, and one core's copy of it held up the forward.
+fn copied<T: Copy + Send + Sync>(v: &[T]) -> Vec<T> {
+    v.par_iter().with_min_len(COPY_CHUNK).copied().collect()
+}
+
+/// `v` as little-endian bytes: its own bytes on a little-endian host.
+fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) -> Vec<u8> {
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice(v).to_vec()
+    } else {
+        v.iter().flat_map(|&x| to_le(x)).collect()
     }
 }
 
