@@ -201,7 +201,7 @@ impl Backend for Engine {
         on_backend!(self, be => be.round(xs))
     }
 
-    fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+    fn rope(&self, m: &Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<Mat<f32>> {
         on_backend!(self, be => be.rope(m, rope, spec))
     }
 

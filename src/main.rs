@@ -9,6 +9,15 @@ use glmcheck::cli::{self, Cli};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (its place in `mi_option_t`).
+const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed memory stays with the process for reuse, never given back to the kernel: by default
+/// mimalloc gives back what lay unused for a second, and a run's next pass or layer faulted it
+/// in again, zeroed, 2 MiB at a time (8% of a 512-token GPU forward on an H200's host). The
+/// process's peak is unchanged.
+const NEVER: std::os::raw::c_long = -1;
+
 fn main() -> ExitCode {
     // `glmcheck diff A B | head` ends quietly, as Unix tools do, instead of failing to print.
     #[cfg(unix)]
@@ -16,6 +25,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // SAFETY: sets one of mimalloc's options, which it reads when it next purges.
+    unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, NEVER) };
     let cli = Cli::parse();
     match cli::run(cli) {
         Ok(outcome) => ExitCode::from(outcome as u8),
@@ -24,5 +35,17 @@ fn main() -> ExitCode {
             eprintln!("glmcheck: error: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_purge_delay_option_is_mimallocs() {
+        // Its default, 1000 ms, which no other option of mimalloc's has.
+        // SAFETY: reads an option.
+        assert_eq!(unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY) }, 1000);
     }
 }

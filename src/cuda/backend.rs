@@ -258,7 +258,7 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+    fn rope(&self, m: &Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<Mat<f32>> {
         self.device(self.rank)?.rope(m, rope, spec)
     }
 

@@ -172,7 +172,12 @@ impl Device {
     }
 
     /// RoPE on `m`'s rows in place (f32 in and out, as the caller rounds).
-    pub(super) fn rope(&self, m: &mut Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<()> {
+    pub(super) fn rope(
+        &self,
+        m: &Mat<f32>,
+        rope: &Rope<f32>,
+        spec: RotateSpec,
+    ) -> Result<Mat<f32>> {
         let half = rope.inv_freq().len();
         if spec.width == 0 || m.cols % spec.width != 0 || spec.offset + 2 * half > spec.width {
             bail!(
@@ -186,7 +191,7 @@ impl Device {
         let heads = m.cols / spec.width;
         let n = m.rows * heads * half;
         if n == 0 {
-            return Ok(());
+            return Ok(m.clone());
         }
         let mut x = self.upload::<f32>(&m.data)?;
         let freq = self.upload::<f32>(rope.inv_freq())?;
@@ -209,8 +214,7 @@ impl Device {
         // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
         // head (checked above).
         unsafe { launch.launch(elements(to_u32(n)?)) }?;
-        m.data = self.download(&x, m.data.len())?;
-        Ok(())
+        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.data.len())?))
     }
 
     /// MLA attention (see [`AttentionInputs`]), one block per position and head, the context

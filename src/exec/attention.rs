@@ -101,7 +101,8 @@ pub struct AttentionOut<E> {
     pub selection: Option<Selection>,
     /// Per new position, indexer score of the k-th choice minus the best unchosen one.
     pub selection_gap: Option<Vec<E>>,
-    pub ctx: Vec<E>,
+    /// `[t, heads·v]`.
+    pub ctx: Mat<E>,
     pub out: Mat<E>,
     /// Per tensor-parallel rank (empty at TP 1): its heads of `q`, `kv` and `ctx`, and its
     /// partial `o_proj` output before the all-reduce.
@@ -184,16 +185,15 @@ pub fn attention<B: Backend>(
 
     let rope = Rope::new(cfg);
     let interleave = hooks.rope_interleave(cfg.rope_interleave);
-    let mut q_rot = q.clone();
-    let mut k_rope = kv_a.columns(kvl, rope_d);
+    let k_rope = kv_a.columns(kvl, rope_d);
     let spec = |width, offset| RotateSpec {
         width,
         offset,
         start,
         interleaved: interleave,
     };
-    be.rope(&mut k_rope, &rope, spec(rope_d, 0))?;
-    be.rope(&mut q_rot, &rope, spec(qk, nope))?;
+    let mut k_rope = be.rope(&k_rope, &rope, spec(rope_d, 0))?;
+    let mut q_rot = be.rope(&q, &rope, spec(qk, nope))?;
     let mut q_rope = vec![B::E::lit(0.0); t * nh * rope_d];
     q_rope
         .par_chunks_mut(rope_d.max(1))
@@ -201,7 +201,10 @@ pub fn attention<B: Backend>(
         .for_each(|(to, head)| to.copy_from_slice(&head[nope..]));
     be.round(&mut q_rot.data)?;
     be.round(&mut k_rope.data)?;
-    cache.kv.extend_from_slice(&kv.data);
+    // Tens of MB a layer at GLM-5's widths and 512 tokens: copied on the pool's cores.
+    cache
+        .kv
+        .par_extend(kv.data.par_iter().with_min_len(1 << 15).copied());
     cache.k_rope.extend_from_slice(&k_rope.data);
 
     let (selection, selection_gap) = if !cfg.has_dsa() {
@@ -242,17 +245,13 @@ pub fn attention<B: Backend>(
         scale,
     })?;
     be.round(&mut ctx)?;
-    let ctx_mat = Mat::new(t, nh * vd, ctx.clone());
+    let ctx = Mat::new(t, nh * vd, ctx);
     // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
     let (out, ctx_parts, out_parts) = if tp == 1 {
-        (
-            be.linear(&ctx_mat, &*matrix(AttnOut)?)?,
-            Vec::new(),
-            Vec::new(),
-        )
+        (be.linear(&ctx, &*matrix(AttnOut)?)?, Vec::new(), Vec::new())
     } else {
         let ctx_parts = (0..tp)
-            .map(|r| column_block(&ctx_mat, r, tp))
+            .map(|r| column_block(&ctx, r, tp))
             .collect::<Result<Vec<_>>>()?;
         let o_proj = LazyWeight::layer(src, l, AttnOut);
         let (out, out_parts) = row_parallel(be, &ctx_parts, &o_proj, sharder)?;
@@ -298,9 +297,9 @@ fn indexer<B: Backend>(
     let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
     let t = hn.rows;
     let (ih, ihd) = (cfg.index_n_heads as usize, cfg.index_head_dim as usize);
-    let mut q = be.linear(q_a_norm, &*matrix(IndexerQB)?)?;
+    let q = be.linear(q_a_norm, &*matrix(IndexerQB)?)?;
     let k_lin = be.linear(hn, &*matrix(IndexerK)?)?;
-    let mut k = be.layer_norm(
+    let k = be.layer_norm(
         &k_lin,
         &vector(IndexerKNorm)?,
         &vector(IndexerKNormBias)?,
@@ -314,8 +313,8 @@ fn indexer<B: Backend>(
         start,
         interleaved: cfg.indexer_rope_interleave,
     };
-    be.rope(&mut k, rope, spec)?;
-    be.rope(&mut q, rope, spec)?;
+    let mut k = be.rope(&k, rope, spec)?;
+    let mut q = be.rope(&q, rope, spec)?;
     be.round(&mut k.data)?;
     be.round(&mut q.data)?;
     cache.index_k.extend_from_slice(&k.data);

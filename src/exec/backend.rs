@@ -83,11 +83,17 @@ pub trait Backend: Sync + Clone {
     fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
     fn round(&self, xs: &mut [Self::E]) -> Result<()>;
-    /// RoPE on the heads of every row of `m` as `spec` says, unrounded; by default the CPU's
-    /// loops.
-    fn rope(&self, m: &mut Mat<Self::E>, rope: &Rope<Self::E>, spec: RotateSpec) -> Result<()> {
-        rope.rotate_rows(m, spec);
-        Ok(())
+    /// `m` with RoPE on the heads of every row as `spec` says, unrounded (a new matrix: the
+    /// forward records the query before and after); by default the CPU's loops.
+    fn rope(
+        &self,
+        m: &Mat<Self::E>,
+        rope: &Rope<Self::E>,
+        spec: RotateSpec,
+    ) -> Result<Mat<Self::E>> {
+        let mut out = m.clone();
+        rope.rotate_rows(&mut out, spec);
+        Ok(out)
     }
     /// MLA attention of new positions over the cache, unrounded (see [`AttentionInputs`]); by
     /// default the CPU's loops.

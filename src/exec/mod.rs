@@ -24,7 +24,7 @@ pub mod tp;
 
 use anyhow::Result;
 
-use crate::trace::{Stage, TraceWriter};
+use crate::trace::{OwnedStage, Stage, TraceWriter};
 
 impl forward::Recorder for TraceWriter {
     fn record(
@@ -36,6 +36,19 @@ impl forward::Recorder for TraceWriter {
         values: Stage<'_>,
     ) -> Result<()> {
         Ok(TraceWriter::record(self, name, shape, dims, rank, values)?)
+    }
+
+    fn record_owned(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: OwnedStage,
+    ) -> Result<()> {
+        Ok(TraceWriter::record_owned(
+            self, name, shape, dims, rank, values,
+        )?)
     }
 
     fn layer_seconds(&mut self, layer: &str, seconds: f64) {

@@ -7,7 +7,7 @@ use std::iter::Sum;
 use candle_core::WithDType;
 
 use crate::dtype::Precision;
-use crate::trace::Stage;
+use crate::trace::{OwnedStage, Stage};
 
 pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     /// `x` exactly (every f32 is an f64).
@@ -28,6 +28,8 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering;
     /// The values as a trace stores them.
     fn stage(xs: &[Self]) -> Stage<'_>;
+    /// [`Self::stage`], handed over.
+    fn owned_stage(xs: Vec<Self>) -> OwnedStage;
 }
 
 impl Real for f32 {
@@ -49,6 +51,9 @@ impl Real for f32 {
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F32(xs)
     }
+    fn owned_stage(xs: Vec<Self>) -> OwnedStage {
+        OwnedStage::F32(xs)
+    }
 }
 
 impl Real for f64 {
@@ -66,5 +71,8 @@ impl Real for f64 {
     }
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F64(xs)
+    }
+    fn owned_stage(xs: Vec<Self>) -> OwnedStage {
+        OwnedStage::F64(xs)
     }
 }

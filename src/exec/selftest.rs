@@ -433,7 +433,7 @@ fn run_op<B: Backend<E = f32>>(
         } => {
             const THETA: f64 = 1e6;
             let rope_dims = HEAD_DIMS.1;
-            let mut x = mat(rng, t, heads * width, 1.0, p);
+            let x = mat(rng, t, heads * width, 1.0, p);
             let spec = RotateSpec {
                 width,
                 offset,
@@ -442,7 +442,7 @@ fn run_op<B: Backend<E = f32>>(
             };
             let mut wide_x = wide(&x);
             Rope::<f64>::plain(THETA, rope_dims, 1.0).rotate_rows(&mut wide_x, spec);
-            be.rope(&mut x, &Rope::plain(THETA, rope_dims, 1.0), spec)?;
+            let x = be.rope(&x, &Rope::plain(THETA, rope_dims, 1.0), spec)?;
             (x.data, wide_x.data)
         }
         Op::Attention {

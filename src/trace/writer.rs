@@ -99,14 +99,23 @@ fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) 
     }
 }
 
-/// A stage's values copied out of the forward, for statistics computed beside it.
-enum OwnedStage {
+/// A stage's values owned by the writer, for statistics computed beside the forward: copied
+/// out of it, or handed over where the forward is done with them.
+pub enum OwnedStage {
     F32(Vec<f32>),
     F64(Vec<f64>),
     I32(Vec<i32>),
 }
 
 impl OwnedStage {
+    pub fn view(&self) -> Stage<'_> {
+        match self {
+            OwnedStage::F32(v) => Stage::F32(v),
+            OwnedStage::F64(v) => Stage::F64(v),
+            OwnedStage::I32(v) => Stage::I32(v),
+        }
+    }
+
     fn stats(&self) -> TensorStats {
         match self {
             OwnedStage::F32(v) => TensorStats::of(v),
@@ -130,11 +139,8 @@ enum StatsCell {
 struct PendingStats(Arc<(Mutex<StatsCell>, Condvar)>);
 
 impl PendingStats {
-    fn start(values: Stage<'_>) -> PendingStats {
-        let cell = Arc::new((
-            Mutex::new(StatsCell::Values(values.to_owned())),
-            Condvar::new(),
-        ));
+    fn start(values: OwnedStage) -> PendingStats {
+        let cell = Arc::new((Mutex::new(StatsCell::Values(values)), Condvar::new()));
         let task = cell.clone();
         rayon::spawn(move || {
             if let Some(values) = claim(&task.0) {
@@ -254,6 +260,35 @@ impl TraceWriter {
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()> {
+        self.add_stage(name, shape, dims, rank, values)?;
+        self.open.stats.push(PendingStats::start(values.to_owned()));
+        Ok(())
+    }
+
+    /// [`Self::record`] with the values handed over instead of copied.
+    pub fn record_owned(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: OwnedStage,
+    ) -> Result<()> {
+        self.add_stage(name, shape, dims, rank, values.view())?;
+        self.open.stats.push(PendingStats::start(values));
+        Ok(())
+    }
+
+    /// A stage's record in the open group (and its full tensor, when selected); its statistics
+    /// are the caller's to start.
+    fn add_stage(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: Stage<'_>,
+    ) -> Result<()> {
         let bad = |field: &str, reason: String| {
             TraceError::field(&self.dir, format!("stage \"{name}\" {field}"), reason)
         };
@@ -327,7 +362,6 @@ impl TraceWriter {
             record.tensor = Some(tensor);
         }
         self.open.stages.push(record);
-        self.open.stats.push(PendingStats::start(values));
         Ok(())
     }
 

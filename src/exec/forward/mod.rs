@@ -26,7 +26,7 @@ use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::stage::{Place, Stage as StageName};
-use crate::trace::writer::Stage;
+use crate::trace::writer::{OwnedStage, Stage};
 use residual_scale::ResidualScale;
 
 /// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
@@ -44,6 +44,19 @@ pub trait Recorder {
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()>;
+
+    /// [`Self::record`] with the values handed over: a stage the forward is done with need
+    /// not be copied.
+    fn record_owned(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: OwnedStage,
+    ) -> Result<()> {
+        self.record(name, shape, dims, rank, values.view())
+    }
 
     /// The wall time a layer (`L3`) or its MLP or MoE block (`L3.ffn`) took, recording
     /// included.
@@ -316,6 +329,15 @@ fn lm_head<B: Backend>(
     Ok(logits)
 }
 
+/// The shape a `[t, …]` stage's part `m` is recorded in: its rows, its split axis, then
+/// `tail`'s dims after the first.
+fn part_shape<E>(m: &Mat<E>, tail: &[usize]) -> Vec<usize> {
+    let inner: usize = tail.iter().skip(1).product();
+    let mut s = vec![m.rows, m.cols / inner.max(1)];
+    s.extend(tail.iter().skip(1));
+    s
+}
+
 /// One decoder layer's run.
 struct Layer<'a, B: Backend> {
     src: &'a WeightSource,
@@ -359,19 +381,31 @@ impl<B: Backend> Layer<'_, B> {
         tail: &[usize],
         dims: &str,
     ) -> Result<()> {
-        let shape = |m: &Mat<B::E>| -> Vec<usize> {
-            let inner: usize = tail.iter().skip(1).product();
-            let mut s = vec![m.rows, m.cols / inner.max(1)];
-            s.extend(tail.iter().skip(1));
-            s
-        };
         if parts.len() <= 1 {
-            return self.rec(stage, &shape(whole), dims, values(whole));
+            return self.rec(stage, &part_shape(whole, tail), dims, values(whole));
         }
         for (r, p) in parts.iter().enumerate() {
-            self.rec_part(stage, &shape(p), dims, Some(r as u32), values(p))?;
+            self.rec_part(stage, &part_shape(p, tail), dims, Some(r as u32), values(p))?;
         }
         Ok(())
+    }
+
+    /// [`Self::rec_parts`] of a stage the forward is done with: the whole handed over.
+    fn rec_parts_owned(
+        &mut self,
+        stage: &str,
+        whole: Mat<B::E>,
+        parts: &[Mat<B::E>],
+        tail: &[usize],
+        dims: &str,
+    ) -> Result<()> {
+        if parts.len() > 1 {
+            return self.rec_parts(stage, &whole, parts, tail, dims);
+        }
+        let shape: Vec<u64> = part_shape(&whole, tail).iter().map(|&d| d as u64).collect();
+        let name = StageName::layer_stage(self.l, stage).to_string();
+        let owned = B::E::owned_stage(whole.data);
+        self.rec.record_owned(&name, &shape, dims, None, owned)
     }
 
     fn w(&self, w: LayerWeight) -> WeightId {
@@ -482,7 +516,7 @@ impl<B: Backend> Layer<'_, B> {
             sharder: self.sharder(),
             ties: self.opts.ties,
         };
-        let a = attention(step, hn, self.cache, prev)?;
+        let mut a = attention(step, hn, self.cache, prev)?;
         self.rec("attn.q_a", &[t, a.q_a.cols], "t d", values(&a.q_a))?;
         self.rec(
             "attn.q_a_norm",
@@ -491,7 +525,8 @@ impl<B: Backend> Layer<'_, B> {
             values(&a.q_a_norm),
         )?;
         let q_tail = [nh, nope + rope_d];
-        self.rec_parts("attn.q", &a.q, &a.parts.q, &q_tail, "t h(tp) d")?;
+        let q = std::mem::replace(&mut a.q, Mat::zeros(0, 0));
+        self.rec_parts_owned("attn.q", q, &a.parts.q, &q_tail, "t h(tp) d")?;
         self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", values(&a.kv_a))?;
         self.rec(
             "attn.kv_a_norm",
@@ -500,13 +535,10 @@ impl<B: Backend> Layer<'_, B> {
             values(&a.kv_a_norm),
         )?;
         let kv_tail = [nh, nope + vd];
-        self.rec_parts("attn.kv", &a.kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
-        self.rec(
-            "attn.q_rope",
-            &[t, nh, rope_d],
-            "t h(tp) d",
-            B::E::stage(&a.q_rope),
-        )?;
+        let kv = std::mem::replace(&mut a.kv, Mat::zeros(0, 0));
+        self.rec_parts_owned("attn.kv", kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
+        let q_rope = Mat::new(t, nh * rope_d, std::mem::take(&mut a.q_rope));
+        self.rec_parts_owned("attn.q_rope", q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
         self.rec("attn.k_rope", &[t, rope_d], "t d", values(&a.k_rope))?;
         if let Some(selection) = &a.selection {
             let k = selection.first().map_or(0, Vec::len);
@@ -516,8 +548,8 @@ impl<B: Backend> Layer<'_, B> {
         if let Some(gap) = &a.selection_gap {
             self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
         }
-        let ctx = Mat::new(t, nh * vd, a.ctx.clone());
-        self.rec_parts("attn.ctx", &ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
+        let ctx = std::mem::replace(&mut a.ctx, Mat::zeros(0, 0));
+        self.rec_parts_owned("attn.ctx", ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
         // After the all-reduce, and at TP each rank's partial sum before it: a missing or
         // doubled all-reduce shows as the one disagreeing with the sum of the others.
         self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
