@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::memory::Buffer;
-use crate::exec::kept::Claim;
+use crate::exec::claim::Claim;
 use crate::exec::stored::BlockKey;
 
 /// Stored weight blocks kept on one GPU after their first use, up to a budget: a rank's shards

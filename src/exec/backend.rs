@@ -13,8 +13,8 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
+use super::claim::{claim_host, Claim};
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
-use super::kept::{claim_host, Claim};
 use super::mat::Mat;
 use super::ops;
 use super::rope::{Rope, RotateSpec};

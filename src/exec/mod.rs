@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod attention_core;
 pub mod backend;
+pub mod claim;
 pub mod forward;
 pub mod hooks;
 pub mod indexer_core;
