@@ -128,10 +128,17 @@ __device__ float block_max(float v, float* scratch) {
     return total;
 }
 
+// The sum of every lane's `v` over a warp, in a fixed butterfly order, in every lane.
+__device__ float warp_sum(float v) {
+    for (u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
 // MLA attention of position blockIdx.x, head blockIdx.y: softmax(q·kᵀ·scale)·v over the keys
-// `keys[i, 0..slots]` (−1: none), each key j's no-RoPE part and value in kv[j] (per head
-// k_nope then v), its RoPE part in k_rope[j]. One score per slot in dynamic shared memory; the
-// context is written unrounded in f32.
+// `keys` names for the position (−1: none), the context in f32. The query head sits in shared
+// memory after the scores; each warp scores one key at a time, its lanes across the key's
+// dims (reads of a key row coalesced), the nope and rope dot products summed apart as the CPU
+// does. Dynamic shared memory: `slots` scores, then the query's nope + rope values.
 template <typename T>
 __device__ void attention(const T* q, const T* kv, const T* k_rope, const int* keys, float* out,
                           u32 heads, u32 nope, u32 rope, u32 vd, u32 slots, float scale) {
@@ -140,20 +147,24 @@ __device__ void attention(const T* q, const T* kv, const T* k_rope, const int* k
     u32 i = blockIdx.x, head = blockIdx.y;
     u32 qk = nope + rope, stride = heads * (nope + vd);
     const T* qh = q + (u64)i * heads * qk + (u64)head * qk;
+    float* query = probs + slots;
+    for (u32 d = threadIdx.x; d < qk; d += ROW_THREADS) query[d] = to_f32(qh[d]);
+    __syncthreads();
     const int* chosen = keys + (u64)i * slots;
+    u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float best = NEG_INF;
-    for (u32 s = threadIdx.x; s < slots; s += ROW_THREADS) {
+    for (u32 s = warp; s < slots; s += ROW_THREADS / 32) {
         int j = chosen[s];
         float score = NEG_INF;
         if (j >= 0) {
             const T* k = kv + (u64)j * stride + (u64)head * (nope + vd);
             const T* kr = k_rope + (u64)j * rope;
             float dot_nope = 0.0f, dot_rope = 0.0f;
-            for (u32 d = 0; d < nope; d++) dot_nope += to_f32(qh[d]) * to_f32(k[d]);
-            for (u32 d = 0; d < rope; d++) dot_rope += to_f32(qh[nope + d]) * to_f32(kr[d]);
-            score = (dot_nope + dot_rope) * scale;
+            for (u32 d = lane; d < nope; d += 32) dot_nope += query[d] * to_f32(k[d]);
+            for (u32 d = lane; d < rope; d += 32) dot_rope += query[nope + d] * to_f32(kr[d]);
+            score = (warp_sum(dot_nope) + warp_sum(dot_rope)) * scale;
         }
-        probs[s] = score;
+        if (lane == 0) probs[s] = score;
         best = fmaxf(best, score);
     }
     best = block_max(best, scratch);

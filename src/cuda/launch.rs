@@ -238,10 +238,12 @@ impl Device {
                 *k = j;
             }
         }
-        let shared = (slots * std::mem::size_of::<f32>()) as u32;
+        // The scores, then the query head.
+        let shared = ((slots + a.nope + a.rope) * std::mem::size_of::<f32>()) as u32;
         if shared > MAX_SCORES_BYTES {
             bail!(
-                "attention over {slots} keys: at most {} in one block",
+                "attention over {slots} keys with query heads of {}: at most {} values in one block",
+                a.nope + a.rope,
                 MAX_SCORES_BYTES / 4
             );
         }
