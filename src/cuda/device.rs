@@ -85,18 +85,28 @@ impl Device {
         }
         let mut pinned = self.pinned.borrow_mut();
         let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, n * size_of::<D>())?);
-        let mut at = 0;
+        // Each part's place in the buffer; parts and their chunks converted in parallel (a
+        // group of routed experts is many parts of a few rows each).
+        let mut places = Vec::with_capacity(parts.len());
+        let mut rest = &mut host[..];
         for values in parts {
-            host[at..at + values.len()]
-                .par_chunks_mut(CONVERT_CHUNK)
-                .zip(values.par_chunks(CONVERT_CHUNK))
-                .for_each(|(to, from)| {
-                    to.iter_mut()
-                        .zip(from)
-                        .for_each(|(t, &v)| *t = D::from_f32(v))
-                });
-            at += values.len();
+            let (place, tail) = rest.split_at_mut(values.len());
+            places.push(place);
+            rest = tail;
         }
+        places
+            .into_par_iter()
+            .zip(parts)
+            .for_each(|(place, values)| {
+                place
+                    .par_chunks_mut(CONVERT_CHUNK)
+                    .zip(values.par_chunks(CONVERT_CHUNK))
+                    .for_each(|(to, from)| {
+                        to.iter_mut()
+                            .zip(from.iter())
+                            .for_each(|(t, &v)| *t = D::from_f32(v))
+                    })
+            });
         self.copy_up(host, &mut buf)?;
         Ok(buf)
     }

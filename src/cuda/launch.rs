@@ -4,6 +4,7 @@
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use rayon::prelude::*;
 
 use super::device::Device;
 use super::dtype::Dtype;
@@ -338,14 +339,25 @@ impl Device {
             at_in += t * cols;
             at_out += out_len(j);
         }
-        let mut all = self.download(&out, total)?.into_iter();
-        Ok(jobs
+        let all = self.download(&out, total)?;
+        // Each job's rows cut out of the one download, jobs in parallel (a 512-token MoE
+        // layer's outputs are tens of millions of values).
+        let starts: Vec<usize> = jobs
             .iter()
-            .map(|j| {
+            .scan(0, |at, j| {
+                let start = *at;
+                *at += out_len(j);
+                Some(start)
+            })
+            .collect();
+        Ok(jobs
+            .par_iter()
+            .zip(starts)
+            .map(|(j, start)| {
                 Mat::new(
                     j.x.rows,
                     j.out_rows,
-                    all.by_ref().take(out_len(j)).collect(),
+                    all[start..start + out_len(j)].to_vec(),
                 )
             })
             .collect())
