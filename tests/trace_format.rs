@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use glmcheck::trace::{
-    FullSelector, ModelInfo, Stage, TensorStats, Trace, TraceHeader, TraceWriter,
+    FullSelector, ModelInfo, OwnedStage, Stage, TensorStats, Trace, TraceHeader, TraceWriter,
 };
 use serde_json::{json, Value};
 
@@ -181,11 +181,25 @@ fn header() -> TraceHeader {
 
 /// Write the sample run into `dir` with `full` patterns.
 fn write_trace(dir: &Path, full: &[&str]) {
+    write_trace_as(dir, full, false);
+}
+
+/// [`write_trace`], each stage's values handed over to the writer when `hand_over`.
+fn write_trace_as(dir: &Path, full: &[&str], hand_over: bool) {
     let selector = FullSelector::new(full).expect("valid globs");
     let mut w = TraceWriter::create(dir, header(), selector).expect("create trace");
     for s in samples() {
-        w.record(s.name, &s.shape, s.dims, s.rank, s.values())
-            .expect("record");
+        if hand_over {
+            let owned = match s.values() {
+                Stage::I32(_) => OwnedStage::I32(s.i32s),
+                Stage::F64(_) => OwnedStage::F64(s.f64s),
+                Stage::F32(_) => OwnedStage::F32(s.f32s),
+            };
+            w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
+        } else {
+            w.record(s.name, &s.shape, s.dims, s.rank, s.values())
+        }
+        .expect("record");
     }
     w.finish().expect("finish");
 }
@@ -273,11 +287,11 @@ fn round_trip_keeps_every_bit() {
 }
 
 #[test]
-fn writing_is_deterministic() {
+fn writing_is_deterministic_and_handing_values_over_writes_what_copying_does() {
     let tmp = common::scratch();
     let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
     write_trace(&a, &FULL);
-    write_trace(&b, &FULL);
+    write_trace_as(&b, &FULL, true);
     let listing = |d: &Path| {
         let mut names: Vec<_> = fs::read_dir(d)
             .expect("list")

@@ -172,7 +172,7 @@ impl Device {
         Ok(out)
     }
 
-    /// RoPE on `m`'s rows in place (f32 in and out, as the caller rounds).
+    /// `m`'s rows with RoPE, a new matrix (f32 in and out, as the caller rounds).
     pub(super) fn rope(
         &self,
         m: &Mat<f32>,

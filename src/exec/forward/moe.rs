@@ -295,3 +295,53 @@ fn route<E: Real>(
     w.iter_mut().for_each(|v| *v *= factor);
     (ids, w, gap)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values whose sums depend on their order in f32.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                (x % 20_011) as f32 / 7.0 - 1400.0 + 1e-3 * (x % 97) as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_weighted_sum_adds_each_tokens_experts_in_their_order() {
+        let (tokens, width) = (5, 7);
+        // Three experts over two ranks, tokens chosen by several of them.
+        let expert = |rows: Vec<(usize, f32)>, rank: usize, seed: u32| {
+            let y = Mat::new(rows.len(), width, values(rows.len() * width, seed));
+            ExpertOutput {
+                rows,
+                parts: vec![(rank, y)],
+            }
+        };
+        let outputs = vec![
+            expert(vec![(0, 0.3), (2, 1.7), (4, 0.01)], 0, 1),
+            expert(vec![(2, 0.9), (3, 2.5)], 1, 2),
+            expert(vec![(0, 1.1), (2, 0.25), (3, 0.6), (4, 3.0)], 0, 3),
+        ];
+        let start = |seed| Mat::new(tokens, width, values(tokens * width, seed));
+        let mut routed = vec![start(9), start(10)];
+        let mut want = routed.clone();
+        // One thread, experts in order, rows in order.
+        for out in &outputs {
+            for (rank, y) in &out.parts {
+                for (r, &(s, w)) in out.rows.iter().enumerate() {
+                    let row = want[*rank].row_mut(s);
+                    row.iter_mut().zip(y.row(r)).for_each(|(o, &v)| *o += w * v);
+                }
+            }
+        }
+        add_weighted(&mut routed, &outputs);
+        for (got, want) in routed.iter().zip(&want) {
+            let bits = |m: &Mat<f32>| m.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(got), bits(want));
+        }
+    }
+}
