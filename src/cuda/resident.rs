@@ -50,9 +50,7 @@ impl Resident {
             load_seconds: 0.0,
         }
     }
-}
 
-impl Resident {
     /// Whether blocks of `bytes` fit beside what is kept.
     pub(super) fn room_for_blocks(&self, bytes: u64) -> bool {
         self.kept + self.weights.load(Ordering::Relaxed) + bytes <= self.budget

@@ -87,8 +87,12 @@ impl Stage<'_> {
 const COPY_CHUNK: usize = 1 << 15;
 
 /// `v` copied on the thread pool's cores: a stage at GLM-5's widths and 512 tokens is tens of
-/// MB, and one core's copy of it held up the forward.
+/// MB, and one core's copy of it held up the forward. A stage of one task's size is copied
+/// here, without handing the forward's thread to the pool and back.
 fn copied<T: Copy + Send + Sync>(v: &[T]) -> Vec<T> {
+    if v.len() <= COPY_CHUNK {
+        return v.to_vec();
+    }
     v.par_iter().with_min_len(COPY_CHUNK).copied().collect()
 }
 
