@@ -19,9 +19,11 @@ Faults: `unsharded-kv-b` (the loader patch, `glm_dsa_load.py`), `q4k-high-scales
 """
 
 import argparse
+import glob
 import json
 import multiprocessing
 import os
+import uuid
 import sys
 import time
 
@@ -33,7 +35,6 @@ sys.path.insert(0, HERE)
 
 def rank_main(args) -> None:
     """One rank: build the model with vLLM's classes, load it, write this rank's manifest."""
-    os.environ.setdefault("VLLM_DIST_IDENT", f"glmcheck-{os.getppid()}")
     started = time.time()
     import torch
     from vllm.config import (CompilationConfig, ModelConfig, ParallelConfig, VllmConfig,
@@ -102,6 +103,15 @@ def rank_main(args) -> None:
         json.dump(timing, f)
 
 
+def remove_shared_memory(ident: str) -> None:
+    """Unlink the shared-memory segments vLLM's CPU communicator made under `ident`."""
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 def rename(model, classes, modules) -> None:
     """A vLLM whose code has moved on: classes given new names, submodules new attribute names
     (what the probe must refuse, naming the module, rather than record wrongly)."""
@@ -149,18 +159,27 @@ def main() -> None:
     import vllm.model_executor.models.deepseek_v2  # noqa: F401
     import vllm.model_executor.model_loader.utils  # noqa: F401
     ctx = multiprocessing.get_context("fork")
+    # vLLM's CPU communicator names its shared memory after VLLM_DIST_IDENT and never unlinks
+    # it: a name of this run's own (not a process id the system hands out again) and the
+    # files removed when the ranks are gone, or a later run fails to create them (EEXIST).
+    ident = f"glmcheck-{uuid.uuid4().hex[:16]}"
+    os.environ["VLLM_DIST_IDENT"] = ident
     procs = []
-    for r in range(args.tp):
-        rank_args = argparse.Namespace(**{**vars(args), "rank": r})
-        procs.append(ctx.Process(target=rank_main, args=(rank_args,)))
-        procs[-1].start()
-    deadline = started + args.timeout
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.time()))
-    if any(p.is_alive() for p in procs):
+    try:
+        for r in range(args.tp):
+            rank_args = argparse.Namespace(**{**vars(args), "rank": r})
+            procs.append(ctx.Process(target=rank_main, args=(rank_args,)))
+            procs[-1].start()
+        deadline = started + args.timeout
         for p in procs:
-            p.kill()
-        sys.exit(f"run_ranks: timed out after {args.timeout} s")
+            p.join(timeout=max(1.0, deadline - time.time()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            sys.exit(f"run_ranks: timed out after {args.timeout} s")
+    finally:
+        remove_shared_memory(ident)
     if os.path.exists(args.rendezvous):
         os.remove(args.rendezvous)
     codes = [p.exitcode for p in procs]
