@@ -379,8 +379,13 @@ fn broken_manifests_are_refused_naming_the_field() {
             "{err}"
         );
     }
-    let err = open_edited(|m| m["version"] = json!(2));
-    assert!(err.contains("version: 2"), "{err}");
+    let err = open_edited(|m| m["version"] = json!(3));
+    assert!(err.contains("version: 3"), "{err}");
+    let err = open_edited(|m| m["version"] = json!(1));
+    assert!(
+        err.contains("version: 1") && err.contains("older content hash"),
+        "{err}"
+    );
     let err = open_edited(|m| m["format"] = json!("other"));
     assert!(err.contains("format"), "{err}");
     let err = open_edited(|m| m["stages"][L0_OUT]["shape"] = json!([4, 9]));

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 FORMAT = "glmcheck-trace"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 DEFAULT_FULL = ("logits", "L*.out")
 # Elements per chunk of the fixed summation order (the Rust `TASK`).
@@ -44,15 +44,51 @@ def fnv1a(data: bytes) -> int:
 
 # Bytes per piece of a stage's content hash (the Rust `HASH_PIECE_BYTES`).
 HASH_PIECE = 1 << 20
+# Lanes of the lane hash (the Rust `HASH_LANES`), and xxHash64's primes.
+HASH_LANES = 256
+P1, P2, P3, P4, P5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                      0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
+
+
+def _round(acc, word):
+    """xxHash64's round, on Python ints or (wrapping) on numpy uint64 arrays."""
+    if isinstance(acc, int):
+        acc = (acc + word * P2) & MASK64
+        return ((((acc << 31) | (acc >> 33)) & MASK64) * P1) & MASK64
+    acc = acc + word * np.uint64(P2)
+    return ((acc << np.uint64(31)) | (acc >> np.uint64(33))) * np.uint64(P1)
+
+
+def lane_hash(data: bytes) -> int:
+    """glmcheck's lane hash: little-endian u64 words (the last zero-padded), word i into lane
+    i mod 256 by xxHash64's round, the 256 lanes advanced side by side as numpy arrays; then the
+    byte count and the lanes merged and avalanched as xxHash64 does."""
+    n = len(data)
+    words = np.frombuffer(bytes(data) + b"\0" * (-n % 8), dtype="<u8")
+    lanes = np.full(HASH_LANES, (P1 + P2) & MASK64, dtype=np.uint64)
+    rows = words.size // HASH_LANES
+    with np.errstate(over="ignore"):
+        for row in words[:rows * HASH_LANES].reshape(rows, HASH_LANES):
+            lanes = _round(lanes, row)
+        tail = words[rows * HASH_LANES:].astype(np.uint64)
+        lanes[:tail.size] = _round(lanes[:tail.size], tail)
+    h = (P5 + n) & MASK64
+    for lane in lanes.tolist():
+        h = (((h ^ _round(0, lane)) * P1) + P4) & MASK64
+    h ^= h >> 33
+    h = (h * P2) & MASK64
+    h ^= h >> 29
+    h = (h * P3) & MASK64
+    return h ^ (h >> 32)
 
 
 def content_hash(data: bytes) -> int:
-    """A stage's content hash, as glmcheck computes it: FNV-1a 64 of the bytes up to one piece;
-    past that, FNV-1a 64 of the pieces' FNV-1a 64 hashes, 8 little-endian bytes each."""
+    """A stage's content hash, as glmcheck computes it: the lane hash of the bytes up to one
+    piece; past that, the lane hash of the pieces' lane hashes, 8 little-endian bytes each."""
     if len(data) <= HASH_PIECE:
-        return fnv1a(data)
-    pieces = (fnv1a(data[i:i + HASH_PIECE]) for i in range(0, len(data), HASH_PIECE))
-    return fnv1a(b"".join(h.to_bytes(8, "little") for h in pieces))
+        return lane_hash(data)
+    pieces = (lane_hash(data[i:i + HASH_PIECE]) for i in range(0, len(data), HASH_PIECE))
+    return lane_hash(b"".join(h.to_bytes(8, "little") for h in pieces))
 
 
 def _sequential_sum(xs: np.ndarray) -> float:

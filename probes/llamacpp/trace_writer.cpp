@@ -15,6 +15,37 @@ namespace {
 // src/trace/stats.rs: elements per chunk of the fixed summation order.
 constexpr size_t kChunk = size_t(1) << 16;
 constexpr uint64_t kFnvPrime = 0x100000001b3ULL;
+// src/trace/stats.rs: lanes and piece size of the content hash, and xxHash64's primes.
+constexpr size_t kHashLanes = 256;
+constexpr size_t kHashPiece = size_t(1) << 20;
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL,
+                   kP3 = 0x165667B19E3779F9ULL, kP4 = 0x85EBCA77C2B2AE63ULL,
+                   kP5 = 0x27D4EB2F165667C5ULL;
+
+uint64_t xxh_round(uint64_t acc, uint64_t word) {
+    acc += word * kP2;
+    return ((acc << 31) | (acc >> 33)) * kP1;
+}
+
+// Little-endian u64 words (the last zero-padded), word i into lane i mod 256, then the byte
+// count and the lanes merged and avalanched as xxHash64 does.
+uint64_t lane_hash(const unsigned char *b, size_t n) {
+    uint64_t lanes[kHashLanes];
+    std::fill(lanes, lanes + kHashLanes, kP1 + kP2);
+    for (size_t i = 0; 8 * i < n; ++i) {
+        uint64_t word = 0;
+        const size_t have = std::min<size_t>(8, n - 8 * i);
+        for (size_t k = 0; k < have; ++k) word |= uint64_t(b[8 * i + k]) << (8 * k);
+        lanes[i % kHashLanes] = xxh_round(lanes[i % kHashLanes], word);
+    }
+    uint64_t h = kP5 + uint64_t(n);
+    for (uint64_t lane : lanes) h = (h ^ xxh_round(0, lane)) * kP1 + kP4;
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    return h ^ (h >> 32);
+}
 
 struct Sums {
     uint64_t finite = 0, nan = 0, inf = 0, zeros = 0;
@@ -50,7 +81,7 @@ template <typename T>
 Stats moments(const T *xs, size_t n) {
     Stats st;
     st.count = n;
-    st.hash = fnv1a(xs, n * sizeof(T));  // the host's bytes: little-endian
+    st.hash = content_hash(xs, n * sizeof(T));  // the host's bytes: little-endian
     if (n == 0) return st;
     Sums s;
     for (size_t at = 0; at < n; at += kChunk) {
@@ -163,6 +194,17 @@ uint64_t fnv1a(const void *bytes, size_t n, uint64_t h) {
     return h;
 }
 
+uint64_t content_hash(const void *bytes, size_t n) {
+    const auto *b = static_cast<const unsigned char *>(bytes);
+    if (n <= kHashPiece) return lane_hash(b, n);
+    std::vector<unsigned char> pieces;
+    for (size_t at = 0; at < n; at += kHashPiece) {
+        const uint64_t h = lane_hash(b + at, std::min(kHashPiece, n - at));
+        for (int k = 0; k < 8; ++k) pieces.push_back((unsigned char)(h >> (8 * k)));
+    }
+    return lane_hash(pieces.data(), pieces.size());
+}
+
 Stats stats_of(const float *xs, size_t n) { return moments(xs, n); }
 
 Stats stats_of(const int32_t *xs, size_t n) { return moments(xs, n); }
@@ -225,7 +267,7 @@ void write_trace(const std::string &dir, const Header &header, const std::vector
     std::string tokens = "[";
     for (size_t i = 0; i < header.tokens.size(); ++i) tokens += (i ? ", " : "") + std::to_string(header.tokens[i]);
     tokens += "]";
-    const std::string manifest = "{\n  \"format\": \"glmcheck-trace\",\n  \"version\": 1,\n  \"producer\": " +
+    const std::string manifest = "{\n  \"format\": \"glmcheck-trace\",\n  \"version\": 2,\n  \"producer\": " +
                                  header.producer_json + ",\n  \"model\": " + header.model_json +
                                  ",\n  \"tokens\": " + tokens + ",\n  \"backend\": " + json_string(header.backend) +
                                  ",\n  \"dtype\": " + json_string(header.dtype) + ",\n  \"tp\": 1,\n  \"stages\": [\n" +

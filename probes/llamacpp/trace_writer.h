@@ -49,6 +49,10 @@ std::string json_string(const std::string &s);
 // FNV-1a 64 over `bytes`, continuing from `h`.
 uint64_t fnv1a(const void *bytes, size_t n, uint64_t h = 0xcbf29ce484222325ULL);
 
+// A stage's content hash (src/trace/stats.rs `content_hash`): the lane hash of the bytes up to
+// 1 MiB; past that, the lane hash of the 1 MiB pieces' lane hashes, 8 little-endian bytes each.
+uint64_t content_hash(const void *bytes, size_t n);
+
 // Write the trace folder `dir` (absent or empty): every stage's record, and the values of the
 // `full` ones. Throws std::runtime_error.
 void write_trace(const std::string &dir, const Header &header, const std::vector<Stage> &stages);

@@ -16,8 +16,10 @@ use super::stats::TensorStats;
 
 /// The `format` of every trace manifest.
 pub const FORMAT: &str = "glmcheck-trace";
-/// The manifest version this crate reads and writes.
-pub const VERSION: u64 = 1;
+/// The manifest version this crate reads and writes: 2 since stages' content hashes became lane
+/// hashes (version 1's FNV-1a hashes can never equal them, so those traces are refused rather
+/// than compared).
+pub const VERSION: u64 = 2;
 /// The manifest's file name inside the trace folder.
 pub const MANIFEST_NAME: &str = "manifest.json";
 
@@ -139,9 +141,14 @@ impl Manifest {
             Some(VERSION) => {}
             _ => {
                 let got = top.get("version").cloned().unwrap_or(Value::Null);
+                let older = if got.as_u64().is_some_and(|v| v < VERSION) {
+                    " (an older content hash: record the trace again with this glmcheck)"
+                } else {
+                    ""
+                };
                 return Err(bad(
                     "version",
-                    format!("{got}, this glmcheck reads {VERSION}"),
+                    format!("{got}, this glmcheck reads {VERSION}{older}"),
                 ));
             }
         }

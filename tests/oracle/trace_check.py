@@ -2,7 +2,8 @@
 
 Usage: trace_check.py TRACE_DIR. Every stage that stores its tensor is read with
 `safetensors.numpy`, its statistics recomputed (over finite values, in float64) and its hash
-recomputed as FNV-1a 64 over the little-endian element bytes; any mismatch exits non-zero.
+recomputed from the little-endian element bytes (the lane hash, word by word in plain
+Python: a reference independent of glmcheck's and the probe's vectorized ones); any mismatch exits non-zero.
 Prints one JSON line: {"checked": N, "stats_only": M}.
 """
 
@@ -14,28 +15,45 @@ import sys
 import numpy as np
 from safetensors.numpy import load_file
 
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
 MASK = (1 << 64) - 1
+P1, P2, P3, P4, P5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                      0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)  # xxHash64's primes
+LANES = 256
 
 
-def fnv1a(data: bytes) -> int:
-    h = FNV_OFFSET
-    for b in data:
-        h = ((h ^ b) * FNV_PRIME) & MASK
-    return h
+def xxh_round(acc: int, word: int) -> int:
+    acc = (acc + word * P2) & MASK
+    return ((((acc << 31) | (acc >> 33)) & MASK) * P1) & MASK
 
 
-# A stage's content hash: FNV-1a 64 of its bytes up to one piece; past that, FNV-1a 64 of the
-# pieces' FNV-1a 64 hashes, 8 little-endian bytes each.
+def lane_hash(data: bytes) -> int:
+    """Little-endian u64 words (the last zero-padded), word i into lane i mod 256 by xxHash64's
+    round (lanes start at P1 + P2); then the byte count and the lanes merged as xxHash64 merges,
+    and its avalanche."""
+    lanes = [(P1 + P2) & MASK] * LANES
+    for i in range(0, len(data), 8):
+        word = int.from_bytes(data[i:i + 8].ljust(8, b"\0"), "little")
+        lanes[i // 8 % LANES] = xxh_round(lanes[i // 8 % LANES], word)
+    h = (P5 + len(data)) & MASK
+    for lane in lanes:
+        h = (((h ^ xxh_round(0, lane)) * P1) + P4) & MASK
+    h ^= h >> 33
+    h = (h * P2) & MASK
+    h ^= h >> 29
+    h = (h * P3) & MASK
+    return h ^ (h >> 32)
+
+
+# A stage's content hash: the lane hash of its bytes up to one piece; past that, the lane hash of
+# the pieces' lane hashes, 8 little-endian bytes each.
 PIECE = 1 << 20
 
 
 def content_hash(data: bytes) -> int:
     if len(data) <= PIECE:
-        return fnv1a(data)
-    pieces = (fnv1a(data[i:i + PIECE]) for i in range(0, len(data), PIECE))
-    return fnv1a(b"".join(h.to_bytes(8, "little") for h in pieces))
+        return lane_hash(data)
+    pieces = (lane_hash(data[i:i + PIECE]) for i in range(0, len(data), PIECE))
+    return lane_hash(b"".join(h.to_bytes(8, "little") for h in pieces))
 
 
 def stats(x: np.ndarray) -> dict:
@@ -66,7 +84,7 @@ def main() -> None:
     with open(os.path.join(trace, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["format"] == "glmcheck-trace", manifest["format"]
-    assert manifest["version"] == 1, manifest["version"]
+    assert manifest["version"] == 2, manifest["version"]
     files = {}
     checked = stats_only = 0
     for s in manifest["stages"]:
