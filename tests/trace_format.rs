@@ -239,6 +239,40 @@ fn assert_same_stats(got: &TensorStats, want: &TensorStats, stage: &str) {
     assert_eq!(exact(got), exact(want), "{stage}");
 }
 
+/// glmcheck's content hash, the probe's (numpy) and the oracle's word-by-word reference agree
+/// on lengths around a word, a row of lanes and a piece, past which pieces' hashes are hashed.
+#[test]
+fn the_content_hash_is_the_same_in_rust_the_probe_and_the_reference() {
+    let piece = glmcheck::trace::stats::HASH_PIECE_BYTES;
+    let row = 8 * glmcheck::trace::stats::HASH_LANES;
+    let lengths = [
+        0,
+        1,
+        7,
+        8,
+        9,
+        row - 1,
+        row,
+        row + 5,
+        piece - 8,
+        piece,
+        piece + 1,
+        3 * piece + 13,
+    ];
+    let args: Vec<String> = lengths.iter().map(usize::to_string).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let python: Value =
+        serde_json::from_str(&common::run_oracle("lane_hash_check.py", &args)).unwrap();
+    for n in lengths {
+        let bytes: Vec<u8> = (0..n).map(|i| ((i * 31 + 7) % 251) as u8).collect();
+        let ours = format!(
+            "{:016x}",
+            glmcheck::trace::stats::content_hash_of_bytes(&bytes)
+        );
+        assert_eq!(python[n.to_string()], json!(ours), "{n} bytes");
+    }
+}
+
 #[test]
 fn round_trip_keeps_every_bit() {
     let tmp = common::scratch();

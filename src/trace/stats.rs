@@ -112,9 +112,13 @@ impl TensorStats {
 /// piece of [`HASH_PIECE_BYTES`]; past that, [`lane_hash`] of the pieces' own lane hashes (8
 /// little-endian bytes each, in order), so that the pieces of a large stage hash on every core.
 pub fn content_hash<T: Element>(xs: &[T]) -> u64 {
-    let bytes = little_endian_bytes(xs);
+    content_hash_of_bytes(&little_endian_bytes(xs))
+}
+
+/// [`content_hash`] of values given as their little-endian bytes.
+pub fn content_hash_of_bytes(bytes: &[u8]) -> u64 {
     if bytes.len() <= HASH_PIECE_BYTES {
-        return lane_hash(&bytes);
+        return lane_hash(bytes);
     }
     let pieces: Vec<u8> = bytes
         .par_chunks(HASH_PIECE_BYTES)
