@@ -3,7 +3,8 @@
 Usage: trace_check.py TRACE_DIR. Every stage that stores its tensor is read with
 `safetensors.numpy`, its statistics recomputed (over finite values, in float64) and its hash
 recomputed from the little-endian element bytes (the lane hash, word by word in plain
-Python: a reference independent of glmcheck's and the probe's vectorized ones); any mismatch exits non-zero.
+Python: a reference independent of glmcheck's and the probe's vectorized ones); any mismatch
+exits non-zero.
 Prints one JSON line: {"checked": N, "stats_only": M}.
 """
 
