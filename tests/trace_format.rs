@@ -273,6 +273,65 @@ fn the_content_hash_is_the_same_in_rust_the_probe_and_the_reference() {
     }
 }
 
+/// glmcheck's moments and the probe's (numpy) agree bit for bit on lengths around a row of lanes
+/// and a chunk, with NaN, infinities and signed zeros among the values.
+#[test]
+fn the_moments_are_the_same_in_rust_and_the_probe() {
+    let (lanes, chunk) = (glmcheck::trace::stats::MOMENT_LANES, 1 << 16);
+    let lengths = [
+        0,
+        1,
+        lanes - 1,
+        lanes,
+        lanes + 3,
+        chunk - 1,
+        chunk,
+        chunk + 1,
+        3 * chunk + 21,
+    ];
+    let args: Vec<String> = lengths.iter().map(usize::to_string).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let python: Value =
+        serde_json::from_str(&common::run_oracle("moments_check.py", &args)).unwrap();
+    for n in lengths {
+        // As the script makes them: its later assignments win.
+        let special = [
+            (1000, f32::NAN),
+            (1777, f32::INFINITY),
+            (2500, f32::NEG_INFINITY),
+            (300, 0.0),
+            (301, -0.0),
+        ];
+        let xs: Vec<f32> = (0..n as i64)
+            .map(
+                |i| match special.iter().rfind(|(every, _)| i > 0 && i % every == 0) {
+                    Some(&(_, v)) => v,
+                    None => ((i * 7919) % 2001 - 1000) as f32 / 37.0,
+                },
+            )
+            .collect();
+        let ours = TensorStats::of(&xs);
+        let theirs = &python[n.to_string()];
+        let float = |k: &str| -> f64 { theirs[k].as_str().unwrap().parse().unwrap() };
+        let count = |k: &str| theirs[k].as_u64().unwrap();
+        assert_eq!(
+            (ours.count, ours.nan, ours.inf, ours.zeros),
+            (count("count"), count("nan"), count("inf"), count("zeros")),
+            "{n} values: counts"
+        );
+        for (k, v) in [
+            ("mean", ours.mean),
+            ("std", ours.std),
+            ("min", ours.min),
+            ("max", ours.max),
+            ("absmax", ours.absmax),
+            ("l2", ours.l2),
+        ] {
+            assert_eq!(v.to_bits(), float(k).to_bits(), "{n} values: {k}");
+        }
+    }
+}
+
 #[test]
 fn round_trip_keeps_every_bit() {
     let tmp = common::scratch();

@@ -5,9 +5,11 @@ when the next one starts and at `finish()`: its full tensors to `GROUP.safetenso
 manifest with every finished group, each under a temporary name renamed into place, so a crashed
 run leaves a readable trace that lacks at most the group in progress.
 
-The statistics reproduce `TensorStats::of` bit for bit: sums run left to right in float64 over
-fixed 64 Ki-element chunks whose partial results are added in chunk order (`np.cumsum` sums
-sequentially, unlike `np.sum`), so a Rust reader recomputing them gets the same numbers.
+The statistics reproduce `TensorStats::of` bit for bit: sums run in float64 over fixed 64
+Ki-element chunks whose partial results are added in chunk order; inside a chunk, element i adds
+to lane i mod 16 (the values that are not finite add nothing), each lane left to right, then the
+lanes in order (`np.cumsum` sums sequentially, unlike `np.sum`), so a Rust reader recomputing
+them gets the same numbers.
 """
 
 import hashlib
@@ -25,6 +27,8 @@ MANIFEST = "manifest.json"
 DEFAULT_FULL = ("logits", "L*.out")
 # Elements per chunk of the fixed summation order (the Rust `TASK`).
 CHUNK = 1 << 16
+# Lanes of a chunk's sums (the Rust `MOMENT_LANES`).
+MOMENT_LANES = 16
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -104,30 +108,44 @@ def tensor_stats(x: np.ndarray) -> dict:
     return stats
 
 
+def _lane_sum(terms: np.ndarray) -> float:
+    """`terms` (float64, the values that are not finite already 0) summed as `TensorStats::of`
+    sums: per chunk of CHUNK, term i into lane i mod MOMENT_LANES, each lane left to right, then
+    the lanes in order, then the chunks in order. The zeros that pad the last chunk's last row
+    add nothing (a sum that starts at +0 is never -0)."""
+    full = terms.size // CHUNK
+    # `np.add.accumulate` adds strictly in order along its axis, unlike `np.sum`.
+    chunks = terms[:full * CHUNK].reshape(full, CHUNK // MOMENT_LANES, MOMENT_LANES)
+    rows = [np.add.accumulate(chunks, axis=1)[:, -1, :]]
+    tail = terms[full * CHUNK:]
+    if tail.size:
+        padded = np.zeros(-(-tail.size // MOMENT_LANES) * MOMENT_LANES)
+        padded[:tail.size] = tail
+        rows.append(np.add.accumulate(padded.reshape(-1, MOMENT_LANES), axis=0)[-1:])
+    lanes = np.concatenate(rows)
+    return _sequential_sum(np.add.accumulate(lanes, axis=1)[:, -1]) if lanes.size else 0.0
+
+
 def moments(x: np.ndarray) -> dict:
     """count, nan, inf, zeros, and mean, std, min, max, absmax, l2 over the finite values of `x`
     (summed in `TensorStats::of`'s order), without the hash."""
-    flat = np.ascontiguousarray(x).reshape(-1)
-    chunks = [flat[i:i + CHUNK].astype(np.float64) for i in range(0, flat.size, CHUNK)]
-    finite = [c[np.isfinite(c)] for c in chunks]
-    n = sum(f.size for f in finite)
-    stats = {
-        "count": int(flat.size),
-        "nan": int(sum(np.isnan(c).sum() for c in chunks)),
-        "inf": int(sum(np.isinf(c).sum() for c in chunks)),
-        "zeros": int(sum((f == 0).sum() for f in finite)),
-    }
+    v = np.ascontiguousarray(x).reshape(-1).astype(np.float64)
+    finite = np.isfinite(v)
+    n = int(np.count_nonzero(finite))
+    every = n == v.size  # the common case: no masks needed
+    nan = 0 if every else int(np.count_nonzero(np.isnan(v)))
+    stats = {"count": int(v.size), "nan": nan, "inf": int(v.size) - n - nan,
+             "zeros": int(np.count_nonzero(v == 0))}
     if n == 0:
         stats.update(mean=0.0, std=0.0, min=0.0, max=0.0, absmax=0.0, l2=0.0)
-    else:
-        total = _sequential_sum(np.array([_sequential_sum(f) for f in finite]))
-        squares = _sequential_sum(np.array([_sequential_sum(f * f) for f in finite]))
-        mean = total / n
-        deviation = _sequential_sum(np.array([_sequential_sum((f - mean) * (f - mean)) for f in finite]))
-        lo = min(float(f.min()) for f in finite if f.size)
-        hi = max(float(f.max()) for f in finite if f.size)
-        stats.update(mean=mean, std=math.sqrt(deviation / n), min=lo, max=hi,
-                     absmax=max(abs(lo), abs(hi)), l2=math.sqrt(squares))
+        return stats
+    f = v if every else np.where(finite, v, 0.0)
+    mean = _lane_sum(f) / n
+    d = v - mean if every else np.where(finite, v - mean, 0.0)
+    kept = v if every else v[finite]
+    lo, hi = float(kept.min()), float(kept.max())
+    stats.update(mean=mean, std=math.sqrt(_lane_sum(d * d) / n), min=lo, max=hi,
+                 absmax=max(abs(lo), abs(hi)), l2=math.sqrt(_lane_sum(f * f)))
     return stats
 
 

@@ -12,8 +12,10 @@
 namespace glmcheck {
 namespace {
 
-// src/trace/stats.rs: elements per chunk of the fixed summation order.
+// src/trace/stats.rs: elements per chunk of the fixed summation order, and lanes of a chunk's
+// sums (element i into lane i mod 16, each lane in order, then the lanes in order).
 constexpr size_t kChunk = size_t(1) << 16;
+constexpr size_t kMomentLanes = 16;
 constexpr uint64_t kFnvPrime = 0x100000001b3ULL;
 // src/trace/stats.rs: lanes and piece size of the content hash, and xxHash64's primes.
 constexpr size_t kHashLanes = 256;
@@ -53,9 +55,17 @@ struct Sums {
     double min = INFINITY, max = -INFINITY;
 };
 
+// Lanes added one after another, from lane 0.
+double in_lane_order(const double *lanes) {
+    double total = 0.0;
+    for (size_t i = 0; i < kMomentLanes; ++i) total += lanes[i];
+    return total;
+}
+
 template <typename T>
 Sums chunk_sums(const T *xs, size_t n) {
     Sums s;
+    double sum[kMomentLanes] = {}, sum_sq[kMomentLanes] = {};
     for (size_t i = 0; i < n; ++i) {
         const double v = double(xs[i]);
         if (std::isnan(v)) {
@@ -65,12 +75,14 @@ Sums chunk_sums(const T *xs, size_t n) {
         } else {
             s.finite++;
             s.zeros += v == 0.0;
-            s.sum += v;
-            s.sum_sq += v * v;
+            sum[i % kMomentLanes] += v;
+            sum_sq[i % kMomentLanes] += v * v;
             s.min = std::fmin(s.min, v);
             s.max = std::fmax(s.max, v);
         }
     }
+    s.sum = in_lane_order(sum);
+    s.sum_sq = in_lane_order(sum_sq);
     return s;
 }
 
@@ -106,12 +118,12 @@ Stats moments(const T *xs, size_t n) {
     const double mean = s.sum / count;
     double deviation = 0.0;
     for (size_t at = 0; at < n; at += kChunk) {
-        double part = 0.0;
+        double part[kMomentLanes] = {};
         for (size_t i = at; i < std::min(n, at + kChunk); ++i) {
             const double v = double(xs[i]);
-            if (std::isfinite(v)) part += (v - mean) * (v - mean);
+            if (std::isfinite(v)) part[(i - at) % kMomentLanes] += (v - mean) * (v - mean);
         }
-        deviation += part;
+        deviation += in_lane_order(part);
     }
     st.zeros = s.zeros;
     st.mean = mean;
