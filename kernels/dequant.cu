@@ -221,12 +221,15 @@ struct BF16 {
 DQ(bf16, dequant_plain<BF16>)
 
 // ---------------------------------------------------------------------------------------------
-// Quantized types: D::BS values in D::TS-byte blocks. The tile's DQ_TILE / BS blocks are copied
-// to shared memory, then each four values of output are decoded by D::four(block, k, o): values
-// k + o .. k + o + 3 of the block, k being where the thread's group starts (a multiple of 4 or
-// 8) and o 0 or 4. A group never straddles a scale (every scale covers 16 or more aligned
-// values), so a type reads its scales at k: the same expressions for both fours of a group of
-// eight, which the compiler then computes once.
+// Quantized types: D::BS values in D::TS-byte blocks, each block in D::SUBS sub-blocks of
+// consecutive values that share a scale (and a min). The tile's DQ_TILE / BS blocks are copied
+// to shared memory; then D::scale(block, j) decodes sub-block j's scale and min (a float2: x
+// the scale, y the min or 0) once for the tile, into shared memory as well, where every group
+// of the sub-block's values would decode them again (two f16 values, packed 6-bit fields: more
+// instructions than the values' own decode); then each four values of output are decoded by
+// D::four(block, k, o, s): values k + o .. k + o + 3 of the block, k being where the thread's
+// group starts (a multiple of 4 or 8), o 0 or 4, and s their sub-block's scale and min. A group
+// never straddles a sub-block (each holds 16 or more aligned values).
 
 template <class D, class O>
 __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __restrict__ dst,
@@ -259,6 +262,15 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
     __syncthreads();
 
     const u8* base = (const u8*)tile + (start - aligned);
+    constexpr int SUB = BS / D::SUBS;  // values per sub-block
+    static_assert(DQ_TILE / SUB <= DQ_THREADS, "one thread per sub-block of the tile");
+    __shared__ float2 scales[DQ_TILE / SUB];
+    if (threadIdx.x < count * D::SUBS) {
+        u32 s = threadIdx.x;
+        scales[s] = D::scale(base + (s / D::SUBS) * TS, s % D::SUBS);
+    }
+    __syncthreads();
+
     O* out = dst + first * BS;
     constexpr int G = Out<O>::G, FOURS = G / 4;
     u32 groups = count * (BS / G);
@@ -270,7 +282,7 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
             const u8* block = base + (k / BS) * TS;
             float4 f[FOURS];
 #pragma unroll
-            for (int u = 0; u < FOURS; u++) f[u] = D::four(block, k % BS, 4 * u);
+            for (int u = 0; u < FOURS; u++) f[u] = D::four(block, k % BS, 4 * u, scales[k / SUB]);
             Out<O>::put(out, g, f);
         }
     }
@@ -278,12 +290,13 @@ __device__ __forceinline__ void dequant_tile(const u8* __restrict__ src, O* __re
 
 // Q8_0: 34-byte blocks of 32: f16 d, 32 int8 q; d * q.
 struct Q8_0 {
-    static constexpr int BS = 32, TS = 34;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
-        u32 k = k0 + o;
-        float d = half_at(b);
-        u32 q = ld32_2(b + 2 + k);
-        return times4(d, signed_bytes(q));
+    static constexpr int BS = 32, TS = 34, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
+        u32 q = ld32_2(b + 2 + k0 + o);
+        return times4(s.x, signed_bytes(q));
     }
 };
 DQ(q8_0, dequant_tile<Q8_0>)
@@ -291,12 +304,14 @@ DQ(q8_0, dequant_tile<Q8_0>)
 // Q4_0: 18-byte blocks of 32: f16 d, 16 bytes of nibbles (element i low, i + 16 high);
 // d * (q - 8).
 struct Q4_0 {
-    static constexpr int BS = 32, TS = 18;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+    static constexpr int BS = 32, TS = 18, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
         u32 k = k0 + o;
-        float d = half_at(b);
         u32 q = nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0);
-        return times4(d, bytes_minus(q, 8.0f));
+        return times4(s.x, bytes_minus(q, 8.0f));
     }
 };
 DQ(q4_0, dequant_tile<Q4_0>)
@@ -304,12 +319,14 @@ DQ(q4_0, dequant_tile<Q4_0>)
 // Q4_1: 20-byte blocks of 32: f16 d, f16 m, 16 bytes of nibbles; d * q + m, the product
 // rounded before the sum.
 struct Q4_1 {
-    static constexpr int BS = 32, TS = 20;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+    static constexpr int BS = 32, TS = 20, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), half_at(b + 2));
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
         u32 k = k0 + o;
-        float d = half_at(b), m = half_at(b + 2);
         u32 q = nibbles4(ld32(b + 4 + (k & 15)), k & 16 ? 4 : 0);
-        return plus4(d, bytes_minus(q, 0.0f), m);
+        return plus4(s.x, bytes_minus(q, 0.0f), s.y);
     }
 };
 DQ(q4_1, dequant_tile<Q4_1>)
@@ -326,12 +343,14 @@ __device__ __forceinline__ u32 five_bit4(u32 qh, u32 ql4, u32 k) {
 // Q5_0: 22-byte blocks of 32: f16 d, a u32 of fifth bits, 16 bytes of low nibbles;
 // d * (q - 16).
 struct Q5_0 {
-    static constexpr int BS = 32, TS = 22;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+    static constexpr int BS = 32, TS = 22, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
         u32 k = k0 + o;
-        float d = half_at(b);
         u32 q = five_bit4(ld32_2(b + 2), ld32_2(b + 6 + (k & 15)), k);
-        return times4(d, bytes_minus(q, 16.0f));
+        return times4(s.x, bytes_minus(q, 16.0f));
     }
 };
 DQ(q5_0, dequant_tile<Q5_0>)
@@ -339,24 +358,28 @@ DQ(q5_0, dequant_tile<Q5_0>)
 // Q5_1: 24-byte blocks of 32: f16 d, f16 m, a u32 of fifth bits, 16 bytes of low nibbles;
 // d * q + m.
 struct Q5_1 {
-    static constexpr int BS = 32, TS = 24;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+    static constexpr int BS = 32, TS = 24, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), half_at(b + 2));
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
         u32 k = k0 + o;
-        float d = half_at(b), m = half_at(b + 2);
         u32 q = five_bit4(ld32(b + 4), ld32(b + 8 + (k & 15)), k);
-        return plus4(d, bytes_minus(q, 0.0f), m);
+        return plus4(s.x, bytes_minus(q, 0.0f), s.y);
     }
 };
 DQ(q5_1, dequant_tile<Q5_1>)
 
 // IQ4_NL: 18-byte blocks of 32: f16 d, 16 bytes of codebook nibbles; d * level.
 struct IQ4_NL {
-    static constexpr int BS = 32, TS = 18;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o) {
+    static constexpr int BS = 32, TS = 18, SUBS = 1;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32) {
+        return make_float2(half_at(b), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k0, u32 o, float2 s) {
         u32 k = k0 + o;
-        float d = half_at(b);
         u32 l = iq4_levels(nibbles4(ld32_2(b + 2 + (k & 15)), k & 16 ? 4 : 0));
-        return times4(d, signed_bytes(l));
+        return times4(s.x, signed_bytes(l));
     }
 };
 DQ(iq4_nl, dequant_tile<IQ4_NL>)
@@ -365,15 +388,18 @@ DQ(iq4_nl, dequant_tile<IQ4_NL>)
 // lows, then per 32 elements 16 bytes of codebook nibbles; scales are 6-bit minus 32;
 // (d * scale) * level.
 struct IQ4_XS {
-    static constexpr int BS = 256, TS = 136;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
-        u32 j = k / 32, i = k % 32 + o;
+    static constexpr int BS = 256, TS = 136, SUBS = 8;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 j) {
         u32 tops = ld16(b + 2);
         u32 low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
         // The 6-bit scale minus 32.
-        float dl = __fmul_rn(half_at(b), int_minus(low | (((tops >> (2 * j)) & 3) << 4), 32.0f));
+        return make_float2(
+            __fmul_rn(half_at(b), int_minus(low | (((tops >> (2 * j)) & 3) << 4), 32.0f)), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
+        u32 j = k / 32, i = k % 32 + o;
         u32 l = iq4_levels(nibbles4(ld32(b + 8 + 16 * j + (i & 15)), i & 16 ? 4 : 0));
-        return times4(dl, signed_bytes(l));
+        return times4(s.x, signed_bytes(l));
     }
 };
 DQ(iq4_xs, dequant_tile<IQ4_XS>)
@@ -382,14 +408,17 @@ DQ(iq4_xs, dequant_tile<IQ4_XS>)
 // 2-bit codes (per 128 elements, 32 bytes: row r at bits 2r), f16 d, f16 dmin;
 // (d * scale) * q - dmin * min.
 struct Q2_K {
-    static constexpr int BS = 256, TS = 84;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+    static constexpr int BS = 256, TS = 84, SUBS = 16;
+    // Sub-block j (values 16j..16j+15: h = j / 8, r = j % 8 / 2) has byte j.
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 j) {
+        u32 sm = b[j];
+        return make_float2(__fmul_rn(half_at(b + 80), int_minus(sm & 0x0f, 0.0f)),
+                           __fmul_rn(half_at(b + 82), int_minus(sm >> 4, 0.0f)));
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
         u32 h = k / 128, r = (k % 128) / 32, i = k % 32;
-        u32 sm = b[2 * (4 * h + r) + i / 16];
-        float dl = __fmul_rn(half_at(b + 80), int_minus(sm & 0x0f, 0.0f));
-        float ml = __fmul_rn(half_at(b + 82), int_minus(sm >> 4, 0.0f));
         u32 q = (ld32(b + 16 + 32 * h + i + o) >> (2 * r)) & 0x03030303;
-        return minus4(dl, bytes_minus(q, 0.0f), ml);
+        return minus4(s.x, bytes_minus(q, 0.0f), s.y);
     }
 };
 DQ(q2_k, dequant_tile<Q2_K>)
@@ -397,18 +426,21 @@ DQ(q2_k, dequant_tile<Q2_K>)
 // Q3_K: 110-byte blocks of 256: 32 bytes of high bits (set: no -4 offset; row j at bit j),
 // 64 bytes of 2-bit codes, 12 bytes of 6-bit scales (minus 32), f16 d; (d * scale) * (q - off).
 struct Q3_K {
-    static constexpr int BS = 256, TS = 110;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
-        u32 h = k / 128, r = (k % 128) / 32, i = k % 32;
-        u32 row = 4 * h + r, g = 2 * row + i / 16;
+    static constexpr int BS = 256, TS = 110, SUBS = 16;
+    // Sub-block g (values 16g..16g+15) has 6-bit scale g of the 12 bytes at 96.
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 g) {
         const u8* s = b + 96;
         u32 low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
         u32 high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-        float dl = __fmul_rn(half_at(b + 108), int_minus(low | (high << 4), 32.0f));
+        return make_float2(__fmul_rn(half_at(b + 108), int_minus(low | (high << 4), 32.0f)), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
+        u32 h = k / 128, r = (k % 128) / 32, i = k % 32;
+        u32 row = 4 * h + r;
         u32 codes = (ld32_2(b + 32 + 32 * h + i + o) >> (2 * r)) & 0x03030303;
         // A set high bit cancels the -4: code + 4 * bit - 4, the high bit as bit 2 of the byte.
         u32 set = (ld32_2(b + i + o) >> row) & 0x01010101;
-        return times4(dl, bytes_minus(codes | (set << 2), 4.0f));
+        return times4(s.x, bytes_minus(codes | (set << 2), 4.0f));
     }
 };
 DQ(q3_k, dequant_tile<Q3_K>)
@@ -425,23 +457,24 @@ __device__ __forceinline__ void scale_min(const u8* s, u32 j, u32* sc, u32* m) {
     *m = low ? c & 0x3f : (e >> 4) | ((c >> 2) & 0x30);
 }
 
-// Codes q (one per byte) of sub-block j of a Q4_K/Q5_K block b: (d * scale) * q - dmin * min.
-__device__ __forceinline__ float4 k_scaled4(const u8* b, u32 j, u32 q) {
+// Sub-block j of a Q4_K/Q5_K block b: d * scale and dmin * min.
+__device__ __forceinline__ float2 k_scale(const u8* b, u32 j) {
     u32 sc, m;
     scale_min(b + 4, j, &sc, &m);
-    float dl = __fmul_rn(half_at(b), int_minus(sc, 0.0f));
-    float ml = __fmul_rn(half_at(b + 2), int_minus(m, 0.0f));
-    return minus4(dl, bytes_minus(q, 0.0f), ml);
+    return make_float2(__fmul_rn(half_at(b), int_minus(sc, 0.0f)),
+                       __fmul_rn(half_at(b + 2), int_minus(m, 0.0f)));
 }
 
 // Q4_K: 144-byte blocks of 256: f16 d, f16 dmin, 12 bytes of scales and mins, then 4 chunks of
 // 32 bytes holding 64 elements each (sub-block 2c in the low nibbles, 2c + 1 in the high).
 struct Q4_K {
-    static constexpr int BS = 256, TS = 144;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+    static constexpr int BS = 256, TS = 144, SUBS = 8;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 j) { return k_scale(b, j); }
+    // (d * scale) * q - dmin * min.
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
         u32 c = k / 64, half = (k % 64) / 32, i = k % 32 + o;
         u32 q = nibbles4(ld32(b + 16 + 32 * c + i), 4 * half);
-        return k_scaled4(b, 2 * c + half, q);
+        return minus4(s.x, bytes_minus(q, 0.0f), s.y);
     }
 };
 DQ(q4_k, dequant_tile<Q4_K>)
@@ -449,12 +482,13 @@ DQ(q4_k, dequant_tile<Q4_K>)
 // Q5_K: 176-byte blocks of 256: Q4_K's d, dmin and packed scales, 32 bytes of fifth bits
 // (element l of chunk c, half h at bit 2c + h of byte l), then Q4_K's nibbles.
 struct Q5_K {
-    static constexpr int BS = 256, TS = 176;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
+    static constexpr int BS = 256, TS = 176, SUBS = 8;
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 j) { return k_scale(b, j); }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
         u32 c = k / 64, half = (k % 64) / 32, l = k % 32 + o, j = 2 * c + half;
         u32 low = nibbles4(ld32(b + 48 + 32 * c + l), 4 * half);
         u32 high = (ld32(b + 16 + l) >> j) & 0x01010101;
-        return k_scaled4(b, j, low | (high << 4));
+        return minus4(s.x, bytes_minus(low | (high << 4), 0.0f), s.y);
     }
 };
 DQ(q5_k, dequant_tile<Q5_K>)
@@ -462,15 +496,17 @@ DQ(q5_k, dequant_tile<Q5_K>)
 // Q6_K: 210-byte blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
 // scales, f16 d; per half of 128, four rows of 32; (d * scale) * (q - 32).
 struct Q6_K {
-    static constexpr int BS = 256, TS = 210;
-    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o) {
-        u32 h = k / 128, r = (k % 128) / 32, i = k % 32, at = i + o;
+    static constexpr int BS = 256, TS = 210, SUBS = 16;
+    // Sub-block j (values 16j..16j+15) has the int8 scale at 192 + j.
+    static __device__ __forceinline__ float2 scale(const u8* b, u32 j) {
+        float scale = int_minus(b[192 + j] ^ 0x80u, 128.0f);
+        return make_float2(__fmul_rn(half_at(b + 208), scale), 0.0f);
+    }
+    static __device__ __forceinline__ float4 four(const u8* b, u32 k, u32 o, float2 s) {
+        u32 h = k / 128, r = (k % 128) / 32, at = k % 32 + o;
         u32 low = nibbles4(ld32_2(b + 64 * h + 32 * (r % 2) + at), 4 * (r / 2));
         u32 high = (ld32_2(b + 128 + 32 * h + at) >> (2 * r)) & 0x03030303;
-        u32 q = low | (high << 4);
-        float scale = int_minus(b[192 + 8 * h + 2 * r + i / 16] ^ 0x80u, 128.0f);
-        float dl = __fmul_rn(half_at(b + 208), scale);
-        return times4(dl, bytes_minus(q, 32.0f));
+        return times4(s.x, bytes_minus(low | (high << 4), 32.0f));
     }
 };
 DQ(q6_k, dequant_tile<Q6_K>)
