@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
 use super::claim::{claim_host, Claim};
+use super::gemm_kernel;
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
 use super::ops;
@@ -208,8 +209,19 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
     // the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
     // weight is the large operand, and gemm reads a column-contiguous rhs without packing it
     // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
-    // read.
+    // read. f32 (the reference's type) goes through the per-call kernel choice.
     unsafe {
+        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>() {
+            gemm_kernel::x_times_weight_rows_f32(
+                t,
+                rows,
+                k,
+                dst.as_mut_ptr().cast(),
+                x_cols.as_ptr().cast(),
+                w.as_ptr().cast(),
+            );
+            return dst;
+        }
         gemm::gemm(
             t,
             rows,

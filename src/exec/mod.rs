@@ -5,6 +5,7 @@ pub mod attention_core;
 pub mod backend;
 pub mod claim;
 pub mod forward;
+pub mod gemm_kernel;
 pub mod hooks;
 pub mod indexer_core;
 pub mod inject;
