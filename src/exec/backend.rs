@@ -211,15 +211,16 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
     // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
     // read. f32 (the reference's type) goes through the per-call kernel choice.
     unsafe {
-        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>() {
-            gemm_kernel::x_times_weight_rows_f32(
+        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>()
+            && gemm_kernel::x_times_weight_rows_f32(
                 t,
                 rows,
                 k,
                 dst.as_mut_ptr().cast(),
                 x_cols.as_ptr().cast(),
                 w.as_ptr().cast(),
-            );
+            )
+        {
             return dst;
         }
         gemm::gemm(

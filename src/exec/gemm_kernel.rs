@@ -46,7 +46,7 @@ fn simd() -> &'static Simd {
 /// `dst = x · wᵀ` on one thread for `t` tokens and `rows` weight rows of `k` features, every
 /// operand column-major (`dst` is `[rows, t]` row-major: a weight row's outputs for every
 /// token; `x_cols` is `[k, t]` row-major; `w` is row-major `[rows, k]`, read in place as
-/// `wᵀ`).
+/// `wᵀ`). False where the CPU has neither AVX2 nor AVX-512 (nothing is written).
 ///
 /// # Safety
 /// `dst` is valid for `t * rows` writes, `x_cols` for `t * k` reads and `w` for `rows * k`
@@ -58,109 +58,59 @@ pub unsafe fn x_times_weight_rows_f32(
     dst: *mut f32,
     x_cols: *const f32,
     w: *const f32,
-) {
-    let (m, n) = (t, rows);
-    let (dst_cs, dst_rs, lhs_cs, lhs_rs, rhs_cs, rhs_rs) =
-        (t as isize, 1, t as isize, 1, k as isize, 1);
-    // gemm's own driver after its stride normalisation, which leaves this layout as it is
-    // (every stride positive, the output's columns no closer than its rows).
-    let fma = |a: f32, b: f32, c: f32| a * b + c;
+) -> bool {
+    let (tokens, k_stride) = (t as isize, k as isize);
+    // gemm's own driver as its dispatch calls it, after its stride normalisation, which leaves
+    // this layout as it is (every stride positive, the output's columns no closer than its
+    // rows): `$simd`'s kernels `$kernels`, registers of `$lanes` values.
+    macro_rules! driver {
+        ($simd:ident, $proof:expr, $lanes:expr, $kernels:ident) => {
+            gemm_basic_generic::<
+                $simd,
+                f32,
+                $lanes,
+                { $kernels::MR_DIV_N * $lanes },
+                { $kernels::NR },
+                { $kernels::MR_DIV_N },
+                { $kernels::H_M },
+                { $kernels::H_N },
+            >(
+                $proof,
+                t,
+                rows,
+                k,
+                dst,
+                tokens,
+                1,
+                false,
+                x_cols,
+                tokens,
+                1,
+                w,
+                k_stride,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &$kernels::UKR,
+                &$kernels::H_UKR,
+                false,
+                Parallelism::None,
+            )
+        };
+    }
     let s = simd();
     // SAFETY: the caller's bounds; a V3/V4 proves the CPU runs its kernels.
     unsafe {
         match (s.avx512, s.avx2) {
-            (Some(v4), _) if t >= WIDE_FROM_TOKENS => gemm_basic_generic::<
-                V4,
-                f32,
-                WIDE_LANES,
-                { wide::MR_DIV_N * WIDE_LANES },
-                { wide::NR },
-                { wide::MR_DIV_N },
-                { wide::H_M },
-                { wide::H_N },
-            >(
-                v4,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                x_cols,
-                lhs_cs,
-                lhs_rs,
-                w,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                fma,
-                &wide::UKR,
-                &wide::H_UKR,
-                false,
-                Parallelism::None,
-            ),
-            (_, Some(v3)) => gemm_basic_generic::<
-                V3,
-                f32,
-                NARROW_LANES,
-                { narrow::MR_DIV_N * NARROW_LANES },
-                { narrow::NR },
-                { narrow::MR_DIV_N },
-                { narrow::H_M },
-                { narrow::H_N },
-            >(
-                v3,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                x_cols,
-                lhs_cs,
-                lhs_rs,
-                w,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                fma,
-                &narrow::UKR,
-                &narrow::H_UKR,
-                false,
-                Parallelism::None,
-            ),
-            // Neither: gemm's own choice (its scalar kernels).
-            _ => gemm::gemm(
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                x_cols,
-                lhs_cs,
-                lhs_rs,
-                w,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            ),
+            (Some(v4), _) if t >= WIDE_FROM_TOKENS => driver!(V4, v4, WIDE_LANES, wide),
+            (_, Some(v3)) => driver!(V3, v3, NARROW_LANES, narrow),
+            // Neither: the caller's own call to gemm (its scalar kernels).
+            _ => return false,
         }
     }
+    true
 }
