@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
 use super::claim::{claim_host, Claim};
+use super::few_tokens;
 use super::gemm_kernel;
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
@@ -211,17 +212,19 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
     // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
     // read. f32 (the reference's type) goes through the per-call kernel choice.
     unsafe {
-        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>()
-            && gemm_kernel::x_times_weight_rows_f32(
+        if let (Some(x), Some(w), Some(out)) =
+            (E::as_f32(x_cols), E::as_f32(w), E::as_f32_mut(&mut dst))
+        {
+            if gemm_kernel::x_times_weight_rows_f32(
                 t,
                 rows,
                 k,
-                dst.as_mut_ptr().cast(),
-                x_cols.as_ptr().cast(),
-                w.as_ptr().cast(),
-            )
-        {
-            return dst;
+                out.as_mut_ptr(),
+                x.as_ptr(),
+                w.as_ptr(),
+            ) {
+                return dst;
+            }
         }
         gemm::gemm(
             t,
@@ -341,13 +344,26 @@ impl<E: Real> Backend for Cpu<E> {
                 w.cols
             );
         }
-        let x_cols = column_major(x);
+        // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
+        // them column-major.
+        let few = E::as_f32(&x.data).filter(|_| t <= few_tokens::MAX_TOKENS);
+        let x_cols = if few.is_some() {
+            Vec::new()
+        } else {
+            column_major(x)
+        };
         let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
         let blocks: Vec<Vec<E>> = starts
             .par_iter()
             .map(|&start| {
                 let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                x_times_weight_rows(&x_cols, t, &w.data[start * features..], rows)
+                let w = &w.data[start * features..];
+                match (few, E::as_f32(w)) {
+                    (Some(x), Some(w)) => {
+                        E::widen_all(few_tokens::x_times_weight_rows(x, t, w, rows, features))
+                    }
+                    _ => x_times_weight_rows(&x_cols, t, w, rows),
+                }
             })
             .collect();
         // Back to row-major, a few token rows per task: each weight row's outputs for those

@@ -4,6 +4,7 @@ pub mod attention;
 pub mod attention_core;
 pub mod backend;
 pub mod claim;
+pub mod few_tokens;
 pub mod forward;
 pub mod gemm_kernel;
 pub mod hooks;

@@ -28,6 +28,10 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn total_cmp(&self, other: &Self) -> std::cmp::Ordering;
     /// The values as a trace stores them.
     fn stage(xs: &[Self]) -> Stage<'_>;
+    /// The values as f32, where they are (the kernels written for f32 alone).
+    fn as_f32(xs: &[Self]) -> Option<&[f32]>;
+    /// [`Self::as_f32`], writable.
+    fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
     /// [`Self::stage`], handed over.
     fn owned_stage(xs: Vec<Self>) -> OwnedStage;
 }
@@ -51,6 +55,12 @@ impl Real for f32 {
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F32(xs)
     }
+    fn as_f32(xs: &[Self]) -> Option<&[f32]> {
+        Some(xs)
+    }
+    fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]> {
+        Some(xs)
+    }
     fn owned_stage(xs: Vec<Self>) -> OwnedStage {
         OwnedStage::F32(xs)
     }
@@ -71,6 +81,12 @@ impl Real for f64 {
     }
     fn stage(xs: &[Self]) -> Stage<'_> {
         Stage::F64(xs)
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
     }
     fn owned_stage(xs: Vec<Self>) -> OwnedStage {
         OwnedStage::F64(xs)
