@@ -21,13 +21,15 @@ llamacpp-oracle:
     scripts/setup-llamacpp
     GLMCHECK_PYTHON="$PWD/.venv/bin/python" cargo test --test llamacpp_oracle -- --nocapture
 
-# Dequantization throughput of glmcheck, candle and gguf-py (bench-results/dequant.md); then the
+# Dequantization throughput of glmcheck, candle and gguf-py (bench-results/dequant.md); the
+# few-token GEMM kernel against gemm's (bench-results/gemm.md); then the
 # reference executor against transformers on `small`, and its peak memory on glm5-dims with 2 and 6
 # layers (bench-results/reference.md); `verify` GB/s and peak RSS on glm5-dims with 2 and 4 layers
 # (bench-results/verify.md). Writes and deletes multi-GB files in the temp dir.
 bench:
     scripts/setup-venv
     cargo bench --bench dequant
+    cargo bench --bench gemm
     cargo build --release
     .venv/bin/python benches/reference.py
     .venv/bin/python benches/verify.py

@@ -346,7 +346,7 @@ impl<E: Real> Backend for Cpu<E> {
         }
         // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
         // them column-major.
-        let few = E::as_f32(&x.data).filter(|_| t <= few_tokens::MAX_TOKENS);
+        let few = E::as_f32(&x.data).filter(|_| few_tokens::takes(t, features));
         let x_cols = if few.is_some() {
             Vec::new()
         } else {

@@ -1,9 +1,8 @@
 //! `x · wᵀ` for a few tokens (a decoding step, a routed expert's handful), bound by reading the
 //! weight. gemm broadcasts six weight rows' values at a time against a column of tokens: six
 //! strided streams through memory and a load per weight. Here each weight row is read once,
-//! contiguously, 16 values at a time, against every token's features: 1.1–2.6× gemm's rate at 1
-//! to 4 tokens on one core of the Intel test machine (weights from memory), and no better from
-//! 8 tokens, where gemm takes over.
+//! contiguously, 16 values at a time, against every token's features, which lie interleaved in
+//! L1 (`benches/gemm.rs` measures the two against each other).
 //!
 //! The order of the sums is this module's own and the same on every machine: a dot product
 //! runs in [`K_LANES`] lanes, feature `i` into lane `i mod K_LANES` by a fused multiply-add, each
@@ -11,8 +10,18 @@
 //! do exactly those operations (the lanes bound the rounding error too: about a tenth of gemm's
 //! single-accumulator sums at 1024 features).
 
-/// The most tokens a call takes this path.
+/// The most tokens the kernel takes.
 pub const MAX_TOKENS: usize = 4;
+
+/// The most features of all tokens together (`t · k`) for which the kernel beats gemm's: the
+/// tokens' 16 KiB stay in L1 beside the streaming weights. Past that it reads them from L2 and
+/// falls behind (`benches/gemm.rs`).
+pub const MAX_TOKEN_FEATURES: usize = 4096;
+
+/// Whether a GEMM of `t` tokens of `k` features is this kernel's to run.
+pub fn takes(t: usize, k: usize) -> bool {
+    t <= MAX_TOKENS && t * k <= MAX_TOKEN_FEATURES
+}
 
 /// Lanes of a dot product: feature `i` adds to lane `i mod K_LANES`.
 pub const K_LANES: usize = 16;
@@ -27,13 +36,34 @@ pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize
     );
     let mut dst = vec![0.0; rows * t];
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA; the assert bounds every read and `dst` every write.
-        unsafe { avx2::rows(x, t, w, rows, k, &mut dst) };
-        return dst;
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            let xp = interleaved(x, t, k);
+            // SAFETY: the CPU has AVX2 and FMA; the assert bounds every read and `dst` every
+            // write.
+            unsafe { avx2::rows(x, &xp, t, w, rows, k, &mut dst) };
+            return dst;
+        }
     }
     portable_rows(x, t, w, rows, k, &mut dst);
     dst
+}
+
+/// The tokens' features chunk by chunk: for each whole chunk of [`K_LANES`] features, every
+/// token's in turn. The kernels read it front to back instead of one stream per token: token
+/// rows lie a multiple of 4 KiB apart at most widths, so per-token streams contend for the same
+/// few L1 sets.
+#[cfg(target_arch = "x86_64")]
+fn interleaved(x: &[f32], t: usize, k: usize) -> Vec<f32> {
+    let chunks = k / K_LANES;
+    let mut xp = Vec::with_capacity(chunks * t * K_LANES);
+    for c in 0..chunks {
+        for tok in 0..t {
+            xp.extend_from_slice(&x[tok * k + c * K_LANES..][..K_LANES]);
+        }
+    }
+    xp
 }
 
 /// The lanes one value at a time, where the CPU has no AVX2 (`mul_add` is the fused
@@ -41,17 +71,19 @@ pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize
 fn portable_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize, dst: &mut [f32]) {
     for r in 0..rows {
         for tok in 0..t {
-            let mut lanes = [0f32; K_LANES];
-            for i in 0..k {
-                lanes[i % K_LANES] = x[tok * k + i].mul_add(w[r * k + i], lanes[i % K_LANES]);
-            }
-            dst[r * t + tok] = in_lane_order(&lanes);
+            let lanes = [0f32; K_LANES];
+            dst[r * t + tok] = finish(lanes, &x[tok * k..(tok + 1) * k], &w[r * k..(r + 1) * k]);
         }
     }
 }
 
-/// Lanes added one after another, from lane 0.
-fn in_lane_order(lanes: &[f32; K_LANES]) -> f32 {
+/// A dot product from its lanes so far: the `features` and `weights` not yet in them (fewer than
+/// one lane's worth of each, or all of them) added lane by lane, then the lanes added in order
+/// from lane 0.
+fn finish(mut lanes: [f32; K_LANES], features: &[f32], weights: &[f32]) -> f32 {
+    for (i, (&a, &b)) in features.iter().zip(weights).enumerate() {
+        lanes[i % K_LANES] = a.mul_add(b, lanes[i % K_LANES]);
+    }
     lanes.iter().fold(0.0, |a, &b| a + b)
 }
 
@@ -59,32 +91,40 @@ fn in_lane_order(lanes: &[f32; K_LANES]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{in_lane_order, K_LANES, MAX_TOKENS};
+    #[cfg(doc)]
+    use super::interleaved;
+    use super::{finish, K_LANES, MAX_TOKENS};
 
     /// The portable loop's operations, two registers of eight lanes per token, the tokens of a
     /// row side by side so that the row is read once.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `x` holds `t * k` values, `w` at least `rows * k`, `dst`
-    /// `rows * t`, `t` ≤ [`MAX_TOKENS`].
+    /// The CPU has AVX2 and FMA; `x` holds `t * k` values and `xp` them [`interleaved`], `w`
+    /// at least `rows * k`, `dst` `rows * t`, `t` ≤ [`MAX_TOKENS`].
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize, dst: &mut [f32]) {
+    pub unsafe fn rows(
+        x: &[f32],
+        xp: &[f32],
+        t: usize,
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
         let whole = k - k % K_LANES;
         for r in 0..rows {
             let row = w[r * k..].as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 2]; MAX_TOKENS];
-            let mut i = 0;
-            while i < whole {
-                // SAFETY: i + 16 ≤ k, within the row and each token's features.
+            for i in (0..whole).step_by(K_LANES) {
+                // SAFETY: i + 16 ≤ whole ≤ k, within the row and within `xp`'s t · whole values.
                 unsafe {
                     let (w0, w1) = (_mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(row.add(i + 8)));
                     for (tok, acc) in acc.iter_mut().enumerate().take(t) {
-                        let f = x.as_ptr().add(tok * k + i);
+                        let f = xp.as_ptr().add(i * t + tok * K_LANES);
                         acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(f), w0, acc[0]);
                         acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(f.add(8)), w1, acc[1]);
                     }
                 }
-                i += K_LANES;
             }
             for (tok, acc) in acc.iter().enumerate().take(t) {
                 let mut lanes = [0f32; K_LANES];
@@ -93,11 +133,11 @@ mod avx2 {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
                     _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
                 }
-                let features = &x[tok * k + whole..(tok + 1) * k];
-                for (l, (&a, &b)) in features.iter().zip(&w[r * k + whole..]).enumerate() {
-                    lanes[l] = a.mul_add(b, lanes[l]);
-                }
-                dst[r * t + tok] = in_lane_order(&lanes);
+                dst[r * t + tok] = finish(
+                    lanes,
+                    &x[tok * k + whole..(tok + 1) * k],
+                    &w[r * k + whole..(r + 1) * k],
+                );
             }
         }
     }
@@ -113,36 +153,53 @@ mod tests {
             .collect()
     }
 
-    /// Whatever the CPU runs gives the portable loop's bits, at every token count and with
-    /// features that do not fill the last lanes; and both are within f32's rounding of f64.
+    /// Every kernel this CPU can run gives the portable loop's bits, at every token count it
+    /// takes, with odd rows and features that do not fill the last lanes; and all are within
+    /// f32's rounding of f64.
     #[test]
     fn every_path_sums_in_the_same_lanes() {
-        for (t, rows, k) in [
+        let shapes = [
+            (1, 1, 0),
             (1, 3, 1),
             (2, 5, 15),
             (3, 7, 16),
             (4, 9, 37),
             (4, 2, 1024),
-            (1, 1, 0),
-        ] {
+            (3, 4, 2500),
+        ];
+        let mut checked = 0;
+        for (t, rows, k) in shapes {
             let (x, w) = (values(t * k, 1), values(rows * k + 5, 2));
-            let got = x_times_weight_rows(&x, t, &w, rows, k);
             let mut want = vec![0.0; rows * t];
             portable_rows(&x, t, &w, rows, k, &mut want);
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "t {t}, rows {rows}, k {k}"
-            );
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let mut paths = vec![("dispatched", x_times_weight_rows(&x, t, &w, rows, k))];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                let mut got = vec![0.0; rows * t];
+                // SAFETY: the CPU has AVX2 and FMA; t ≤ MAX_TOKENS, sizes as it needs.
+                unsafe { avx2::rows(&x, &interleaved(&x, t, k), t, &w, rows, k, &mut got) };
+                paths.push(("avx2", got));
+            }
+            for (path, got) in &paths {
+                assert_eq!(bits(got), bits(&want), "{path}: t {t}, rows {rows}, k {k}");
+                checked += 1;
+            }
             for r in 0..rows {
                 for tok in 0..t {
                     let exact: f64 = (0..k)
                         .map(|i| f64::from(x[tok * k + i]) * f64::from(w[r * k + i]))
                         .sum();
-                    let got = f64::from(got[r * t + tok]);
+                    let got = f64::from(want[r * t + tok]);
                     assert!((got - exact).abs() <= 1e-6 * (1.0 + exact.abs()) * k as f64);
                 }
             }
         }
+        assert!(
+            checked >= shapes.len(),
+            "no kernel compared with the portable loop"
+        );
     }
 }

@@ -1,0 +1,126 @@
+//! The CPU reference's GEMMs for few tokens, GB/s of weights read on one thread: the few-token
+//! kernel (`exec::few_tokens`) against the gemm crate's kernels as the forward calls them
+//! (`exec::gemm_kernel`), on the shapes a forward hands them: 256 weight rows (one task) of
+//! `small`'s and GLM-5's projections (1024 and 6144 features in, and the experts' 512 and 2048),
+//! against 1 to 4 tokens. The last column says which of the two the forward runs there.
+//!
+//! Weights come from memory, as in a forward: each timed call reads another copy of the rows,
+//! out of 512 MiB of copies, each copy twice in all. The median call counts (the best would
+//! favour calls whose rows the prefetchers or L3 happened to hold). Both kernels' outputs are checked to
+//! agree within f32 rounding once per shape.
+//!
+//! Run with `cargo bench --bench gemm`; the table also goes to `bench-results/gemm.md`.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+use comfy_table::{presets, Table};
+use glmcheck::exec::{few_tokens, gemm_kernel};
+
+/// Weight rows per call: the forward's task size.
+const ROWS: usize = 256;
+/// Features per weight row: `small`'s expert gate/up (hidden 1024) and down (512), GLM-5's
+/// (hidden 6144, expert width 2048).
+const FEATURES: [usize; 4] = [512, 1024, 2048, 6144];
+/// Bytes of weight copies cycled through, well past the last-level cache.
+const COPIES_BYTES: usize = 512 << 20;
+
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// GB/s of weights of the median call of `kernel`, over every copy twice.
+fn median_rate(copies: &[Vec<f32>], mut kernel: impl FnMut(&[f32])) -> f64 {
+    let mut seconds: Vec<f64> = (0..2 * copies.len())
+        .map(|call| {
+            let w = &copies[call % copies.len()];
+            let began = Instant::now();
+            kernel(w);
+            began.elapsed().as_secs_f64()
+        })
+        .collect();
+    seconds.sort_by(f64::total_cmp);
+    (copies[0].len() * 4) as f64 / seconds[seconds.len() / 2] / 1e9
+}
+
+fn main() -> Result<()> {
+    let mut table = Table::new();
+    table.load_style(presets::ASCII_MARKDOWN);
+    table.set_header([
+        "features",
+        "tokens",
+        "few-token GB/s",
+        "gemm GB/s",
+        "ratio",
+        "the forward runs",
+    ]);
+    for k in FEATURES {
+        let copies: Vec<Vec<f32>> = (0..COPIES_BYTES / (ROWS * k * 4) + 1)
+            .map(|c| values(ROWS * k, c))
+            .collect();
+        for t in 1..=few_tokens::MAX_TOKENS {
+            let x = values(t * k, 7);
+            let x_cols: Vec<f32> = (0..k * t).map(|j| x[(j % t) * k + j / t]).collect();
+            let gemm = |w: &[f32]| {
+                let mut dst = vec![0f32; ROWS * t];
+                // SAFETY: dst holds ROWS·t values, x_cols t·k and w ROWS·k.
+                let ran = unsafe {
+                    gemm_kernel::x_times_weight_rows_f32(
+                        t,
+                        ROWS,
+                        k,
+                        dst.as_mut_ptr(),
+                        x_cols.as_ptr(),
+                        w.as_ptr(),
+                    )
+                };
+                (ran, dst)
+            };
+            let (ran, want) = gemm(&copies[0]);
+            ensure!(ran, "this CPU has no AVX2: gemm_kernel does not run");
+            let got = few_tokens::x_times_weight_rows(&x, t, &copies[0], ROWS, k);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+                .fold(0f32, f32::max);
+            ensure!(worst < 1e-4, "k {k}, t {t}: the kernels differ by {worst}");
+            let few = median_rate(&copies, |w| {
+                black_box(few_tokens::x_times_weight_rows(&x, t, w, ROWS, k));
+            });
+            let blocked = median_rate(&copies, |w| {
+                black_box(gemm(w));
+            });
+            table.add_row([
+                k.to_string(),
+                t.to_string(),
+                format!("{few:.1}"),
+                format!("{blocked:.1}"),
+                format!("{:.2}×", few / blocked),
+                if few_tokens::takes(t, k) {
+                    "few-token"
+                } else {
+                    "gemm"
+                }
+                .to_string(),
+            ]);
+        }
+    }
+    println!("{table}");
+    let mut md = String::new();
+    writeln!(
+        md,
+        "Few-token GEMMs, one thread, {ROWS} weight rows from memory, the median call \
+         (`cargo bench --bench gemm`)\n"
+    )?;
+    writeln!(md, "{table}")?;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("gemm.md"), md)?;
+    Ok(())
+}
