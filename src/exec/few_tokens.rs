@@ -51,7 +51,7 @@ pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize
 }
 
 /// The tokens' features chunk by chunk: for each whole chunk of [`K_LANES`] features, every
-/// token's in turn. The kernels read it front to back instead of one stream per token: token
+/// token's in turn. The kernel reads it front to back instead of one stream per token: token
 /// rows lie a multiple of 4 KiB apart at most widths, so per-token streams contend for the same
 /// few L1 sets.
 #[cfg(target_arch = "x86_64")]
