@@ -239,6 +239,13 @@ fn assert_same_stats(got: &TensorStats, want: &TensorStats, stage: &str) {
     assert_eq!(exact(got), exact(want), "{stage}");
 }
 
+/// The JSON object `{length: result}` an oracle script prints for the given lengths.
+fn oracle_by_length(script: &str, lengths: &[usize]) -> Value {
+    let args: Vec<String> = lengths.iter().map(usize::to_string).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    serde_json::from_str(&common::run_oracle(script, &args)).unwrap()
+}
+
 /// glmcheck's content hash, the probe's (numpy) and the oracle's word-by-word reference agree
 /// on lengths around a word, a row of lanes and a piece, past which pieces' hashes are hashed.
 #[test]
@@ -259,10 +266,7 @@ fn the_content_hash_is_the_same_in_rust_the_probe_and_the_reference() {
         piece + 1,
         3 * piece + 13,
     ];
-    let args: Vec<String> = lengths.iter().map(usize::to_string).collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let python: Value =
-        serde_json::from_str(&common::run_oracle("lane_hash_check.py", &args)).unwrap();
+    let python = oracle_by_length("lane_hash_check.py", &lengths);
     for n in lengths {
         let bytes: Vec<u8> = (0..n).map(|i| ((i * 31 + 7) % 251) as u8).collect();
         let ours = format!(
@@ -289,19 +293,16 @@ fn the_moments_are_the_same_in_rust_and_the_probe() {
         chunk + 1,
         3 * chunk + 21,
     ];
-    let args: Vec<String> = lengths.iter().map(usize::to_string).collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let python: Value =
-        serde_json::from_str(&common::run_oracle("moments_check.py", &args)).unwrap();
+    let python = oracle_by_length("moments_check.py", &lengths);
+    // As the script makes them: its later assignments win.
+    let special = [
+        (1000, f32::NAN),
+        (1777, f32::INFINITY),
+        (2500, f32::NEG_INFINITY),
+        (300, 0.0),
+        (301, -0.0),
+    ];
     for n in lengths {
-        // As the script makes them: its later assignments win.
-        let special = [
-            (1000, f32::NAN),
-            (1777, f32::INFINITY),
-            (2500, f32::NEG_INFINITY),
-            (300, 0.0),
-            (301, -0.0),
-        ];
         let xs: Vec<f32> = (0..n as i64)
             .map(
                 |i| match special.iter().rfind(|(every, _)| i > 0 && i % every == 0) {
