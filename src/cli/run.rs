@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use super::output;
 use super::Outcome;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::inject::Injection;
+use crate::exec::op_clock::OpTime;
 use crate::exec::tokenize;
 use crate::pipeline::record::{prompt_tokens, record, Recorded, RunSpec};
 use crate::pipeline::Model;
@@ -89,6 +91,10 @@ pub struct RunArgs {
     /// read resident, so the recorded pass times the forward without loading (benchmarks).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub warm_up: usize,
+    /// After the run, where the recorded pass spent its time: each backend op's calls and
+    /// seconds, and the stages' recording (the trace's `producer.op_seconds` has them always).
+    #[arg(long)]
+    pub profile: bool,
     /// Print the top-1 token of every position as JSON.
     #[arg(long)]
     pub json: bool,
@@ -102,7 +108,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
     } else {
         FullSelector::new(&args.full)?
     };
-    let Recorded { top1, generated } = record(RunSpec {
+    let Recorded {
+        top1,
+        generated,
+        op_times,
+        pass_seconds,
+    } = record(RunSpec {
         model: &model,
         tokens: &tokens,
         out: &args.out,
@@ -133,10 +144,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         _ => None,
     };
     if args.json {
-        println!(
-            "{}",
-            json!({"trace": args.out, "tokens": tokens, "top1": top1, "generated": generated, "text": text})
-        );
+        let mut out = json!({"trace": args.out, "tokens": tokens, "top1": top1, "generated": generated, "text": text});
+        if args.profile {
+            out["profile"] = json!({"pass_seconds": pass_seconds, "ops": op_times.iter()
+                .map(|t| json!({"op": t.op.name(), "calls": t.calls, "seconds": t.seconds}))
+                .collect::<Vec<_>>()});
+        }
+        println!("{out}");
     } else {
         println!(
             "wrote {} ({} positions); top-1 per position: {top1:?}",
@@ -149,6 +163,47 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         if let (Some(prompt), Some(text)) = (&args.prompt, &text) {
             println!("{prompt}{text}");
         }
+        if args.profile {
+            println!("{}", profile_table(&op_times, pass_seconds));
+        }
     }
     Ok(Outcome::Pass)
+}
+
+/// The recorded pass's time by op; what the ops leave of the pass's wall time is the host's
+/// own work between them (routing, top-k, copies, waits).
+fn profile_table(op_times: &[OpTime], pass_seconds: f64) -> comfy_table::Table {
+    let mut t = output::table(&["op", "calls", "seconds", "share of the pass"]);
+    let share = |s: f64| format!("{:.1}%", 100.0 * s / pass_seconds.max(f64::MIN_POSITIVE));
+    for o in op_times {
+        t.add_row(vec![
+            o.op.name().to_string(),
+            o.calls.to_string(),
+            format!("{:.4}", o.seconds),
+            share(o.seconds),
+        ]);
+    }
+    let in_ops: f64 = op_times.iter().map(|o| o.seconds).sum();
+    // Ops run from several threads at once (ranks, experts) can add up past the wall time.
+    let between = if in_ops <= pass_seconds {
+        (
+            format!("{:.4}", pass_seconds - in_ops),
+            share(pass_seconds - in_ops),
+        )
+    } else {
+        ("—".to_string(), "ops overlap in threads".to_string())
+    };
+    t.add_row(vec![
+        "between the ops".to_string(),
+        String::new(),
+        between.0,
+        between.1,
+    ]);
+    t.add_row(vec![
+        "the pass (wall)".to_string(),
+        String::new(),
+        format!("{pass_seconds:.4}"),
+        "100%".to_string(),
+    ]);
+    t
 }

@@ -13,6 +13,7 @@ pub mod inject;
 pub mod kept;
 pub mod lazy_weight;
 pub mod mat;
+pub mod op_clock;
 pub mod ops;
 pub mod real;
 pub mod rendezvous;

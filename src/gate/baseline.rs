@@ -367,8 +367,10 @@ impl Baseline {
             }),
             None => None,
         };
-        const MEASURED: [&str; 6] = [
+        const MEASURED: [&str; 8] = [
             "layer_seconds",
+            "op_seconds",
+            "pass_seconds",
             "gpu_peak_bytes",
             "gpu_resident_bytes",
             "gpu_kept_weight_bytes",

@@ -2,6 +2,8 @@
 //! fault or near-tie choices or as a hybrid with a reference, written as a trace.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::bail;
 use serde_json::json;
@@ -14,6 +16,7 @@ use crate::engine::{BackendKind, Engine};
 use crate::exec::backend::{Backend, Cpu};
 use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, Runner};
 use crate::exec::inject::Injection;
+use crate::exec::op_clock::{OpClock, OpTime, Timed, TimedRecorder};
 use crate::exec::ops::topk;
 use crate::exec::rendezvous;
 use crate::exec::source::WeightSource;
@@ -72,10 +75,15 @@ pub struct Split<'a> {
 }
 
 /// What a recorded run printed: the top-1 token of every prompt position and the generated
-/// tokens.
+/// tokens; and where its recorded pass (the prompt and the generated tokens, not the warm-up
+/// passes) spent its time.
 pub struct Recorded {
     pub top1: Vec<usize>,
     pub generated: Vec<u32>,
+    /// The backend's ops and the stages' recording, the costliest first (thread-seconds).
+    pub op_times: Vec<OpTime>,
+    /// The recorded pass's wall time.
+    pub pass_seconds: f64,
 }
 
 /// The prompt's token ids (`text` through the model's tokenizer, else `ids`) and the tokenizer.
@@ -164,10 +172,16 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             TraceWriter::create(spec.out, header, spec.full)?,
         ),
     };
-    let rec: &mut dyn Recorder = match &mut writer {
-        Some(w) => w,
-        None => &mut Discard,
+    let clock = Arc::new(OpClock::default());
+    let mut discard = Discard;
+    let mut rec = TimedRecorder {
+        inner: match &mut writer {
+            Some(w) => w,
+            None => &mut discard,
+        },
+        clock: &clock,
     };
+    let rec: &mut dyn Recorder = &mut rec;
     let mut source = spec.model.source().with_fault(spec.inject);
     if let Some(other) = spec.stored_as {
         source = source.stored_as(&other.source());
@@ -188,9 +202,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         ties: spec.ties,
     };
     let (n, g) = (spec.tokens, spec.generate);
-    let recorded = match (spec.dtype, spec.hybrid) {
+    let mut began = Instant::now();
+    let top1_generated = match (spec.dtype, spec.hybrid) {
         (Precision::F64, None) if spec.backend == BackendKind::Cpu => {
-            let be = Cpu::f64();
+            let be = Timed::new(Cpu::f64(), clock.clone());
             let run = Runner {
                 src: &source,
                 be: &be,
@@ -200,9 +215,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
         }
         (Precision::F64, _) => bail!("f64 runs only on the CPU and not as a hybrid"),
         (_, hybrid) => {
-            let Some(be) = engine else {
+            let Some(engine) = engine else {
                 bail!("f64 runs only on the CPU");
             };
+            let be = Timed::new(engine.clone(), clock.clone());
             let candidate = Runner {
                 src: &source,
                 be: &be,
@@ -214,17 +230,20 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     for _ in 0..spec.warm_up {
                         greedy(&run, n, 0, &mut Discard)?;
                     }
+                    clock.reset();
+                    began = Instant::now();
                     greedy(&run, n, g, rec)?
                 }
                 Some(split) => {
                     let reference = keeping(split.reference.source());
                     // On the candidate's GPUs when both run there: one memory budget for both.
-                    let f32_be = match (&be, split.reference_backend) {
+                    let f32_engine = match (&engine, split.reference_backend) {
                         (Engine::Cuda(gpus), BackendKind::Cuda) => {
                             Engine::Cuda(gpus.at_precision(Precision::F32))
                         }
                         (_, kind) => Engine::open(kind, Precision::F32, 1, None)?,
                     };
+                    let f32_be = Timed::new(f32_engine, clock.clone());
                     let reference = Runner {
                         src: &reference,
                         be: &f32_be,
@@ -248,7 +267,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     greedy(&run, n, g, rec)?
                 }
             };
-            let memory = be.gpu_memory();
+            let memory = engine.gpu_memory();
             if let (Some(w), false) = (&mut writer, memory.is_empty()) {
                 let per_rank = |f: fn(&RankMemory) -> serde_json::Value| -> serde_json::Value {
                     memory.iter().map(f).collect()
@@ -268,13 +287,24 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
             recorded
         }
     };
+    let pass_seconds = began.elapsed().as_secs_f64();
+    if let Some(w) = &mut writer {
+        w.set_producer("op_seconds", clock.to_json());
+        w.set_producer("pass_seconds", json!(pass_seconds));
+    }
     if let Some(w) = writer {
         w.finish()?;
     }
     if let Some(w) = watch {
         w.finish()?;
     }
-    Ok(recorded)
+    let (top1, generated) = top1_generated;
+    Ok(Recorded {
+        top1,
+        generated,
+        op_times: clock.times(),
+        pass_seconds,
+    })
 }
 
 /// The prompt through `be` into `rec`, then `n` greedy tokens: the top-1 token of every prompt
@@ -284,10 +314,10 @@ fn greedy<B: Backend>(
     prompt: &[u32],
     n: usize,
     rec: &mut dyn Recorder,
-) -> anyhow::Result<Recorded> {
+) -> anyhow::Result<(Vec<usize>, Vec<u32>)> {
     let (logits, generated) = generate(run, prompt, n, rec)?;
     let top1 = (0..logits.rows)
         .map(|r| topk(logits.row(r), 1)[0])
         .collect();
-    Ok(Recorded { top1, generated })
+    Ok((top1, generated))
 }
