@@ -65,6 +65,13 @@ fn the_profile_counts_every_op_of_the_recorded_pass() {
     assert_eq!(cold["rms_norm"], 4 * layers + 1);
     assert_eq!(cold["attention"], layers);
     assert_eq!(cold["indexer_scores"], layers);
+    // The host's own steps: the cache grown once per layer, the experts chosen once per MoE
+    // layer.
+    assert_eq!(cold["host: kv cache"], layers);
+    let dense = trace.manifest().model.config["first_k_dense_replace"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cold["host: route"], layers - dense);
     // One record call per stage the trace lists.
     assert_eq!(cold["record"], trace.stages().len() as u64);
     // The weights are read and held in this pass.

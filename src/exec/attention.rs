@@ -11,6 +11,7 @@ use super::attention_core::AttentionInputs;
 use super::backend::Backend;
 use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
+use super::op_clock::Op;
 use super::ops::topk;
 use num_traits::Float;
 use rayon::prelude::*;
@@ -202,10 +203,12 @@ pub fn attention<B: Backend>(
     be.round(&mut q_rot.data)?;
     be.round(&mut k_rope.data)?;
     // Tens of MB a layer at GLM-5's widths and 512 tokens: copied on the pool's cores.
-    cache
-        .kv
-        .par_extend(kv.data.par_iter().with_min_len(1 << 15).copied());
-    cache.k_rope.extend_from_slice(&k_rope.data);
+    be.host(Op::KvCache, || {
+        cache
+            .kv
+            .par_extend(kv.data.par_iter().with_min_len(1 << 15).copied());
+        cache.k_rope.extend_from_slice(&k_rope.data);
+    });
 
     let (selection, selection_gap) = if !cfg.has_dsa() {
         (None, None)
@@ -226,12 +229,14 @@ pub fn attention<B: Backend>(
     let total = start + t;
     let scale = B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(yarn_softmax_factor(cfg));
     // The keys each position sees: its DSA selection, else every position up to its own.
-    let keys: Vec<Vec<i32>> = (0..t)
-        .map(|i| match &selection {
-            Some(sel) => sel[i].clone(),
-            None => (0..=(start + i) as i32).collect(),
-        })
-        .collect();
+    let keys: Vec<Vec<i32>> = be.host(Op::AttentionKeys, || {
+        (0..t)
+            .map(|i| match &selection {
+                Some(sel) => sel[i].clone(),
+                None => (0..=(start + i) as i32).collect(),
+            })
+            .collect()
+    });
     let mut ctx = be.attention(&AttentionInputs {
         q: &q_rot,
         kv: &cache.kv,
@@ -332,25 +337,28 @@ fn indexer<B: Backend>(
     })?;
     let k_sel = (cfg.index_topk as usize).min(total);
     // Query positions in parallel, each its own top-k.
-    let chosen: Vec<(Vec<i32>, B::E)> = scores
-        .par_chunks(total.max(1))
-        .enumerate()
-        .map(|(i, score)| {
-            let p = start + i;
-            let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
-            let gap = if p + 1 > k_sel {
-                score[ranked[k_sel - 1]] - score[ranked[k_sel]]
-            } else {
-                B::E::lit(NO_BOUNDARY)
-            };
-            let mut chosen: Vec<i32> = ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
-            chosen.resize(k_sel, -1);
-            if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
-                chosen = reference.to_vec();
-            }
-            (chosen, gap)
-        })
-        .collect();
+    let chosen: Vec<(Vec<i32>, B::E)> = be.host(Op::IndexerTopk, || {
+        scores
+            .par_chunks(total.max(1))
+            .enumerate()
+            .map(|(i, score)| {
+                let p = start + i;
+                let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
+                let gap = if p + 1 > k_sel {
+                    score[ranked[k_sel - 1]] - score[ranked[k_sel]]
+                } else {
+                    B::E::lit(NO_BOUNDARY)
+                };
+                let mut chosen: Vec<i32> =
+                    ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
+                chosen.resize(k_sel, -1);
+                if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
+                    chosen = reference.to_vec();
+                }
+                (chosen, gap)
+            })
+            .collect()
+    });
     let (selection, gaps) = chosen.into_iter().unzip();
     Ok((selection, gaps))
 }

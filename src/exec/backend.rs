@@ -18,6 +18,7 @@ use super::few_tokens;
 use super::gemm_kernel;
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
+use super::op_clock::Op;
 use super::ops;
 use super::rope::{Rope, RotateSpec};
 use super::stored::StoredBlock;
@@ -162,6 +163,11 @@ pub trait Backend: Sync + Clone {
     /// rank order, one rounding per add.
     fn all_reduce(&self, parts: &[Mat<Self::E>]) -> Result<Mat<Self::E>> {
         sum_in_rank_order(self, parts)
+    }
+    /// `f`, the forward's own host work named `step` (one of [`Op`]'s host steps): timed
+    /// where the backend keeps an [`super::op_clock::OpClock`], else just run.
+    fn host<T>(&self, _step: Op, f: impl FnOnce() -> T) -> T {
+        f()
     }
 }
 

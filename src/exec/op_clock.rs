@@ -48,10 +48,22 @@ pub enum Op {
     Gather,
     /// A stage handed to the trace writer (copies, the statistics' tasks).
     Record,
+    /// The forward's own host work between the ops: each token's expert choice,
+    Route,
+    /// the routed experts' input rows gathered and their held weights looked up,
+    ExpertInputs,
+    /// the experts' outputs added into each token's row by their routing weights,
+    ExpertSum,
+    /// the KV cache grown by the new positions,
+    KvCache,
+    /// the DSA indexer's top-k over its scores,
+    IndexerTopk,
+    /// and each query's key positions listed for the attention op.
+    AttentionKeys,
 }
 
 impl Op {
-    const ALL: [Op; 18] = [
+    const ALL: [Op; 24] = [
         Op::Hold,
         Op::HoldStored,
         Op::HoldKvB,
@@ -70,6 +82,12 @@ impl Op {
         Op::AllReduce,
         Op::Gather,
         Op::Record,
+        Op::Route,
+        Op::ExpertInputs,
+        Op::ExpertSum,
+        Op::KvCache,
+        Op::IndexerTopk,
+        Op::AttentionKeys,
     ];
 
     /// The name `producer.op_seconds` and the profile table use.
@@ -93,6 +111,12 @@ impl Op {
             Op::AllReduce => "all_reduce",
             Op::Gather => "gather",
             Op::Record => "record",
+            Op::Route => "host: route",
+            Op::ExpertInputs => "host: expert inputs",
+            Op::ExpertSum => "host: expert sum",
+            Op::KvCache => "host: kv cache",
+            Op::IndexerTopk => "host: indexer top-k",
+            Op::AttentionKeys => "host: attention keys",
         }
     }
 }
@@ -312,6 +336,10 @@ impl<B: Backend> Backend for Timed<B> {
     fn all_reduce(&self, parts: &[Mat<B::E>]) -> Result<Mat<B::E>> {
         self.clock
             .time(Op::AllReduce, || self.inner.all_reduce(parts))
+    }
+
+    fn host<T>(&self, step: Op, f: impl FnOnce() -> T) -> T {
+        self.clock.time(step, f)
     }
 }
 

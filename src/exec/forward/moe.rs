@@ -11,6 +11,7 @@ use crate::exec::attention::NO_BOUNDARY;
 use crate::exec::backend::{Backend, MlpInput};
 use crate::exec::lazy_weight::LazyWeight;
 use crate::exec::mat::Mat;
+use crate::exec::op_clock::Op;
 use crate::exec::ops::{sigmoid, softmax, topk};
 use crate::exec::real::Real;
 use crate::exec::sharder::Sharder;
@@ -31,13 +32,15 @@ impl<B: Backend> Layer<'_, B> {
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
         let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
         let (ties, l, start) = (self.opts.ties, self.l, self.start);
-        let routes: Vec<_> = (0..t)
-            .into_par_iter()
-            .map(|s| {
-                let tie = ties.and_then(|ties| ties.moe_at(l, start + s));
-                route(cfg, softmax, logits.row(s), &bias, tie)
-            })
-            .collect();
+        let routes: Vec<_> = be.host(Op::Route, || {
+            (0..t)
+                .into_par_iter()
+                .map(|s| {
+                    let tie = ties.and_then(|ties| ties.moe_at(l, start + s));
+                    route(cfg, softmax, logits.row(s), &bias, tie)
+                })
+                .collect()
+        });
         let (mut ids, mut weights, mut gaps) = (
             Vec::with_capacity(t),
             Vec::with_capacity(t),
@@ -81,7 +84,7 @@ impl<B: Backend> Layer<'_, B> {
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
                 outputs[i].parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
             }
-            add_weighted(&mut routed, &outputs);
+            be.host(Op::ExpertSum, || add_weighted(&mut routed, &outputs));
         }
         if self.src.hooks().routed_scale_again() {
             let factor = B::E::lit(cfg.routed_scaling_factor);
@@ -185,10 +188,12 @@ fn routed_experts<B: Backend>(
     let weights_of = |e: usize| {
         [ExpertsGate, ExpertsUp, ExpertsDown].map(|role| LazyWeight::expert(src, l, e as u64, role))
     };
-    let inputs: Vec<_> = group
-        .par_iter()
-        .map(|&e| expert_rows(e, x, routing))
-        .collect();
+    let inputs: Vec<_> = be.host(Op::ExpertInputs, || {
+        group
+            .par_iter()
+            .map(|&e| expert_rows(e, x, routing))
+            .collect()
+    });
     if sharder.tp > 1 && !sharder.ep {
         return group
             .par_iter()
@@ -208,15 +213,18 @@ fn routed_experts<B: Backend>(
         .iter()
         .map(|&e| expert_rank(e as u64, experts, sharder.tp as u64) as usize)
         .collect();
-    let held = group
-        .par_iter()
-        .zip(&owners)
-        .map(|(&e, &owner)| {
-            let be = be.on_rank(owner);
-            let [gate, up, down] = weights_of(e);
-            Ok([gate.held(&be)?, up.held(&be)?, down.held(&be)?])
-        })
-        .collect::<Result<Vec<_>>>()?;
+    // Looking up kept weights is host work; holding one anew is timed as its own op within.
+    let held = be.host(Op::ExpertInputs, || {
+        group
+            .par_iter()
+            .zip(&owners)
+            .map(|(&e, &owner)| {
+                let be = be.on_rank(owner);
+                let [gate, up, down] = weights_of(e);
+                Ok([gate.held(&be)?, up.held(&be)?, down.held(&be)?])
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
     let mut ranks = owners.clone();
     ranks.sort_unstable();
     ranks.dedup();
