@@ -84,9 +84,47 @@ pub fn topk<E: Real>(values: &[E], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The index of the greatest value, the lowest index among equals: `topk(values, 1)[0]` in one
+/// pass without an index vector (a row of GLM-5's logits is 154880 values, and a prompt has
+/// hundreds of rows). `None` for no values.
+pub fn argmax<E: Real>(values: &[E]) -> Option<usize> {
+    let mut best: Option<(usize, E)> = None;
+    for (i, &v) in values.iter().enumerate() {
+        match best {
+            Some((_, b)) if v.total_cmp(&b) != std::cmp::Ordering::Greater => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_is_the_first_of_topk() {
+        let cases: [&[f32]; 6] = [
+            &[0.1, 3.0, -1.0, 3.0],
+            &[-0.0, 0.0, -0.0],
+            &[f32::NEG_INFINITY, f32::NEG_INFINITY],
+            &[1.0, f32::NAN, 2.0],
+            &[-f32::NAN, -5.0],
+            &[7.0],
+        ];
+        for values in cases {
+            assert_eq!(argmax(values), Some(topk(values, 1)[0]), "{values:?}");
+        }
+        let mut x = 1u32;
+        let noisy: Vec<f32> = (0..10_000)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 20) as f32 / 64.0
+            })
+            .collect();
+        assert_eq!(argmax(&noisy), Some(topk(&noisy, 1)[0]));
+        assert_eq!(argmax::<f32>(&[]), None);
+    }
 
     #[test]
     fn topk_is_largest_first_and_softmax_ignores_minus_infinity() {

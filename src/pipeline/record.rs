@@ -17,13 +17,14 @@ use crate::exec::backend::{Backend, Cpu};
 use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, Runner};
 use crate::exec::inject::Injection;
 use crate::exec::op_clock::{OpClock, OpTime, Timed, TimedRecorder};
-use crate::exec::ops::topk;
+use crate::exec::ops::argmax;
 use crate::exec::rendezvous;
 use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::exec::tokenize;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
 use crate::weights::ModelFiles;
+use rayon::prelude::*;
 
 /// A digest of the weights' names, types and shapes (not their bytes: reading 402 GB to name a
 /// trace would defeat the point).
@@ -317,7 +318,8 @@ fn greedy<B: Backend>(
 ) -> anyhow::Result<(Vec<usize>, Vec<u32>)> {
     let (logits, generated) = generate(run, prompt, n, rec)?;
     let top1 = (0..logits.rows)
-        .map(|r| topk(logits.row(r), 1)[0])
+        .into_par_iter()
+        .map(|r| argmax(logits.row(r)).unwrap_or(0))
         .collect();
     Ok((top1, generated))
 }
