@@ -50,7 +50,7 @@ pub enum Op {
     Record,
     /// The forward's own host work between the ops: each token's expert choice,
     Route,
-    /// the routed experts' input rows gathered and their held weights looked up,
+    /// the routed experts' input rows gathered,
     ExpertInputs,
     /// the experts' outputs added into each token's row by their routing weights,
     ExpertSum,

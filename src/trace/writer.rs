@@ -13,6 +13,7 @@
 //! out of the forward or, where the forward is done with them, handed over
 //! ([`TraceWriter::record_owned`]); a group waits for its own when it is written.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
@@ -71,15 +72,6 @@ impl Stage<'_> {
             Stage::I32(v) => OwnedStage::I32(copied(v)),
         }
     }
-
-    /// The values as safetensors stores them: little-endian bytes.
-    fn le_bytes(self) -> Vec<u8> {
-        match self {
-            Stage::F32(v) => le_bytes(v, f32::to_le_bytes),
-            Stage::F64(v) => le_bytes(v, f64::to_le_bytes),
-            Stage::I32(v) => le_bytes(v, i32::to_le_bytes),
-        }
-    }
 }
 
 /// Values per parallel task of a stage's copy.
@@ -95,12 +87,12 @@ fn copied<T: Copy + Send + Sync>(v: &[T]) -> Vec<T> {
     v.par_iter().with_min_len(COPY_CHUNK).copied().collect()
 }
 
-/// `v` as little-endian bytes: its own bytes on a little-endian host.
-fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) -> Vec<u8> {
+/// `v` as little-endian bytes: its own bytes, not copied, on a little-endian host.
+fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) -> Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
-        bytemuck::cast_slice(v).to_vec()
+        Cow::Borrowed(bytemuck::cast_slice(v))
     } else {
-        v.iter().flat_map(|&x| to_le(x)).collect()
+        Cow::Owned(v.iter().flat_map(|&x| to_le(x)).collect())
     }
 }
 
@@ -128,11 +120,30 @@ impl OwnedStage {
             OwnedStage::I32(v) => TensorStats::of(v),
         }
     }
+
+    /// The values as safetensors stores them: little-endian bytes.
+    fn le_bytes(&self) -> Cow<'_, [u8]> {
+        match self {
+            OwnedStage::F32(v) => le_bytes(v, f32::to_le_bytes),
+            OwnedStage::F64(v) => le_bytes(v, f64::to_le_bytes),
+            OwnedStage::I32(v) => le_bytes(v, i32::to_le_bytes),
+        }
+    }
+
+    fn dtype(&self) -> Dtype {
+        match self {
+            OwnedStage::F32(_) => Dtype::F32,
+            OwnedStage::F64(_) => Dtype::F64,
+            OwnedStage::I32(_) => Dtype::I32,
+        }
+    }
 }
 
 /// A stage's statistics: its values until someone takes them to compute, then the statistics.
+/// The values are shared with the group's full tensors when the stage is stored whole: one copy
+/// serves both.
 enum StatsCell {
-    Values(OwnedStage),
+    Values(Arc<OwnedStage>),
     Computing,
     Done(TensorStats),
 }
@@ -144,7 +155,7 @@ enum StatsCell {
 struct PendingStats(Arc<(Mutex<StatsCell>, Condvar)>);
 
 impl PendingStats {
-    fn start(values: OwnedStage) -> PendingStats {
+    fn start(values: Arc<OwnedStage>) -> PendingStats {
         let cell = Arc::new((Mutex::new(StatsCell::Values(values)), Condvar::new()));
         let task = cell.clone();
         rayon::spawn(move || {
@@ -177,7 +188,7 @@ fn lock(cell: &Mutex<StatsCell>) -> std::sync::MutexGuard<'_, StatsCell> {
 }
 
 /// The values, when nobody has taken them yet.
-fn claim(cell: &Mutex<StatsCell>) -> Option<OwnedStage> {
+fn claim(cell: &Mutex<StatsCell>) -> Option<Arc<OwnedStage>> {
     let mut state = lock(cell);
     match std::mem::replace(&mut *state, StatsCell::Computing) {
         StatsCell::Values(values) => Some(values),
@@ -196,9 +207,8 @@ fn finish((cell, done): &(Mutex<StatsCell>, Condvar), stats: TensorStats) {
 /// A full tensor waiting for its group's file.
 struct Held {
     name: String,
-    dtype: Dtype,
     shape: Vec<usize>,
-    bytes: Vec<u8>,
+    values: Arc<OwnedStage>,
 }
 
 /// The stages of the group in progress, each with its statistics on the way.
@@ -265,9 +275,8 @@ impl TraceWriter {
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()> {
-        self.add_stage(name, shape, dims, rank, values)?;
-        self.open.stats.push(PendingStats::start(values.to_owned()));
-        Ok(())
+        self.check_stage(name, shape, rank, values)?;
+        self.add_stage(name, shape, dims, rank, Arc::new(values.to_owned()))
     }
 
     /// [`Self::record`] with the values handed over instead of copied.
@@ -279,18 +288,16 @@ impl TraceWriter {
         rank: Option<u32>,
         values: OwnedStage,
     ) -> Result<()> {
-        self.add_stage(name, shape, dims, rank, values.view())?;
-        self.open.stats.push(PendingStats::start(values));
-        Ok(())
+        self.check_stage(name, shape, rank, values.view())?;
+        self.add_stage(name, shape, dims, rank, Arc::new(values))
     }
 
-    /// A stage's record in the open group (and its full tensor, when selected); its statistics
-    /// are the caller's to start.
-    fn add_stage(
+    /// A stage's name, shape and rank checked before its values are copied; a new group
+    /// writes the one before.
+    fn check_stage(
         &mut self,
         name: &str,
         shape: &[u64],
-        dims: &str,
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()> {
@@ -334,12 +341,25 @@ impl TraceWriter {
         }
         if group != self.open.name {
             self.close_group()?;
-            self.open.name = group.clone();
+            self.open.name = group;
         }
+        Ok(())
+    }
+
+    /// A checked stage's record in the open group, its statistics started and its full tensor
+    /// kept when selected.
+    fn add_stage(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        values: Arc<OwnedStage>,
+    ) -> Result<()> {
         let mut record = StageRecord {
             name: name.to_string(),
             shape: shape.to_vec(),
-            dtype: values.elem_type(),
+            dtype: values.view().elem_type(),
             dims: dims.to_string(),
             rank,
             // Filled in when the group is written.
@@ -355,18 +375,14 @@ impl TraceWriter {
             };
             self.open.held.push(Held {
                 name: tensor.clone(),
-                dtype: match values {
-                    Stage::F32(_) => Dtype::F32,
-                    Stage::F64(_) => Dtype::F64,
-                    Stage::I32(_) => Dtype::I32,
-                },
                 shape: shape.iter().map(|&d| d as usize).collect(),
-                bytes: values.le_bytes(),
+                values: values.clone(),
             });
-            record.file = Some(format!("{group}.safetensors"));
+            record.file = Some(format!("{}.safetensors", self.open.name));
             record.tensor = Some(tensor);
         }
         self.open.stages.push(record);
+        self.open.stats.push(PendingStats::start(values));
         Ok(())
     }
 
@@ -419,11 +435,13 @@ impl TraceWriter {
 
     fn write_tensors(&self, group: &Group) -> Result<()> {
         let path = self.dir.join(format!("{}.safetensors", group.name));
+        let bytes: Vec<Cow<'_, [u8]>> = group.held.iter().map(|h| h.values.le_bytes()).collect();
         let views = group
             .held
             .iter()
-            .map(|h| {
-                let view = TensorView::new(h.dtype, h.shape.clone(), &h.bytes);
+            .zip(&bytes)
+            .map(|(h, bytes)| {
+                let view = TensorView::new(h.values.dtype(), h.shape.clone(), bytes);
                 view.map(|v| (h.name.as_str(), v))
             })
             .collect::<Result<Vec<_>, _>>();

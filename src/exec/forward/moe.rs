@@ -213,18 +213,15 @@ fn routed_experts<B: Backend>(
         .iter()
         .map(|&e| expert_rank(e as u64, experts, sharder.tp as u64) as usize)
         .collect();
-    // Looking up kept weights is host work; holding one anew is timed as its own op within.
-    let held = be.host(Op::ExpertInputs, || {
-        group
-            .par_iter()
-            .zip(&owners)
-            .map(|(&e, &owner)| {
-                let be = be.on_rank(owner);
-                let [gate, up, down] = weights_of(e);
-                Ok([gate.held(&be)?, up.held(&be)?, down.held(&be)?])
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
+    let held = group
+        .par_iter()
+        .zip(&owners)
+        .map(|(&e, &owner)| {
+            let be = be.on_rank(owner);
+            let [gate, up, down] = weights_of(e);
+            Ok([gate.held(&be)?, up.held(&be)?, down.held(&be)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut ranks = owners.clone();
     ranks.sort_unstable();
     ranks.dedup();
