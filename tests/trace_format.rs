@@ -559,6 +559,29 @@ fn a_crashed_run_leaves_its_finished_layers() {
     assert!(!dir.join("L1.safetensors").exists());
 }
 
+/// Groups are written on a thread of their own; an error there (the folder gone) still
+/// reaches the run, by the next record or at the end, naming the file.
+#[test]
+fn a_failed_write_reaches_the_run() {
+    let tmp = common::scratch();
+    let dir = tmp.path().join("gone.trace");
+    let mut w = TraceWriter::create(&dir, header(), FullSelector::default()).expect("create");
+    let v = [1f32; 8];
+    w.record("L0.out", &[2, 4], "t d", None, Stage::F32(&v))
+        .expect("record");
+    fs::remove_dir_all(&dir).expect("remove the folder");
+    let later = w.record("L1.out", &[2, 4], "t d", None, Stage::F32(&v));
+    let err = match later {
+        Err(e) => e,
+        Ok(()) => w.finish().expect_err("the group could not be written"),
+    };
+    let text = err.to_string();
+    assert!(
+        text.contains("gone.trace") && text.contains("L0.safetensors"),
+        "{text}"
+    );
+}
+
 #[test]
 fn the_writer_refuses_misuse() {
     let tmp = common::scratch();
