@@ -11,6 +11,7 @@ use std::path::Path;
 use glmcheck::exec::inject::Injection;
 use glmcheck::exec::sharder::Sharder;
 use glmcheck::exec::source::WeightSource;
+use glmcheck::exec::stored::StoredMatrix;
 use glmcheck::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use glmcheck::shard::plan::splits_rows;
 
@@ -217,4 +218,23 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let mut whole = vec![0u8; t.nbytes as usize - 3];
     files.read_into(t, 3, &mut whole).unwrap();
     assert!(whole == files.bytes(t)[3..], "{}", t.name);
+
+    // F32 blocks are read straight into the values: the map's bytes as little-endian f32, for
+    // the whole matrix and for a block of rows and columns.
+    let matrix = StoredMatrix::new(&files, t, 0, t.rows()).unwrap();
+    let (rows, cols) = (matrix.rows, matrix.cols);
+    let mapped: Vec<u32> = files
+        .bytes(t)
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let bits = |m: glmcheck::exec::mat::Mat<f32>| -> Vec<u32> {
+        m.data.iter().map(|v| v.to_bits()).collect()
+    };
+    assert!(bits(matrix.whole().dequantize().unwrap()) == mapped);
+    let block = matrix.block(1..rows - 1, cols / 4..cols / 2).unwrap();
+    let want: Vec<u32> = (1..rows - 1)
+        .flat_map(|r| mapped[r * cols + cols / 4..r * cols + cols / 2].to_vec())
+        .collect();
+    assert!(bits(block.dequantize().unwrap()) == want);
 }

@@ -151,6 +151,13 @@ impl StoredBlock<'_> {
         if rows * cols == 0 {
             return Ok(Mat::zeros(rows, cols));
         }
+        if self.matrix.ty == GgmlType::F32 && cfg!(target_endian = "little") {
+            // The values' own bytes: read straight into the output, without a second buffer of
+            // the weight's size and a copy out of it.
+            let mut out = vec![0f32; rows * cols];
+            self.read_into(bytemuck::cast_slice_mut(&mut out))?;
+            return Ok(Mat::new(rows, cols, out));
+        }
         let mut blocks = vec![0u8; self.nbytes()];
         self.read_into(&mut blocks)?;
         let out =
