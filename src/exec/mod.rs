@@ -23,6 +23,7 @@ pub mod sharder;
 pub mod source;
 pub mod stored;
 pub mod ties;
+pub mod timed;
 pub mod tokenize;
 pub mod tp;
 
