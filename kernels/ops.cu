@@ -196,6 +196,132 @@ ATTENTION(f32)
 ATTENTION(bf16)
 ATTENTION(f16)
 
+// Query positions per block of `attention_tiled` (QUERY_TILE in src/cuda/attention_plan.rs).
+#define QUERY_TILE 8
+
+// MLA attention of query positions QUERY_TILE · blockIdx.x and on (a tile), head blockIdx.y,
+// over the union of the keys they see (the plan of src/cuda/attention_plan.rs: the tile's keys,
+// ascending, and a mask row per query): each key and value row is loaded into shared memory
+// once for the tile's queries instead of once per query. Two passes over the keys, `kt` at a
+// time: the first finds each query's largest score, the second adds exp(score − largest) and
+// its share of the values; the context is the sum of those shares over the sum of the
+// exponentials. Scores sum the no-RoPE and RoPE products apart as the CPU does; a key a query
+// does not see scores −∞, an exponential of 0 adds nothing (as the CPU skips zero
+// probabilities). `lanes` = ROW_THREADS / (QUERY_TILE · kt) threads, neighbours in a warp,
+// share each query–key dot product. Dynamic shared memory, in floats: the queries (QUERY_TILE
+// rows of nope + rope + 1, the 1 against bank conflicts), the step's keys (nope + rope rows of
+// kt: a key per column), its values (kt rows of vd), the contexts (QUERY_TILE rows of vd), the
+// step's scores (QUERY_TILE × kt), and each query's largest score and sum.
+template <typename T>
+__device__ void attention_tiled(const T* q, const T* kv, const T* k_rope, const u32* plan,
+                                float* out, u32 t, u32 tiles, u32 heads, u32 nope, u32 rope,
+                                u32 vd, u32 kt, float scale) {
+    extern __shared__ float tile_mem[];
+    u32 tile = blockIdx.x, head = blockIdx.y;
+    u32 qk = nope + rope, qw = qk + 1, stride = heads * (nope + vd), at = head * (nope + vd);
+    u32 q0 = tile * QUERY_TILE;
+    u32 first = plan[tile], count = plan[tile + 1] - first, words = (count + 31) / 32;
+    const u32* keys = plan + first;
+    const u32* mask = plan + plan[tiles + 1 + tile];
+    float* qs = tile_mem;
+    float* ks = qs + QUERY_TILE * qw;
+    float* vs = ks + qk * kt;
+    float* acc = vs + kt * vd;
+    float* scores = acc + QUERY_TILE * vd;
+    float* best = scores + QUERY_TILE * kt;
+    float* sums = best + QUERY_TILE;
+    for (u32 x = threadIdx.x; x < QUERY_TILE * qk; x += ROW_THREADS) {
+        u32 r = x / qk, d = x % qk;
+        qs[r * qw + d] = q0 + r < t ? to_f32(q[((u64)(q0 + r) * heads + head) * qk + d]) : 0.0f;
+    }
+    for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) acc[x] = 0.0f;
+    if (threadIdx.x < QUERY_TILE) {
+        best[threadIdx.x] = NEG_INF;
+        sums[threadIdx.x] = 0.0f;
+    }
+    u32 lanes = ROW_THREADS / (QUERY_TILE * kt);
+    u32 pair = threadIdx.x / lanes, sub = threadIdx.x % lanes;
+    u32 r = pair / kt, k = pair % kt;
+    for (u32 pass = 0; pass < 2; pass++) {
+        for (u32 s0 = 0; s0 < count; s0 += kt) {
+            __syncthreads();  // the previous step's rows are used up
+            for (u32 x = threadIdx.x; x < kt * qk; x += ROW_THREADS) {
+                u32 c = x / qk, d = x % qk;
+                float v = 0.0f;
+                if (s0 + c < count) {
+                    u64 j = keys[s0 + c];
+                    v = d < nope ? to_f32(kv[j * stride + at + d]) : to_f32(k_rope[j * rope + d - nope]);
+                }
+                ks[d * kt + c] = v;
+            }
+            if (pass == 1) {
+                for (u32 x = threadIdx.x; x < kt * vd; x += ROW_THREADS) {
+                    u32 c = x / vd, d = x % vd;
+                    vs[x] = s0 + c < count ? to_f32(kv[(u64)keys[s0 + c] * stride + at + nope + d]) : 0.0f;
+                }
+            }
+            __syncthreads();
+            u32 s = s0 + k;
+            bool seen = s < count && q0 + r < t && ((mask[r * words + s / 32] >> (s % 32)) & 1u);
+            float dot_nope = 0.0f, dot_rope = 0.0f;
+            for (u32 d = sub; d < nope; d += lanes) dot_nope += qs[r * qw + d] * ks[d * kt + k];
+            for (u32 d = sub; d < rope; d += lanes) dot_rope += qs[r * qw + nope + d] * ks[(nope + d) * kt + k];
+            for (u32 m = lanes / 2; m > 0; m /= 2) {
+                dot_nope += __shfl_xor_sync(0xffffffffu, dot_nope, m);
+                dot_rope += __shfl_xor_sync(0xffffffffu, dot_rope, m);
+            }
+            if (sub == 0) scores[r * kt + k] = seen ? (dot_nope + dot_rope) * scale : NEG_INF;
+            __syncthreads();
+            if (threadIdx.x < QUERY_TILE) {
+                u32 row = threadIdx.x;
+                float* sc = scores + row * kt;
+                if (pass == 0) {
+                    float b = best[row];
+                    for (u32 c = 0; c < kt; c++) b = fmaxf(b, sc[c]);
+                    best[row] = b;
+                } else {
+                    float sum = sums[row];
+                    for (u32 c = 0; c < kt; c++) {
+                        float e = sc[c] == NEG_INF ? 0.0f : expf(sc[c] - best[row]);
+                        sc[c] = e;
+                        sum += e;
+                    }
+                    sums[row] = sum;
+                }
+            }
+            if (pass == 1) {
+                __syncthreads();
+                for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS) {
+                    for (u32 row = 0; row < QUERY_TILE; row++) {
+                        float a = acc[row * vd + d];
+                        for (u32 c = 0; c < kt; c++) {
+                            float e = scores[row * kt + c];
+                            if (e != 0.0f) a += e * vs[c * vd + d];
+                        }
+                        acc[row * vd + d] = a;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) {
+        u32 row = x / vd, d = x % vd;
+        if (q0 + row < t) out[((u64)(q0 + row) * heads + head) * vd + d] = acc[x] / sums[row];
+    }
+}
+
+#define ATTENTION_TILED(T)                                                                      \
+    extern "C" __global__ void attention_tiled_##T(                                             \
+        const T* q, const T* kv, const T* k_rope, const u32* plan, float* out, u32 t, u32 tiles, \
+        u32 heads, u32 nope, u32 rope, u32 vd, u32 kt, float scale) {                           \
+        attention_tiled(q, kv, k_rope, plan, out, t, tiles, heads, nope, rope, vd, kt, scale);  \
+    }
+
+ATTENTION_TILED(f32)
+ATTENTION_TILED(bf16)
+ATTENTION_TILED(f16)
+
 // The DSA indexer's score of query blockIdx.y (position start + blockIdx.y) against key
 // blockIdx.x · blockDim.x + threadIdx.x: Σ_h (w_h · head_scale) · relu(q_h · k · scale), −∞ past
 // the query's position. In the CPU's order (`indexer_scores_core`): each dot product and the

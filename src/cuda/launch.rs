@@ -6,6 +6,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
+use super::attention_plan::{tiled_plan, QUERY_TILE};
 use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
@@ -218,67 +219,106 @@ impl Device {
         Ok(Mat::new(m.rows, m.cols, self.download(&x, m.data.len())?))
     }
 
-    /// MLA attention (see [`AttentionInputs`]), one block per position and head, the context
-    /// in f32.
+    /// MLA attention (see [`AttentionInputs`]), the context in f32: tiles of positions that
+    /// share their keys (a prompt's positions) one block per tile and head, each key row loaded
+    /// once for the tile ([`tiled_plan`]); otherwise (a generated position, DSA selections that
+    /// share little, head dims too wide for the tiles) one block per position and head.
     pub(super) fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
         let (t, heads) = (a.q.rows, a.heads);
         let n = t * heads * a.v;
         if n == 0 {
             return Ok(Vec::new());
         }
-        let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut keys = vec![-1i32; t * slots];
-        for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
-            for (k, &j) in row.iter_mut().zip(chosen) {
-                if j >= 0 && j as usize >= a.positions {
-                    bail!(
-                        "attention: key {j} beyond the {} cached positions",
-                        a.positions
-                    );
-                }
-                *k = j;
-            }
-        }
-        // The scores, then the query head.
-        let shared = ((slots + a.nope + a.rope) * std::mem::size_of::<f32>()) as u32;
-        if shared > MAX_SCORES_BYTES {
+        if let Some(j) = a
+            .keys
+            .iter()
+            .flatten()
+            .find(|&&j| j >= 0 && j as usize >= a.positions)
+        {
             bail!(
-                "attention over {slots} keys with query heads of {}: at most {} values in one block",
-                a.nope + a.rope,
-                MAX_SCORES_BYTES / 4
+                "attention: key {j} beyond the {} cached positions",
+                a.positions
             );
         }
+        let step = keys_per_step(a.nope + a.rope, a.v);
+        let tiles = step.and_then(|kt| Some((tiled_plan(a.keys)?, kt)));
         let q = self.upload::<D>(&a.q.data)?;
         let kv = self.upload::<D>(a.kv)?;
         let k_rope = self.upload::<D>(a.k_rope)?;
-        let key_buf = self.upload_exact(&keys)?;
         let mut out = self.alloc::<f32>(n)?;
         let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
-        let (v, slots32) = (to_u32(a.v)?, to_u32(slots)?);
-        let scale = a.scale;
-        let f = self.kernel("attention", D::SUFFIX)?;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(&q.slice)
-            .arg(&kv.slice)
-            .arg(&k_rope.slice)
-            .arg(&key_buf.slice)
-            .arg(&mut out.slice)
-            .arg(&heads32)
-            .arg(&nope)
-            .arg(&rope)
-            .arg(&v)
-            .arg(&slots32)
-            .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (to_u32(t)?, heads32, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: shared,
-        };
-        // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached position
-        // the keys name (checked above), keys t × slots, out t × heads × v; the scores take
-        // `shared` bytes.
-        unsafe { launch.launch(cfg) }?;
+        let (v, scale, t32) = (to_u32(a.v)?, a.scale, to_u32(t)?);
+        if let Some((plan, kt)) = tiles {
+            let plan_buf = self.upload_exact(&plan)?;
+            let count = to_u32(t.div_ceil(QUERY_TILE))?;
+            let kt32 = to_u32(kt)?;
+            let f = self.kernel("attention_tiled", D::SUFFIX)?;
+            let mut launch = self.gpu.stream.launch_builder(&f);
+            launch
+                .arg(&q.slice)
+                .arg(&kv.slice)
+                .arg(&k_rope.slice)
+                .arg(&plan_buf.slice)
+                .arg(&mut out.slice)
+                .arg(&t32)
+                .arg(&count)
+                .arg(&heads32)
+                .arg(&nope)
+                .arg(&rope)
+                .arg(&v)
+                .arg(&kt32)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (count, heads32, 1),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: tiled_shared_bytes(kt, a.nope + a.rope, a.v) as u32,
+            };
+            // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
+            // position the plan names (checked above), the plan `count` tiles' offsets, keys and
+            // masks (as `tiled_plan` lays them out), out t × heads × v; the block's rows take the
+            // shared bytes given, within the limit `keys_per_step` keeps.
+            unsafe { launch.launch(cfg) }?;
+        } else {
+            let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
+            let mut keys = vec![-1i32; t * slots];
+            for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
+                row[..chosen.len()].copy_from_slice(chosen);
+            }
+            // The scores, then the query head.
+            let shared = ((slots + a.nope + a.rope) * std::mem::size_of::<f32>()) as u32;
+            if shared > MAX_SCORES_BYTES {
+                bail!(
+                    "attention over {slots} keys with query heads of {}: at most {} values in one block",
+                    a.nope + a.rope,
+                    MAX_SCORES_BYTES / 4
+                );
+            }
+            let key_buf = self.upload_exact(&keys)?;
+            let slots32 = to_u32(slots)?;
+            let f = self.kernel("attention", D::SUFFIX)?;
+            let mut launch = self.gpu.stream.launch_builder(&f);
+            launch
+                .arg(&q.slice)
+                .arg(&kv.slice)
+                .arg(&k_rope.slice)
+                .arg(&key_buf.slice)
+                .arg(&mut out.slice)
+                .arg(&heads32)
+                .arg(&nope)
+                .arg(&rope)
+                .arg(&v)
+                .arg(&slots32)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (t32, heads32, 1),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: shared,
+            };
+            // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
+            // position the keys name (checked above), keys t × slots, out t × heads × v; the
+            // scores take `shared` bytes.
+            unsafe { launch.launch(cfg) }?;
+        }
         self.download(&out, n)
     }
 
@@ -474,6 +514,22 @@ pub(super) struct MlpJob<'a, D: Dtype> {
     pub(super) weights: [&'a Buffer<D>; 3],
     pub(super) inner: usize,
     pub(super) out_rows: usize,
+}
+
+/// Keys per step of the tiled attention kernel for query heads of `qk` and values of `vd`: the
+/// most of 16, 8 or 4 (two, four or eight threads to a query–key dot product) whose rows fit
+/// in a block's shared memory; `None` where not even 4 do.
+fn keys_per_step(qk: usize, vd: usize) -> Option<usize> {
+    [16, 8, 4]
+        .into_iter()
+        .find(|&kt| tiled_shared_bytes(kt, qk, vd) <= MAX_SCORES_BYTES as usize)
+}
+
+/// The tiled attention kernel's shared memory at `kt` keys a step (its layout in
+/// `kernels/ops.cu`).
+fn tiled_shared_bytes(kt: usize, qk: usize, vd: usize) -> usize {
+    let floats = QUERY_TILE * (qk + 1) + qk * kt + kt * vd + QUERY_TILE * vd + QUERY_TILE * kt;
+    (floats + 2 * QUERY_TILE) * std::mem::size_of::<f32>()
 }
 
 fn elements(count: u32) -> LaunchConfig {

@@ -15,6 +15,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::weights::GgmlType;
 
+mod attention_plan;
 pub mod backend;
 pub mod check;
 mod device;

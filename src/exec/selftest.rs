@@ -94,7 +94,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 22] = [
+pub const CASES: [Op; 24] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -176,6 +176,19 @@ pub const CASES: [Op; 22] = [
         positions: 300,
         heads: 4,
         sparse: 64,
+    },
+    // Enough positions for several tiles of the GPU's tiled kernel, the last one partial.
+    Op::Attention {
+        t: 37,
+        positions: 45,
+        heads: 3,
+        sparse: 0,
+    },
+    Op::Attention {
+        t: 16,
+        positions: 40,
+        heads: 2,
+        sparse: 24,
     },
 ];
 
