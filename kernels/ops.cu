@@ -322,12 +322,18 @@ ATTENTION_TILED(f32)
 ATTENTION_TILED(bf16)
 ATTENTION_TILED(f16)
 
+// Heads whose dot products `indexer_scores_f32` runs side by side.
+#define HEAD_GROUP 16
+
 // The DSA indexer's score of query blockIdx.y (position start + blockIdx.y) against key
 // blockIdx.x · blockDim.x + threadIdx.x: Σ_h (w_h · head_scale) · relu(q_h · k · scale), −∞ past
 // the query's position. In the CPU's order (`indexer_scores_core`): each dot product and the
 // sum over heads from −0 in sequence, every product and sum rounded on its own (--fmad=false),
-// relu(x) = x > 0 ? x : +0; so that the two agree bit for bit. The query's heads and weights
-// sit in dynamic shared memory, read by every thread alike.
+// relu(x) = x > 0 ? x : +0; so that the two agree bit for bit. The dot products of HEAD_GROUP
+// heads run side by side, each key value read once for all of them: each is still its own
+// sequence over the dims, and the heads are still summed in order, but the group's sums are
+// independent chains the GPU overlaps. The query's heads and weights sit in dynamic shared
+// memory, read by every thread alike.
 extern "C" __global__ void indexer_scores_f32(const float* q, const float* keys, const float* w,
                                               float* out, u32 total, u32 heads, u32 dim,
                                               u32 start, float scale, float head_scale) {
@@ -342,12 +348,25 @@ extern "C" __global__ void indexer_scores_f32(const float* q, const float* keys,
     if (j <= start + i) {
         const float* k = keys + (u64)j * dim;
         score = -0.0f;
-        for (u32 h = 0; h < heads; h++) {
-            const float* qh = query + h * dim;
-            float dot = -0.0f;
-            for (u32 d = 0; d < dim; d++) dot = dot + qh[d] * k[d];
-            float r = dot * scale;
-            score = score + query[width + h] * head_scale * (r > 0.0f ? r : 0.0f);
+        for (u32 h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
+            u32 group = min(HEAD_GROUP, heads - h0);
+            float dot[HEAD_GROUP];
+#pragma unroll
+            for (u32 g = 0; g < HEAD_GROUP; g++) dot[g] = -0.0f;
+            for (u32 d = 0; d < dim; d++) {
+                float kd = k[d];
+#pragma unroll
+                for (u32 g = 0; g < HEAD_GROUP; g++) {
+                    if (g < group) dot[g] = dot[g] + query[(h0 + g) * dim + d] * kd;
+                }
+            }
+#pragma unroll
+            for (u32 g = 0; g < HEAD_GROUP; g++) {
+                if (g < group) {
+                    float r = dot[g] * scale;
+                    score = score + query[width + h0 + g] * head_scale * (r > 0.0f ? r : 0.0f);
+                }
+            }
         }
     }
     out[(u64)i * total + j] = score;
