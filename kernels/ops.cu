@@ -205,104 +205,110 @@ ATTENTION(f16)
 // once for the tile's queries instead of once per query. Two passes over the keys, `kt` at a
 // time: the first finds each query's largest score, the second adds exp(score − largest) and
 // its share of the values; the context is the sum of those shares over the sum of the
-// exponentials. Scores sum the no-RoPE and RoPE products apart as the CPU does; a key a query
-// does not see scores −∞, an exponential of 0 adds nothing (as the CPU skips zero
-// probabilities). `lanes` = ROW_THREADS / (QUERY_TILE · kt) threads, neighbours in a warp,
-// share each query–key dot product. Dynamic shared memory, in floats: the queries (QUERY_TILE
-// rows of nope + rope + 1, the 1 against bank conflicts), the step's keys (nope + rope rows of
-// kt: a key per column), its values (kt rows of vd), the contexts (QUERY_TILE rows of vd), the
-// step's scores (QUERY_TILE × kt), and each query's largest score and sum.
+// exponentials. Thread (query r, key slot k) keeps its own largest score and sum of
+// exponentials over the steps, and the tile's are taken over the slots in order at the end of
+// each pass (a fixed order). Scores sum the no-RoPE and RoPE products apart as the CPU does; a
+// key a query does not see scores −∞, and an exponential of 0 adds nothing (as the CPU skips
+// zero probabilities). `lanes` = ROW_THREADS / (QUERY_TILE · kt) threads, neighbours in a
+// warp, share each query–key dot product. Dynamic shared memory, in floats: the queries
+// (QUERY_TILE rows of nope + rope + 1), the step's keys (nope + rope rows of kt + 1: a key per
+// column; the + 1s against bank conflicts), its values (kt rows of vd), the contexts
+// (QUERY_TILE rows of vd), the step's exponentials (QUERY_TILE × kt), and each query's largest
+// score and sum.
 template <typename T>
 __device__ void attention_tiled(const T* q, const T* kv, const T* k_rope, const u32* plan,
                                 float* out, u32 t, u32 tiles, u32 heads, u32 nope, u32 rope,
                                 u32 vd, u32 kt, float scale) {
     extern __shared__ float tile_mem[];
     u32 tile = blockIdx.x, head = blockIdx.y;
-    u32 qk = nope + rope, qw = qk + 1, stride = heads * (nope + vd), at = head * (nope + vd);
+    u32 qk = nope + rope, qw = qk + 1, kw = kt + 1;
+    u32 stride = heads * (nope + vd), at = head * (nope + vd);
     u32 q0 = tile * QUERY_TILE;
     u32 first = plan[tile], count = plan[tile + 1] - first, words = (count + 31) / 32;
     const u32* keys = plan + first;
     const u32* mask = plan + plan[tiles + 1 + tile];
     float* qs = tile_mem;
     float* ks = qs + QUERY_TILE * qw;
-    float* vs = ks + qk * kt;
+    float* vs = ks + qk * kw;
     float* acc = vs + kt * vd;
-    float* scores = acc + QUERY_TILE * vd;
-    float* best = scores + QUERY_TILE * kt;
+    float* shares = acc + QUERY_TILE * vd;
+    float* best = shares + QUERY_TILE * kt;
     float* sums = best + QUERY_TILE;
-    for (u32 x = threadIdx.x; x < QUERY_TILE * qk; x += ROW_THREADS) {
-        u32 r = x / qk, d = x % qk;
-        qs[r * qw + d] = q0 + r < t ? to_f32(q[((u64)(q0 + r) * heads + head) * qk + d]) : 0.0f;
+    for (u32 r = 0; r < QUERY_TILE; r++) {
+        bool live = q0 + r < t;
+        const T* qh = q + ((u64)(q0 + r) * heads + head) * qk;
+        for (u32 d = threadIdx.x; d < qk; d += ROW_THREADS) qs[r * qw + d] = live ? to_f32(qh[d]) : 0.0f;
     }
     for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) acc[x] = 0.0f;
-    if (threadIdx.x < QUERY_TILE) {
-        best[threadIdx.x] = NEG_INF;
-        sums[threadIdx.x] = 0.0f;
-    }
     u32 lanes = ROW_THREADS / (QUERY_TILE * kt);
     u32 pair = threadIdx.x / lanes, sub = threadIdx.x % lanes;
     u32 r = pair / kt, k = pair % kt;
+    bool live = q0 + r < t;
+    float own_best = NEG_INF, own_sum = 0.0f, largest = 0.0f;
     for (u32 pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            __syncthreads();
+            if (sub == 0) shares[r * kt + k] = own_best;
+            __syncthreads();
+            if (threadIdx.x < QUERY_TILE) {
+                float b = NEG_INF;
+                for (u32 c = 0; c < kt; c++) b = fmaxf(b, shares[threadIdx.x * kt + c]);
+                best[threadIdx.x] = b;
+            }
+            __syncthreads();
+            largest = best[r];
+        }
         for (u32 s0 = 0; s0 < count; s0 += kt) {
             __syncthreads();  // the previous step's rows are used up
-            for (u32 x = threadIdx.x; x < kt * qk; x += ROW_THREADS) {
-                u32 c = x / qk, d = x % qk;
-                float v = 0.0f;
-                if (s0 + c < count) {
-                    u64 j = keys[s0 + c];
-                    v = d < nope ? to_f32(kv[j * stride + at + d]) : to_f32(k_rope[j * rope + d - nope]);
-                }
-                ks[d * kt + c] = v;
-            }
-            if (pass == 1) {
-                for (u32 x = threadIdx.x; x < kt * vd; x += ROW_THREADS) {
-                    u32 c = x / vd, d = x % vd;
-                    vs[x] = s0 + c < count ? to_f32(kv[(u64)keys[s0 + c] * stride + at + nope + d]) : 0.0f;
-                }
+            for (u32 c = 0; c < kt; c++) {
+                bool in = s0 + c < count;
+                u64 j = in ? keys[s0 + c] : 0;
+                const T* kn = kv + j * stride + at;
+                const T* kr = k_rope + j * rope;
+                for (u32 d = threadIdx.x; d < qk; d += ROW_THREADS)
+                    ks[d * kw + c] = !in ? 0.0f : d < nope ? to_f32(kn[d]) : to_f32(kr[d - nope]);
+                if (pass == 1)
+                    for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS)
+                        vs[c * vd + d] = in ? to_f32(kn[nope + d]) : 0.0f;
             }
             __syncthreads();
             u32 s = s0 + k;
-            bool seen = s < count && q0 + r < t && ((mask[r * words + s / 32] >> (s % 32)) & 1u);
+            bool seen = live && s < count && ((mask[r * words + s / 32] >> (s % 32)) & 1u);
             float dot_nope = 0.0f, dot_rope = 0.0f;
-            for (u32 d = sub; d < nope; d += lanes) dot_nope += qs[r * qw + d] * ks[d * kt + k];
-            for (u32 d = sub; d < rope; d += lanes) dot_rope += qs[r * qw + nope + d] * ks[(nope + d) * kt + k];
+            for (u32 d = sub; d < nope; d += lanes) dot_nope += qs[r * qw + d] * ks[d * kw + k];
+            for (u32 d = sub; d < rope; d += lanes) dot_rope += qs[r * qw + nope + d] * ks[(nope + d) * kw + k];
             for (u32 m = lanes / 2; m > 0; m /= 2) {
                 dot_nope += __shfl_xor_sync(0xffffffffu, dot_nope, m);
                 dot_rope += __shfl_xor_sync(0xffffffffu, dot_rope, m);
             }
-            if (sub == 0) scores[r * kt + k] = seen ? (dot_nope + dot_rope) * scale : NEG_INF;
-            __syncthreads();
-            if (threadIdx.x < QUERY_TILE) {
-                u32 row = threadIdx.x;
-                float* sc = scores + row * kt;
-                if (pass == 0) {
-                    float b = best[row];
-                    for (u32 c = 0; c < kt; c++) b = fmaxf(b, sc[c]);
-                    best[row] = b;
-                } else {
-                    float sum = sums[row];
-                    for (u32 c = 0; c < kt; c++) {
-                        float e = sc[c] == NEG_INF ? 0.0f : expf(sc[c] - best[row]);
-                        sc[c] = e;
-                        sum += e;
-                    }
-                    sums[row] = sum;
-                }
+            float score = seen ? (dot_nope + dot_rope) * scale : NEG_INF;
+            if (pass == 0) {
+                own_best = fmaxf(own_best, score);
+                continue;
             }
-            if (pass == 1) {
-                __syncthreads();
-                for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS) {
-                    for (u32 row = 0; row < QUERY_TILE; row++) {
-                        float a = acc[row * vd + d];
-                        for (u32 c = 0; c < kt; c++) {
-                            float e = scores[row * kt + c];
-                            if (e != 0.0f) a += e * vs[c * vd + d];
-                        }
-                        acc[row * vd + d] = a;
+            float e = score == NEG_INF ? 0.0f : expf(score - largest);
+            own_sum += e;
+            if (sub == 0) shares[r * kt + k] = e;
+            __syncthreads();
+            for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS) {
+                for (u32 row = 0; row < QUERY_TILE; row++) {
+                    float a = acc[row * vd + d];
+                    for (u32 c = 0; c < kt; c++) {
+                        float w = shares[row * kt + c];
+                        if (w != 0.0f) a += w * vs[c * vd + d];
                     }
+                    acc[row * vd + d] = a;
                 }
             }
         }
+    }
+    __syncthreads();
+    if (sub == 0) shares[r * kt + k] = own_sum;
+    __syncthreads();
+    if (threadIdx.x < QUERY_TILE) {
+        float sum = 0.0f;
+        for (u32 c = 0; c < kt; c++) sum += shares[threadIdx.x * kt + c];
+        sums[threadIdx.x] = sum;
     }
     __syncthreads();
     for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) {

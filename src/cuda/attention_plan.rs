@@ -13,7 +13,9 @@
 //! * `plan[tiles + 1 + tile]`, for `tile` in `0..tiles`: where the tile's mask starts: one row
 //!   of `⌈keys / 32⌉` words per query of the tile, bit `s % 32` of word `s / 32` set where the
 //!   query sees the tile's key `s`;
-//! * then every tile's keys (ascending cache positions) and mask.
+//! * then every tile's keys (ascending cache positions), then every tile's mask.
+
+use rayon::prelude::*;
 
 /// Query positions per block of the tiled kernel (`QUERY_TILE` in `kernels/ops.cu`).
 pub const QUERY_TILE: usize = 8;
@@ -25,56 +27,80 @@ pub const QUERY_TILE: usize = 8;
 /// per-query kernel reads less there.
 pub fn tiled_plan(keys: &[Vec<i32>]) -> Option<Vec<u32>> {
     let tiles = keys.len().div_ceil(QUERY_TILE);
-    let unions: Vec<Vec<u32>> = keys.chunks(QUERY_TILE).map(union_of).collect();
-    let loaded: usize = unions.iter().map(Vec::len).sum();
     let seen: usize = keys
         .iter()
         .map(|k| k.iter().filter(|&&j| j >= 0).count())
         .sum();
+    // Tiles in parallel: a 512-position prompt is 64 tiles of up to 512 keys.
+    let parts: Vec<Tile> = keys.par_chunks(QUERY_TILE).map(Tile::of).collect();
+    let loaded: usize = parts.iter().map(|p| p.keys.len()).sum();
     if tiles == 0 || 2 * loaded > seen {
         return None;
     }
-    let words = |union: &Vec<u32>| union.len().div_ceil(32);
-    let mask_words: usize = unions.iter().map(|u| QUERY_TILE * words(u)).sum();
-    let mut plan = Vec::with_capacity(2 * tiles + 1 + loaded + mask_words);
+    let masks: usize = parts.iter().map(|p| p.mask.len()).sum();
+    let mut plan = Vec::with_capacity(2 * tiles + 1 + loaded + masks);
     let mut at = (2 * tiles + 1) as u32;
-    for union in &unions {
+    for p in &parts {
         plan.push(at);
-        at += union.len() as u32;
+        at += p.keys.len() as u32;
     }
     plan.push(at);
-    for union in &unions {
+    for p in &parts {
         plan.push(at);
-        at += (QUERY_TILE * words(union)) as u32;
+        at += p.mask.len() as u32;
     }
-    for union in &unions {
-        plan.extend_from_slice(union);
+    for p in &parts {
+        plan.extend_from_slice(&p.keys);
     }
-    for (union, queries) in unions.iter().zip(keys.chunks(QUERY_TILE)) {
-        for row in 0..QUERY_TILE {
-            let mut mask = vec![0u32; words(union)];
-            for &j in queries.get(row).into_iter().flatten().filter(|&&j| j >= 0) {
-                // Present: the union holds every key of the tile's queries.
-                let s = union.binary_search(&(j as u32)).unwrap_or_default();
-                mask[s / 32] |= 1 << (s % 32);
-            }
-            plan.extend_from_slice(&mask);
-        }
+    for p in &parts {
+        plan.extend_from_slice(&p.mask);
     }
     Some(plan)
 }
 
-/// The distinct keys of some queries, ascending.
-fn union_of(queries: &[Vec<i32>]) -> Vec<u32> {
-    let mut union: Vec<u32> = queries
-        .iter()
-        .flatten()
-        .filter(|&&j| j >= 0)
-        .map(|&j| j as u32)
-        .collect();
-    union.sort_unstable();
-    union.dedup();
-    union
+/// One tile's part of the plan.
+struct Tile {
+    /// The distinct keys of the tile's queries, ascending.
+    keys: Vec<u32>,
+    /// [`QUERY_TILE`] rows of `⌈keys / 32⌉` words: bit `s` of a row set where its query sees
+    /// key `s` (rows past the last query empty).
+    mask: Vec<u32>,
+}
+
+impl Tile {
+    fn of(queries: &[Vec<i32>]) -> Tile {
+        let visible = || {
+            queries
+                .iter()
+                .flatten()
+                .filter(|&&j| j >= 0)
+                .map(|&j| j as usize)
+        };
+        let Some(top) = visible().max() else {
+            return Tile {
+                keys: Vec::new(),
+                mask: Vec::new(),
+            };
+        };
+        // Each position's place among the tile's keys (`u32::MAX`: no query sees it), the
+        // positions marked first and numbered in order after.
+        let mut place = vec![u32::MAX; top + 1];
+        visible().for_each(|j| place[j] = 0);
+        let mut keys = Vec::new();
+        for (j, p) in place.iter_mut().enumerate().filter(|(_, p)| **p == 0) {
+            *p = keys.len() as u32;
+            keys.push(j as u32);
+        }
+        let words = keys.len().div_ceil(32);
+        let mut mask = vec![0u32; QUERY_TILE * words];
+        for (row, query) in mask.chunks_mut(words.max(1)).zip(queries) {
+            for &j in query.iter().filter(|&&j| j >= 0) {
+                let s = place[j as usize] as usize;
+                row[s / 32] |= 1 << (s % 32);
+            }
+        }
+        Tile { keys, mask }
+    }
 }
 
 #[cfg(test)]

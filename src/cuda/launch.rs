@@ -3,6 +3,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
@@ -20,6 +21,10 @@ use crate::model::kv_b::KvBDims;
 const ROW_THREADS: u32 = 256;
 /// Shared memory one attention or indexer block may use (the default limit per block is 48 KiB).
 const MAX_SCORES_BYTES: u32 = 40 << 10;
+/// Shared memory one block of the tiled attention kernel may use: past the default 48 KiB, which
+/// the launch asks for (Ampere and later give a block up to 163 KiB or more); 16 keys a step at
+/// GLM-5's head dims take 50 KiB.
+const MAX_TILED_BYTES: u32 = 64 << 10;
 /// Threads per block of the element-wise kernels.
 const ELEMENT_THREADS: u32 = 256;
 
@@ -253,6 +258,12 @@ impl Device {
             let count = to_u32(t.div_ceil(QUERY_TILE))?;
             let kt32 = to_u32(kt)?;
             let f = self.kernel("attention_tiled", D::SUFFIX)?;
+            let shared = tiled_shared_bytes(kt, a.nope + a.rope, a.v) as u32;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| anyhow!("attention: {shared} bytes of shared memory a block: {e:?}"))?;
             let mut launch = self.gpu.stream.launch_builder(&f);
             launch
                 .arg(&q.slice)
@@ -271,7 +282,7 @@ impl Device {
             let cfg = LaunchConfig {
                 grid_dim: (count, heads32, 1),
                 block_dim: (ROW_THREADS, 1, 1),
-                shared_mem_bytes: tiled_shared_bytes(kt, a.nope + a.rope, a.v) as u32,
+                shared_mem_bytes: shared,
             };
             // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
             // position the plan names (checked above), the plan `count` tiles' offsets, keys and
@@ -518,17 +529,18 @@ pub(super) struct MlpJob<'a, D: Dtype> {
 
 /// Keys per step of the tiled attention kernel for query heads of `qk` and values of `vd`: the
 /// most of 16, 8 or 4 (two, four or eight threads to a query–key dot product) whose rows fit
-/// in a block's shared memory; `None` where not even 4 do.
+/// in [`MAX_TILED_BYTES`]; `None` where not even 4 do.
 fn keys_per_step(qk: usize, vd: usize) -> Option<usize> {
     [16, 8, 4]
         .into_iter()
-        .find(|&kt| tiled_shared_bytes(kt, qk, vd) <= MAX_SCORES_BYTES as usize)
+        .find(|&kt| tiled_shared_bytes(kt, qk, vd) <= MAX_TILED_BYTES as usize)
 }
 
 /// The tiled attention kernel's shared memory at `kt` keys a step (its layout in
 /// `kernels/ops.cu`).
 fn tiled_shared_bytes(kt: usize, qk: usize, vd: usize) -> usize {
-    let floats = QUERY_TILE * (qk + 1) + qk * kt + kt * vd + QUERY_TILE * vd + QUERY_TILE * kt;
+    let floats =
+        QUERY_TILE * (qk + 1) + qk * (kt + 1) + kt * vd + QUERY_TILE * vd + QUERY_TILE * kt;
     (floats + 2 * QUERY_TILE) * std::mem::size_of::<f32>()
 }
 
