@@ -108,7 +108,8 @@ pub trait Backend: Sync + Clone {
     fn indexer_scores(&self, a: &IndexerInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
         Ok(indexer_scores_core(a))
     }
-    /// A gated MLP whose three weights are held at once (a routed expert),
+    /// A gated MLP whose three weights are held at once (a routed expert; a dense layer's MLP
+    /// and the shared expert at TP 1),
     /// `down(silu(x · gateᵀ) ⊙ x · upᵀ)`, each op rounded as on its own; a GPU backend keeps the
     /// intermediates on its device.
     fn mlp(

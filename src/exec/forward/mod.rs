@@ -494,12 +494,10 @@ impl<B: Backend> Layer<'_, B> {
             let parts = super::tp::mlp_partials(be, x, weights, self.sharder())?;
             return Ok((be.all_reduce(&parts)?, parts));
         }
-        let g = be.linear(x, &*self.matrix(gate)?)?;
-        let u = be.linear(x, &*self.matrix(up)?)?;
-        Ok((
-            be.linear(&be.silu_mul(&g, &u)?, &*self.matrix(down)?)?,
-            Vec::new(),
-        ))
+        // One op: a GPU keeps the intermediates (a dense layer's are twice the hidden width)
+        // on its device instead of fetching and resending them.
+        let [g, u, d] = [gate, up, down].map(|role| self.matrix(role));
+        Ok((be.mlp(x, &*g?, &*u?, &*d?)?, Vec::new()))
     }
 
     /// Attention over the cache, recording its stages.
