@@ -32,27 +32,15 @@ use anyhow::Result;
 use crate::trace::{OwnedStage, Stage, TraceWriter};
 
 impl forward::Recorder for TraceWriter {
-    fn record(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: Stage<'_>,
-    ) -> Result<()> {
-        Ok(TraceWriter::record(self, name, shape, dims, rank, values)?)
+    fn record(&mut self, k: forward::StageKey<'_>, values: Stage<'_>) -> Result<()> {
+        Ok(TraceWriter::record(
+            self, k.name, k.shape, k.dims, k.rank, values,
+        )?)
     }
 
-    fn record_owned(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: OwnedStage,
-    ) -> Result<()> {
+    fn record_owned(&mut self, k: forward::StageKey<'_>, values: OwnedStage) -> Result<()> {
         Ok(TraceWriter::record_owned(
-            self, name, shape, dims, rank, values,
+            self, k.name, k.shape, k.dims, k.rank, values,
         )?)
     }
 

@@ -8,7 +8,7 @@ use anyhow::Result;
 use super::attention_core::AttentionInputs;
 use super::backend::{Backend, MlpInput};
 use super::claim::Claim;
-use super::forward::Recorder;
+use super::forward::{Recorder, StageKey};
 use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
 use super::op_clock::{Op, OpClock};
@@ -174,31 +174,15 @@ pub struct TimedRecorder<'a> {
 }
 
 impl Recorder for TimedRecorder<'_> {
-    fn record(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: Stage<'_>,
-    ) -> Result<()> {
+    fn record(&mut self, key: StageKey<'_>, values: Stage<'_>) -> Result<()> {
         let inner = &mut *self.inner;
-        self.clock
-            .time(Op::Record, || inner.record(name, shape, dims, rank, values))
+        self.clock.time(Op::Record, || inner.record(key, values))
     }
 
-    fn record_owned(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: OwnedStage,
-    ) -> Result<()> {
+    fn record_owned(&mut self, key: StageKey<'_>, values: OwnedStage) -> Result<()> {
         let inner = &mut *self.inner;
-        self.clock.time(Op::Record, || {
-            inner.record_owned(name, shape, dims, rank, values)
-        })
+        self.clock
+            .time(Op::Record, || inner.record_owned(key, values))
     }
 
     fn layer_seconds(&mut self, layer: &str, seconds: f64) {

@@ -33,29 +33,35 @@ use residual_scale::ResidualScale;
 /// vLLM and llama.cpp use `rms_norm_eps` instead).
 pub const HF_LATENT_NORM_EPS: f64 = 1e-6;
 
-/// Receives each stage as it is computed: name, row-major shape, dims spec, values.
+/// A stage as the forward hands it over: its name, row-major shape and dims spec, and the
+/// tensor-parallel rank whose part it is (None: the whole tensor).
+#[derive(Clone, Copy, Debug)]
+pub struct StageKey<'a> {
+    pub name: &'a str,
+    pub shape: &'a [u64],
+    pub dims: &'a str,
+    pub rank: Option<u32>,
+}
+
+impl<'a> StageKey<'a> {
+    pub fn new(name: &'a str, shape: &'a [u64], dims: &'a str, rank: Option<u32>) -> Self {
+        StageKey {
+            name,
+            shape,
+            dims,
+            rank,
+        }
+    }
+}
+
+/// Receives each stage as it is computed.
 pub trait Recorder {
-    /// `rank`: the tensor-parallel rank whose part this is (None: the whole tensor).
-    fn record(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: Stage<'_>,
-    ) -> Result<()>;
+    fn record(&mut self, key: StageKey<'_>, values: Stage<'_>) -> Result<()>;
 
     /// [`Self::record`] with the values handed over: a stage the forward is done with need
     /// not be copied.
-    fn record_owned(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dims: &str,
-        rank: Option<u32>,
-        values: OwnedStage,
-    ) -> Result<()> {
-        self.record(name, shape, dims, rank, values.view())
+    fn record_owned(&mut self, key: StageKey<'_>, values: OwnedStage) -> Result<()> {
+        self.record(key, values.view())
     }
 
     /// The wall time a layer (`L3`) or its MLP or MoE block (`L3.ffn`) took, recording
@@ -67,7 +73,7 @@ pub trait Recorder {
 pub struct Discard;
 
 impl Recorder for Discard {
-    fn record(&mut self, _: &str, _: &[u64], _: &str, _: Option<u32>, _: Stage<'_>) -> Result<()> {
+    fn record(&mut self, _: StageKey<'_>, _: Stage<'_>) -> Result<()> {
         Ok(())
     }
 }
@@ -168,7 +174,8 @@ pub fn forward<B: Backend>(
         );
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
-    rec.record("embed", &[t as u64, h as u64], "t d", None, values(&x))?;
+    let shape = [t as u64, h as u64];
+    rec.record(StageKey::new("embed", &shape, "t d", None), values(&x))?;
     record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
     let mut scale = ResidualScale::of(src, be);
     x = scale.down(be, x)?;
@@ -201,23 +208,25 @@ pub fn forward<B: Backend>(
         &src.vector_in(be, WeightId::FinalNorm)?,
         cfg.rms_norm_eps,
     )?;
+    let shape = [t as u64, h as u64];
     rec.record(
-        "final_norm",
-        &[t as u64, h as u64],
-        "t d",
-        None,
+        StageKey::new("final_norm", &shape, "t d", None),
         values(&norm),
     )?;
     let logits = lm_head(src, &norm, be, opts.tp)?;
     let shape = [t as u64, logits.cols as u64];
-    rec.record("logits", &shape, "t v(tp)", None, values(&logits))?;
+    rec.record(
+        StageKey::new("logits", &shape, "t v(tp)", None),
+        values(&logits),
+    )?;
     if opts.tp > 1 {
         // Vocab-parallel lm_head: each rank its slice of the vocabulary, gathered.
         let share = logits.cols / opts.tp;
         for r in 0..opts.tp {
             let part = logits.columns(r * share, share);
             let shape = [t as u64, share as u64];
-            rec.record("logits", &shape, "t v(tp)", Some(r as u32), values(&part))?;
+            let key = StageKey::new("logits", &shape, "t v(tp)", Some(r as u32));
+            rec.record(key, values(&part))?;
         }
     }
     Ok(logits)
@@ -244,13 +253,8 @@ fn record_embed_parts<E: Real>(
             }
         }
         let shape = [x.rows as u64, x.cols as u64];
-        rec.record(
-            "embed",
-            &shape,
-            "t d partial(tp)",
-            Some(r as u32),
-            values(&part),
-        )?;
+        let key = StageKey::new("embed", &shape, "t d partial(tp)", Some(r as u32));
+        rec.record(key, values(&part))?;
     }
     Ok(())
 }
@@ -377,7 +381,8 @@ impl<B: Backend> Layer<'_, B> {
     ) -> Result<()> {
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         let name = StageName::layer_stage(self.l, stage).to_string();
-        self.rec.record(&name, &shape, dims, rank, values)
+        self.rec
+            .record(StageKey::new(&name, &shape, dims, rank), values)
     }
 
     /// Each rank's part of a `[t, …]` stage (the part's trailing dims `tail`, its split axis
@@ -414,7 +419,8 @@ impl<B: Backend> Layer<'_, B> {
         let shape: Vec<u64> = part_shape(&whole, tail).iter().map(|&d| d as u64).collect();
         let name = StageName::layer_stage(self.l, stage).to_string();
         let owned = B::E::owned_stage(whole.data);
-        self.rec.record_owned(&name, &shape, dims, None, owned)
+        self.rec
+            .record_owned(StageKey::new(&name, &shape, dims, None), owned)
     }
 
     fn w(&self, w: LayerWeight) -> WeightId {
