@@ -237,6 +237,10 @@ impl Backend for Engine {
         on_backend!(self, be => be.experts_at_once())
     }
 
+    fn fuses_mlp(&self) -> bool {
+        on_backend!(self, be => be.fuses_mlp())
+    }
+
     fn on_rank(&self, rank: usize) -> Self {
         match self {
             Engine::Cpu(be) => Engine::Cpu(be.on_rank(rank)),

@@ -326,6 +326,10 @@ impl Backend for Cuda {
         EXPERTS_PER_TRIP
     }
 
+    fn fuses_mlp(&self) -> bool {
+        true
+    }
+
     /// On the weight's GPU, beside its blocks, within the room they leave.
     fn claim_kept(&self, w: &GpuWeight) -> Result<Option<Claim>> {
         Ok(self.device(w.rank)?.resident.claim_weight(w.data.bytes()))

@@ -109,7 +109,7 @@ pub trait Backend: Sync + Clone {
         Ok(indexer_scores_core(a))
     }
     /// A gated MLP whose three weights are held at once (a routed expert; a dense layer's MLP
-    /// and the shared expert at TP 1),
+    /// and the shared expert at TP 1 where [`Self::fuses_mlp`]),
     /// `down(silu(x · gateᵀ) ⊙ x · upᵀ)`, each op rounded as on its own; a GPU backend keeps the
     /// intermediates on its device.
     fn mlp(
@@ -128,6 +128,13 @@ pub trait Backend: Sync + Clone {
         jobs.par_iter()
             .map(|(x, [gate, up, down])| self.mlp(x, gate, up, down))
             .collect()
+    }
+    /// Whether a dense MLP is better run as one [`Self::mlp`] with its three weights held at
+    /// once than op by op with one weight at a time: on a GPU the intermediates then stay on
+    /// the device; on the CPU it would only hold three weights (900 MB in f32 at GLM-5's dense
+    /// widths) where one at a time does.
+    fn fuses_mlp(&self) -> bool {
+        false
     }
     /// How many routed experts to hold and run at once through [`Self::mlps`]: on the CPU
     /// enough to keep the cores busy on small experts, few enough that memory stays at a

@@ -134,6 +134,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.experts_at_once()
     }
 
+    fn fuses_mlp(&self) -> bool {
+        self.inner.fuses_mlp()
+    }
+
     fn on_rank(&self, rank: usize) -> Self {
         Timed {
             inner: self.inner.on_rank(rank),

@@ -500,10 +500,16 @@ impl<B: Backend> Layer<'_, B> {
             let parts = super::tp::mlp_partials(be, x, weights, self.sharder())?;
             return Ok((be.all_reduce(&parts)?, parts));
         }
-        // One op: a GPU keeps the intermediates (a dense layer's are twice the hidden width)
-        // on its device instead of fetching and resending them.
-        let [g, u, d] = [gate, up, down].map(|role| self.matrix(role));
-        Ok((be.mlp(x, &*g?, &*u?, &*d?)?, Vec::new()))
+        if be.fuses_mlp() {
+            // A GPU keeps the intermediates (a dense layer's are twice the hidden width) on
+            // its device instead of fetching and resending them.
+            let [g, u, d] = [gate, up, down].map(|role| self.matrix(role));
+            return Ok((be.mlp(x, &*g?, &*u?, &*d?)?, Vec::new()));
+        }
+        let g = be.linear(x, &*self.matrix(gate)?)?;
+        let u = be.linear(x, &*self.matrix(up)?)?;
+        let h = be.silu_mul(&g, &u)?;
+        Ok((be.linear(&h, &*self.matrix(down)?)?, Vec::new()))
     }
 
     /// Attention over the cache, recording its stages.
