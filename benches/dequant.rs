@@ -210,7 +210,11 @@ fn same_bits(name: &str, ours: &[f32], theirs: &[f32]) -> bool {
 
 /// Print the table and write it as Markdown to `bench-results/dequant.md`.
 fn report(rows: &[Row], write_loop: f64) -> Result<()> {
-    let header = format!("one core's plain f32 write loop: {write_loop:.2} GB/s");
+    let header = format!(
+        "one core's plain f32 write loop: {write_loop:.2} GB/s; outputs of 32 MiB or more \
+         leave the decoder with {} stores",
+        quant::stores().name()
+    );
     println!("{header}");
     println!("{}", table(rows, write_loop, presets::UTF8_FULL_CONDENSED));
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");

@@ -15,6 +15,8 @@ mod legacy;
 mod stream;
 mod ternary;
 
+pub use stream::{stores, Stores};
+
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;

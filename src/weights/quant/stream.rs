@@ -2,10 +2,13 @@
 //! anyway, and ordinary stores make each core read every output line before overwriting it. A
 //! block decoder fills a small buffer that stays in L1, and that buffer goes out with
 //! non-temporal stores, which on x86 write whole lines without reading them first (2.5–4× the
-//! rate of ordinary stores on one core). The output may be memory never written: each value is
-//! written once, so a new weight needs no zero fill first.
+//! rate of ordinary stores on one core on some hosts, half of it on others: see [`Stores`]).
+//! The output may be memory never written: each value is written once, so a new weight needs
+//! no zero fill first.
 
 use std::mem::MaybeUninit;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use super::BlockDecoder;
 
@@ -27,6 +30,7 @@ pub(super) fn decode_streaming(
     src: &[u8],
     dst: &mut [MaybeUninit<f32>],
 ) {
+    let copy = stores().copy();
     let blocks_per_step = (STEP_VALUES / bs).max(1);
     let mut buffer = vec![0f32; blocks_per_step * bs];
     for (s, d) in src
@@ -35,9 +39,82 @@ pub(super) fn decode_streaming(
     {
         let decoded = &mut buffer[..d.len()];
         decode(s, decoded);
-        copy_past_cache(decoded, d);
+        copy(decoded, d);
     }
     finish_streams();
+}
+
+/// How a large output leaves the L1 buffer. Which is faster depends on the core, not the type:
+/// streamed stores wrote 2.5–4× ordinary ones' rate on a Zen 3 EPYC and a Xeon, and half of it
+/// on a Zen 4 EPYC (GB/s on one core, `cargo bench --bench dequant`). The values are the same
+/// either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stores {
+    /// Non-temporal stores, past the cache.
+    Streamed,
+    /// Ordinary stores, through the cache.
+    Ordinary,
+}
+
+impl Stores {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stores::Streamed => "streamed",
+            Stores::Ordinary => "ordinary",
+        }
+    }
+
+    fn copy(self) -> fn(&[f32], &mut [MaybeUninit<f32>]) {
+        match self {
+            Stores::Streamed => copy_past_cache,
+            Stores::Ordinary => |src, dst| write_all(dst, src),
+        }
+    }
+}
+
+/// This process's choice for large outputs: `GLMCHECK_STORES` (`streamed` or `ordinary`) where
+/// set to one of them, else the faster of the two on this machine, timed once on first use.
+pub fn stores() -> Stores {
+    static CHOICE: OnceLock<Stores> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("GLMCHECK_STORES").as_deref() {
+        Ok("streamed") => Stores::Streamed,
+        Ok("ordinary") => Stores::Ordinary,
+        _ => faster_stores(),
+    })
+}
+
+/// Values the timing writes: 64 MiB, past the last cache level of most hosts, as a weight is.
+const PROBE_VALUES: usize = 16 << 20;
+
+/// Rounds of each kind the timing alternates, keeping each kind's best (the host may be shared).
+const PROBE_ROUNDS: usize = 3;
+
+/// Streamed or ordinary stores, whichever writes a step buffer over [`PROBE_VALUES`] sooner on
+/// one core (about 40 ms, once a process).
+fn faster_stores() -> Stores {
+    // Ones, not zeros: every page is touched now, not on the first timed round.
+    let mut dst = vec![MaybeUninit::new(1f32); PROBE_VALUES];
+    let src = vec![0.5f32; STEP_VALUES];
+    let mut time = |stores: Stores| {
+        let copy = stores.copy();
+        let start = Instant::now();
+        for d in dst.chunks_mut(STEP_VALUES) {
+            copy(&src[..d.len()], d);
+        }
+        finish_streams();
+        std::hint::black_box(&dst);
+        start.elapsed()
+    };
+    let (mut streamed, mut ordinary) = (Duration::MAX, Duration::MAX);
+    for _ in 0..PROBE_ROUNDS {
+        streamed = streamed.min(time(Stores::Streamed));
+        ordinary = ordinary.min(time(Stores::Ordinary));
+    }
+    if streamed < ordinary {
+        Stores::Streamed
+    } else {
+        Stores::Ordinary
+    }
 }
 
 /// `dst` ← `src`, the 16-byte aligned middle of `dst` with SSE's non-temporal stores (part of
@@ -105,6 +182,20 @@ mod tests {
         v.iter()
             .map(|x| unsafe { x.assume_init() }.to_bits())
             .collect()
+    }
+
+    /// Both kinds of stores write `src` to every value of outputs at every alignment.
+    #[test]
+    fn both_stores_write_every_value_at_every_alignment() {
+        let src: Vec<f32> = (0..STEP_VALUES + 13).map(|i| i as f32 - 0.25).collect();
+        for stores in [Stores::Streamed, Stores::Ordinary] {
+            for offset in 0..9 {
+                let mut out = poisoned(offset + src.len());
+                stores.copy()(&src, &mut out[offset..]);
+                finish_streams();
+                assert_eq!(read(&out[offset..]), bits(&src), "{stores:?} at {offset}");
+            }
+        }
     }
 
     /// Through the L1 buffer, into outputs at every alignment, the values
