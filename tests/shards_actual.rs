@@ -172,7 +172,7 @@ fn planted_faults_are_named_with_class_weight_rank_and_rows() {
     for r in 0..4u64 {
         let rows = Placement::Split { axis: 0, parts: 1 };
         let view = rank_view(rows, &[256, 256], r, 4).unwrap();
-        let values = gather(&full.data, &[256, 256], &view);
+        let values = gather(full.data(), &[256, 256], &view);
         *entry(&mut m, r as usize, o) = ShardEntry::of(o, vec![256, 64], &values, Dtype::Bf16);
     }
     let bad = one(&m, "axis.json");
@@ -231,7 +231,7 @@ fn vllm_merged_gate_up_is_checked_part_by_part() {
     // Rank 1 takes the second contiguous half: up rows only.
     let gate = ws.matrix(WeightId::Layer(0, LayerWeight::Gate)).unwrap();
     let up = ws.matrix(WeightId::Layer(0, LayerWeight::Up)).unwrap();
-    *entry(&mut m, 1, name) = ShardEntry::of(name, vec![512, 256], &up.data, Dtype::Bf16);
+    *entry(&mut m, 1, name) = ShardEntry::of(name, vec![512, 256], up.data(), Dtype::Bf16);
     assert_eq!(gate.rows, 512);
     let p = write(dir.path(), "merged-bad.json", &m);
     let bad = mismatches(&shards(&model, &p, 1, &[]));

@@ -229,7 +229,7 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
         .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
         .collect();
     let bits = |m: glmcheck::exec::mat::Mat<f32>| -> Vec<u32> {
-        m.data.iter().map(|v| v.to_bits()).collect()
+        m.data().iter().map(|v| v.to_bits()).collect()
     };
     assert!(bits(matrix.whole().dequantize().unwrap()) == mapped);
     let block = matrix.block(1..rows - 1, cols / 4..cols / 2).unwrap();

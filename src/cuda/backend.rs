@@ -5,8 +5,10 @@
 //! tensors' blocks); GEMMs go through cuBLAS with f32 accumulation, norms and element-wise ops
 //! through `kernels/ops.cu`, and the
 //! all-reduce of a TP run through NCCL across the ranks' GPUs. Activations travel as host
-//! matrices between ops (they are a few rows at most), so the same forward and shard plan drive
-//! the CPU and the GPUs, and each op can be checked against the CPU's (`glmcheck selftest`).
+//! matrices between ops, so the same forward and shard plan drive the CPU and the GPUs, and each
+//! op can be checked against the CPU's (`glmcheck selftest`); an op's output also stays on its
+//! GPU as the matrix's twin ([`crate::exec::mat::Mat::with_twin`]), which the next op there
+//! reads instead of an upload.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -160,7 +162,7 @@ impl Backend for Cuda {
 
     fn hold(&self, w: Mat<f32>) -> Result<GpuWeight> {
         let device = self.device(self.rank)?;
-        let data = with_dtype!(self.precision, D => D::held(device.upload_weight::<D>(&w.data)?));
+        let data = with_dtype!(self.precision, D => D::held(device.upload_weight::<D>(w.data())?));
         Ok(GpuWeight {
             rank: self.rank,
             rows: w.rows,

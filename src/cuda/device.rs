@@ -2,6 +2,7 @@
 //! and from it; a stored weight dequantized on it.
 
 use std::cell::RefCell;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Context, Result};
@@ -14,11 +15,37 @@ use super::dtype::Dtype;
 use super::memory::{Buffer, Meter, Pinned};
 use super::resident::Resident;
 use super::Gpu;
+use crate::exec::mat::Mat;
 use crate::exec::stored::StoredBlock;
 use crate::weights::GgmlType;
 
 /// Values per parallel task of the host's conversions to and from a dtype.
 const CONVERT_CHUNK: usize = 1 << 15;
+
+/// An op's output left on its GPU beside the host's copy (a [`Mat`]'s twin, which holds the
+/// same values: the host's are downloaded from it, and any change to them drops it). The next op
+/// on that GPU reads it instead of converting and uploading the host's values again.
+pub(super) struct DeviceTwin<D: DeviceRepr> {
+    stream: usize,
+    buf: Buffer<D>,
+}
+
+/// An op's input on its GPU: a matrix's twin, or its values uploaded.
+pub(super) enum Input<'a, D: DeviceRepr> {
+    Twin(&'a Buffer<D>),
+    Uploaded(Buffer<D>),
+}
+
+impl<D: DeviceRepr> Deref for Input<'_, D> {
+    type Target = Buffer<D>;
+
+    fn deref(&self) -> &Buffer<D> {
+        match self {
+            Input::Twin(b) => b,
+            Input::Uploaded(b) => b,
+        }
+    }
+}
 
 /// One rank's GPU: its kernels, its cuBLAS handle, its memory meter, its resident blocks, and
 /// the page-locked buffer every copy to and from it goes through.
@@ -66,6 +93,38 @@ impl Device {
             slice,
             meter: self.meter.clone(),
         })
+    }
+
+    /// `x` as dtype `D` on this GPU for an op that only reads it: the output of the op before
+    /// it where that was left here ([`DeviceTwin`]), else uploaded.
+    pub(super) fn input<'a, D: Dtype>(&self, x: &'a Mat<f32>) -> Result<Input<'a, D>> {
+        match x.twin::<DeviceTwin<D>>() {
+            Some(t) if t.stream == self.stream_id() && t.buf.slice.len() >= x.data().len() => {
+                Ok(Input::Twin(&t.buf))
+            }
+            _ => Ok(Input::Uploaded(self.upload(x.data())?)),
+        }
+    }
+
+    /// `buf`'s first `rows × cols` values as a host matrix with `buf` left beside it as its
+    /// twin, for the next op here to read.
+    pub(super) fn output<D: Dtype>(
+        &self,
+        rows: usize,
+        cols: usize,
+        buf: Buffer<D>,
+    ) -> Result<Mat<f32>> {
+        let m = Mat::new(rows, cols, self.download(&buf, rows * cols)?);
+        Ok(m.with_twin(DeviceTwin {
+            stream: self.stream_id(),
+            buf,
+        }))
+    }
+
+    /// This GPU's stream, by address: a twin is read on the stream that wrote it (it lives
+    /// while the twin holds it).
+    fn stream_id(&self) -> usize {
+        Arc::as_ptr(&self.gpu.stream) as usize
     }
 
     /// Host f32 values as dtype `D` on this GPU, converted on the host's cores straight into

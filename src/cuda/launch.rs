@@ -8,7 +8,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
 use super::attention_plan::{tiled_plan, QUERY_TILE};
-use super::device::Device;
+use super::device::{Device, Input};
 use super::dtype::Dtype;
 use super::memory::Buffer;
 use crate::exec::attention_core::AttentionInputs;
@@ -45,8 +45,8 @@ impl Device {
         if let Some(b) = bias {
             check_len("norm bias", b.len(), x.cols)?;
         }
-        let (input, weight) = (self.upload::<D>(&x.data)?, self.upload::<D>(w)?);
-        let mut out = self.alloc::<D>(x.data.len())?;
+        let (input, weight) = (self.input::<D>(x)?, self.upload::<D>(w)?);
+        let mut out = self.alloc::<D>(x.data().len())?;
         let (cols, eps) = (to_u32(x.cols)?, eps as f32);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(x.rows)?, 1, 1),
@@ -84,7 +84,7 @@ impl Device {
                 unsafe { launch.launch(cfg) }?;
             }
         }
-        Ok(Mat::new(x.rows, x.cols, self.download(&out, x.data.len())?))
+        self.output(x.rows, x.cols, out)
     }
 
     /// An element-wise op of two equally shaped matrices (`silu_mul`, `add`).
@@ -103,13 +103,13 @@ impl Device {
                 b.cols
             );
         }
-        let n = a.data.len();
+        let n = a.data().len();
         if n == 0 {
             return Ok(a.clone());
         }
-        let (x, y) = (self.upload::<D>(&a.data)?, self.upload::<D>(&b.data)?);
+        let (x, y) = (self.input::<D>(a)?, self.input::<D>(b)?);
         let out = self.elementwise_here(op, &x, &y, n)?;
-        Ok(Mat::new(a.rows, a.cols, self.download(&out, n)?))
+        self.output(a.rows, a.cols, out)
     }
 
     /// An element-wise op of the first `n` values of two buffers already on this GPU, `n > 0`
@@ -200,7 +200,7 @@ impl Device {
         if n == 0 {
             return Ok(m.clone());
         }
-        let mut x = self.upload::<f32>(&m.data)?;
+        let mut x = self.upload::<f32>(m.data())?;
         let freq = self.upload::<f32>(rope.inv_freq())?;
         let f = self.kernel("rope", "f32")?;
         let (rows, width, heads32) = (to_u32(m.rows)?, to_u32(spec.width)?, to_u32(heads)?);
@@ -221,7 +221,7 @@ impl Device {
         // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
         // head (checked above).
         unsafe { launch.launch(elements(to_u32(n)?)) }?;
-        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.data.len())?))
+        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.data().len())?))
     }
 
     /// MLA attention (see [`AttentionInputs`]), the context in f32: tiles of positions that
@@ -247,7 +247,7 @@ impl Device {
         }
         let step = keys_per_step(a.nope + a.rope, a.v);
         let tiles = step.and_then(|kt| Some((tiled_plan(a.keys)?, kt)));
-        let q = self.upload::<D>(&a.q.data)?;
+        let q = self.upload::<D>(a.q.data())?;
         let kv = self.upload::<D>(a.kv)?;
         let k_rope = self.upload::<D>(a.k_rope)?;
         let mut out = self.alloc::<f32>(n)?;
@@ -341,30 +341,35 @@ impl Device {
         w_rows: usize,
         exact: bool,
     ) -> Result<Mat<f32>> {
-        let input = self.upload::<D>(&x.data)?;
         let n = x.rows * w_rows;
         if n == 0 {
             return Ok(Mat::zeros(x.rows, w_rows));
         }
-        let data = if exact {
+        let input = self.input::<D>(x)?;
+        if exact {
             let mut out = self.alloc_written::<f32>(n)?;
             self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
-            self.download(&out, n)?
+            self.output(x.rows, w_rows, out)
         } else {
             let mut out = self.alloc_written::<D>(n)?;
             self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
-            self.download(&out, n)?
-        };
-        Ok(Mat::new(x.rows, w_rows, data))
+            self.output(x.rows, w_rows, out)
+        }
     }
 
     /// Gated MLPs `down(silu(x · gateᵀ) ⊙ x · upᵀ)` (routed experts), shapes checked by the
     /// caller: every input sent in one copy and every output fetched in one, the intermediates
     /// kept here in the dtype, rounded as the separate ops round them. Each job's GEMMs are
-    /// those it would get on its own, so its values are too.
+    /// those it would get on its own, so its values are too. A single MLP (a dense layer's)
+    /// reads its input's twin and leaves its output's.
     pub(super) fn mlps<D: Dtype>(&self, jobs: &[MlpJob<'_, D>]) -> Result<Vec<Mat<f32>>> {
-        let inputs: Vec<&[f32]> = jobs.iter().map(|j| j.x.data.as_slice()).collect();
-        let input = self.upload_parts::<D>(&inputs)?;
+        let input = match jobs {
+            [one] => self.input::<D>(one.x)?,
+            _ => {
+                let inputs: Vec<&[f32]> = jobs.iter().map(|j| j.x.data()).collect();
+                Input::Uploaded(self.upload_parts::<D>(&inputs)?)
+            }
+        };
         let out_len = |j: &MlpJob<'_, D>| j.x.rows * j.out_rows;
         let total: usize = jobs.iter().map(out_len).sum();
         // A job with no intermediate features (or no inputs) writes nothing: its zeros must be
@@ -389,6 +394,9 @@ impl Device {
             }
             at_in += t * cols;
             at_out += out_len(j);
+        }
+        if let [one] = jobs {
+            return Ok(vec![self.output(one.x.rows, one.out_rows, out)?]);
         }
         let all = self.download(&out, total)?;
         // Each job's rows cut out of the one download, jobs in parallel (a 512-token MoE
@@ -435,8 +443,8 @@ impl Device {
         if t * total == 0 {
             return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
         }
-        let (q, keys) = (self.upload::<f32>(&a.q.data)?, self.upload::<f32>(a.keys)?);
-        let weights = self.upload::<f32>(&a.weights.data)?;
+        let (q, keys) = (self.upload::<f32>(a.q.data())?, self.upload::<f32>(a.keys)?);
+        let weights = self.upload::<f32>(a.weights.data())?;
         let mut out = self.alloc::<f32>(t * total)?;
         let (total32, heads, dim, start) = (
             to_u32(total)?,

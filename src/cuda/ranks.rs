@@ -135,9 +135,9 @@ impl Ranks {
         let sends = devices
             .iter()
             .zip(local)
-            .map(|(d, &r)| d.upload::<D>(&parts[r].data))
+            .map(|(d, &r)| d.upload::<D>(parts[r].data()))
             .collect::<Result<Vec<_>>>()?;
-        let n = parts[local[0]].data.len();
+        let n = parts[local[0]].data().len();
         let mut receives = devices
             .iter()
             .map(|d| d.alloc::<D>(n))
@@ -167,8 +167,8 @@ impl Ranks {
         own: &Mat<f32>,
     ) -> Result<Vec<Mat<f32>>> {
         let device = self.device(0)?;
-        let send = device.upload::<D>(&own.data)?;
-        let n = own.data.len();
+        let send = device.upload::<D>(own.data())?;
+        let n = own.data().len();
         let tp = self.tp;
         let mut receive = device.alloc::<D>(n * tp)?;
         nccl_group(|| {

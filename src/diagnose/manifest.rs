@@ -157,7 +157,8 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
     match id {
         WeightId::Layer(_, KvB) => {
             let m = ws.matrix(id)?;
-            Ok((m.data, dims(m.rows, m.cols)))
+            let shape = dims(m.rows, m.cols);
+            Ok((m.into_data(), shape))
         }
         WeightId::Expert {
             layer,
@@ -169,7 +170,8 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
                 .into_iter()
                 .nth(which(w).unwrap_or(0));
             let m = m.ok_or_else(|| anyhow!("{name}: not an expert matrix"))?;
-            Ok((m.data, dims(m.rows, m.cols)))
+            let shape = dims(m.rows, m.cols);
+            Ok((m.into_data(), shape))
         }
         WeightId::Layer(l, w @ (ExpertsGate | ExpertsUp | ExpertsDown)) => {
             let one = |e| {

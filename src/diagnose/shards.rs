@@ -38,12 +38,12 @@ pub fn check_shards(
         }
         let label = id.to_string();
         let shape = [w.rows as u64, w.cols as u64];
-        let whole = Reference::new(&label, &w.data, &shape, plan, tp as u64)?;
+        let whole = Reference::new(&label, w.data(), &shape, plan, tp as u64)?;
         let mut verdicts = (0..tp)
             .map(|rank| {
                 let view = sharder.shard(&w, role, rank)?;
                 let view_shape = [view.rows as u64, view.cols as u64];
-                let seen = ObservedShard::values(&view_shape, Dtype::F32, &view.data);
+                let seen = ObservedShard::values(&view_shape, Dtype::F32, view.data());
                 whole.identify(rank as u64, &seen)
             })
             .collect::<Result<Vec<_>>>()?;

@@ -88,7 +88,7 @@ impl Tally {
     /// noise).
     fn add(&mut self, r: &Mat, c: &Mat, stored: Option<GgmlType>) -> Result<()> {
         let cols = self.shape.1;
-        for (i, (x, y)) in r.data.iter().zip(&c.data).enumerate() {
+        for (i, (x, y)) in r.data().iter().zip(c.data()).enumerate() {
             let (xd, yd) = (f64::from(*x), f64::from(*y));
             self.dot += xd * yd;
             self.xx += xd * xd;
@@ -103,18 +103,18 @@ impl Tally {
             }
         }
         for (side, m) in [r, c].into_iter().enumerate() {
-            self.rows[side].extend(m.data.chunks(cols.max(1)).map(fnv1a));
+            self.rows[side].extend(m.data().chunks(cols.max(1)).map(fnv1a));
             // A sum of per-value hashes does not depend on the order of the values.
             let mixed = m
-                .data
+                .data()
                 .iter()
                 .map(|v| fnv1a(std::slice::from_ref(v)))
                 .fold(0u64, u64::wrapping_add);
             self.multiset[side] = self.multiset[side].wrapping_add(mixed);
         }
         if let Some(ty) = stored {
-            let stored = round_trip(ty, r.data.clone(), cols)?;
-            for (x, s) in r.data.iter().zip(&stored) {
+            let stored = round_trip(ty, r.data().to_vec(), cols)?;
+            for (x, s) in r.data().iter().zip(&stored) {
                 let (x, s) = (f64::from(*x), f64::from(*s));
                 self.noise.0 += x * s;
                 self.noise.1 += x * x;

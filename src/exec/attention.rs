@@ -198,16 +198,16 @@ pub fn attention<B: Backend>(
     let mut q_rope = vec![B::E::lit(0.0); t * nh * rope_d];
     q_rope
         .par_chunks_mut(rope_d.max(1))
-        .zip(q_rot.data.par_chunks_exact(qk))
+        .zip(q_rot.data().par_chunks_exact(qk))
         .for_each(|(to, head)| to.copy_from_slice(&head[nope..]));
-    be.round(&mut q_rot.data)?;
-    be.round(&mut k_rope.data)?;
+    be.round(q_rot.data_mut())?;
+    be.round(k_rope.data_mut())?;
     // Tens of MB a layer at GLM-5's widths and 512 tokens: copied on the pool's cores.
     be.host(Op::KvCache, || {
         cache
             .kv
-            .par_extend(kv.data.par_iter().with_min_len(1 << 15).copied());
-        cache.k_rope.extend_from_slice(&k_rope.data);
+            .par_extend(kv.data().par_iter().with_min_len(1 << 15).copied());
+        cache.k_rope.extend_from_slice(k_rope.data());
     });
 
     let (selection, selection_gap) = if !cfg.has_dsa() {
@@ -320,9 +320,9 @@ fn indexer<B: Backend>(
     };
     let mut k = be.rope(&k, rope, spec)?;
     let mut q = be.rope(&q, rope, spec)?;
-    be.round(&mut k.data)?;
-    be.round(&mut q.data)?;
-    cache.index_k.extend_from_slice(&k.data);
+    be.round(k.data_mut())?;
+    be.round(q.data_mut())?;
+    cache.index_k.extend_from_slice(k.data());
     let total = start + t;
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
     let scores = be.indexer_scores(&IndexerInputs {

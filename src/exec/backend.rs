@@ -182,7 +182,7 @@ pub trait Backend: Sync + Clone {
 /// kv_b (or a block of its heads) dequantized and assembled on the host from llama.cpp's split
 /// blocks.
 pub fn kv_b_on_host(k_b: &StoredBlock<'_>, v_b: &StoredBlock<'_>, d: KvBDims) -> Result<Mat<f32>> {
-    let kv_b = assemble_kv_b(&k_b.dequantize()?.data, &v_b.dequantize()?.data, d)?;
+    let kv_b = assemble_kv_b(k_b.dequantize()?.data(), v_b.dequantize()?.data(), d)?;
     Ok(Mat::new(d.heads * (d.nope + d.v), d.kv_lora, kv_b))
 }
 
@@ -267,8 +267,8 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
 
 /// `x`'s values column by column (`xᵀ` row-major).
 fn column_major<E: Real>(x: &Mat<E>) -> Vec<E> {
-    let mut out = vec![E::zero(); x.data.len()];
-    for (r, row) in x.data.chunks_exact(x.cols.max(1)).enumerate() {
+    let mut out = vec![E::zero(); x.data().len()];
+    for (r, row) in x.data().chunks_exact(x.cols.max(1)).enumerate() {
         for (c, &v) in row.iter().enumerate() {
             out[c * x.rows + r] = v;
         }
@@ -312,7 +312,7 @@ impl<E: Real> Cpu<E> {
     }
 
     fn rounded(&self, mut m: Mat<E>) -> Result<Mat<E>> {
-        self.round(&mut m.data)?;
+        self.round(m.data_mut())?;
         Ok(m)
     }
 }
@@ -330,7 +330,7 @@ impl<E: Real> Backend for Cpu<E> {
     }
 
     fn hold(&self, w: Mat<f32>) -> Result<Mat<E>> {
-        Ok(Mat::new(w.rows, w.cols, self.hold_values(w.data)))
+        Ok(Mat::new(w.rows, w.cols, self.hold_values(w.into_data())))
     }
 
     fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
@@ -360,7 +360,7 @@ impl<E: Real> Backend for Cpu<E> {
         }
         // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
         // them column-major.
-        let few = E::as_f32(&x.data).filter(|_| few_tokens::takes(t, features));
+        let few = E::as_f32(x.data()).filter(|_| few_tokens::takes(t, features));
         let x_cols = if few.is_some() {
             Vec::new()
         } else {
@@ -371,7 +371,7 @@ impl<E: Real> Backend for Cpu<E> {
             .par_iter()
             .map(|&start| {
                 let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                let w = &w.data[start * features..];
+                let w = &w.data()[start * features..];
                 match (few, E::as_f32(w)) {
                     (Some(x), Some(w)) => {
                         E::widen_all(few_tokens::x_times_weight_rows(x, t, w, rows, features))
@@ -384,7 +384,7 @@ impl<E: Real> Backend for Cpu<E> {
         // tokens are one short contiguous read.
         let mut y = Mat::zeros(t, out);
         if out > 0 {
-            y.data
+            y.data_mut()
                 .par_chunks_mut(out * TOKENS_PER_TRANSPOSE)
                 .enumerate()
                 .for_each(|(tile, rows)| {
@@ -423,6 +423,6 @@ impl<E: Real> Backend for Cpu<E> {
     }
 
     fn claim_kept(&self, w: &Mat<E>) -> Result<Option<Claim>> {
-        claim_host(std::mem::size_of_val(w.data.as_slice()) as u64)
+        claim_host(std::mem::size_of_val(w.data()) as u64)
     }
 }

@@ -96,7 +96,7 @@ impl Hooks {
                 w.rows,
                 w.cols,
                 k_then_v_rows(
-                    &w.data,
+                    w.data(),
                     cfg.num_attention_heads as usize,
                     cfg.qk_nope_head_dim as usize,
                     cfg.v_head_dim as usize,

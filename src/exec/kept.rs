@@ -120,6 +120,6 @@ mod tests {
         let other = kept
             .get_or_hold(&bf16, part(0), || Ok(Mat::new(1, 1, vec![3.0])))
             .unwrap();
-        assert_eq!(other.data, vec![3.0]);
+        assert_eq!(other.data(), [3.0]);
     }
 }

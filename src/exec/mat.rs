@@ -1,5 +1,9 @@
 //! A row-major matrix: activations, and weights as dequantized before a backend holds them.
 
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 
 use super::real::Real;
@@ -8,7 +12,28 @@ use super::real::Real;
 pub struct Mat<E = f32> {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<E>,
+    data: Vec<E>,
+    twin: Twin,
+}
+
+/// The same values held elsewhere by the backend that produced them (a GPU backend's output
+/// buffer), so that the next op on that device takes them from there instead of uploading the
+/// host's copy again. Only a backend's own type is stored, and only values equal to the host's;
+/// any mutable access to the host's values drops it, so the two never disagree.
+#[derive(Clone, Default)]
+struct Twin(Option<Arc<dyn Any + Send + Sync>>);
+
+impl fmt::Debug for Twin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "twin" } else { "-" })
+    }
+}
+
+/// Twins hold the host's values, so they never make two matrices differ.
+impl PartialEq for Twin {
+    fn eq(&self, _: &Twin) -> bool {
+        true
+    }
 }
 
 impl<E: Real> Mat<E> {
@@ -19,7 +44,38 @@ impl<E: Real> Mat<E> {
             rows * cols,
             "matrix data does not match {rows}×{cols}"
         );
-        Mat { rows, cols, data }
+        Mat {
+            rows,
+            cols,
+            data,
+            twin: Twin::default(),
+        }
+    }
+
+    /// The values, row-major.
+    pub fn data(&self) -> &[E] {
+        &self.data
+    }
+
+    /// The values to change in place (their twin, if any, dropped).
+    pub fn data_mut(&mut self) -> &mut Vec<E> {
+        self.twin = Twin::default();
+        &mut self.data
+    }
+
+    pub fn into_data(self) -> Vec<E> {
+        self.data
+    }
+
+    /// The matrix with `twin` beside its values: the backend's own copy of exactly these values.
+    pub fn with_twin<T: Any + Send + Sync>(mut self, twin: T) -> Self {
+        self.twin = Twin(Some(Arc::new(twin)));
+        self
+    }
+
+    /// The twin beside the values, if one of type `T` is there.
+    pub fn twin<T: Any>(&self) -> Option<&T> {
+        self.twin.0.as_deref().and_then(|t| t.downcast_ref())
     }
 
     pub fn zeros(rows: usize, cols: usize) -> Self {
@@ -39,7 +95,8 @@ impl<E: Real> Mat<E> {
     }
 
     pub fn row_mut(&mut self, r: usize) -> &mut [E] {
-        &mut self.data[r * self.cols..(r + 1) * self.cols]
+        let cols = self.cols;
+        &mut self.data_mut()[r * cols..(r + 1) * cols]
     }
 
     /// Columns `start..start+len` of every row.

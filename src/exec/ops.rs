@@ -47,9 +47,9 @@ pub fn sigmoid<E: Real>(x: E) -> E {
 /// `silu(gate) ⊙ up`.
 pub fn silu_mul<E: Real>(gate: &Mat<E>, up: &Mat<E>) -> Mat<E> {
     let data = gate
-        .data
+        .data()
         .iter()
-        .zip(&up.data)
+        .zip(up.data())
         .map(|(&g, &u)| silu(g) * u)
         .collect();
     Mat::new(gate.rows, gate.cols, data)

@@ -90,11 +90,18 @@ pub enum Op {
         heads: usize,
         sparse: usize,
     },
+    /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, add, silu_mul, one MLP,
+    /// linear_exact), against the same chain given fresh host copies between the ops: a backend
+    /// that keeps an output on its device for the next op must give the same bits.
+    Chain {
+        t: usize,
+        d: usize,
+    },
 }
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 24] = [
+pub const CASES: [Op; 25] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -177,6 +184,7 @@ pub const CASES: [Op; 24] = [
         heads: 4,
         sparse: 64,
     },
+    Op::Chain { t: 7, d: 384 },
     // Enough positions for several tiles of the GPU's tiled kernel, the last one partial.
     Op::Attention {
         t: 37,
@@ -226,6 +234,7 @@ impl Op {
             Op::IndexerScores { .. } => "indexer_scores",
             Op::Attention { sparse: 0, .. } => "attention",
             Op::Attention { .. } => "attention_dsa",
+            Op::Chain { .. } => "chain",
         }
     }
 
@@ -236,6 +245,7 @@ impl Op {
             | Op::LayerNorm { t, d }
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
+            Op::Chain { t, d } => format!("[{t},{d}] through 6 ops"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
                 t,
@@ -279,6 +289,7 @@ impl Op {
         matches!(
             self,
             Op::LinearExact { .. }
+                | Op::Chain { .. }
                 | Op::Attention { .. }
                 | Op::Rope { .. }
                 | Op::IndexerScores { .. }
@@ -298,9 +309,9 @@ impl Op {
 /// the f64 reference is rounded once more, so every value is off by at most `(r + 1)·u` relative
 /// and the NMSE by its square. In f32 the accumulation order of a `k`-term sum adds up to `k·u`
 /// per value (rounding errors of a random-order sum grow as `√k` in practice, so `k·u²` is the
-/// bound used). `round` must be exact.
+/// bound used). `round` and the chain must be exact.
 pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
-    if matches!(op, Op::Round { .. }) {
+    if matches!(op, Op::Round { .. } | Op::Chain { .. }) {
         return 0.0;
     }
     if let Op::Rope { t, start, .. } = op {
@@ -403,28 +414,37 @@ fn run_op<B: Backend<E = f32>>(
             } else {
                 be.linear(&x, &held)?
             };
-            (out.data, reference.data)
+            (out.into_data(), reference.into_data())
         }
         Op::RmsNorm { t, d } => {
             let x = mat(rng, t, d, 1.0, p);
             let w = values(rng, d, 0.5, p);
             let reference = f64s.rms_norm(&wide(&x), &wide_v(&w), 1e-5)?;
-            (be.rms_norm(&x, &w, 1e-5)?.data, reference.data)
+            (
+                be.rms_norm(&x, &w, 1e-5)?.into_data(),
+                reference.into_data(),
+            )
         }
         Op::LayerNorm { t, d } => {
             let x = mat(rng, t, d, 2.0, p);
             let (w, b) = (values(rng, d, 0.5, p), values(rng, d, 0.1, p));
             let reference = f64s.layer_norm(&wide(&x), &wide_v(&w), &wide_v(&b), 1e-6)?;
-            (be.layer_norm(&x, &w, &b, 1e-6)?.data, reference.data)
+            (
+                be.layer_norm(&x, &w, &b, 1e-6)?.into_data(),
+                reference.into_data(),
+            )
         }
         Op::SiluMul { t, d } => {
             let (g, u) = (mat(rng, t, d, 3.0, p), mat(rng, t, d, 1.0, p));
             let reference = f64s.silu_mul(&wide(&g), &wide(&u))?;
-            (be.silu_mul(&g, &u)?.data, reference.data)
+            (be.silu_mul(&g, &u)?.into_data(), reference.into_data())
         }
         Op::Add { t, d } => {
             let (a, b) = (mat(rng, t, d, 1.0, p), mat(rng, t, d, 1.0, p));
-            (be.add(&a, &b)?.data, f64s.add(&wide(&a), &wide(&b))?.data)
+            (
+                be.add(&a, &b)?.into_data(),
+                f64s.add(&wide(&a), &wide(&b))?.into_data(),
+            )
         }
         Op::Round { n } => {
             // f32 values, some of them exactly halfway between two values of the dtype.
@@ -456,7 +476,7 @@ fn run_op<B: Backend<E = f32>>(
             let mut wide_x = wide(&x);
             Rope::<f64>::plain(THETA, rope_dims, 1.0).rotate_rows(&mut wide_x, spec);
             let x = be.rope(&x, &Rope::plain(THETA, rope_dims, 1.0), spec)?;
-            (x.data, wide_x.data)
+            (x.into_data(), wide_x.into_data())
         }
         Op::Attention {
             t,
@@ -523,7 +543,7 @@ fn run_op<B: Backend<E = f32>>(
                 held.push([be.hold(gate)?, be.hold(up)?, be.hold(down)?]);
             }
             for (x, [g, u, d]) in xs.iter().zip(&wide_held) {
-                reference.extend(f64s.mlp(&wide(x), g, u, d)?.data);
+                reference.extend(f64s.mlp(&wide(x), g, u, d)?.into_data());
             }
             let jobs: Vec<_> = xs
                 .iter()
@@ -531,7 +551,7 @@ fn run_op<B: Backend<E = f32>>(
                 .map(|(x, [g, u, d])| (x, [g, u, d]))
                 .collect();
             for y in be.mlps(&jobs)? {
-                out.extend(y.data);
+                out.extend(y.into_data());
             }
             (out, reference)
         }
@@ -569,16 +589,42 @@ fn run_op<B: Backend<E = f32>>(
             })?;
             causal_scores(&out, &reference, start, positions)
         }
+        Op::Chain { t, d } => {
+            let x = mat(rng, t, d, 1.0, p);
+            let norm = values(rng, d, 0.5, p);
+            let weights = (0..4)
+                .map(|_| be.hold(mat(rng, d, d, 1.0 / (d as f32).sqrt(), p)))
+                .collect::<Result<Vec<_>>>()?;
+            let [a, gate, up, down] = [0, 1, 2, 3].map(|i| &weights[i]);
+            let chain = |fresh: bool| -> Result<Mat<f32>> {
+                let pass = |m: Mat<f32>| {
+                    if fresh {
+                        Mat::new(m.rows, m.cols, m.data().to_vec())
+                    } else {
+                        m
+                    }
+                };
+                let h = pass(be.rms_norm(&x, &norm, 1e-5)?);
+                let y = pass(be.linear(&h, a)?);
+                let s = pass(be.add(&y, &h)?);
+                let g = pass(be.silu_mul(&s, &y)?);
+                let m = pass(be.mlp(&g, gate, up, down)?);
+                be.linear_exact(&m, a)
+            };
+            let (kept, fresh) = (chain(false)?, chain(true)?);
+            let reference = fresh.data().iter().map(|&v| f64::from(v)).collect();
+            (kept.into_data(), reference)
+        }
         Op::AllReduce { t, d } => {
             let parts: Vec<Mat<f32>> = (0..ranks).map(|_| mat(rng, t, d, 1.0, p)).collect();
             let mut reference = vec![0.0f64; t * d];
             for part in &parts {
                 reference
                     .iter_mut()
-                    .zip(&part.data)
+                    .zip(part.data())
                     .for_each(|(s, &v)| *s += f64::from(v));
             }
-            (be.all_reduce(&parts)?.data, reference)
+            (be.all_reduce(&parts)?.into_data(), reference)
         }
     })
 }

@@ -27,7 +27,7 @@ pub fn row_block(w: &Mat<f32>, rank: usize, tp: usize) -> Result<Mat<f32>> {
     Ok(Mat::new(
         len,
         w.cols,
-        w.data[start * w.cols..(start + len) * w.cols].to_vec(),
+        w.data()[start * w.cols..(start + len) * w.cols].to_vec(),
     ))
 }
 
@@ -74,17 +74,17 @@ impl Sharder {
     /// Rank `rank`'s shard of the split weight `role` (`w` whole, `[out, in]`).
     pub fn shard(&self, w: &Mat<f32>, role: LayerWeight, rank: usize) -> Result<Mat<f32>> {
         if let Some((rows, cols)) = self.block(role, rank, w.rows, w.cols)? {
-            let slab = &w.data[rows.start * w.cols..rows.end * w.cols];
+            let slab = &w.data()[rows.start * w.cols..rows.end * w.cols];
             return Ok(Mat::new(rows.len(), w.cols, slab.to_vec()).columns(cols.start, cols.len()));
         }
         // A planted shard-axis fault: the other axis's block, viewed in the planned shape.
         let tp = self.tp;
         if splits_rows(role) {
             let other = column_block(w, rank, tp)?;
-            Ok(Mat::new(w.rows / tp, w.cols, other.data))
+            Ok(Mat::new(w.rows / tp, w.cols, other.into_data()))
         } else {
             let other = row_block(w, rank, tp)?;
-            Ok(Mat::new(w.rows, w.cols / tp, other.data))
+            Ok(Mat::new(w.rows, w.cols / tp, other.into_data()))
         }
     }
 }
@@ -104,22 +104,22 @@ mod tests {
         };
         let unsharded = with(Injection::UnshardedColumn(KvB));
         assert_eq!(
-            unsharded.shard(&w, KvB, 1).unwrap().data,
+            unsharded.shard(&w, KvB, 1).unwrap().into_data(),
             vec![0., 1., 2., 3.]
         );
         assert_eq!(
-            unsharded.shard(&w, QB, 1).unwrap().data,
+            unsharded.shard(&w, QB, 1).unwrap().into_data(),
             vec![4., 5., 6., 7.]
         );
         let reversed = with(Injection::RankOrder(KvB));
         assert_eq!(
-            reversed.shard(&w, KvB, 0).unwrap().data,
+            reversed.shard(&w, KvB, 0).unwrap().into_data(),
             vec![4., 5., 6., 7.]
         );
         // Column 1 of every row, viewed as 2 rows of 2.
         let axis = with(Injection::ShardAxis(KvB)).shard(&w, KvB, 1).unwrap();
         assert_eq!(
-            (axis.rows, axis.cols, axis.data),
+            (axis.rows, axis.cols, axis.into_data()),
             (2, 2, vec![1., 3., 5., 7.])
         );
     }

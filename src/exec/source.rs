@@ -286,8 +286,9 @@ impl WeightSource {
             (id, self.layout.kv_b)
         {
             let kv_b = self.assembled_kv_b(l)?;
-            let stored = self.through_storage(id, kv_b.data, kv_b.cols)?;
-            let w = Mat::new(kv_b.rows, kv_b.cols, stored);
+            let (rows, cols) = (kv_b.rows, kv_b.cols);
+            let stored = self.through_storage(id, kv_b.into_data(), cols)?;
+            let w = Mat::new(rows, cols, stored);
             return Ok(self.hooks().rearranged(&self.cfg, id, w));
         }
         if id == WeightId::LmHead {
@@ -296,7 +297,8 @@ impl WeightSource {
         let name = self.name(id);
         let (data, shape) = self.load(&name)?;
         let m = Mat::from_shape(data, &shape).with_context(|| name)?;
-        let stored = Mat::new(m.rows, m.cols, self.through_storage(id, m.data, m.cols)?);
+        let (rows, cols) = (m.rows, m.cols);
+        let stored = Mat::new(rows, cols, self.through_storage(id, m.into_data(), cols)?);
         Ok(self.hooks().rearranged(&self.cfg, id, stored))
     }
 

@@ -132,9 +132,9 @@ mod tests {
         ];
         let o_proj = LazyWeight::given(AttnOut, w.clone());
         let (sum, _) = row_parallel(&be, &x_parts, &o_proj, plan).unwrap();
-        sum.data
+        sum.into_data()
             .iter()
-            .zip(&whole.data)
+            .zip(&whole.into_data())
             .for_each(|(a, b)| assert!((a - b).abs() < 1e-5));
         assert!(row_block(&w, 0, 3).is_err());
     }

@@ -43,7 +43,7 @@ pub fn regroup(
                 Encoding::Ggml(ty) => Some(ty),
                 _ => None,
             });
-        let Some(moved) = moved_rows(ty, x.cols, &x.data, &c.data)? else {
+        let Some(moved) = moved_rows(ty, x.cols, x.data(), c.data())? else {
             continue;
         };
         if moved.is_empty() {

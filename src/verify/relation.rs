@@ -475,7 +475,10 @@ impl Departure<'_> {
         let c = super::units::candidate_values(self.cand, self.t(), u)?;
         let stored = candidate_bytes(self.cand, self.t(), u);
         for other in (0..self.reference.cfg.n_routed_experts).filter(|&e| e != expert) {
-            let x = self.reference.expert_matrix(layer, other, which)?.data;
+            let x = self
+                .reference
+                .expert_matrix(layer, other, which)?
+                .into_data();
             if x.len() != c.len() || !self.holds(&x, &c, stored)? {
                 continue;
             }

@@ -216,28 +216,28 @@ pub fn candidate_bytes<'a>(cand: &'a WeightSource, t: &TensorEntry, u: &Unit) ->
 pub fn reference_values(reference: &WeightSource, u: &Unit) -> Result<Vec<f32>> {
     let cfg = &reference.cfg;
     let values = match u.reference {
-        Reference::Rows(id) => reference.matrix_rows(id, u.rows.clone())?.data,
+        Reference::Rows(id) => reference.matrix_rows(id, u.rows.clone())?.into_data(),
         Reference::Vector(id) => reference.vector(id)?,
         Reference::Expert {
             layer,
             expert,
             which,
-        } => reference.expert_matrix(layer, expert, which)?.data,
+        } => reference.expert_matrix(layer, expert, which)?.into_data(),
         Reference::ExpertGateUp { layer, expert } => {
             let mut gate = reference
                 .expert_matrix(layer, expert, LayerWeight::ExpertsGate)?
-                .data;
+                .into_data();
             gate.extend(
                 reference
                     .expert_matrix(layer, expert, LayerWeight::ExpertsUp)?
-                    .data,
+                    .into_data(),
             );
             gate
         }
         Reference::KvB(l) => {
             let m = reference.matrix(WeightId::Layer(l, LayerWeight::KvB))?;
             let r = u.rows.start as usize * m.cols..u.rows.end as usize * m.cols;
-            m.data.get(r).context("kv_b_proj rows")?.to_vec()
+            m.data().get(r).context("kv_b_proj rows")?.to_vec()
         }
         Reference::KvBPart { layer, k } => {
             let kv_b = reference.matrix(WeightId::Layer(layer, LayerWeight::KvB))?;
@@ -247,8 +247,8 @@ pub fn reference_values(reference: &WeightSource, u: &Unit) -> Result<Vec<f32>> 
                 nope: cfg.qk_nope_head_dim as usize,
                 v: cfg.v_head_dim as usize,
             };
-            let (k_b, v_b) =
-                split_kv_b(&kv_b.data, dims).with_context(|| format!("layer {layer} kv_b_proj"))?;
+            let (k_b, v_b) = split_kv_b(kv_b.data(), dims)
+                .with_context(|| format!("layer {layer} kv_b_proj"))?;
             if k {
                 k_b
             } else {

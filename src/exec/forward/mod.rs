@@ -104,7 +104,7 @@ impl Default for ForwardOptions<'_> {
 }
 
 fn values<E: Real>(m: &Mat<E>) -> Stage<'_> {
-    E::stage(&m.data)
+    E::stage(m.data())
 }
 
 /// What runs a forward: the weights (with any planted fault), the backend, the options.
@@ -170,7 +170,7 @@ pub fn forward<B: Backend>(
         }
         rows.extend(
             src.matrix_rows(WeightId::Embed, u64::from(tok)..u64::from(tok) + 1)?
-                .data,
+                .into_data(),
         );
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
@@ -277,7 +277,7 @@ pub fn generate<B: Backend>(
         };
         let next = next as u32;
         out.push(next);
-        last = forward(run, &[next], &mut cache, &mut Discard)?.data;
+        last = forward(run, &[next], &mut cache, &mut Discard)?.into_data();
     }
     Ok((logits, out))
 }
@@ -330,7 +330,7 @@ fn lm_head<B: Backend>(
     let mut logits = Mat::zeros(norm.rows, vocab as usize);
     // Hundreds of MB at GLM-5's vocabulary and 512 tokens: rows on the pool's cores.
     logits
-        .data
+        .data_mut()
         .par_chunks_mut((vocab as usize).max(1))
         .enumerate()
         .for_each(|(r, row)| {
@@ -418,7 +418,7 @@ impl<B: Backend> Layer<'_, B> {
         }
         let shape: Vec<u64> = part_shape(&whole, tail).iter().map(|&d| d as u64).collect();
         let name = StageName::layer_stage(self.l, stage).to_string();
-        let owned = B::E::owned_stage(whole.data);
+        let owned = B::E::owned_stage(whole.into_data());
         self.rec
             .record_owned(StageKey::new(&name, &shape, dims, None), owned)
     }

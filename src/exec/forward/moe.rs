@@ -82,7 +82,7 @@ impl<B: Backend> Layer<'_, B> {
             let mut outputs =
                 routed_experts(self.src, be, self.l, group, x, (&ids, &weights), sharder)?;
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
-                outputs[i].parts[0].1.data[0] = <B::E as num_traits::Float>::nan();
+                outputs[i].parts[0].1.data_mut()[0] = <B::E as num_traits::Float>::nan();
             }
             be.host(Op::ExpertSum, || add_weighted(&mut routed, &outputs));
         }
@@ -90,10 +90,10 @@ impl<B: Backend> Layer<'_, B> {
             let factor = B::E::lit(cfg.routed_scaling_factor);
             routed
                 .iter_mut()
-                .for_each(|p| p.data.iter_mut().for_each(|v| *v *= factor));
+                .for_each(|p| p.data_mut().iter_mut().for_each(|v| *v *= factor));
         }
         for p in &mut routed {
-            be.round(&mut p.data)?;
+            be.round(p.data_mut())?;
         }
         let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
             self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
@@ -131,7 +131,7 @@ fn add_weighted<E: Real>(routed: &mut [Mat<E>], outputs: &[ExpertOutput<E>]) {
             }
         }
         let width = sum.cols.max(1);
-        sum.data
+        sum.data_mut()
             .par_chunks_mut(width)
             .zip(per_token)
             .for_each(|(row, chosen)| {
@@ -345,7 +345,7 @@ mod tests {
         }
         add_weighted(&mut routed, &outputs);
         for (got, want) in routed.iter().zip(&want) {
-            let bits = |m: &Mat<f32>| m.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let bits = |m: &Mat<f32>| m.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(got), bits(want));
         }
     }

@@ -26,8 +26,8 @@ impl<E: Real> ResidualScale<E> {
     /// `m` in the stream's units, held in the dtype.
     pub(super) fn down<B: Backend<E = E>>(&self, be: &B, mut m: Mat<E>) -> Result<Mat<E>> {
         if let Some(c) = self.0 {
-            m.data.iter_mut().for_each(|v| *v /= c);
-            be.round(&mut m.data)?;
+            m.data_mut().iter_mut().for_each(|v| *v /= c);
+            be.round(m.data_mut())?;
         }
         Ok(m)
     }
@@ -52,7 +52,7 @@ impl<E: Real> ResidualScale<E> {
             Some(c) => Cow::Owned(Mat::new(
                 m.rows,
                 m.cols,
-                m.data.iter().map(|&v| v * c).collect(),
+                m.data().iter().map(|&v| v * c).collect(),
             )),
         }
     }
