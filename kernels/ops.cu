@@ -92,6 +92,13 @@ __device__ void assemble_kv_b(const float* k_b, const float* v_b, T* y, u32 kv_l
     store(&y[e], x);
 }
 
+// Row rows[r] of x (rows of `cols` values) as row r of y: values moved, never computed.
+template <typename T>
+__device__ void gather_rows(const T* x, const u32* rows, T* y, u32 cols, u32 n) {
+    ELEMENT(e, n);
+    y[e] = x[(u64)rows[e / cols] * cols + e % cols];
+}
+
 #define OPS(T)                                                                                   \
     extern "C" __global__ void rms_norm_##T(const T* x, const T* w, T* y, u32 cols, float eps) { \
         rms_norm(x, w, y, cols, eps);                                                            \
@@ -104,6 +111,10 @@ __device__ void assemble_kv_b(const float* k_b, const float* v_b, T* y, u32 kv_l
         silu_mul(gate, up, y, n);                                                                \
     }                                                                                            \
     extern "C" __global__ void add_##T(const T* a, const T* b, T* y, u32 n) { add(a, b, y, n); } \
+    extern "C" __global__ void gather_rows_##T(const T* x, const u32* rows, T* y, u32 cols,      \
+                                               u32 n) {                                          \
+        gather_rows(x, rows, y, cols, n);                                                        \
+    }                                                                                            \
     extern "C" __global__ void assemble_kv_b_##T(const float* k_b, const float* v_b, T* y,       \
                                                  u32 kv_lora, u32 nope, u32 v, u32 n) {          \
         assemble_kv_b(k_b, v_b, y, kv_lora, nope, v, n);                                         \

@@ -9,7 +9,7 @@ use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{Backend, Cpu, MlpInput};
+use crate::exec::backend::{Backend, Cpu, MlpJob};
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
@@ -68,11 +68,11 @@ impl EngineWeight {
 
 /// MLP jobs with their weights as backend `W` holds them.
 fn held_by<'a, W>(
-    jobs: &[MlpInput<'a, Engine>],
+    jobs: &[MlpJob<'a, EngineWeight>],
     held: impl Fn(&'a EngineWeight) -> Result<&'a W>,
-) -> Result<Vec<(&'a Mat<f32>, [&'a W; 3])>> {
+) -> Result<Vec<MlpJob<'a, W>>> {
     jobs.iter()
-        .map(|&(x, [g, u, d])| Ok((x, [held(g)?, held(u)?, held(d)?])))
+        .map(|&(rows, [g, u, d])| Ok((rows, [held(g)?, held(u)?, held(d)?])))
         .collect()
 }
 
@@ -226,10 +226,10 @@ impl Backend for Engine {
         }
     }
 
-    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<f32>>> {
+    fn mlps(&self, x: &Mat<f32>, jobs: &[MlpJob<'_, EngineWeight>]) -> Result<Vec<Mat<f32>>> {
         match self {
-            Engine::Cpu(be) => be.mlps(&held_by(jobs, EngineWeight::on_cpu)?),
-            Engine::Cuda(be) => be.mlps(&held_by(jobs, EngineWeight::on_cuda)?),
+            Engine::Cpu(be) => be.mlps(x, &held_by(jobs, EngineWeight::on_cpu)?),
+            Engine::Cuda(be) => be.mlps(x, &held_by(jobs, EngineWeight::on_cuda)?),
         }
     }
 

@@ -19,13 +19,13 @@ use rayon::prelude::*;
 
 use super::device::Device;
 use super::dtype::{Dtype, Held};
-use super::launch::MlpJob;
+use super::launch::GpuMlp;
 use super::memory::{Buffer, RankMemory};
 use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend, MlpInput};
+use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend, MlpJob};
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
 use crate::exec::mat::Mat;
@@ -276,8 +276,8 @@ impl Backend for Cuda {
         Ok(on_gpu.unwrap_or_else(|| indexer_scores_core(a)))
     }
 
-    /// The three GEMMs and SiLU·up on the weights' GPU, the input sent once and the output
-    /// fetched once.
+    /// The three GEMMs and SiLU·up on the weights' GPU, the input read from its twin or sent
+    /// once, the output fetched once and left there as its twin.
     fn mlp(
         &self,
         x: &Mat<f32>,
@@ -285,43 +285,16 @@ impl Backend for Cuda {
         up: &GpuWeight,
         down: &GpuWeight,
     ) -> Result<Mat<f32>> {
-        let mut one = self.mlps(&[(x, [gate, up, down])])?;
+        let mut one = self.mlps_on_rows(x, &[(None, [gate, up, down])])?;
         Ok(one.remove(0))
     }
 
-    /// Every expert of the group on its weights' GPU in one trip: all inputs sent in one copy,
-    /// all outputs fetched in one (256 trips a layer were most of a MoE layer's time).
-    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<f32>>> {
-        let Some((_, [first, ..])) = jobs.first() else {
-            return Ok(Vec::new());
-        };
-        for (x, [gate, up, down]) in jobs {
-            check_mlp(x, gate, up, down)?;
-            if [gate.rank, up.rank, down.rank] != [first.rank; 3] {
-                bail!(
-                    "mlp: weights on ranks {}, {} and {} in a group on rank {}",
-                    gate.rank,
-                    up.rank,
-                    down.rank,
-                    first.rank
-                );
-            }
-        }
-        let device = self.device(first.rank)?;
-        with_dtype!(self.precision, D => {
-            let jobs = jobs
-                .iter()
-                .map(|(x, [gate, up, down])| {
-                    Ok(MlpJob {
-                        x,
-                        weights: [buffer::<D>(gate)?, buffer::<D>(up)?, buffer::<D>(down)?],
-                        inner: gate.rows,
-                        out_rows: down.rows,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            device.mlps(&jobs)
-        })
+    /// Every expert of the group on its weights' GPU in one trip: `x` read from its twin or
+    /// sent once, each expert's rows picked out there, all outputs fetched in one copy (256
+    /// trips a layer were most of a MoE layer's time).
+    fn mlps(&self, x: &Mat<f32>, jobs: &[MlpJob<'_, GpuWeight>]) -> Result<Vec<Mat<f32>>> {
+        let jobs: Vec<_> = jobs.iter().map(|&(rows, w)| (Some(rows), w)).collect();
+        self.mlps_on_rows(x, &jobs)
     }
 
     fn experts_at_once(&self) -> usize {
@@ -382,6 +355,44 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// Gated MLPs on rows of `x` (all of them where `None`), on the first one's rank.
+    fn mlps_on_rows(
+        &self,
+        x: &Mat<f32>,
+        jobs: &[(Option<&[usize]>, [&GpuWeight; 3])],
+    ) -> Result<Vec<Mat<f32>>> {
+        let Some((_, [first, ..])) = jobs.first() else {
+            return Ok(Vec::new());
+        };
+        for (rows, [gate, up, down]) in jobs {
+            check_mlp(x, *rows, gate, up, down)?;
+            if [gate.rank, up.rank, down.rank] != [first.rank; 3] {
+                bail!(
+                    "mlp: weights on ranks {}, {} and {} in a group on rank {}",
+                    gate.rank,
+                    up.rank,
+                    down.rank,
+                    first.rank
+                );
+            }
+        }
+        let device = self.device(first.rank)?;
+        with_dtype!(self.precision, D => {
+            let jobs = jobs
+                .iter()
+                .map(|&(rows, [gate, up, down])| {
+                    Ok(GpuMlp {
+                        rows,
+                        weights: [buffer::<D>(gate)?, buffer::<D>(up)?, buffer::<D>(down)?],
+                        inner: gate.rows,
+                        out_rows: down.rows,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            device.mlps(x, &jobs)
+        })
+    }
+
     fn linear_as(&self, x: &Mat<f32>, w: &GpuWeight, exact: bool) -> Result<Mat<f32>> {
         if x.cols != w.cols {
             bail!(
@@ -400,8 +411,17 @@ impl Cuda {
 }
 
 /// A gated MLP's input and weights agree in shape: `x` of `gate`'s columns, `up` as `gate`,
-/// `down` from `gate`'s rows.
-fn check_mlp(x: &Mat<f32>, gate: &GpuWeight, up: &GpuWeight, down: &GpuWeight) -> Result<()> {
+/// `down` from `gate`'s rows; its rows are rows of `x`.
+fn check_mlp(
+    x: &Mat<f32>,
+    rows: Option<&[usize]>,
+    gate: &GpuWeight,
+    up: &GpuWeight,
+    down: &GpuWeight,
+) -> Result<()> {
+    if let Some(r) = rows.and_then(|rows| rows.iter().find(|&&r| r >= x.rows)) {
+        bail!("mlp: row {r} of an input of {} rows", x.rows);
+    }
     if x.cols != gate.cols || (up.rows, up.cols) != (gate.rows, gate.cols) || down.cols != gate.rows
     {
         bail!(

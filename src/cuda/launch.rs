@@ -8,7 +8,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
 use super::attention_plan::{tiled_plan, QUERY_TILE};
-use super::device::{Device, Input};
+use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
 use crate::exec::attention_core::AttentionInputs;
@@ -357,20 +357,27 @@ impl Device {
         }
     }
 
-    /// Gated MLPs `down(silu(x · gateᵀ) ⊙ x · upᵀ)` (routed experts), shapes checked by the
-    /// caller: every input sent in one copy and every output fetched in one, the intermediates
-    /// kept here in the dtype, rounded as the separate ops round them. Each job's GEMMs are
-    /// those it would get on its own, so its values are too. A single MLP (a dense layer's)
-    /// reads its input's twin and leaves its output's.
-    pub(super) fn mlps<D: Dtype>(&self, jobs: &[MlpJob<'_, D>]) -> Result<Vec<Mat<f32>>> {
-        let input = match jobs {
-            [one] => self.input::<D>(one.x)?,
-            _ => {
-                let inputs: Vec<&[f32]> = jobs.iter().map(|j| j.x.data()).collect();
-                Input::Uploaded(self.upload_parts::<D>(&inputs)?)
-            }
+    /// Gated MLPs `down(silu(x · gateᵀ) ⊙ x · upᵀ)` on rows of `x` (routed experts), shapes and
+    /// rows checked by the caller: `x` read from its twin or sent once, each job's rows picked
+    /// out here into one buffer, every output fetched in one copy, the intermediates kept here
+    /// in the dtype, rounded as the separate ops round them. Each job's GEMMs are those it
+    /// would get on its own, so its values are too. A single MLP on all of `x` (a dense
+    /// layer's) leaves its output's twin.
+    pub(super) fn mlps<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        jobs: &[GpuMlp<'_, D>],
+    ) -> Result<Vec<Mat<f32>>> {
+        let source = self.input::<D>(x)?;
+        let whole = matches!(jobs, [GpuMlp { rows: None, .. }]);
+        let picked = if whole {
+            None
+        } else {
+            Some(self.pick_rows(x, &source, jobs)?)
         };
-        let out_len = |j: &MlpJob<'_, D>| j.x.rows * j.out_rows;
+        let input = picked.as_ref().unwrap_or(&*source);
+        let t_of = |j: &GpuMlp<'_, D>| j.rows.map_or(x.rows, <[usize]>::len);
+        let out_len = |j: &GpuMlp<'_, D>| t_of(j) * j.out_rows;
         let total: usize = jobs.iter().map(out_len).sum();
         // A job with no intermediate features (or no inputs) writes nothing: its zeros must be
         // there already.
@@ -379,15 +386,15 @@ impl Device {
         } else {
             self.alloc::<D>(total)?
         };
-        let (mut at_in, mut at_out) = (0, 0);
+        let (mut at_in, mut at_out, cols) = (0, 0, x.cols);
         for j in jobs {
-            let (t, cols, n) = (j.x.rows, j.x.cols, j.x.rows * j.inner);
+            let (t, n) = (t_of(j), t_of(j) * j.inner);
             if n > 0 && j.out_rows > 0 {
-                let x = input.slice.slice(at_in..at_in + t * cols);
+                let rows = input.slice.slice(at_in..at_in + t * cols);
                 let (mut g, mut u) = (self.alloc_written::<D>(n)?, self.alloc_written::<D>(n)?);
                 let [gate, up, down] = j.weights;
-                self.gemm((t, cols), &x, gate, j.inner, &mut g.slice)?;
-                self.gemm((t, cols), &x, up, j.inner, &mut u.slice)?;
+                self.gemm((t, cols), &rows, gate, j.inner, &mut g.slice)?;
+                self.gemm((t, cols), &rows, up, j.inner, &mut u.slice)?;
                 let h = self.elementwise_here("silu_mul", &g, &u, n)?;
                 let mut y = out.slice.slice_mut(at_out..at_out + out_len(j));
                 self.gemm((t, j.inner), &h.slice, down, j.out_rows, &mut y)?;
@@ -395,8 +402,8 @@ impl Device {
             at_in += t * cols;
             at_out += out_len(j);
         }
-        if let [one] = jobs {
-            return Ok(vec![self.output(one.x.rows, one.out_rows, out)?]);
+        if whole {
+            return Ok(vec![self.output(x.rows, jobs[0].out_rows, out)?]);
         }
         let all = self.download(&out, total)?;
         // Each job's rows cut out of the one download, jobs in parallel (a 512-token MoE
@@ -413,13 +420,46 @@ impl Device {
             .par_iter()
             .zip(starts)
             .map(|(j, start)| {
-                Mat::new(
-                    j.x.rows,
-                    j.out_rows,
-                    all[start..start + out_len(j)].to_vec(),
-                )
+                Mat::new(t_of(j), j.out_rows, all[start..start + out_len(j)].to_vec())
             })
             .collect())
+    }
+
+    /// Every job's rows of `x` (on this GPU as `source`) one after another in a new buffer:
+    /// only their indices are sent (a routed expert's rows were gathered on the host and
+    /// uploaded, eight times the values of `x` at GLM-5's top-8).
+    fn pick_rows<D: Dtype>(
+        &self,
+        x: &Mat<f32>,
+        source: &Buffer<D>,
+        jobs: &[GpuMlp<'_, D>],
+    ) -> Result<Buffer<D>> {
+        let mut rows = Vec::new();
+        for j in jobs {
+            match j.rows {
+                Some(r) => rows.extend(r.iter().map(|&r| to_u32(r)).collect::<Result<Vec<_>>>()?),
+                None => rows.extend(0..to_u32(x.rows)?),
+            }
+        }
+        let n = rows.len() * x.cols;
+        let mut out = self.alloc_written::<D>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let rows = self.upload_exact(&rows)?;
+        let (cols, count) = (to_u32(x.cols)?, to_u32(n)?);
+        let f = self.kernel("gather_rows", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&source.slice)
+            .arg(&rows.slice)
+            .arg(&mut out.slice)
+            .arg(&cols)
+            .arg(&count);
+        // SAFETY: every row index is below `x.rows` (the caller's check) and `source` holds
+        // x's rows × cols values; `out` holds one row of cols values per index.
+        unsafe { launch.launch(elements(count)) }?;
+        Ok(out)
     }
 
     /// The DSA indexer's scores (see [`IndexerInputs`]) in f32, in the CPU's order, one thread
@@ -526,10 +566,10 @@ impl Device {
     }
 }
 
-/// One gated MLP of [`Device::mlps`]: its input, `[gate, up, down]` on this GPU, and the
-/// gate's and down's rows.
-pub(super) struct MlpJob<'a, D: Dtype> {
-    pub(super) x: &'a Mat<f32>,
+/// One gated MLP of [`Device::mlps`]: its rows of the input (all of them where `None`),
+/// `[gate, up, down]` on this GPU, and the gate's and down's rows.
+pub(super) struct GpuMlp<'a, D: Dtype> {
+    pub(super) rows: Option<&'a [usize]>,
     pub(super) weights: [&'a Buffer<D>; 3],
     pub(super) inner: usize,
     pub(super) out_rows: usize,

@@ -33,8 +33,9 @@ const WEIGHT_ROWS_PER_TASK: usize = 256;
 /// Token rows per parallel task of a GEMM output's transpose back to row-major.
 const TOKENS_PER_TRANSPOSE: usize = 8;
 
-/// One gated MLP's input and `[gate, up, down]`, for [`Backend::mlps`].
-pub type MlpInput<'a, B> = (&'a Mat<<B as Backend>::E>, [&'a <B as Backend>::Weight; 3]);
+/// One gated MLP of [`Backend::mlps`]: the rows of the shared input it runs on (a routed
+/// expert's tokens) and its `[gate, up, down]` as backend weights `W`.
+pub type MlpJob<'a, W> = (&'a [usize], [&'a W; 3]);
 
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way
@@ -122,11 +123,16 @@ pub trait Backend: Sync + Clone {
         let h = self.silu_mul(&self.linear(x, gate)?, &self.linear(x, up)?)?;
         self.linear(&h, down)
     }
-    /// Several gated MLPs ([`Self::mlp`]), each on its own input (routed experts): here in
-    /// parallel; a GPU backend sends the inputs in one copy and fetches the outputs in one.
-    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<Self::E>>> {
+    /// Several gated MLPs ([`Self::mlp`]), each on its rows of `x` (routed experts on the
+    /// tokens that chose them): here in parallel, each on its rows copied out; a GPU backend
+    /// picks the rows out on its device and fetches the outputs in one copy.
+    fn mlps(
+        &self,
+        x: &Mat<Self::E>,
+        jobs: &[MlpJob<'_, Self::Weight>],
+    ) -> Result<Vec<Mat<Self::E>>> {
         jobs.par_iter()
-            .map(|(x, [gate, up, down])| self.mlp(x, gate, up, down))
+            .map(|(rows, [gate, up, down])| self.mlp(&x.gather_rows(rows), gate, up, down))
             .collect()
     }
     /// Whether a dense MLP is better run as one [`Self::mlp`] with its three weights held at

@@ -99,6 +99,15 @@ impl<E: Real> Mat<E> {
         &mut self.data_mut()[r * cols..(r + 1) * cols]
     }
 
+    /// Rows `rows` of the matrix, in that order.
+    pub fn gather_rows(&self, rows: &[usize]) -> Mat<E> {
+        let mut data = Vec::with_capacity(rows.len() * self.cols);
+        for &r in rows {
+            data.extend_from_slice(self.row(r));
+        }
+        Mat::new(rows.len(), self.cols, data)
+    }
+
     /// Columns `start..start+len` of every row.
     pub fn columns(&self, start: usize, len: usize) -> Mat<E> {
         let data = (0..self.rows)

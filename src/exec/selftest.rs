@@ -65,8 +65,8 @@ pub enum Op {
         start: usize,
         interleaved: bool,
     },
-    /// Gated MLPs (routed experts) run as one group: `experts` of them, expert `i` on
-    /// `max(t - i, 1)` rows of `k` features, `inner` intermediate features.
+    /// Gated MLPs (routed experts) run as one group on rows of one `[t, k]` input: `experts`
+    /// of them, expert `i` on `max(t - i, 1)` of its rows, `inner` intermediate features.
     Mlp {
         t: usize,
         k: usize,
@@ -530,9 +530,10 @@ fn run_op<B: Backend<E = f32>>(
             experts,
         } => {
             let (mut out, mut reference) = (Vec::new(), Vec::new());
-            let (mut xs, mut held, mut wide_held) = (Vec::new(), Vec::new(), Vec::new());
+            let x = mat(rng, t, k, 1.0, p);
+            let (mut picks, mut held, mut wide_held) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..experts {
-                xs.push(mat(rng, t.saturating_sub(i).max(1), k, 1.0, p));
+                picks.push(expert_tokens(t, i));
                 let [gate, up, down] = [(inner, k), (inner, k), (k, inner)]
                     .map(|(rows, cols)| mat(rng, rows, cols, 1.0 / (cols as f32).sqrt(), p));
                 wide_held.push([
@@ -542,15 +543,15 @@ fn run_op<B: Backend<E = f32>>(
                 ]);
                 held.push([be.hold(gate)?, be.hold(up)?, be.hold(down)?]);
             }
-            for (x, [g, u, d]) in xs.iter().zip(&wide_held) {
-                reference.extend(f64s.mlp(&wide(x), g, u, d)?.into_data());
+            for (rows, [g, u, d]) in picks.iter().zip(&wide_held) {
+                reference.extend(f64s.mlp(&wide(&x.gather_rows(rows)), g, u, d)?.into_data());
             }
-            let jobs: Vec<_> = xs
+            let jobs: Vec<_> = picks
                 .iter()
                 .zip(&held)
-                .map(|(x, [g, u, d])| (x, [g, u, d]))
+                .map(|(rows, [g, u, d])| (rows.as_slice(), [g, u, d]))
                 .collect();
-            for y in be.mlps(&jobs)? {
+            for y in be.mlps(&x, &jobs)? {
                 out.extend(y.into_data());
             }
             (out, reference)
@@ -627,6 +628,12 @@ fn run_op<B: Backend<E = f32>>(
             (be.all_reduce(&parts)?.into_data(), reference)
         }
     })
+}
+
+/// The tokens of `t` that routed expert `i` of the `mlp` case runs on: the first
+/// `max(t - i, 1)`, last first, so that the rows are picked out of order.
+fn expert_tokens(t: usize, i: usize) -> Vec<usize> {
+    (0..t.saturating_sub(i).max(1)).rev().collect()
 }
 
 /// The scores of keys up to each query's position, from the backend's `[t, positions]` and the

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::attention_core::AttentionInputs;
-use super::backend::{Backend, MlpInput};
+use super::backend::{Backend, MlpJob};
 use super::claim::Claim;
 use super::forward::{Recorder, StageKey};
 use super::indexer_core::IndexerInputs;
@@ -126,8 +126,8 @@ impl<B: Backend> Backend for Timed<B> {
             .time(Op::Mlp, || self.inner.mlp(x, gate, up, down))
     }
 
-    fn mlps(&self, jobs: &[MlpInput<'_, Self>]) -> Result<Vec<Mat<B::E>>> {
-        self.clock.time(Op::Mlps, || self.inner.mlps(jobs))
+    fn mlps(&self, x: &Mat<B::E>, jobs: &[MlpJob<'_, B::Weight>]) -> Result<Vec<Mat<B::E>>> {
+        self.clock.time(Op::Mlps, || self.inner.mlps(x, jobs))
     }
 
     fn experts_at_once(&self) -> usize {

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{values, Layer};
 use crate::exec::attention::NO_BOUNDARY;
-use crate::exec::backend::{Backend, MlpInput};
+use crate::exec::backend::{Backend, MlpJob};
 use crate::exec::lazy_weight::LazyWeight;
 use crate::exec::mat::Mat;
 use crate::exec::op_clock::Op;
@@ -151,13 +151,12 @@ struct ExpertOutput<E> {
     parts: Vec<(usize, Mat<E>)>,
 }
 
-/// The tokens that chose `expert`, with their routing weights, and their rows of `x`.
+/// The tokens that chose `expert`, with their routing weights, and the tokens alone.
 fn expert_rows<E: Real>(
     expert: usize,
-    x: &Mat<E>,
     (ids, weights): (&[Vec<usize>], &[Vec<E>]),
-) -> (Vec<(usize, E)>, Mat<E>) {
-    let rows: Vec<(usize, E)> = (0..x.rows)
+) -> (Vec<(usize, E)>, Vec<usize>) {
+    let rows: Vec<(usize, E)> = (0..ids.len())
         .filter_map(|s| {
             ids[s]
                 .iter()
@@ -165,12 +164,8 @@ fn expert_rows<E: Real>(
                 .map(|k| (s, weights[s][k]))
         })
         .collect();
-    let mut xs = Vec::with_capacity(rows.len() * x.cols);
-    for &(s, _) in &rows {
-        xs.extend_from_slice(x.row(s));
-    }
-    let n = rows.len();
-    (rows, Mat::new(n, x.cols, xs))
+    let tokens = rows.iter().map(|&(s, _)| s).collect();
+    (rows, tokens)
 }
 
 /// Routed experts `group` on the tokens that chose each. Under TP each is split along the
@@ -189,17 +184,15 @@ fn routed_experts<B: Backend>(
         [ExpertsGate, ExpertsUp, ExpertsDown].map(|role| LazyWeight::expert(src, l, e as u64, role))
     };
     let inputs: Vec<_> = be.host(Op::ExpertInputs, || {
-        group
-            .par_iter()
-            .map(|&e| expert_rows(e, x, routing))
-            .collect()
+        group.par_iter().map(|&e| expert_rows(e, routing)).collect()
     });
     if sharder.tp > 1 && !sharder.ep {
         return group
             .par_iter()
             .zip(inputs)
-            .map(|(&e, (rows, xs))| {
+            .map(|(&e, (rows, tokens))| {
                 let [gate, up, down] = weights_of(e);
+                let xs = be.host(Op::ExpertInputs, || x.gather_rows(&tokens));
                 let y = crate::exec::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
                 Ok(ExpertOutput {
                     rows,
@@ -228,11 +221,16 @@ fn routed_experts<B: Backend>(
     let mut outputs: Vec<Option<Mat<B::E>>> = group.iter().map(|_| None).collect();
     for rank in ranks {
         let members: Vec<usize> = (0..group.len()).filter(|&i| owners[i] == rank).collect();
-        let jobs: Vec<MlpInput<'_, B>> = members
+        let jobs: Vec<MlpJob<'_, B::Weight>> = members
             .iter()
-            .map(|&i| (&inputs[i].1, [&*held[i][0], &*held[i][1], &*held[i][2]]))
+            .map(|&i| {
+                (
+                    inputs[i].1.as_slice(),
+                    [&*held[i][0], &*held[i][1], &*held[i][2]],
+                )
+            })
             .collect();
-        for (i, y) in members.iter().zip(be.on_rank(rank).mlps(&jobs)?) {
+        for (i, y) in members.iter().zip(be.on_rank(rank).mlps(x, &jobs)?) {
             outputs[*i] = Some(y);
         }
     }
