@@ -192,8 +192,8 @@ fn write_trace_as(dir: &Path, full: &[&str], hand_over: bool) {
         if hand_over {
             let owned = match s.values() {
                 Stage::I32(_) => OwnedStage::I32(s.i32s),
-                Stage::F64(_) => OwnedStage::F64(s.f64s),
-                Stage::F32(_) => OwnedStage::F32(s.f32s),
+                Stage::F64(_) => OwnedStage::F64(s.f64s.into()),
+                Stage::F32(_) => OwnedStage::F32(s.f32s.into()),
             };
             w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
         } else {

@@ -8,11 +8,13 @@ use anyhow::{bail, Result};
 
 use super::real::Real;
 
+/// The values are shared, copied on write: a clone, or a stage handed to the trace writer for
+/// its statistics, costs no copy until one side changes them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mat<E = f32> {
     pub rows: usize,
     pub cols: usize,
-    data: Vec<E>,
+    data: Arc<Vec<E>>,
     twin: Twin,
 }
 
@@ -47,7 +49,7 @@ impl<E: Real> Mat<E> {
         Mat {
             rows,
             cols,
-            data,
+            data: Arc::new(data),
             twin: Twin::default(),
         }
     }
@@ -57,14 +59,21 @@ impl<E: Real> Mat<E> {
         &self.data
     }
 
-    /// The values to change in place (their twin, if any, dropped).
+    /// The values to change in place (their twin, if any, dropped; copied first where they
+    /// are shared).
     pub fn data_mut(&mut self) -> &mut Vec<E> {
         self.twin = Twin::default();
-        &mut self.data
+        Arc::make_mut(&mut self.data)
     }
 
+    /// The values, copied only where they are shared.
     pub fn into_data(self) -> Vec<E> {
-        self.data
+        Arc::unwrap_or_clone(self.data)
+    }
+
+    /// The values, shared (for the trace writer).
+    pub fn shared_data(&self) -> Arc<Vec<E>> {
+        self.data.clone()
     }
 
     /// The matrix with `twin` beside its values: the backend's own copy of exactly these values.
@@ -130,7 +139,7 @@ impl<E: Real> Mat<E> {
         let data = self
             .data
             .iter()
-            .zip(&other.data)
+            .zip(other.data.iter())
             .map(|(&a, &b)| a + b)
             .collect();
         Mat::new(self.rows, self.cols, data)

@@ -7,6 +7,8 @@ use std::iter::Sum;
 use candle_core::WithDType;
 
 use crate::dtype::Precision;
+use std::sync::Arc;
+
 use crate::trace::{OwnedStage, Stage};
 
 pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
@@ -32,8 +34,12 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn as_f32(xs: &[Self]) -> Option<&[f32]>;
     /// [`Self::as_f32`], writable.
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
+    /// [`Self::stage`], shared with the writer.
+    fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage;
     /// [`Self::stage`], handed over.
-    fn owned_stage(xs: Vec<Self>) -> OwnedStage;
+    fn owned_stage(xs: Vec<Self>) -> OwnedStage {
+        Self::shared_stage(Arc::new(xs))
+    }
 }
 
 impl Real for f32 {
@@ -61,7 +67,7 @@ impl Real for f32 {
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]> {
         Some(xs)
     }
-    fn owned_stage(xs: Vec<Self>) -> OwnedStage {
+    fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F32(xs)
     }
 }
@@ -88,7 +94,7 @@ impl Real for f64 {
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
-    fn owned_stage(xs: Vec<Self>) -> OwnedStage {
+    fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F64(xs)
     }
 }

@@ -72,8 +72,8 @@ impl Stage<'_> {
 
     fn to_owned(self) -> OwnedStage {
         match self {
-            Stage::F32(v) => OwnedStage::F32(copied(v)),
-            Stage::F64(v) => OwnedStage::F64(copied(v)),
+            Stage::F32(v) => OwnedStage::F32(Arc::new(copied(v))),
+            Stage::F64(v) => OwnedStage::F64(Arc::new(copied(v))),
             Stage::I32(v) => OwnedStage::I32(copied(v)),
         }
     }
@@ -102,10 +102,11 @@ fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) 
 }
 
 /// A stage's values owned by the writer, for statistics computed beside the forward: copied
-/// out of it, or handed over where the forward is done with them.
+/// out of it, handed over where the forward is done with them, or shared with the forward's
+/// matrix (which copies them before it changes them).
 pub enum OwnedStage {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
+    F32(Arc<Vec<f32>>),
+    F64(Arc<Vec<f64>>),
     I32(Vec<i32>),
 }
 

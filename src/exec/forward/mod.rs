@@ -103,8 +103,10 @@ impl Default for ForwardOptions<'_> {
     }
 }
 
-fn values<E: Real>(m: &Mat<E>) -> Stage<'_> {
-    E::stage(m.data())
+/// A matrix's values for the trace writer, shared with it: no copy unless the forward changes
+/// them later.
+fn shared<E: Real>(m: &Mat<E>) -> OwnedStage {
+    E::shared_stage(m.shared_data())
 }
 
 /// What runs a forward: the weights (with any planted fault), the backend, the options.
@@ -175,7 +177,7 @@ pub fn forward<B: Backend>(
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
     let shape = [t as u64, h as u64];
-    rec.record(StageKey::new("embed", &shape, "t d", None), values(&x))?;
+    rec.record_owned(StageKey::new("embed", &shape, "t d", None), shared(&x))?;
     record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
     let mut scale = ResidualScale::of(src, be);
     x = scale.down(be, x)?;
@@ -209,15 +211,15 @@ pub fn forward<B: Backend>(
         cfg.rms_norm_eps,
     )?;
     let shape = [t as u64, h as u64];
-    rec.record(
+    rec.record_owned(
         StageKey::new("final_norm", &shape, "t d", None),
-        values(&norm),
+        shared(&norm),
     )?;
     let logits = lm_head(src, &norm, be, opts.tp)?;
     let shape = [t as u64, logits.cols as u64];
-    rec.record(
+    rec.record_owned(
         StageKey::new("logits", &shape, "t v(tp)", None),
-        values(&logits),
+        shared(&logits),
     )?;
     if opts.tp > 1 {
         // Vocab-parallel lm_head: each rank its slice of the vocabulary, gathered.
@@ -226,7 +228,7 @@ pub fn forward<B: Backend>(
             let part = logits.columns(r * share, share);
             let shape = [t as u64, share as u64];
             let key = StageKey::new("logits", &shape, "t v(tp)", Some(r as u32));
-            rec.record(key, values(&part))?;
+            rec.record_owned(key, shared(&part))?;
         }
     }
     Ok(logits)
@@ -254,7 +256,7 @@ fn record_embed_parts<E: Real>(
         }
         let shape = [x.rows as u64, x.cols as u64];
         let key = StageKey::new("embed", &shape, "t d partial(tp)", Some(r as u32));
-        rec.record(key, values(&part))?;
+        rec.record_owned(key, shared(&part))?;
     }
     Ok(())
 }
@@ -370,7 +372,7 @@ impl<B: Backend> Layer<'_, B> {
         self.rec_part(stage, shape, dims, None, values)
     }
 
-    /// Record one rank's part (`rank` Some) or the whole stage.
+    /// Record one rank's part (`rank` Some) or the whole stage, copied.
     fn rec_part(
         &mut self,
         stage: &str,
@@ -385,6 +387,26 @@ impl<B: Backend> Layer<'_, B> {
             .record(StageKey::new(&name, &shape, dims, rank), values)
     }
 
+    /// Record a stage the forward holds as a matrix (one rank's part where `rank` is Some),
+    /// its values shared with the writer.
+    fn rec_mat_part(
+        &mut self,
+        stage: &str,
+        shape: &[usize],
+        dims: &str,
+        rank: Option<u32>,
+        m: &Mat<B::E>,
+    ) -> Result<()> {
+        let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        let name = StageName::layer_stage(self.l, stage).to_string();
+        self.rec
+            .record_owned(StageKey::new(&name, &shape, dims, rank), shared(m))
+    }
+
+    fn rec_mat(&mut self, stage: &str, shape: &[usize], dims: &str, m: &Mat<B::E>) -> Result<()> {
+        self.rec_mat_part(stage, shape, dims, None, m)
+    }
+
     /// Each rank's part of a `[t, …]` stage (the part's trailing dims `tail`, its split axis
     /// first), or the whole when there is one rank.
     fn rec_parts(
@@ -396,31 +418,12 @@ impl<B: Backend> Layer<'_, B> {
         dims: &str,
     ) -> Result<()> {
         if parts.len() <= 1 {
-            return self.rec(stage, &part_shape(whole, tail), dims, values(whole));
+            return self.rec_mat(stage, &part_shape(whole, tail), dims, whole);
         }
         for (r, p) in parts.iter().enumerate() {
-            self.rec_part(stage, &part_shape(p, tail), dims, Some(r as u32), values(p))?;
+            self.rec_mat_part(stage, &part_shape(p, tail), dims, Some(r as u32), p)?;
         }
         Ok(())
-    }
-
-    /// [`Self::rec_parts`] of a stage the forward is done with: the whole handed over.
-    fn rec_parts_owned(
-        &mut self,
-        stage: &str,
-        whole: Mat<B::E>,
-        parts: &[Mat<B::E>],
-        tail: &[usize],
-        dims: &str,
-    ) -> Result<()> {
-        if parts.len() > 1 {
-            return self.rec_parts(stage, &whole, parts, tail, dims);
-        }
-        let shape: Vec<u64> = part_shape(&whole, tail).iter().map(|&d| d as u64).collect();
-        let name = StageName::layer_stage(self.l, stage).to_string();
-        let owned = B::E::owned_stage(whole.into_data());
-        self.rec
-            .record_owned(StageKey::new(&name, &shape, dims, None), owned)
     }
 
     fn w(&self, w: LayerWeight) -> WeightId {
@@ -453,12 +456,12 @@ impl<B: Backend> Layer<'_, B> {
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let be = self.be;
         let hn = be.rms_norm(x, &self.vector(AttnNorm)?, cfg.rms_norm_eps)?;
-        self.rec("attn_norm", &[t, h], "t d", values(&hn))?;
+        self.rec_mat("attn_norm", &[t, h], "t d", &hn)?;
         let (attn, selection) = self.attention(&hn, prev_topk)?;
         let x = be.add(x, &self.scale.down(be, attn)?)?;
-        self.rec("attn_resid", &[t, h], "t d", values(&self.scale.up(&x)))?;
+        self.rec_mat("attn_resid", &[t, h], "t d", &self.scale.up(&x))?;
         let fin = be.rms_norm(&x, &self.vector(FfnNorm)?, cfg.rms_norm_eps)?;
-        self.rec("ffn_norm", &[t, h], "t d", values(&fin))?;
+        self.rec_mat("ffn_norm", &[t, h], "t d", &fin)?;
         let began = std::time::Instant::now();
         let ffn = if cfg.is_moe_layer(self.l) {
             self.moe(&fin)?
@@ -468,9 +471,9 @@ impl<B: Backend> Layer<'_, B> {
         let ffn_seconds = began.elapsed().as_secs_f64();
         let ffn_label = StageName::layer_stage(self.l, "ffn").to_string();
         self.rec.layer_seconds(&ffn_label, ffn_seconds);
-        self.rec("ffn.out", &[t, h], "t d", values(&ffn))?;
+        self.rec_mat("ffn.out", &[t, h], "t d", &ffn)?;
         let out = be.add(&x, &self.scale.down(be, ffn)?)?;
-        self.rec("out", &[t, h], "t d", values(&self.scale.up(&out)))?;
+        self.rec_mat("out", &[t, h], "t d", &self.scale.up(&out))?;
         Ok((out, selection))
     }
 
@@ -536,29 +539,22 @@ impl<B: Backend> Layer<'_, B> {
             ties: self.opts.ties,
         };
         let mut a = attention(step, hn, self.cache, prev)?;
-        self.rec("attn.q_a", &[t, a.q_a.cols], "t d", values(&a.q_a))?;
-        self.rec(
-            "attn.q_a_norm",
-            &[t, a.q_a_norm.cols],
-            "t d",
-            values(&a.q_a_norm),
-        )?;
+        self.rec_mat("attn.q_a", &[t, a.q_a.cols], "t d", &a.q_a)?;
+        self.rec_mat("attn.q_a_norm", &[t, a.q_a_norm.cols], "t d", &a.q_a_norm)?;
         let q_tail = [nh, nope + rope_d];
-        let q = std::mem::replace(&mut a.q, Mat::zeros(0, 0));
-        self.rec_parts_owned("attn.q", q, &a.parts.q, &q_tail, "t h(tp) d")?;
-        self.rec("attn.kv_a", &[t, a.kv_a.cols], "t d", values(&a.kv_a))?;
-        self.rec(
+        self.rec_parts("attn.q", &a.q, &a.parts.q, &q_tail, "t h(tp) d")?;
+        self.rec_mat("attn.kv_a", &[t, a.kv_a.cols], "t d", &a.kv_a)?;
+        self.rec_mat(
             "attn.kv_a_norm",
             &[t, a.kv_a_norm.cols],
             "t d",
-            values(&a.kv_a_norm),
+            &a.kv_a_norm,
         )?;
         let kv_tail = [nh, nope + vd];
-        let kv = std::mem::replace(&mut a.kv, Mat::zeros(0, 0));
-        self.rec_parts_owned("attn.kv", kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
+        self.rec_parts("attn.kv", &a.kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
         let q_rope = Mat::new(t, nh * rope_d, std::mem::take(&mut a.q_rope));
-        self.rec_parts_owned("attn.q_rope", q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
-        self.rec("attn.k_rope", &[t, rope_d], "t d", values(&a.k_rope))?;
+        self.rec_parts("attn.q_rope", &q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
+        self.rec_mat("attn.k_rope", &[t, rope_d], "t d", &a.k_rope)?;
         if let Some(selection) = &a.selection {
             let k = selection.first().map_or(0, Vec::len);
             let flat: Vec<i32> = selection.iter().flatten().copied().collect();
@@ -567,11 +563,10 @@ impl<B: Backend> Layer<'_, B> {
         if let Some(gap) = &a.selection_gap {
             self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
         }
-        let ctx = std::mem::replace(&mut a.ctx, Mat::zeros(0, 0));
-        self.rec_parts_owned("attn.ctx", ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
+        self.rec_parts("attn.ctx", &a.ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
         // After the all-reduce, and at TP each rank's partial sum before it: a missing or
         // doubled all-reduce shows as the one disagreeing with the sum of the others.
-        self.rec("attn.out", &[t, a.out.cols], "t d", values(&a.out))?;
+        self.rec_mat("attn.out", &[t, a.out.cols], "t d", &a.out)?;
         if !a.parts.out.is_empty() {
             self.rec_parts("attn.out", &a.out, &a.parts.out, &[], "t d partial(tp)")?;
         }

@@ -6,7 +6,7 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{values, Layer};
+use super::Layer;
 use crate::exec::attention::NO_BOUNDARY;
 use crate::exec::backend::{Backend, MlpJob};
 use crate::exec::lazy_weight::LazyWeight;
@@ -27,7 +27,7 @@ impl<B: Backend> Layer<'_, B> {
         let e = cfg.n_routed_experts as usize;
         let be = self.be;
         let logits = be.linear_exact(x, &*self.matrix(Router)?)?;
-        self.rec("moe.router_logits", &[t, e], "t e", values(&logits))?;
+        self.rec_mat("moe.router_logits", &[t, e], "t e", &logits)?;
         // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
         let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
