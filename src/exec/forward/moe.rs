@@ -187,12 +187,19 @@ fn routed_experts<B: Backend>(
         group.par_iter().map(|&e| expert_rows(e, routing)).collect()
     });
     if sharder.tp > 1 && !sharder.ep {
+        // Split along the intermediate dimension, each expert's rows go to every rank.
+        let xs: Vec<_> = be.host(Op::ExpertInputs, || {
+            inputs
+                .par_iter()
+                .map(|(_, tokens)| x.gather_rows(tokens))
+                .collect()
+        });
         return group
             .par_iter()
             .zip(inputs)
-            .map(|(&e, (rows, tokens))| {
+            .zip(xs)
+            .map(|((&e, (rows, _)), xs)| {
                 let [gate, up, down] = weights_of(e);
-                let xs = be.host(Op::ExpertInputs, || x.gather_rows(&tokens));
                 let y = crate::exec::tp::mlp_partials(be, &xs, [&gate, &up, &down], sharder)?;
                 Ok(ExpertOutput {
                     rows,
