@@ -59,11 +59,11 @@ impl<E: Real> Mat<E> {
         &self.data
     }
 
-    /// The values to change in place (their twin, if any, dropped; copied first where they
-    /// are shared).
-    pub fn data_mut(&mut self) -> &mut Vec<E> {
+    /// The values to change in place, not in number (their twin, if any, dropped; copied first
+    /// where they are shared).
+    pub fn data_mut(&mut self) -> &mut [E] {
         self.twin = Twin::default();
-        Arc::make_mut(&mut self.data)
+        Arc::make_mut(&mut self.data).as_mut_slice()
     }
 
     /// The values, copied only where they are shared.
@@ -143,5 +143,44 @@ impl<E: Real> Mat<E> {
             .map(|(&a, &b)| a + b)
             .collect();
         Mat::new(self.rows, self.cols, data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A twin lives only while the values it stands for do: a clone keeps it, every way to
+    /// change the values drops it; values shared with another holder are copied before a change.
+    #[test]
+    fn a_change_drops_the_twin_and_leaves_shared_values_alone() {
+        let m = Mat::new(2, 2, vec![1.0f32, 2.0, 3.0, 4.0]).with_twin(7u8);
+        assert_eq!(m.twin::<u8>(), Some(&7));
+        assert_eq!(m.twin::<u16>(), None, "another type is not the twin");
+        let clone = m.clone();
+        assert_eq!(clone.twin::<u8>(), Some(&7));
+
+        let shared = m.shared_data();
+        let mut changed = m.clone();
+        changed.data_mut()[0] = 9.0;
+        assert_eq!(changed.twin::<u8>(), None);
+        assert_eq!(changed.data(), &[9.0, 2.0, 3.0, 4.0]);
+        assert_eq!(shared.as_slice(), &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(m.data(), &[1.0, 2.0, 3.0, 4.0]);
+
+        let mut by_row = m.clone();
+        by_row.row_mut(1)[1] = 0.5;
+        assert_eq!(by_row.twin::<u8>(), None);
+        assert_eq!(m.twin::<u8>(), Some(&7), "the original keeps its twin");
+
+        assert_eq!(
+            m.gather_rows(&[1, 0, 1]).data(),
+            &[3.0, 4.0, 1.0, 2.0, 3.0, 4.0]
+        );
+        assert_eq!(
+            m.gather_rows(&[1]).twin::<u8>(),
+            None,
+            "picked rows have no twin"
+        );
     }
 }
