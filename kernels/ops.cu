@@ -407,3 +407,195 @@ extern "C" __global__ void rope_f32(float* x, const float* inv_freq, u32 rows, u
     h[a] = x0 * c - x1 * s;
     h[b] = x1 * c + x0 * s;
 }
+
+// A recorded stage's statistics on the GPU, in the order the host's `trace::stats` takes them,
+// so that a stage left on the GPU gets the host's numbers bit for bit without its values
+// crossing the bus. Values are the dtype's widened to f32 as the host widens them, then to f64.
+// Chunks of STATS_CHUNK values, each summed in STATS_LANES lanes (value j of a chunk into lane
+// j mod STATS_LANES, each lane in order). A lane's sum is one sequence, so a block takes a
+// chunk: all its STATS_THREADS threads load a tile of the chunk into shared memory (coalesced),
+// then the first STATS_LANES threads add their lanes' values of the tile in order.
+#define STATS_CHUNK 65536
+#define STATS_LANES 16
+#define STATS_THREADS 256
+#define STATS_TILE 4096
+
+// A value widened to f32 as the host widens it when it fetches the values: exactly, and an f16
+// NaN with its payload kept and the quiet bit set (the GPU's own conversion makes every NaN one
+// canonical NaN, which the content hash would tell apart).
+__device__ __forceinline__ float host_f32(float x) { return x; }
+__device__ __forceinline__ float host_f32(bf16 x) { return to_f32(x); }
+__device__ __forceinline__ float host_f32(f16 x) {
+    u32 sign = (u32)(x.bits & 0x8000u) << 16, man = x.bits & 0x3ffu;
+    if ((x.bits & 0x7c00u) == 0x7c00u && man != 0) {
+        return __uint_as_float(sign | 0x7fc00000u | (man << 13));
+    }
+    return to_f32(x);
+}
+
+#define POS_INF_D __longlong_as_double(0x7ff0000000000000ll)
+#define NEG_INF_D __longlong_as_double(0xfff0000000000000ll)
+
+// Values [at, at + count) of x widened into `tile` by the whole block, then a barrier.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* x, u64 at, u32 count, float* tile) {
+    for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) tile[i] = host_f32(x[at + i]);
+    __syncthreads();
+}
+
+// Chunk blockIdx.x's lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min,
+// max], each a row of STATS_LANES per chunk.
+template <typename T>
+__device__ void stage_sums(const T* x, u64 n, u64* counts, double* sums) {
+    __shared__ float tile[STATS_TILE];
+    u64 chunk = blockIdx.x, begin = chunk * STATS_CHUNK;
+    u64 end = min(begin + STATS_CHUNK, n);
+    u32 lane = threadIdx.x;
+    u64 finite = 0, nan = 0, zeros = 0;
+    double sum = 0.0, sq = 0.0, lo = POS_INF_D, hi = NEG_INF_D;
+    for (u64 at = begin; at < end; at += STATS_TILE) {
+        u32 count = (u32)min((u64)STATS_TILE, end - at);
+        load_tile(x, at, count, tile);
+        if (lane < STATS_LANES) {
+            for (u32 i = lane; i < count; i += STATS_LANES) {
+                double v = (double)tile[i];
+                bool fin = isfinite(v);
+                double f = fin ? v : 0.0;
+                sum = __dadd_rn(sum, f);
+                sq = __dadd_rn(sq, __dmul_rn(f, f));
+                if (fin) {
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                }
+                finite += fin;
+                nan += isnan(v);
+                zeros += v == 0.0;
+            }
+        }
+        __syncthreads();
+    }
+    if (lane >= STATS_LANES) return;
+    u64* c = counts + chunk * 3 * STATS_LANES + lane;
+    c[0] = finite;
+    c[STATS_LANES] = nan;
+    c[2 * STATS_LANES] = zeros;
+    double* s = sums + chunk * 4 * STATS_LANES + lane;
+    s[0] = sum;
+    s[STATS_LANES] = sq;
+    s[2 * STATS_LANES] = lo;
+    s[3 * STATS_LANES] = hi;
+}
+
+// The mean of the finite values from every chunk's lanes, merged as the host merges them: each
+// chunk's lanes in order from +0, then the chunks in order; 0 when none is finite. The block
+// loads the lanes of 16 chunks at a time, its first thread adds them in order.
+extern "C" __global__ void stage_mean(const u64* counts, const double* sums, u64 chunks,
+                                      double* mean) {
+    __shared__ double part[STATS_THREADS];
+    __shared__ u64 seen[STATS_THREADS];
+    const u64 per = STATS_THREADS / STATS_LANES;
+    double total = 0.0;
+    u64 finite = 0;
+    for (u64 c0 = 0; c0 < chunks; c0 += per) {
+        u64 c = c0 + threadIdx.x / STATS_LANES, l = threadIdx.x % STATS_LANES;
+        if (c < chunks) {
+            part[threadIdx.x] = sums[c * 4 * STATS_LANES + l];
+            seen[threadIdx.x] = counts[c * 3 * STATS_LANES + l];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (u64 k = 0; k < per && c0 + k < chunks; k++) {
+                double s = 0.0;
+                for (u32 i = 0; i < STATS_LANES; i++) {
+                    s = __dadd_rn(s, part[k * STATS_LANES + i]);
+                    finite += seen[k * STATS_LANES + i];
+                }
+                total = c0 + k == 0 ? s : __dadd_rn(total, s);
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *mean = finite > 0 ? __ddiv_rn(total, (double)finite) : 0.0;
+}
+
+// The second pass: chunk blockIdx.x's lanes' sums of squared deviations from `*mean` over
+// their finite values.
+template <typename T>
+__device__ void stage_deviations(const T* x, u64 n, const double* mean_at, double* out) {
+    __shared__ float tile[STATS_TILE];
+    u64 chunk = blockIdx.x, begin = chunk * STATS_CHUNK;
+    u64 end = min(begin + STATS_CHUNK, n);
+    u32 lane = threadIdx.x;
+    double mean = *mean_at, acc = 0.0;
+    for (u64 at = begin; at < end; at += STATS_TILE) {
+        u32 count = (u32)min((u64)STATS_TILE, end - at);
+        load_tile(x, at, count, tile);
+        if (lane < STATS_LANES) {
+            for (u32 i = lane; i < count; i += STATS_LANES) {
+                double v = (double)tile[i];
+                double d = __dadd_rn(v, -mean);
+                acc = __dadd_rn(acc, isfinite(v) ? __dmul_rn(d, d) : 0.0);
+            }
+        }
+        __syncthreads();
+    }
+    if (lane < STATS_LANES) out[chunk * STATS_LANES + lane] = acc;
+}
+
+// The content hash's lanes (`lane_hash` of the host): the values' f32 bytes in pieces of
+// HASH_PIECE bytes, each piece's little-endian u64 words fed word w to lane w mod HASH_LANES
+// with xxHash64's round, the last word zero-padded. A block per piece, a thread per lane, its
+// words loaded HASH_BATCH at a time (the loads overlap, the rounds stay in order); the host
+// merges each piece's lanes and the pieces.
+#define HASH_PIECE (1 << 20)
+#define HASH_LANES 256
+#define XX_P1 0x9E3779B185EBCA87ull
+#define XX_P2 0xC2B2AE3D27D4EB4Full
+#define HASH_BATCH 16
+
+template <typename T>
+__device__ __forceinline__ u64 hash_word(const T* x, u64 n, u64 e) {
+    u64 lo = __float_as_uint(host_f32(x[e]));
+    u64 hi = e + 1 < n ? __float_as_uint(host_f32(x[e + 1])) : 0;
+    return lo | (hi << 32);
+}
+
+template <typename T>
+__device__ void stage_hash_lanes(const T* x, u64 n, u64* lanes) {
+    u64 piece = blockIdx.x, lane = threadIdx.x;
+    u64 bytes = n * 4, begin = piece * HASH_PIECE;
+    u64 len = min((u64)HASH_PIECE, bytes - begin);
+    u64 words = (len + 7) / 8, first = begin / 4;
+    u64 acc = XX_P1 + XX_P2;
+    for (u64 w0 = lane; w0 < words; w0 += HASH_BATCH * HASH_LANES) {
+        u64 word[HASH_BATCH];
+#pragma unroll
+        for (u32 k = 0; k < HASH_BATCH; k++) {
+            u64 w = w0 + k * HASH_LANES;
+            word[k] = w < words ? hash_word(x, n, first + 2 * w) : 0;
+        }
+#pragma unroll
+        for (u32 k = 0; k < HASH_BATCH; k++) {
+            if (w0 + k * HASH_LANES >= words) break;
+            acc += word[k] * XX_P2;
+            acc = ((acc << 31) | (acc >> 33)) * XX_P1;
+        }
+    }
+    lanes[piece * HASH_LANES + lane] = acc;
+}
+
+#define STAGE_STATS(T)                                                                        \
+    extern "C" __global__ void stage_sums_##T(const T* x, u64 n, u64* counts, double* sums) { \
+        stage_sums(x, n, counts, sums);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void stage_deviations_##T(const T* x, u64 n, const double* mean,    \
+                                                    double* out) {                            \
+        stage_deviations(x, n, mean, out);                                                    \
+    }                                                                                         \
+    extern "C" __global__ void stage_hash_lanes_##T(const T* x, u64 n, u64* lanes) {          \
+        stage_hash_lanes(x, n, lanes);                                                        \
+    }
+
+STAGE_STATS(f32)
+STAGE_STATS(bf16)
+STAGE_STATS(f16)

@@ -7,28 +7,64 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Context, Result};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 
 use rayon::prelude::*;
 
 use super::dtype::Dtype;
-use super::memory::{Buffer, Meter, Pinned};
+use super::memory::{Buffer, Meter, Pinned, Staging};
 use super::resident::Resident;
+use super::stats::{stage_stats, StatsOn};
 use super::Gpu;
-use crate::exec::mat::Mat;
+use crate::exec::mat::{Mat, Remote};
 use crate::exec::stored::StoredBlock;
+use crate::trace::stats::StatsLater;
 use crate::weights::GgmlType;
 
 /// Values per parallel task of the host's conversions to and from a dtype.
 const CONVERT_CHUNK: usize = 1 << 15;
 
-/// An op's output left on its GPU beside the host's copy (a [`Mat`]'s twin, which holds the
-/// same values: the host's are downloaded from it, and any change to them drops it). The next op
-/// on that GPU reads it instead of converting and uploading the host's values again.
+/// An op's output left on its GPU (a [`Mat`]'s twin, which holds the same values as the host's:
+/// these are fetched from it, and any change to them drops it). The next op on that GPU reads it
+/// instead of converting and uploading the host's values again; where one GPU runs the forward,
+/// the host fetches the values only when it reads them, and a recorded stage's statistics are
+/// taken here ([`super::stats`]).
 pub(super) struct DeviceTwin<D: DeviceRepr> {
-    stream: usize,
+    gpu: Gpu,
     buf: Buffer<D>,
+    len: usize,
+    staging: Arc<Staging>,
+    /// The stream its statistics are taken on, beside the forward's.
+    side: Arc<CudaStream>,
 }
+
+impl<D: Dtype> Remote for DeviceTwin<D> {
+    fn fetch(&self) -> Result<Vec<f32>> {
+        self.gpu.stream.context().bind_to_thread()?;
+        let mut pinned = self.staging.take(self.len * size_of::<D>());
+        let values = download_through(&self.gpu, &mut pinned, &self.buf, self.len);
+        self.staging.give(pinned);
+        values
+    }
+
+    fn stats(self: Arc<Self>) -> Result<Option<StatsLater>> {
+        if self.len < STATS_ON_GPU_FROM {
+            return Ok(None);
+        }
+        let on = StatsOn {
+            gpu: self.gpu.clone(),
+            side: self.side.clone(),
+            staging: self.staging.clone(),
+        };
+        let (len, values) = (self.len, self.clone());
+        stage_stats(on, &self.buf.slice, len, values).map(Some)
+    }
+}
+
+/// Values from which a recorded stage's statistics are taken on the GPU: below, fetching the
+/// values and taking them on the host's cores costs less than the kernels' launches and the
+/// partials' trip (a stage at 8 tokens is tens of thousands of values).
+const STATS_ON_GPU_FROM: usize = 1 << 20;
 
 /// An op's input on its GPU: a matrix's twin, or its values uploaded.
 pub(super) enum Input<'a, D: DeviceRepr> {
@@ -55,6 +91,13 @@ pub(super) struct Device {
     pub(super) meter: Arc<Meter>,
     pub(super) resident: Resident,
     pinned: RefCell<Pinned>,
+    /// Whether an op's output stays on the GPU alone until the host reads it: where this GPU is
+    /// the run's only one, so that no op holding another GPU's lock ever waits on a fetch.
+    lazy_outputs: bool,
+    staging: Arc<Staging>,
+    /// The stream recorded stages' statistics run on, so that the forward's own waits for the
+    /// GPU never include them (the forward's stream where outputs are fetched at once).
+    side: Arc<CudaStream>,
 }
 
 // SAFETY: a Device is only used under its mutex, by one thread at a time; its context is bound
@@ -99,32 +142,34 @@ impl Device {
     /// it where that was left here ([`DeviceTwin`]), else uploaded.
     pub(super) fn input<'a, D: Dtype>(&self, x: &'a Mat<f32>) -> Result<Input<'a, D>> {
         match x.twin::<DeviceTwin<D>>() {
-            Some(t) if t.stream == self.stream_id() && t.buf.slice.len() >= x.data().len() => {
+            Some(t) if Arc::ptr_eq(&t.gpu.stream, &self.gpu.stream) && t.len >= x.len() => {
                 Ok(Input::Twin(&t.buf))
             }
-            _ => Ok(Input::Uploaded(self.upload(x.data())?)),
+            _ => Ok(Input::Uploaded(self.upload(x.fetched()?)?)),
         }
     }
 
     /// `buf`'s first `rows × cols` values as a host matrix with `buf` left beside it as its
-    /// twin, for the next op here to read.
+    /// twin, for the next op here to read; the host's copy fetched now, or where this GPU runs
+    /// alone when the host first reads it.
     pub(super) fn output<D: Dtype>(
         &self,
         rows: usize,
         cols: usize,
         buf: Buffer<D>,
     ) -> Result<Mat<f32>> {
-        let m = Mat::new(rows, cols, self.download(&buf, rows * cols)?);
-        Ok(m.with_twin(DeviceTwin {
-            stream: self.stream_id(),
+        let twin = DeviceTwin {
+            gpu: self.gpu.clone(),
             buf,
-        }))
-    }
-
-    /// This GPU's stream, by address: a twin is read on the stream that wrote it (it lives
-    /// while the twin holds it).
-    fn stream_id(&self) -> usize {
-        Arc::as_ptr(&self.gpu.stream) as usize
+            len: rows * cols,
+            staging: self.staging.clone(),
+            side: self.side.clone(),
+        };
+        if self.lazy_outputs {
+            return Ok(Mat::remote(rows, cols, twin));
+        }
+        let values = self.download(&twin.buf, rows * cols)?;
+        Ok(Mat::new(rows, cols, values).with_twin(twin))
     }
 
     /// Host f32 values as dtype `D` on this GPU, converted on the host's cores straight into
@@ -217,26 +262,7 @@ impl Device {
     /// The first `n` values of `buf` as host f32: copied into page-locked memory, then widened
     /// on the host's cores.
     pub(super) fn download<D: Dtype>(&self, buf: &Buffer<D>, n: usize) -> Result<Vec<f32>> {
-        let n = n.min(buf.slice.len());
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let mut pinned = self.pinned.borrow_mut();
-        let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, n * size_of::<D>())?);
-        let stream = &self.gpu.stream;
-        stream.context().bind_to_thread()?;
-        {
-            let (src, _record) = buf.slice.device_ptr(stream);
-            // SAFETY: `buf` holds at least `n` values; the copy is waited for before `host` is
-            // read.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src, stream.cu_stream()) }?;
-        }
-        stream.synchronize()?;
-        Ok(host
-            .par_iter()
-            .with_min_len(CONVERT_CHUNK)
-            .map(|&v| v.to_f32())
-            .collect())
+        download_through(&self.gpu, &mut self.pinned.borrow_mut(), buf, n)
     }
 
     /// A stored block of a weight dequantized on this GPU to dtype `D`: from its blocks kept
@@ -276,19 +302,60 @@ impl Device {
     }
 }
 
+/// The first `n` values of `buf` as host f32: copied into `pinned`, then widened on the host's
+/// cores.
+fn download_through<D: Dtype>(
+    gpu: &Gpu,
+    pinned: &mut Pinned,
+    buf: &Buffer<D>,
+    n: usize,
+) -> Result<Vec<f32>> {
+    let n = n.min(buf.slice.len());
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(gpu, n * size_of::<D>())?);
+    let stream = &gpu.stream;
+    stream.context().bind_to_thread()?;
+    {
+        let (src, _record) = buf.slice.device_ptr(stream);
+        // SAFETY: `buf` holds at least `n` values; the copy is waited for before `host` is read.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src, stream.cu_stream()) }?;
+    }
+    stream.synchronize()?;
+    Ok(host
+        .par_iter()
+        .with_min_len(CONVERT_CHUNK)
+        .map(|&v| v.to_f32())
+        .collect())
+}
+
 /// GPU `ordinal` as a rank's device, its resident budget taken from its free memory now.
-pub(super) fn open_device(ordinal: usize) -> Result<Mutex<Device>> {
+pub(super) fn open_device(ordinal: usize, lazy_outputs: bool) -> Result<Mutex<Device>> {
     let gpu = Gpu::open(ordinal)?;
     let blas =
         CudaBlas::new(gpu.stream.clone()).map_err(|e| anyhow!("cuBLAS on {}: {e:?}", gpu.name))?;
     gpu.stream.context().bind_to_thread()?;
     let (free, total) = cudarc::driver::result::mem_get_info()
         .map_err(|e| anyhow!("free memory of {}: {e:?}", gpu.name))?;
+    let side = if lazy_outputs {
+        // The statistics' stream orders itself behind the forward's with events of its own
+        // (`stats::stage_stats`) and keeps the values it reads alive until it is done: cudarc's
+        // tracking of every buffer's uses across streams would only add an event per use.
+        // SAFETY: no buffer is shared between the streams but through those events.
+        unsafe { gpu.stream.context().disable_event_tracking() };
+        gpu.stream.context().new_stream()?
+    } else {
+        gpu.stream.clone()
+    };
     Ok(Mutex::new(Device {
         gpu,
         blas,
         meter: Arc::default(),
         resident: Resident::new(free as u64, total as u64),
         pinned: RefCell::default(),
+        lazy_outputs,
+        staging: Arc::default(),
+        side,
     }))
 }

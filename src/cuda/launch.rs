@@ -46,7 +46,7 @@ impl Device {
             check_len("norm bias", b.len(), x.cols)?;
         }
         let (input, weight) = (self.input::<D>(x)?, self.upload::<D>(w)?);
-        let mut out = self.alloc::<D>(x.data().len())?;
+        let mut out = self.alloc::<D>(x.len())?;
         let (cols, eps) = (to_u32(x.cols)?, eps as f32);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(x.rows)?, 1, 1),
@@ -103,7 +103,7 @@ impl Device {
                 b.cols
             );
         }
-        let n = a.data().len();
+        let n = a.len();
         if n == 0 {
             return Ok(a.clone());
         }
@@ -200,7 +200,7 @@ impl Device {
         if n == 0 {
             return Ok(m.clone());
         }
-        let mut x = self.upload::<f32>(m.data())?;
+        let mut x = self.upload::<f32>(m.fetched()?)?;
         let freq = self.upload::<f32>(rope.inv_freq())?;
         let f = self.kernel("rope", "f32")?;
         let (rows, width, heads32) = (to_u32(m.rows)?, to_u32(spec.width)?, to_u32(heads)?);
@@ -221,7 +221,7 @@ impl Device {
         // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
         // head (checked above).
         unsafe { launch.launch(elements(to_u32(n)?)) }?;
-        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.data().len())?))
+        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.len())?))
     }
 
     /// MLA attention (see [`AttentionInputs`]), the context in f32: tiles of positions that
@@ -247,7 +247,7 @@ impl Device {
         }
         let step = keys_per_step(a.nope + a.rope, a.v);
         let tiles = step.and_then(|kt| Some((tiled_plan(a.keys)?, kt)));
-        let q = self.upload::<D>(a.q.data())?;
+        let q = self.upload::<D>(a.q.fetched()?)?;
         let kv = self.upload::<D>(a.kv)?;
         let k_rope = self.upload::<D>(a.k_rope)?;
         let mut out = self.alloc::<f32>(n)?;
@@ -483,8 +483,11 @@ impl Device {
         if t * total == 0 {
             return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
         }
-        let (q, keys) = (self.upload::<f32>(a.q.data())?, self.upload::<f32>(a.keys)?);
-        let weights = self.upload::<f32>(a.weights.data())?;
+        let (q, keys) = (
+            self.upload::<f32>(a.q.fetched()?)?,
+            self.upload::<f32>(a.keys)?,
+        );
+        let weights = self.upload::<f32>(a.weights.fetched()?)?;
         let mut out = self.alloc::<f32>(t * total)?;
         let (total32, heads, dim, start) = (
             to_u32(total)?,

@@ -3,7 +3,7 @@
 //! the page-locked host buffer its copies go through.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice};
@@ -76,5 +76,53 @@ impl Pinned {
         }
         let all = self.0.as_mut().expect("allocated above").as_mut_slice()?;
         Ok(&mut all[..bytes])
+    }
+
+    /// Bytes it holds now.
+    fn capacity(&self) -> usize {
+        self.0.as_ref().map_or(0, |s| s.len())
+    }
+
+    /// The first `bytes` bytes as a copy into the buffer left them (the copy waited for).
+    pub(super) fn landed(&self, bytes: usize) -> Result<&[u8]> {
+        let all = self
+            .0
+            .as_ref()
+            .context("no page-locked buffer to read")?
+            .as_slice()?;
+        all.get(..bytes).context("page-locked buffer too short")
+    }
+}
+
+/// Page-locked buffers for copies made outside a device's lock, on any thread (fetches of an
+/// op's output left on the GPU, a stage's statistics on their way back): each user takes one (or
+/// a new one) and gives it back, so users at once never wait for each other.
+#[derive(Default)]
+pub(super) struct Staging(Mutex<Vec<Pinned>>);
+
+impl Staging {
+    /// A buffer for `bytes`: the smallest one that holds them, else the largest one (grown by
+    /// its user), else a new one. Page-locking memory takes milliseconds for tens of MB: a
+    /// large fetch must not get the small buffer of a stage's statistics.
+    pub(super) fn take(&self, bytes: usize) -> Pinned {
+        let mut buffers = self.buffers();
+        let fits = buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= bytes)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let pick = fits.or_else(|| (0..buffers.len()).max_by_key(|&i| buffers[i].capacity()));
+        pick.map(|i| buffers.swap_remove(i)).unwrap_or_default()
+    }
+
+    pub(super) fn give(&self, pinned: Pinned) {
+        self.buffers().push(pinned);
+    }
+
+    fn buffers(&self) -> std::sync::MutexGuard<'_, Vec<Pinned>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }

@@ -26,6 +26,7 @@ mod nccl_id;
 mod nvrtc;
 pub mod ranks;
 mod resident;
+mod stats;
 
 pub use backend::Cuda;
 
@@ -130,6 +131,7 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
 }
 
 /// One GPU with the kernels loaded.
+#[derive(Clone)]
 pub struct Gpu {
     stream: Arc<CudaStream>,
     dequant: Arc<CudaModule>,

@@ -70,7 +70,9 @@ impl Ranks {
         if tp > visible {
             bail!("--tp {tp} on GPUs needs {tp} of them, one per rank; {visible} visible");
         }
-        let devices = (0..tp).map(open_device).collect::<Result<Vec<_>>>()?;
+        let devices = (0..tp)
+            .map(|ordinal| open_device(ordinal, tp == 1))
+            .collect::<Result<Vec<_>>>()?;
         let comms = if tp > 1 {
             let streams = devices.iter().map(|d| lock(d).gpu.stream.clone()).collect();
             let comms =
@@ -102,7 +104,7 @@ impl Ranks {
         if visible == 0 {
             bail!("no CUDA GPU visible");
         }
-        let device = open_device(rank % visible)?;
+        let device = open_device(rank % visible, false)?;
         let id = super::nccl_id::exchange(&p.nccl_id, rank, p.timeout)?;
         let stream = lock(&device).gpu.stream.clone();
         let comm = Comm::from_rank(stream, rank, world_size, id)
@@ -137,7 +139,7 @@ impl Ranks {
             .zip(local)
             .map(|(d, &r)| d.upload::<D>(parts[r].data()))
             .collect::<Result<Vec<_>>>()?;
-        let n = parts[local[0]].data().len();
+        let n = parts[local[0]].len();
         let mut receives = devices
             .iter()
             .map(|d| d.alloc::<D>(n))
@@ -168,7 +170,7 @@ impl Ranks {
     ) -> Result<Vec<Mat<f32>>> {
         let device = self.device(0)?;
         let send = device.upload::<D>(own.data())?;
-        let n = own.data().len();
+        let n = own.len();
         let tp = self.tp;
         let mut receive = device.alloc::<D>(n * tp)?;
         nccl_group(|| {

@@ -273,7 +273,7 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
 
 /// `x`'s values column by column (`xᵀ` row-major).
 fn column_major<E: Real>(x: &Mat<E>) -> Vec<E> {
-    let mut out = vec![E::zero(); x.data().len()];
+    let mut out = vec![E::zero(); x.len()];
     for (r, row) in x.data().chunks_exact(x.cols.max(1)).enumerate() {
         for (c, &v) in row.iter().enumerate() {
             out[c * x.rows + r] = v;

@@ -29,6 +29,7 @@ pub mod tp;
 
 use anyhow::Result;
 
+use crate::trace::stats::StatsLater;
 use crate::trace::{OwnedStage, Stage, TraceWriter};
 
 impl forward::Recorder for TraceWriter {
@@ -41,6 +42,21 @@ impl forward::Recorder for TraceWriter {
     fn record_owned(&mut self, k: forward::StageKey<'_>, values: OwnedStage) -> Result<()> {
         Ok(TraceWriter::record_owned(
             self, k.name, k.shape, k.dims, k.rank, values,
+        )?)
+    }
+
+    fn takes_stats(&self, name: &str) -> bool {
+        TraceWriter::takes_stats(self, name)
+    }
+
+    fn record_stats(
+        &mut self,
+        k: forward::StageKey<'_>,
+        len: usize,
+        stats: StatsLater,
+    ) -> Result<()> {
+        Ok(TraceWriter::record_stats(
+            self, k.name, k.shape, k.dims, k.rank, len, stats,
         )?)
     }
 

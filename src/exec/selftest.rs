@@ -14,6 +14,7 @@ use super::real::Real;
 use super::rope::{Rope, RotateSpec};
 use crate::dtype::Precision;
 use crate::synth::rng::SplitMix;
+use crate::trace::stats::TensorStats;
 
 /// One op at one shape.
 #[derive(Clone, Copy, Debug)]
@@ -97,11 +98,18 @@ pub enum Op {
         t: usize,
         d: usize,
     },
+    /// A recorded stage's statistics and content hash where a backend computes them on its
+    /// device (an op's output left there), against the host's of the same values: `[t, d]`
+    /// with NaN, ±Inf and zeros of both signs planted, every field equal or the case fails.
+    Stats {
+        t: usize,
+        d: usize,
+    },
 }
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 25] = [
+pub const CASES: [Op; 27] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -185,6 +193,10 @@ pub const CASES: [Op; 25] = [
         sparse: 64,
     },
     Op::Chain { t: 7, d: 384 },
+    // Past the size a GPU takes statistics from (2²⁰ values): whole chunks of the sums and hash
+    // pieces; then the last ones partial and the last hash word half padding.
+    Op::Stats { t: 1024, d: 1024 },
+    Op::Stats { t: 1025, d: 1031 },
     // Enough positions for several tiles of the GPU's tiled kernel, the last one partial.
     Op::Attention {
         t: 37,
@@ -235,6 +247,7 @@ impl Op {
             Op::Attention { sparse: 0, .. } => "attention",
             Op::Attention { .. } => "attention_dsa",
             Op::Chain { .. } => "chain",
+            Op::Stats { .. } => "stats",
         }
     }
 
@@ -246,6 +259,7 @@ impl Op {
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Chain { t, d } => format!("[{t},{d}] through 6 ops"),
+            Op::Stats { t, d } => format!("[{t},{d}], 11 fields"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
                 t,
@@ -290,6 +304,7 @@ impl Op {
             self,
             Op::LinearExact { .. }
                 | Op::Chain { .. }
+                | Op::Stats { .. }
                 | Op::Attention { .. }
                 | Op::Rope { .. }
                 | Op::IndexerScores { .. }
@@ -311,7 +326,7 @@ impl Op {
 /// per value (rounding errors of a random-order sum grow as `√k` in practice, so `k·u²` is the
 /// bound used). `round` and the chain must be exact.
 pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
-    if matches!(op, Op::Round { .. } | Op::Chain { .. }) {
+    if matches!(op, Op::Round { .. } | Op::Chain { .. } | Op::Stats { .. }) {
         return 0.0;
     }
     if let Op::Rope { t, start, .. } = op {
@@ -615,6 +630,37 @@ fn run_op<B: Backend<E = f32>>(
             let (kept, fresh) = (chain(false)?, chain(true)?);
             let reference = fresh.data().iter().map(|&v| f64::from(v)).collect();
             (kept.into_data(), reference)
+        }
+        Op::Stats { t, d } => {
+            let mut x = values(rng, t * d, 1.0, p);
+            let planted = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0];
+            for (i, v) in planted.iter().cycle().take(x.len() / 97).enumerate() {
+                x[i * 97 + i % 13] = *v;
+            }
+            let zeros = Mat::zeros(t, d);
+            let out = be.add(&Mat::new(t, d, x), &zeros)?;
+            let on_device = match out.remote_stats()? {
+                Some(later) => Some(later()?),
+                None => None,
+            };
+            let host = TensorStats::of(out.data());
+            let device = on_device.unwrap_or_else(|| host.clone());
+            let same = |a: f64, b: f64| a.to_bits() == b.to_bits();
+            let fields = [
+                device.count == host.count,
+                same(device.mean, host.mean),
+                same(device.std, host.std),
+                same(device.min, host.min),
+                same(device.max, host.max),
+                same(device.absmax, host.absmax),
+                same(device.l2, host.l2),
+                device.nan == host.nan,
+                device.inf == host.inf,
+                device.zeros == host.zeros,
+                device.hash == host.hash,
+            ];
+            let out = fields.map(|ok| if ok { 1.0 } else { f32::NAN });
+            (out.to_vec(), vec![1.0; fields.len()])
         }
         Op::AllReduce { t, d } => {
             let parts: Vec<Mat<f32>> = (0..ranks).map(|_| mat(rng, t, d, 1.0, p)).collect();

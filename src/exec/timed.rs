@@ -16,6 +16,7 @@ use super::rope::{Rope, RotateSpec};
 use super::stored::StoredBlock;
 use crate::dtype::Precision;
 use crate::model::kv_b::KvBDims;
+use crate::trace::stats::StatsLater;
 use crate::trace::{OwnedStage, Stage};
 
 /// Backend `B` with every op timed on a shared [`OpClock`].
@@ -187,6 +188,16 @@ impl Recorder for TimedRecorder<'_> {
         let inner = &mut *self.inner;
         self.clock
             .time(Op::Record, || inner.record_owned(key, values))
+    }
+
+    fn takes_stats(&self, name: &str) -> bool {
+        self.inner.takes_stats(name)
+    }
+
+    fn record_stats(&mut self, key: StageKey<'_>, len: usize, stats: StatsLater) -> Result<()> {
+        let inner = &mut *self.inner;
+        self.clock
+            .time(Op::Record, || inner.record_stats(key, len, stats))
     }
 
     fn layer_seconds(&mut self, layer: &str, seconds: f64) {

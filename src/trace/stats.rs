@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Elements per parallel task; also the unit of the fixed summation order.
-const TASK: usize = 1 << 16;
+pub const TASK: usize = 1 << 16;
 
 /// Bytes per piece of a stage's content hash ([`content_hash`]).
 pub const HASH_PIECE_BYTES: usize = 1 << 20;
@@ -21,6 +21,10 @@ pub const HASH_PIECE_BYTES: usize = 1 << 20;
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a 64-bit prime.
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// Statistics started elsewhere (on a GPU, beside the values), finished when called: the
+/// caller need not wait for them.
+pub type StatsLater = Box<dyn FnOnce() -> anyhow::Result<TensorStats> + Send>;
 
 /// Statistics of one tensor. Moments and extremes are over the finite values; with none, they
 /// are all 0.
@@ -121,12 +125,8 @@ pub fn content_hash_of_bytes(bytes: &[u8]) -> u64 {
     if bytes.len() <= HASH_PIECE_BYTES {
         return lane_hash(bytes);
     }
-    let pieces: Vec<u8> = bytes
-        .par_chunks(HASH_PIECE_BYTES)
-        .map(|piece| lane_hash(piece).to_le_bytes())
-        .collect::<Vec<_>>()
-        .concat();
-    lane_hash(&pieces)
+    let pieces: Vec<u64> = bytes.par_chunks(HASH_PIECE_BYTES).map(lane_hash).collect();
+    content_hash_of_pieces(&pieces, bytes.len())
 }
 
 /// The bytes of `xs` as little-endian: borrowed where the host is little-endian.
@@ -167,12 +167,29 @@ pub fn lane_hash(bytes: &[u8]) -> u64 {
         padded[..word.len()].copy_from_slice(word);
         *lane = round(*lane, u64::from_le_bytes(padded));
     }
-    let merged = lanes
-        .iter()
-        .fold(P5.wrapping_add(bytes.len() as u64), |h, &lane| {
-            (h ^ round(0, lane)).wrapping_mul(P1).wrapping_add(P4)
-        });
+    merge_lanes(&lanes, bytes.len())
+}
+
+/// The end of [`lane_hash`] from its lanes as the words left them, for `len` bytes: where the
+/// lanes were advanced elsewhere (a GPU), the same hash.
+pub fn merge_lanes(lanes: &[u64; HASH_LANES], len: usize) -> u64 {
+    let merged = lanes.iter().fold(P5.wrapping_add(len as u64), |h, &lane| {
+        (h ^ round(0, lane)).wrapping_mul(P1).wrapping_add(P4)
+    });
     avalanche(merged)
+}
+
+/// [`content_hash`] of `len` bytes from the [`lane_hash`] of each of their pieces of
+/// [`HASH_PIECE_BYTES`], in order.
+pub fn content_hash_of_pieces(piece_hashes: &[u64], len: usize) -> u64 {
+    if len <= HASH_PIECE_BYTES {
+        return piece_hashes
+            .first()
+            .copied()
+            .unwrap_or_else(|| lane_hash(&[]));
+    }
+    let bytes: Vec<u8> = piece_hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+    lane_hash(&bytes)
 }
 
 /// xxHash64's round: a word into an accumulator.
@@ -265,11 +282,16 @@ impl Sums {
         tail.iter()
             .enumerate()
             .for_each(|(i, x)| lanes.add(i, x.value()));
+        Sums::of_finished_lanes(&lanes, xs.len())
+    }
+
+    /// The sums of a chunk of `len` values from its lanes, merged in lane order.
+    fn of_finished_lanes(lanes: &Lanes, len: usize) -> Sums {
         let (finite, nan) = (lanes.finite.iter().sum(), lanes.nan.iter().sum());
         Sums {
             finite,
             nan,
-            inf: xs.len() as u64 - finite - nan,
+            inf: len as u64 - finite - nan,
             zeros: lanes.zeros.iter().sum(),
             sum: in_lane_order(&lanes.sum),
             sum_sq: in_lane_order(&lanes.sum_sq),
@@ -303,7 +325,36 @@ struct Lanes {
     max: [f64; MOMENT_LANES],
 }
 
+/// Per lane: values finite, NaN and zero.
+pub const LANE_COUNTS: usize = 3;
+/// Per lane: the sum, the sum of squares, the least and the largest finite value.
+pub const LANE_SUMS: usize = 4;
+
 impl Lanes {
+    /// A chunk's lanes as another device left them: `counts` holds [`LANE_COUNTS`] rows of
+    /// [`MOMENT_LANES`] values, `sums` [`LANE_SUMS`] rows.
+    fn of_rows(counts: &[u64], sums: &[f64]) -> Lanes {
+        let row = |xs: &[u64], r: usize| -> [u64; MOMENT_LANES] {
+            xs[r * MOMENT_LANES..(r + 1) * MOMENT_LANES]
+                .try_into()
+                .expect("a row of lanes")
+        };
+        let row_f = |r: usize| -> [f64; MOMENT_LANES] {
+            sums[r * MOMENT_LANES..(r + 1) * MOMENT_LANES]
+                .try_into()
+                .expect("a row of lanes")
+        };
+        Lanes {
+            finite: row(counts, 0),
+            nan: row(counts, 1),
+            zeros: row(counts, 2),
+            sum: row_f(0),
+            sum_sq: row_f(1),
+            min: row_f(2),
+            max: row_f(3),
+        }
+    }
+
     const EMPTY: Lanes = Lanes {
         finite: [0; MOMENT_LANES],
         nan: [0; MOMENT_LANES],
@@ -395,24 +446,66 @@ fn in_lane_order(lanes: &[f64]) -> f64 {
 fn moments<T: Element>(xs: &[T]) -> TensorStats {
     // Collecting keeps chunk order, so the fold below adds in the same order on any pool.
     let parts: Vec<Sums> = xs.par_chunks(TASK).map(Sums::of).collect();
+    let finished: Result<_, std::convert::Infallible> = moments_of_parts(xs.len(), parts, |mean| {
+        Ok(xs
+            .par_chunks(TASK)
+            .map(|c| squared_deviations(c, mean))
+            .collect())
+    });
+    finished.unwrap_or_else(|never| match never {})
+}
+
+/// [`moments`] of `count` values whose chunks of [`TASK`] values were summed lane by lane on
+/// another device (a GPU), in this module's order: per chunk, `counts` holds [`LANE_COUNTS`]
+/// rows of [`MOMENT_LANES`] values and `sums` [`LANE_SUMS`] rows; `deviations(mean)` gives per
+/// chunk its [`MOMENT_LANES`] lanes of squared deviations from the mean. The lanes and chunks
+/// are merged here as the host merges its own, so the statistics are the host's bit for bit.
+pub fn moments_of_lanes<Err>(
+    count: usize,
+    counts: &[u64],
+    sums: &[f64],
+    deviations: impl FnOnce(f64) -> Result<Vec<f64>, Err>,
+) -> Result<TensorStats, Err> {
+    let chunks = count.div_ceil(TASK);
+    let parts = (0..chunks)
+        .map(|c| {
+            let lanes = Lanes::of_rows(
+                &counts[c * LANE_COUNTS * MOMENT_LANES..(c + 1) * LANE_COUNTS * MOMENT_LANES],
+                &sums[c * LANE_SUMS * MOMENT_LANES..(c + 1) * LANE_SUMS * MOMENT_LANES],
+            );
+            Sums::of_finished_lanes(&lanes, TASK.min(count - c * TASK))
+        })
+        .collect();
+    moments_of_parts(count, parts, |mean| {
+        Ok(deviations(mean)?
+            .chunks(MOMENT_LANES)
+            .map(in_lane_order)
+            .collect())
+    })
+}
+
+/// The statistics from each chunk's sums in chunk order; `deviations(mean)` gives each chunk's
+/// sum of squared deviations from the mean.
+fn moments_of_parts<Err>(
+    count: usize,
+    parts: Vec<Sums>,
+    deviations: impl FnOnce(f64) -> Result<Vec<f64>, Err>,
+) -> Result<TensorStats, Err> {
     let Some(s) = parts.into_iter().reduce(Sums::merge) else {
-        return TensorStats::of_nothing(0);
+        return Ok(TensorStats::of_nothing(0));
     };
     if s.finite == 0 {
-        return TensorStats {
+        return Ok(TensorStats {
             nan: s.nan,
             inf: s.inf,
-            ..TensorStats::of_nothing(xs.len() as u64)
-        };
+            ..TensorStats::of_nothing(count as u64)
+        });
     }
     let n = s.finite as f64;
     let mean = s.sum / n;
-    let deviation: Vec<f64> = xs
-        .par_chunks(TASK)
-        .map(|c| squared_deviations(c, mean))
-        .collect();
-    TensorStats {
-        count: xs.len() as u64,
+    let deviation = deviations(mean)?;
+    Ok(TensorStats {
+        count: count as u64,
         mean,
         std: (deviation.iter().sum::<f64>() / n).sqrt(),
         min: s.min,
@@ -423,7 +516,7 @@ fn moments<T: Element>(xs: &[T]) -> TensorStats {
         inf: s.inf,
         zeros: s.zeros,
         hash: 0,
-    }
+    })
 }
 
 /// `u64` as exactly 16 lowercase hex digits in JSON.
@@ -464,6 +557,94 @@ mod tests {
             .collect();
         assert_eq!(content_hash(&xs), lane_hash(&pieces));
         assert_ne!(content_hash(&xs), lane_hash(bytes));
+    }
+
+    /// The statistics from lanes summed elsewhere, one lane at a time as a GPU thread sums it
+    /// (`stage_*` of `kernels/ops.cu`), equal the host's bit for bit: several chunks and hash
+    /// pieces, the last ones partial, an odd count, NaN, ±Inf and zeros of both signs.
+    #[test]
+    fn lanes_summed_elsewhere_give_the_hosts_statistics() {
+        let n = 2 * HASH_PIECE_BYTES / 4 + 3 * TASK / 2 + 7;
+        let mut xs: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]
+            .iter()
+            .cycle()
+            .take(40)
+            .enumerate()
+        {
+            xs[i * 12_347 % n] = *v;
+        }
+        let chunks = n.div_ceil(TASK);
+        let mut counts = vec![0u64; chunks * LANE_COUNTS * MOMENT_LANES];
+        let mut sums = vec![0f64; chunks * LANE_SUMS * MOMENT_LANES];
+        for c in 0..chunks {
+            for lane in 0..MOMENT_LANES {
+                let (mut f, mut nan, mut z) = (0, 0, 0);
+                let (mut sum, mut sq, mut lo, mut hi) =
+                    (0.0, 0.0, f64::INFINITY, f64::NEG_INFINITY);
+                for j in (c * TASK + lane..((c + 1) * TASK).min(n)).step_by(MOMENT_LANES) {
+                    let v = f64::from(xs[j]);
+                    let fin = v.is_finite();
+                    let x = if fin { v } else { 0.0 };
+                    sum += x;
+                    sq += x * x;
+                    if fin {
+                        lo = if v < lo { v } else { lo };
+                        hi = if v > hi { v } else { hi };
+                    }
+                    f += u64::from(fin);
+                    nan += u64::from(v.is_nan());
+                    z += u64::from(v == 0.0);
+                }
+                let at =
+                    |row: usize, width: usize| c * width * MOMENT_LANES + row * MOMENT_LANES + lane;
+                for (row, v) in [f, nan, z].into_iter().enumerate() {
+                    counts[at(row, LANE_COUNTS)] = v;
+                }
+                for (row, v) in [sum, sq, lo, hi].into_iter().enumerate() {
+                    sums[at(row, LANE_SUMS)] = v;
+                }
+            }
+        }
+        let deviations = |mean: f64| -> Result<Vec<f64>, ()> {
+            Ok((0..chunks * MOMENT_LANES)
+                .map(|id| {
+                    let (c, lane) = (id / MOMENT_LANES, id % MOMENT_LANES);
+                    (c * TASK + lane..((c + 1) * TASK).min(n))
+                        .step_by(MOMENT_LANES)
+                        .map(|j| f64::from(xs[j]))
+                        .fold(0.0, |acc, v| {
+                            acc + if v.is_finite() {
+                                (v - mean) * (v - mean)
+                            } else {
+                                0.0
+                            }
+                        })
+                })
+                .collect())
+        };
+        let elsewhere = moments_of_lanes(n, &counts, &sums, deviations).unwrap();
+
+        let bytes: &[u8] = bytemuck::cast_slice(&xs);
+        let pieces: Vec<u64> = bytes
+            .chunks(HASH_PIECE_BYTES)
+            .map(|piece| {
+                let mut lanes = [P1.wrapping_add(P2); HASH_LANES];
+                for (w, word) in piece.chunks(8).enumerate() {
+                    let mut padded = [0u8; 8];
+                    padded[..word.len()].copy_from_slice(word);
+                    let lane = &mut lanes[w % HASH_LANES];
+                    *lane = round(*lane, u64::from_le_bytes(padded));
+                }
+                merge_lanes(&lanes, piece.len())
+            })
+            .collect();
+        let hash = content_hash_of_pieces(&pieces, bytes.len());
+        let host = TensorStats::of(&xs);
+        assert_eq!(TensorStats { hash, ..elsewhere }, host);
+        assert!(host.nan > 0 && host.inf > 0 && host.zeros > 0);
     }
 
     /// A change of one bit anywhere, in any lane, block or the padded tail, changes the hash; so

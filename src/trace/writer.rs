@@ -31,7 +31,7 @@ use serde_json::{Map, Value};
 use super::error::{Result, TraceError};
 use super::manifest::{ElemType, Manifest, ModelInfo, StageRecord, FORMAT, MANIFEST_NAME, VERSION};
 use super::select::FullSelector;
-use super::stats::TensorStats;
+use super::stats::{StatsLater, TensorStats};
 use crate::model::stage::{layer_of, Place};
 
 /// The run-wide fields of a manifest.
@@ -154,11 +154,37 @@ enum StatsCell {
     Done(TensorStats),
 }
 
+/// A stage's record before its statistics and file are known.
+fn stage_record(
+    name: &str,
+    shape: &[u64],
+    dtype: ElemType,
+    dims: &str,
+    rank: Option<u32>,
+) -> StageRecord {
+    StageRecord {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        dtype,
+        dims: dims.to_string(),
+        rank,
+        // Filled in when the group is written.
+        stats: TensorStats::of::<f32>(&[]),
+        file: None,
+        tensor: None,
+        extra: Map::new(),
+    }
+}
+
 /// Statistics being computed on the thread pool. Whoever comes first takes the values and
 /// computes without holding the lock (the computation itself uses the pool, whose threads may
 /// be the ones asking); the pool's task never waits, and the writer waits only for a
 /// computation under way.
-struct PendingStats(Arc<(Mutex<StatsCell>, Condvar)>);
+/// Or statistics started elsewhere (a GPU), finished by the writing thread.
+enum PendingStats {
+    OnPool(Arc<(Mutex<StatsCell>, Condvar)>),
+    Later(Option<StatsLater>),
+}
 
 impl PendingStats {
     fn start(values: Arc<OwnedStage>) -> PendingStats {
@@ -169,20 +195,27 @@ impl PendingStats {
                 finish(&task, values.stats());
             }
         });
-        PendingStats(cell)
+        PendingStats::OnPool(cell)
     }
 
-    fn wait(&self) -> TensorStats {
-        let (cell, done) = &*self.0;
-        if let Some(values) = claim(cell) {
+    fn wait(&mut self) -> std::result::Result<TensorStats, String> {
+        let cell = match self {
+            PendingStats::OnPool(cell) => cell,
+            PendingStats::Later(later) => {
+                let later = later.take().ok_or("statistics already taken")?;
+                return later().map_err(|e| format!("{e:#}"));
+            }
+        };
+        let (state_cell, done) = &**cell;
+        if let Some(values) = claim(state_cell) {
             let stats = values.stats();
-            finish(&self.0, stats.clone());
-            return stats;
+            finish(cell, stats.clone());
+            return Ok(stats);
         }
-        let mut state = lock(cell);
+        let mut state = lock(state_cell);
         loop {
             if let StatsCell::Done(stats) = &*state {
-                return stats.clone();
+                return Ok(stats.clone());
             }
             state = done.wait(state).unwrap_or_else(|p| p.into_inner());
         }
@@ -303,8 +336,43 @@ impl TraceWriter {
         rank: Option<u32>,
         values: Stage<'_>,
     ) -> Result<()> {
-        self.check_stage(name, shape, rank, values)?;
+        self.check_stage(name, shape, rank, values.len())?;
         self.add_stage(name, shape, dims, rank, Arc::new(values.to_owned()))
+    }
+
+    /// Whether stage `name`'s record is its statistics alone (the run does not store it whole):
+    /// then [`Self::record_stats`] takes statistics computed where the values are.
+    pub fn takes_stats(&self, name: &str) -> bool {
+        !self.full.matches(name)
+    }
+
+    /// [`Self::record`] of an f32 stage of `len` values by its statistics alone, computed where
+    /// its values are (a GPU) and finished when its group is written, for a stage that
+    /// [`Self::takes_stats`].
+    #[allow(clippy::too_many_arguments)] // a record's fields, as `record` takes them
+    pub fn record_stats(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        len: usize,
+        stats: StatsLater,
+    ) -> Result<()> {
+        self.check_stage(name, shape, rank, len)?;
+        if !self.takes_stats(name) {
+            let why = "is stored whole, so its values are needed, not only its statistics";
+            return Err(TraceError::field(
+                &self.dir,
+                format!("stage \"{name}\""),
+                why,
+            ));
+        }
+        self.open
+            .stages
+            .push(stage_record(name, shape, ElemType::F32, dims, rank));
+        self.open.stats.push(PendingStats::Later(Some(stats)));
+        Ok(())
     }
 
     /// [`Self::record`] with the values handed over instead of copied.
@@ -316,7 +384,7 @@ impl TraceWriter {
         rank: Option<u32>,
         values: OwnedStage,
     ) -> Result<()> {
-        self.check_stage(name, shape, rank, values.view())?;
+        self.check_stage(name, shape, rank, values.view().len())?;
         self.add_stage(name, shape, dims, rank, Arc::new(values))
     }
 
@@ -327,7 +395,7 @@ impl TraceWriter {
         name: &str,
         shape: &[u64],
         rank: Option<u32>,
-        values: Stage<'_>,
+        len: usize,
     ) -> Result<()> {
         let bad = |field: &str, reason: String| {
             TraceError::field(&self.dir, format!("stage \"{name}\" {field}"), reason)
@@ -343,10 +411,10 @@ impl TraceWriter {
             ));
         }
         let numel = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-        if numel != Some(values.len() as u64) {
+        if numel != Some(len as u64) {
             return Err(bad(
                 "shape",
-                format!("{shape:?} does not hold {} values", values.len()),
+                format!("{shape:?} does not hold {len} values"),
             ));
         }
         if let Some(r) = rank.filter(|&r| r >= self.tp) {
@@ -381,18 +449,7 @@ impl TraceWriter {
         rank: Option<u32>,
         values: Arc<OwnedStage>,
     ) -> Result<()> {
-        let mut record = StageRecord {
-            name: name.to_string(),
-            shape: shape.to_vec(),
-            dtype: values.view().elem_type(),
-            dims: dims.to_string(),
-            rank,
-            // Filled in when the group is written.
-            stats: TensorStats::of::<f32>(&[]),
-            file: None,
-            tensor: None,
-            extra: Map::new(),
-        };
+        let mut record = stage_record(name, shape, values.view().elem_type(), dims, rank);
         if self.full.matches(name) {
             let tensor = match rank {
                 Some(r) => format!("{name}@rank{r}"),
@@ -490,8 +547,10 @@ fn write_groups(dir: &Path, mut manifest: Manifest, jobs: Receiver<Job>) -> Resu
     for job in jobs {
         match job {
             Job::Group(mut group) => {
-                for (stage, stats) in group.stages.iter_mut().zip(&group.stats) {
-                    stage.stats = stats.wait();
+                for (stage, stats) in group.stages.iter_mut().zip(&mut group.stats) {
+                    stage.stats = stats.wait().map_err(|why| {
+                        TraceError::field(dir, format!("stage \"{}\" statistics", stage.name), why)
+                    })?;
                 }
                 if !group.held.is_empty() {
                     write_tensors(dir, &group)?;

@@ -26,6 +26,7 @@ use crate::exec::source::WeightSource;
 use crate::exec::ties::TieBreaks;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::stage::{Place, Stage as StageName};
+use crate::trace::stats::StatsLater;
 use crate::trace::writer::{OwnedStage, Stage};
 use residual_scale::ResidualScale;
 
@@ -62,6 +63,19 @@ pub trait Recorder {
     /// not be copied.
     fn record_owned(&mut self, key: StageKey<'_>, values: OwnedStage) -> Result<()> {
         self.record(key, values.view())
+    }
+
+    /// Whether stage `name` may be recorded by its statistics alone ([`Self::record_stats`]),
+    /// computed where its values are: a trace that does not store it whole. Recorders that
+    /// keep or compare values say no.
+    fn takes_stats(&self, _name: &str) -> bool {
+        false
+    }
+
+    /// Record an f32 stage of `len` values by its statistics alone, finished when the recorder
+    /// needs them; only where [`Self::takes_stats`] said so.
+    fn record_stats(&mut self, key: StageKey<'_>, _len: usize, _stats: StatsLater) -> Result<()> {
+        anyhow::bail!("stage {} needs its values, not only statistics", key.name)
     }
 
     /// The wall time a layer (`L3`) or its MLP or MoE block (`L3.ffn`) took, recording
@@ -399,8 +413,13 @@ impl<B: Backend> Layer<'_, B> {
     ) -> Result<()> {
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         let name = StageName::layer_stage(self.l, stage).to_string();
-        self.rec
-            .record_owned(StageKey::new(&name, &shape, dims, rank), shared(m))
+        let key = StageKey::new(&name, &shape, dims, rank);
+        if self.rec.takes_stats(&name) {
+            if let Some(stats) = m.remote_stats()? {
+                return self.rec.record_stats(key, m.len(), stats);
+            }
+        }
+        self.rec.record_owned(key, shared(m))
     }
 
     fn rec_mat(&mut self, stage: &str, shape: &[usize], dims: &str, m: &Mat<B::E>) -> Result<()> {

@@ -32,12 +32,15 @@ impl<B: Backend> Layer<'_, B> {
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
         let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
         let (ties, l, start) = (self.opts.ties, self.l, self.start);
+        // Fetched here, once, where the backend left them on its device.
+        let scores = logits.fetched()?;
         let routes: Vec<_> = be.host(Op::Route, || {
-            (0..t)
-                .into_par_iter()
-                .map(|s| {
+            scores
+                .par_chunks(e.max(1))
+                .enumerate()
+                .map(|(s, row)| {
                     let tie = ties.and_then(|ties| ties.moe_at(l, start + s));
-                    route(cfg, softmax, logits.row(s), &bias, tie)
+                    route(cfg, softmax, row, &bias, tie)
                 })
                 .collect()
         });
