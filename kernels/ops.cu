@@ -599,3 +599,15 @@ __device__ void stage_hash_lanes(const T* x, u64 n, u64* lanes) {
 STAGE_STATS(f32)
 STAGE_STATS(bf16)
 STAGE_STATS(f16)
+
+// Values widened to f32 as the host widens them (an op that computes in f32 in place, RoPE, on
+// an output left on the GPU in the dtype: a value it passes through keeps the host's bits).
+#define WIDEN(T)                                                        \
+    extern "C" __global__ void widen_##T(const T* x, float* y, u32 n) { \
+        ELEMENT(e, n);                                                  \
+        y[e] = host_f32(x[e]);                                          \
+    }
+
+WIDEN(f32)
+WIDEN(bf16)
+WIDEN(f16)

@@ -141,12 +141,17 @@ impl Device {
     /// `x` as dtype `D` on this GPU for an op that only reads it: the output of the op before
     /// it where that was left here ([`DeviceTwin`]), else uploaded.
     pub(super) fn input<'a, D: Dtype>(&self, x: &'a Mat<f32>) -> Result<Input<'a, D>> {
-        match x.twin::<DeviceTwin<D>>() {
-            Some(t) if Arc::ptr_eq(&t.gpu.stream, &self.gpu.stream) && t.len >= x.len() => {
-                Ok(Input::Twin(&t.buf))
-            }
-            _ => Ok(Input::Uploaded(self.upload(x.fetched()?)?)),
+        match self.twin_here::<D>(x) {
+            Some(buf) => Ok(Input::Twin(buf)),
+            None => Ok(Input::Uploaded(self.upload(x.fetched()?)?)),
         }
+    }
+
+    /// `x`'s twin, where it is a buffer of dtype `D` on this GPU holding all its values.
+    pub(super) fn twin_here<'a, D: Dtype>(&self, x: &'a Mat<f32>) -> Option<&'a Buffer<D>> {
+        x.twin::<DeviceTwin<D>>()
+            .filter(|t| Arc::ptr_eq(&t.gpu.stream, &self.gpu.stream) && t.len >= x.len())
+            .map(|t| &t.buf)
     }
 
     /// `buf`'s first `rows × cols` values as a host matrix with `buf` left beside it as its

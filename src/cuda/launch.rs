@@ -5,6 +5,7 @@ use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::attention_plan::{tiled_plan, QUERY_TILE};
@@ -200,7 +201,7 @@ impl Device {
         if n == 0 {
             return Ok(m.clone());
         }
-        let mut x = self.upload::<f32>(m.fetched()?)?;
+        let mut x = self.widened(m)?;
         let freq = self.upload::<f32>(rope.inv_freq())?;
         let f = self.kernel("rope", "f32")?;
         let (rows, width, heads32) = (to_u32(m.rows)?, to_u32(spec.width)?, to_u32(heads)?);
@@ -222,6 +223,37 @@ impl Device {
         // head (checked above).
         unsafe { launch.launch(elements(to_u32(n)?)) }?;
         Ok(Mat::new(m.rows, m.cols, self.download(&x, m.len())?))
+    }
+
+    /// `m` as f32 on this GPU, for an op that computes in f32 and writes its input: its twin
+    /// here widened by a kernel (a query left here by its projection is not fetched, widened
+    /// and sent back), else its values uploaded.
+    fn widened(&self, m: &Mat<f32>) -> Result<Buffer<f32>> {
+        let n = m.len();
+        if n > 0 {
+            if let Some(x) = self.twin_here::<bf16>(m) {
+                return self.widen_here(x, n);
+            }
+            if let Some(x) = self.twin_here::<f16>(m) {
+                return self.widen_here(x, n);
+            }
+            if let Some(x) = self.twin_here::<f32>(m) {
+                return self.widen_here(x, n);
+            }
+        }
+        self.upload::<f32>(m.fetched()?)
+    }
+
+    /// The first `n > 0` values of `x` (on this GPU) as a new f32 buffer.
+    fn widen_here<D: Dtype>(&self, x: &Buffer<D>, n: usize) -> Result<Buffer<f32>> {
+        let mut out = self.alloc_written::<f32>(n)?;
+        let count = to_u32(n)?;
+        let f = self.kernel("widen", D::SUFFIX)?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(&x.slice).arg(&mut out.slice).arg(&count);
+        // SAFETY: `x` holds at least `n` values (its twin's length), `out` `n`.
+        unsafe { launch.launch(elements(count)) }?;
+        Ok(out)
     }
 
     /// MLA attention (see [`AttentionInputs`]), the context in f32: tiles of positions that

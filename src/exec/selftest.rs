@@ -91,8 +91,8 @@ pub enum Op {
         heads: usize,
         sparse: usize,
     },
-    /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, add, silu_mul, one MLP,
-    /// linear_exact), against the same chain given fresh host copies between the ops: a backend
+    /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, RoPE, add, silu_mul, one
+    /// MLP, linear_exact), against the same chain given fresh host copies between the ops: a backend
     /// that keeps an output on its device for the next op must give the same bits.
     Chain {
         t: usize,
@@ -212,6 +212,9 @@ pub const CASES: [Op; 27] = [
     },
 ];
 
+/// RoPE's base in the cases that rotate (GLM-5's `rope_theta`).
+const THETA: f64 = 1e6;
+
 /// GLM-5's head dims: no-RoPE, RoPE and value.
 const HEAD_DIMS: (usize, usize, usize) = (192, 64, 256);
 
@@ -258,7 +261,7 @@ impl Op {
             | Op::LayerNorm { t, d }
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
-            Op::Chain { t, d } => format!("[{t},{d}] through 6 ops"),
+            Op::Chain { t, d } => format!("[{t},{d}] through 7 ops"),
             Op::Stats { t, d } => format!("[{t},{d}], 11 fields"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
@@ -479,7 +482,6 @@ fn run_op<B: Backend<E = f32>>(
             start,
             interleaved,
         } => {
-            const THETA: f64 = 1e6;
             let rope_dims = HEAD_DIMS.1;
             let x = mat(rng, t, heads * width, 1.0, p);
             let spec = RotateSpec {
@@ -612,7 +614,7 @@ fn run_op<B: Backend<E = f32>>(
                 .map(|_| be.hold(mat(rng, d, d, 1.0 / (d as f32).sqrt(), p)))
                 .collect::<Result<Vec<_>>>()?;
             let [a, gate, up, down] = [0, 1, 2, 3].map(|i| &weights[i]);
-            let chain = |fresh: bool| -> Result<Mat<f32>> {
+            let chain = |fresh: bool| -> Result<Vec<f32>> {
                 let pass = |m: Mat<f32>| {
                     if fresh {
                         Mat::new(m.rows, m.cols, m.data().to_vec())
@@ -622,14 +624,23 @@ fn run_op<B: Backend<E = f32>>(
                 };
                 let h = pass(be.rms_norm(&x, &norm, 1e-5)?);
                 let y = pass(be.linear(&h, a)?);
+                // RoPE on the linear's output, in f32: its pass-through columns keep their bits.
+                let spec = RotateSpec {
+                    width: d / 2,
+                    offset: d / 4,
+                    start: 3,
+                    interleaved: true,
+                };
+                let r = be.rope(&y, &Rope::plain(THETA, 64.min(d / 4), 1.0), spec)?;
                 let s = pass(be.add(&y, &h)?);
                 let g = pass(be.silu_mul(&s, &y)?);
                 let m = pass(be.mlp(&g, gate, up, down)?);
-                be.linear_exact(&m, a)
+                let out = be.linear_exact(&m, a)?;
+                Ok([out.data(), r.data()].concat())
             };
             let (kept, fresh) = (chain(false)?, chain(true)?);
-            let reference = fresh.data().iter().map(|&v| f64::from(v)).collect();
-            (kept.into_data(), reference)
+            let reference = fresh.iter().map(|&v| f64::from(v)).collect();
+            (kept, reference)
         }
         Op::Stats { t, d } => {
             let mut x = values(rng, t * d, 1.0, p);
