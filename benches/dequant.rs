@@ -3,8 +3,10 @@
 //! plain f32 write loop over the same output (the ceiling a dequantizer writing f32 works under).
 //!
 //! `benches/gguf_py_dequant.py` writes the blocks (about 64 MiB of f32 per type) and times gguf-py;
-//! this program times the Rust contenders, checks once per type that glmcheck and candle give the
-//! same bits, prints the table and writes it as Markdown to `bench-results/dequant.md`.
+//! this program times the Rust contenders and the write loop in rounds, each round running every
+//! one of them once in turn (a shared host's noisy spells then fall on all of them alike, not on
+//! one contender's five runs in a row), checks that glmcheck and candle give the same bits,
+//! prints the table and writes it as Markdown to `bench-results/dequant.md`.
 //!
 //! Run with `cargo bench --bench dequant` (after `scripts/setup-venv`).
 
@@ -31,8 +33,9 @@ const TYPES: [&str; 13] = [
 const MIB: usize = 64;
 /// Elements per row handed to `dequantize_rows` (a whole number of blocks of every type).
 const ROW_LEN: usize = 4096;
-/// Timed runs per contender; the best counts, the others absorb page faults and noise.
-const REPS: usize = 5;
+/// Rounds per type; in each, every contender runs once, in turn, so that a noisy spell of a
+/// shared host falls on all of them alike; each one's best round counts.
+const REPS: usize = 9;
 /// Timed runs of gguf-py per type (it is slow, and steadier).
 const PY_REPS: usize = 3;
 
@@ -42,6 +45,8 @@ struct Row {
     glmcheck_1: f64,
     glmcheck_2: f64,
     candle: Option<f64>,
+    /// One core's plain write loop over the same output, in the same rounds.
+    write_loop: f64,
     gguf_py: Option<f64>,
     /// Whether candle's f32 bits equal glmcheck's (`None` without candle).
     same_bits: Option<bool>,
@@ -65,33 +70,51 @@ fn run() -> Result<bool> {
     let gguf_py = gguf_py(data.path())?;
     let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build();
     let (one, two) = (pool(1)?, pool(2)?);
-    let n = MIB << 18;
-    let write_loop = gbps(&mut vec![0f32; n], plain_writes);
     let mut rows = Vec::new();
     for name in TYPES {
         let ty = GgmlType::from_name(name).context(name)?;
         let path = data.path().join(format!("{name}.blocks"));
         let blocks = std::fs::read(&path).with_context(|| path.display().to_string())?;
-        let mut ours = vec![0f32; blocks.len() / ty.type_size() * ty.block_size()];
+        let n = blocks.len() / ty.type_size() * ty.block_size();
+        // Every contender writes the same output, so that none gains from where its pages
+        // happen to lie (huge pages or not); each one's values are compared after the rounds.
+        let mut out = vec![0f32; n];
         let dequant = |out: &mut [f32]| {
             quant::dequantize_rows(ty, &blocks, out, ROW_LEN).expect("whole rows")
         };
-        let glmcheck_1 = gbps(&mut ours, |out| one.install(|| dequant(out)));
-        let glmcheck_2 = gbps(&mut ours, |out| two.install(|| dequant(out)));
-        let candle = candle(ty, &blocks, ours.len());
-        let same_bits = candle
-            .as_ref()
-            .map(|(_, theirs)| same_bits(name, &ours, theirs));
+        let mut candle = candle_dequantizer(ty, &blocks);
+        let mut best = [Duration::MAX; 4];
+        for _ in 0..REPS {
+            let took = [
+                time(|| one.install(|| dequant(&mut out))),
+                time(|| two.install(|| dequant(&mut out))),
+                candle
+                    .as_mut()
+                    .map_or(Duration::MAX, |c| time(|| c(&mut out))),
+                time(|| plain_writes(&mut out)),
+            ];
+            best.iter_mut()
+                .zip(took)
+                .for_each(|(b, t)| *b = (*b).min(t));
+        }
+        let gbps = |d: Duration| (n * 4) as f64 / d.as_secs_f64() / 1e9;
+        let same_bits = candle.as_mut().map(|c| {
+            c(&mut out);
+            let theirs = out.clone();
+            dequant(&mut out);
+            same_bits(name, &out, &theirs)
+        });
         rows.push(Row {
             ty,
-            glmcheck_1,
-            glmcheck_2,
-            candle: candle.map(|(speed, _)| speed),
+            glmcheck_1: gbps(best[0]),
+            glmcheck_2: gbps(best[1]),
+            candle: candle.is_some().then(|| gbps(best[2])),
+            write_loop: gbps(best[3]),
             gguf_py: gguf_py.get(name).copied(),
             same_bits,
         });
     }
-    report(&rows, write_loop)?;
+    report(&rows)?;
     Ok(rows.iter().all(|r| r.same_bits != Some(false)))
 }
 
@@ -121,17 +144,11 @@ fn gguf_py(dir: &Path) -> Result<BTreeMap<String, f64>> {
     serde_json::from_slice(&out.stdout).context("gguf_py_dequant.py output")
 }
 
-/// The best GB/s of f32 written over [`REPS`] runs of `f` filling `out`.
-fn gbps(out: &mut [f32], mut f: impl FnMut(&mut [f32])) -> f64 {
-    let best = (0..REPS)
-        .map(|_| {
-            let start = Instant::now();
-            f(out);
-            start.elapsed()
-        })
-        .min()
-        .unwrap_or(Duration::MAX);
-    std::mem::size_of_val(out) as f64 / best.as_secs_f64() / 1e9
+/// How long `f` takes.
+fn time(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
 }
 
 /// One core storing a constant to every f32 of `out` (vector stores, not a memset): what a
@@ -142,30 +159,31 @@ fn plain_writes(out: &mut [f32]) {
     std::hint::black_box(out);
 }
 
-/// candle's GB/s and output on `blocks`, if candle has the type.
-fn candle(ty: GgmlType, blocks: &[u8], n: usize) -> Option<(f64, Vec<f32>)> {
+/// A dequantizer into a preallocated output.
+type Dequantizer = Box<dyn FnMut(&mut [f32])>;
+
+/// candle's dequantizer of `blocks` into an output, if candle has the type.
+fn candle_dequantizer(ty: GgmlType, blocks: &[u8]) -> Option<Dequantizer> {
     Some(match ty {
-        GgmlType::Q2_K => candle_run::<BlockQ2K>(blocks, n),
-        GgmlType::Q3_K => candle_run::<BlockQ3K>(blocks, n),
-        GgmlType::Q4_K => candle_run::<BlockQ4K>(blocks, n),
-        GgmlType::Q5_K => candle_run::<BlockQ5K>(blocks, n),
-        GgmlType::Q6_K => candle_run::<BlockQ6K>(blocks, n),
-        GgmlType::Q4_0 => candle_run::<BlockQ4_0>(blocks, n),
-        GgmlType::Q4_1 => candle_run::<BlockQ4_1>(blocks, n),
-        GgmlType::Q5_0 => candle_run::<BlockQ5_0>(blocks, n),
-        GgmlType::Q5_1 => candle_run::<BlockQ5_1>(blocks, n),
-        GgmlType::Q8_0 => candle_run::<BlockQ8_0>(blocks, n),
+        GgmlType::Q2_K => candle_run::<BlockQ2K>(blocks),
+        GgmlType::Q3_K => candle_run::<BlockQ3K>(blocks),
+        GgmlType::Q4_K => candle_run::<BlockQ4K>(blocks),
+        GgmlType::Q5_K => candle_run::<BlockQ5K>(blocks),
+        GgmlType::Q6_K => candle_run::<BlockQ6K>(blocks),
+        GgmlType::Q4_0 => candle_run::<BlockQ4_0>(blocks),
+        GgmlType::Q4_1 => candle_run::<BlockQ4_1>(blocks),
+        GgmlType::Q5_0 => candle_run::<BlockQ5_0>(blocks),
+        GgmlType::Q5_1 => candle_run::<BlockQ5_1>(blocks),
+        GgmlType::Q8_0 => candle_run::<BlockQ8_0>(blocks),
         _ => return None,
     })
 }
 
-/// Time candle's `to_float` (one thread, as candle runs it) into a preallocated output, like
-/// glmcheck's; the copy of the bytes into candle's block type is not timed.
-fn candle_run<B: k_quants::GgmlType>(bytes: &[u8], n: usize) -> (f64, Vec<f32>) {
+/// candle's `to_float` (one thread, as candle runs it) into a preallocated output, like
+/// glmcheck's; the copy of the bytes into candle's block type is made here, not timed.
+fn candle_run<B: k_quants::GgmlType + 'static>(bytes: &[u8]) -> Dequantizer {
     let blocks = candle_blocks::<B>(bytes);
-    let mut out = vec![0f32; n];
-    let speed = gbps(&mut out, |out| B::to_float(&blocks, out));
-    (speed, out)
+    Box::new(move |out| B::to_float(&blocks, out))
 }
 
 /// The bytes as candle's blocks: `#[repr(C)]` structs of f16 and byte arrays laid out as on
@@ -209,28 +227,28 @@ fn same_bits(name: &str, ours: &[f32], theirs: &[f32]) -> bool {
 }
 
 /// Print the table and write it as Markdown to `bench-results/dequant.md`.
-fn report(rows: &[Row], write_loop: f64) -> Result<()> {
+fn report(rows: &[Row]) -> Result<()> {
     let header = format!(
-        "one core's plain f32 write loop: {write_loop:.2} GB/s; outputs of 32 MiB or more \
-         leave the decoder with {} stores",
+        "each type's contenders alternated in every round; outputs of 32 MiB or more leave the \
+         decoder with {} stores",
         quant::stores().name()
     );
     println!("{header}");
-    println!("{}", table(rows, write_loop, presets::UTF8_FULL_CONDENSED));
+    println!("{}", table(rows, presets::UTF8_FULL_CONDENSED));
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("dequant.md");
     let markdown = format!(
-        "# Dequantization throughput\n\nGB/s of f32 written, best of {REPS} runs ({PY_REPS} for gguf-py), \
-         {MIB} MiB of f32 per type, rows of {ROW_LEN}; {header}.\n\n{}\n",
-        table(rows, write_loop, presets::ASCII_MARKDOWN)
+        "# Dequantization throughput\n\nGB/s of f32 written, best of {REPS} rounds ({PY_REPS} runs for \
+         gguf-py), {MIB} MiB of f32 per type, rows of {ROW_LEN}; {header}.\n\n{}\n",
+        table(rows, presets::ASCII_MARKDOWN)
     );
     std::fs::write(&path, markdown).with_context(|| path.display().to_string())?;
     println!("wrote {}", path.display());
     Ok(())
 }
 
-fn table(rows: &[Row], write_loop: f64, preset: TableStyle) -> Table {
+fn table(rows: &[Row], preset: TableStyle) -> Table {
     let mut t = Table::new();
     t.load_style(preset).set_header([
         "type",
@@ -238,6 +256,7 @@ fn table(rows: &[Row], write_loop: f64, preset: TableStyle) -> Table {
         "glmcheck 2 threads",
         "candle (1 thread)",
         "glmcheck 1 / candle",
+        "write loop (1 core)",
         "glmcheck 1 / write loop",
         "gguf-py numpy",
         "bits equal candle",
@@ -258,7 +277,8 @@ fn table(rows: &[Row], write_loop: f64, preset: TableStyle) -> Table {
             r.candle.map_or_else(dash, |c| format!("{c:.2}")),
             r.candle
                 .map_or_else(dash, |c| format!("{:.2}×", r.glmcheck_1 / c)),
-            format!("{:.0}%", 100.0 * r.glmcheck_1 / write_loop),
+            format!("{:.2}", r.write_loop),
+            format!("{:.0}%", 100.0 * r.glmcheck_1 / r.write_loop),
             r.gguf_py.map_or_else(dash, |p| format!("{p:.3}")),
             equal,
         ]);
