@@ -436,50 +436,50 @@ __device__ __forceinline__ float host_f32(f16 x) {
 #define POS_INF_D __longlong_as_double(0x7ff0000000000000ll)
 #define NEG_INF_D __longlong_as_double(0xfff0000000000000ll)
 
-// Values [at, at + count) of x widened into `tile` by the whole block, then a barrier.
-template <typename T>
-__device__ __forceinline__ void load_tile(const T* x, u64 at, u32 count, float* tile) {
-    for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) tile[i] = host_f32(x[at + i]);
-    __syncthreads();
+// Every value of chunk blockIdx.x handed to `add` on its lane's thread, each lane's values in
+// order: the whole block widens a tile of the chunk into shared memory (coalesced loads), then
+// the first STATS_LANES threads add their values of it.
+template <typename T, typename Add>
+__device__ void each_lane_value(const T* x, u64 n, Add add) {
+    __shared__ float tile[STATS_TILE];
+    u64 begin = (u64)blockIdx.x * STATS_CHUNK, end = min(begin + STATS_CHUNK, n);
+    for (u64 at = begin; at < end; at += STATS_TILE) {
+        u32 count = (u32)min((u64)STATS_TILE, end - at);
+        for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) tile[i] = host_f32(x[at + i]);
+        __syncthreads();
+        if (threadIdx.x < STATS_LANES) {
+            for (u32 i = threadIdx.x; i < count; i += STATS_LANES) add((double)tile[i]);
+        }
+        __syncthreads();
+    }
 }
 
 // Chunk blockIdx.x's lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min,
 // max], each a row of STATS_LANES per chunk.
 template <typename T>
 __device__ void stage_sums(const T* x, u64 n, u64* counts, double* sums) {
-    __shared__ float tile[STATS_TILE];
-    u64 chunk = blockIdx.x, begin = chunk * STATS_CHUNK;
-    u64 end = min(begin + STATS_CHUNK, n);
-    u32 lane = threadIdx.x;
     u64 finite = 0, nan = 0, zeros = 0;
     double sum = 0.0, sq = 0.0, lo = POS_INF_D, hi = NEG_INF_D;
-    for (u64 at = begin; at < end; at += STATS_TILE) {
-        u32 count = (u32)min((u64)STATS_TILE, end - at);
-        load_tile(x, at, count, tile);
-        if (lane < STATS_LANES) {
-            for (u32 i = lane; i < count; i += STATS_LANES) {
-                double v = (double)tile[i];
-                bool fin = isfinite(v);
-                double f = fin ? v : 0.0;
-                sum = __dadd_rn(sum, f);
-                sq = __dadd_rn(sq, __dmul_rn(f, f));
-                if (fin) {
-                    lo = v < lo ? v : lo;
-                    hi = v > hi ? v : hi;
-                }
-                finite += fin;
-                nan += isnan(v);
-                zeros += v == 0.0;
-            }
+    each_lane_value(x, n, [&](double v) {
+        bool fin = isfinite(v);
+        double f = fin ? v : 0.0;
+        sum = __dadd_rn(sum, f);
+        sq = __dadd_rn(sq, __dmul_rn(f, f));
+        if (fin) {
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
         }
-        __syncthreads();
-    }
+        finite += fin;
+        nan += isnan(v);
+        zeros += v == 0.0;
+    });
+    u32 lane = threadIdx.x;
     if (lane >= STATS_LANES) return;
-    u64* c = counts + chunk * 3 * STATS_LANES + lane;
+    u64* c = counts + (u64)blockIdx.x * 3 * STATS_LANES + lane;
     c[0] = finite;
     c[STATS_LANES] = nan;
     c[2 * STATS_LANES] = zeros;
-    double* s = sums + chunk * 4 * STATS_LANES + lane;
+    double* s = sums + (u64)blockIdx.x * 4 * STATS_LANES + lane;
     s[0] = sum;
     s[STATS_LANES] = sq;
     s[2 * STATS_LANES] = lo;
@@ -522,24 +522,12 @@ extern "C" __global__ void stage_mean(const u64* counts, const double* sums, u64
 // their finite values.
 template <typename T>
 __device__ void stage_deviations(const T* x, u64 n, const double* mean_at, double* out) {
-    __shared__ float tile[STATS_TILE];
-    u64 chunk = blockIdx.x, begin = chunk * STATS_CHUNK;
-    u64 end = min(begin + STATS_CHUNK, n);
-    u32 lane = threadIdx.x;
     double mean = *mean_at, acc = 0.0;
-    for (u64 at = begin; at < end; at += STATS_TILE) {
-        u32 count = (u32)min((u64)STATS_TILE, end - at);
-        load_tile(x, at, count, tile);
-        if (lane < STATS_LANES) {
-            for (u32 i = lane; i < count; i += STATS_LANES) {
-                double v = (double)tile[i];
-                double d = __dadd_rn(v, -mean);
-                acc = __dadd_rn(acc, isfinite(v) ? __dmul_rn(d, d) : 0.0);
-            }
-        }
-        __syncthreads();
-    }
-    if (lane < STATS_LANES) out[chunk * STATS_LANES + lane] = acc;
+    each_lane_value(x, n, [&](double v) {
+        double d = __dadd_rn(v, -mean);
+        acc = __dadd_rn(acc, isfinite(v) ? __dmul_rn(d, d) : 0.0);
+    });
+    if (threadIdx.x < STATS_LANES) out[(u64)blockIdx.x * STATS_LANES + threadIdx.x] = acc;
 }
 
 // The content hash's lanes (`lane_hash` of the host): the values' f32 bytes in pieces of
