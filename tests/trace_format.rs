@@ -6,6 +6,7 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use glmcheck::trace::stats::StatsLater;
 use glmcheck::trace::{
     FullSelector, ModelInfo, OwnedStage, Stage, TensorStats, Trace, TraceHeader, TraceWriter,
 };
@@ -179,25 +180,44 @@ fn header() -> TraceHeader {
     }
 }
 
-/// Write the sample run into `dir` with `full` patterns.
-fn write_trace(dir: &Path, full: &[&str]) {
-    write_trace_as(dir, full, false);
+/// How a stage reaches the writer.
+#[derive(Clone, Copy, PartialEq)]
+enum Give {
+    /// Values copied by the writer.
+    Copied,
+    /// Values handed over.
+    HandedOver,
+    /// An f32 stage the trace keeps statistics of by its statistics alone, finished by the
+    /// writing thread (as a GPU's are); every other stage copied.
+    StatsAlone,
 }
 
-/// [`write_trace`], each stage's values handed over to the writer when `hand_over`.
-fn write_trace_as(dir: &Path, full: &[&str], hand_over: bool) {
+/// Write the sample run into `dir` with `full` patterns.
+fn write_trace(dir: &Path, full: &[&str]) {
+    write_trace_as(dir, full, Give::Copied);
+}
+
+/// [`write_trace`], each stage given to the writer as `give` says.
+fn write_trace_as(dir: &Path, full: &[&str], give: Give) {
     let selector = FullSelector::new(full).expect("valid globs");
     let mut w = TraceWriter::create(dir, header(), selector).expect("create trace");
     for s in samples() {
-        if hand_over {
-            let owned = match s.values() {
-                Stage::I32(_) => OwnedStage::I32(s.i32s),
-                Stage::F64(_) => OwnedStage::F64(s.f64s.into()),
-                Stage::F32(_) => OwnedStage::F32(s.f32s.into()),
-            };
-            w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
-        } else {
-            w.record(s.name, &s.shape, s.dims, s.rank, s.values())
+        let alone = give == Give::StatsAlone && w.takes_stats(s.name);
+        match s.values() {
+            Stage::F32(v) if alone => {
+                let stats = TensorStats::of(v);
+                let later: StatsLater = Box::new(move || Ok(stats));
+                w.record_stats(s.name, &s.shape, s.dims, s.rank, v.len(), later)
+            }
+            _ if give == Give::HandedOver => {
+                let owned = match s.values() {
+                    Stage::I32(_) => OwnedStage::I32(s.i32s),
+                    Stage::F64(_) => OwnedStage::F64(s.f64s.into()),
+                    Stage::F32(_) => OwnedStage::F32(s.f32s.into()),
+                };
+                w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
+            }
+            values => w.record(s.name, &s.shape, s.dims, s.rank, values),
         }
         .expect("record");
     }
@@ -380,27 +400,73 @@ fn round_trip_keeps_every_bit() {
     );
 }
 
-#[test]
-fn writing_is_deterministic_and_handing_values_over_writes_what_copying_does() {
-    let tmp = common::scratch();
-    let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
-    write_trace(&a, &FULL);
-    write_trace_as(&b, &FULL, true);
-    let listing = |d: &Path| {
-        let mut names: Vec<_> = fs::read_dir(d)
-            .expect("list")
-            .map(|e| e.expect("entry").file_name())
-            .collect();
-        names.sort();
-        names
-    };
-    assert_eq!(listing(&a), listing(&b));
-    for name in listing(&a) {
+/// The files of a trace folder, sorted.
+fn listing(d: &Path) -> Vec<std::ffi::OsString> {
+    let mut names: Vec<_> = fs::read_dir(d)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Two trace folders hold the same files, byte for byte.
+fn assert_same_files(a: &Path, b: &Path) {
+    assert_eq!(listing(a), listing(b));
+    for name in listing(a) {
         assert!(
             fs::read(a.join(&name)).expect("read") == fs::read(b.join(&name)).expect("read"),
             "{name:?} differs"
         );
     }
+}
+
+/// Stages recorded by statistics finished later (what a GPU takes) write the trace that their
+/// values do (which `oracle_recomputes_every_stat_and_hash` checks against numpy); a stage the
+/// trace stores whole cannot be recorded so, and statistics that fail to finish fail the trace
+/// naming the stage.
+#[test]
+fn statistics_finished_later_write_what_the_values_do() {
+    let tmp = common::scratch();
+    let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
+    write_trace(&a, &FULL);
+    write_trace_as(&b, &FULL, Give::StatsAlone);
+    assert_same_files(&a, &b);
+
+    let selector = FullSelector::new(&["L0.out"]).expect("valid globs");
+    let mut w = TraceWriter::create(&tmp.path().join("c.trace"), header(), selector).unwrap();
+    assert!(!w.takes_stats("L0.out") && w.takes_stats("L0.attn_norm"));
+    let done = || -> StatsLater { Box::new(|| Ok(TensorStats::of(&[1.0f32, 2.0]))) };
+    let err = w
+        .record_stats("L0.out", &[1, 2], "t d", None, 2, done())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"L0.out\"") && err.contains("stored whole"),
+        "{err}"
+    );
+    let err = w
+        .record_stats("L0.attn_norm", &[1, 3], "t d", None, 2, done())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not hold 2 values"), "{err}");
+    let lost: StatsLater = Box::new(|| anyhow::bail!("device lost"));
+    w.record_stats("L0.attn_norm", &[1, 2], "t d", None, 2, lost)
+        .unwrap();
+    let err = w.finish().unwrap_err().to_string();
+    assert!(
+        err.contains("\"L0.attn_norm\" statistics") && err.contains("device lost"),
+        "{err}"
+    );
+}
+
+#[test]
+fn writing_is_deterministic_and_handing_values_over_writes_what_copying_does() {
+    let tmp = common::scratch();
+    let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
+    write_trace(&a, &FULL);
+    write_trace_as(&b, &FULL, Give::HandedOver);
+    assert_same_files(&a, &b);
     let files: Vec<_> = listing(&a)
         .into_iter()
         .map(|n| n.into_string().expect("UTF-8"))

@@ -109,9 +109,9 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         p.deviations.len(),
         1,
     ];
-    let mut pinned = staging.take(words.iter().sum::<usize>() * 8);
-    let host: &mut [u64] =
-        bytemuck::cast_slice_mut(pinned.bytes(&gpu, words.iter().sum::<usize>() * 8)?);
+    let bytes_back = words.iter().sum::<usize>() * 8;
+    let mut pinned = staging.take(bytes_back);
+    let host: &mut [u64] = bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes_back)?);
     let (counts_h, rest) = host.split_at_mut(words[0]);
     let (sums_h, rest) = rest.split_at_mut(words[1]);
     let (hash_h, rest) = rest.split_at_mut(words[2]);

@@ -164,10 +164,10 @@ impl<E: Real> Mat<E> {
         Arc::unwrap_or_clone(cell.into_inner().expect("fetched above"))
     }
 
-    /// The values, shared (for the trace writer).
-    pub fn shared_data(&self) -> Arc<Vec<E>> {
-        self.data();
-        self.data.get().expect("fetched above").clone()
+    /// The values, shared (for the trace writer); fetched first where they were left with the
+    /// twin.
+    pub fn shared_data(&self) -> Result<Arc<Vec<E>>> {
+        self.shared().cloned()
     }
 
     /// The matrix with `twin` beside its values: the backend's own copy of exactly these values.
@@ -281,7 +281,7 @@ mod tests {
         let clone = m.clone();
         assert!(clone.twin::<Elsewhere>().is_some());
 
-        let shared = m.shared_data();
+        let shared = m.shared_data().unwrap();
         let mut changed = m.clone();
         changed.data_mut()[0] = 9.0;
         assert!(changed.twin::<Elsewhere>().is_none());

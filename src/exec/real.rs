@@ -3,12 +3,11 @@
 
 use std::fmt::Debug;
 use std::iter::Sum;
+use std::sync::Arc;
 
 use candle_core::WithDType;
 
 use crate::dtype::Precision;
-use std::sync::Arc;
-
 use crate::trace::{OwnedStage, Stage};
 
 pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {

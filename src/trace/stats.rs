@@ -446,13 +446,13 @@ fn in_lane_order(lanes: &[f64]) -> f64 {
 fn moments<T: Element>(xs: &[T]) -> TensorStats {
     // Collecting keeps chunk order, so the fold below adds in the same order on any pool.
     let parts: Vec<Sums> = xs.par_chunks(TASK).map(Sums::of).collect();
-    let finished: Result<_, std::convert::Infallible> = moments_of_parts(xs.len(), parts, |mean| {
+    let Ok(stats) = moments_of_parts::<std::convert::Infallible>(xs.len(), parts, |mean| {
         Ok(xs
             .par_chunks(TASK)
             .map(|c| squared_deviations(c, mean))
             .collect())
     });
-    finished.unwrap_or_else(|never| match never {})
+    stats
 }
 
 /// [`moments`] of `count` values whose chunks of [`TASK`] values were summed lane by lane on

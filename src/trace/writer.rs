@@ -176,13 +176,14 @@ fn stage_record(
     }
 }
 
-/// Statistics being computed on the thread pool. Whoever comes first takes the values and
-/// computes without holding the lock (the computation itself uses the pool, whose threads may
-/// be the ones asking); the pool's task never waits, and the writer waits only for a
-/// computation under way.
-/// Or statistics started elsewhere (a GPU), finished by the writing thread.
+/// A stage's statistics on their way.
 enum PendingStats {
+    /// Being computed on the thread pool. Whoever comes first takes the values and computes
+    /// without holding the lock (the computation itself uses the pool, whose threads may be the
+    /// ones asking); the pool's task never waits, and the writer waits only for a computation
+    /// under way.
     OnPool(Arc<(Mutex<StatsCell>, Condvar)>),
+    /// Started elsewhere (on a GPU, beside the values), finished by the writing thread.
     Later(Option<StatsLater>),
 }
 

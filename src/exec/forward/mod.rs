@@ -119,8 +119,8 @@ impl Default for ForwardOptions<'_> {
 
 /// A matrix's values for the trace writer, shared with it: no copy unless the forward changes
 /// them later.
-fn shared<E: Real>(m: &Mat<E>) -> OwnedStage {
-    E::shared_stage(m.shared_data())
+fn shared<E: Real>(m: &Mat<E>) -> Result<OwnedStage> {
+    Ok(E::shared_stage(m.shared_data()?))
 }
 
 /// What runs a forward: the weights (with any planted fault), the backend, the options.
@@ -191,7 +191,7 @@ pub fn forward<B: Backend>(
     }
     let mut x = Mat::new(t, h, be.hold_values(rows));
     let shape = [t as u64, h as u64];
-    rec.record_owned(StageKey::new("embed", &shape, "t d", None), shared(&x))?;
+    rec.record_owned(StageKey::new("embed", &shape, "t d", None), shared(&x)?)?;
     record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
     let mut scale = ResidualScale::of(src, be);
     x = scale.down(be, x)?;
@@ -227,13 +227,13 @@ pub fn forward<B: Backend>(
     let shape = [t as u64, h as u64];
     rec.record_owned(
         StageKey::new("final_norm", &shape, "t d", None),
-        shared(&norm),
+        shared(&norm)?,
     )?;
     let logits = lm_head(src, &norm, be, opts.tp)?;
     let shape = [t as u64, logits.cols as u64];
     rec.record_owned(
         StageKey::new("logits", &shape, "t v(tp)", None),
-        shared(&logits),
+        shared(&logits)?,
     )?;
     if opts.tp > 1 {
         // Vocab-parallel lm_head: each rank its slice of the vocabulary, gathered.
@@ -242,7 +242,7 @@ pub fn forward<B: Backend>(
             let part = logits.columns(r * share, share);
             let shape = [t as u64, share as u64];
             let key = StageKey::new("logits", &shape, "t v(tp)", Some(r as u32));
-            rec.record_owned(key, shared(&part))?;
+            rec.record_owned(key, shared(&part)?)?;
         }
     }
     Ok(logits)
@@ -270,7 +270,7 @@ fn record_embed_parts<E: Real>(
         }
         let shape = [x.rows as u64, x.cols as u64];
         let key = StageKey::new("embed", &shape, "t d partial(tp)", Some(r as u32));
-        rec.record_owned(key, shared(&part))?;
+        rec.record_owned(key, shared(&part)?)?;
     }
     Ok(())
 }
@@ -419,7 +419,7 @@ impl<B: Backend> Layer<'_, B> {
                 return self.rec.record_stats(key, m.len(), stats);
             }
         }
-        self.rec.record_owned(key, shared(m))
+        self.rec.record_owned(key, shared(m)?)
     }
 
     fn rec_mat(&mut self, stage: &str, shape: &[usize], dims: &str, m: &Mat<B::E>) -> Result<()> {
