@@ -207,137 +207,40 @@ ATTENTION(f32)
 ATTENTION(bf16)
 ATTENTION(f16)
 
-// Query positions per block of `attention_tiled` (QUERY_TILE in src/cuda/attention_plan.rs).
-#define QUERY_TILE 8
-
-// MLA attention of query positions QUERY_TILE · blockIdx.x and on (a tile), head blockIdx.y,
-// over the union of the keys they see (the plan of src/cuda/attention_plan.rs: the tile's keys,
-// ascending, and a mask row per query): each key and value row is loaded into shared memory
-// once for the tile's queries instead of once per query. Two passes over the keys, `kt` at a
-// time: the first finds each query's largest score, the second adds exp(score − largest) and
-// its share of the values; the context is the sum of those shares over the sum of the
-// exponentials. Thread (query r, key slot k) keeps its own largest score and sum of
-// exponentials over the steps, and the tile's are taken over the slots in order at the end of
-// each pass (a fixed order). Scores sum the no-RoPE and RoPE products apart as the CPU does; a
-// key a query does not see scores −∞, and an exponential of 0 adds nothing (as the CPU skips
-// zero probabilities). `lanes` = ROW_THREADS / (QUERY_TILE · kt) threads, neighbours in a
-// warp, share each query–key dot product. Dynamic shared memory, in floats: the queries
-// (QUERY_TILE rows of nope + rope + 1), the step's keys (nope + rope rows of kt + 1: a key per
-// column; the + 1s against bank conflicts), its values (kt rows of vd), the contexts
-// (QUERY_TILE rows of vd), the step's exponentials (QUERY_TILE × kt), and each query's largest
-// score and sum.
-template <typename T>
-__device__ void attention_tiled(const T* q, const T* kv, const T* k_rope, const u32* plan,
-                                float* out, u32 t, u32 tiles, u32 heads, u32 nope, u32 rope,
-                                u32 vd, u32 kt, float scale) {
-    extern __shared__ float tile_mem[];
-    u32 tile = blockIdx.x, head = blockIdx.y;
-    u32 qk = nope + rope, qw = qk + 1, kw = kt + 1;
-    u32 stride = heads * (nope + vd), at = head * (nope + vd);
-    u32 q0 = tile * QUERY_TILE;
-    u32 first = plan[tile], count = plan[tile + 1] - first, words = (count + 31) / 32;
-    const u32* keys = plan + first;
-    const u32* mask = plan + plan[tiles + 1 + tile];
-    float* qs = tile_mem;
-    float* ks = qs + QUERY_TILE * qw;
-    float* vs = ks + qk * kw;
-    float* acc = vs + kt * vd;
-    float* shares = acc + QUERY_TILE * vd;
-    float* best = shares + QUERY_TILE * kt;
-    float* sums = best + QUERY_TILE;
-    for (u32 r = 0; r < QUERY_TILE; r++) {
-        bool live = q0 + r < t;
-        const T* qh = q + ((u64)(q0 + r) * heads + head) * qk;
-        for (u32 d = threadIdx.x; d < qk; d += ROW_THREADS) qs[r * qw + d] = live ? to_f32(qh[d]) : 0.0f;
+// The scores of query blockIdx.x (of a chunk of `rows`), head blockIdx.y, against every cached
+// key (`scores`, head-major: [heads][rows][positions], the sums of the no-RoPE and RoPE
+// products cuBLAS left there) become its attention weights in place: scaled, −∞ where the
+// query's row of `mask` (a bit per key) has no bit, then softmax'd as the CPU does (the largest,
+// exp(score − largest), their sum in a fixed tree order, each divided by it). A key the query
+// does not see gets exp(−∞) = 0; a row whose largest is −∞ or NaN becomes NaN, as on the CPU.
+extern "C" __global__ void attention_softmax(float* scores, const u32* mask, u32 rows,
+                                             u32 positions, u32 words, float scale) {
+    __shared__ float scratch[ROW_THREADS];
+    u32 i = blockIdx.x, head = blockIdx.y;
+    float* row = scores + ((u64)head * rows + i) * positions;
+    const u32* seen = mask + (u64)i * words;
+    float best = NEG_INF;
+    for (u32 j = threadIdx.x; j < positions; j += ROW_THREADS) {
+        float x = (seen[j / 32] >> (j % 32)) & 1u ? row[j] * scale : NEG_INF;
+        row[j] = x;
+        best = fmaxf(best, x);
     }
-    for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) acc[x] = 0.0f;
-    u32 lanes = ROW_THREADS / (QUERY_TILE * kt);
-    u32 pair = threadIdx.x / lanes, sub = threadIdx.x % lanes;
-    u32 r = pair / kt, k = pair % kt;
-    bool live = q0 + r < t;
-    float own_best = NEG_INF, own_sum = 0.0f, largest = 0.0f;
-    for (u32 pass = 0; pass < 2; pass++) {
-        if (pass == 1) {
-            __syncthreads();
-            if (sub == 0) shares[r * kt + k] = own_best;
-            __syncthreads();
-            if (threadIdx.x < QUERY_TILE) {
-                float b = NEG_INF;
-                for (u32 c = 0; c < kt; c++) b = fmaxf(b, shares[threadIdx.x * kt + c]);
-                best[threadIdx.x] = b;
-            }
-            __syncthreads();
-            largest = best[r];
-        }
-        for (u32 s0 = 0; s0 < count; s0 += kt) {
-            __syncthreads();  // the previous step's rows are used up
-            for (u32 c = 0; c < kt; c++) {
-                bool in = s0 + c < count;
-                u64 j = in ? keys[s0 + c] : 0;
-                const T* kn = kv + j * stride + at;
-                const T* kr = k_rope + j * rope;
-                for (u32 d = threadIdx.x; d < qk; d += ROW_THREADS)
-                    ks[d * kw + c] = !in ? 0.0f : d < nope ? to_f32(kn[d]) : to_f32(kr[d - nope]);
-                if (pass == 1)
-                    for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS)
-                        vs[c * vd + d] = in ? to_f32(kn[nope + d]) : 0.0f;
-            }
-            __syncthreads();
-            u32 s = s0 + k;
-            bool seen = live && s < count && ((mask[r * words + s / 32] >> (s % 32)) & 1u);
-            float dot_nope = 0.0f, dot_rope = 0.0f;
-            for (u32 d = sub; d < nope; d += lanes) dot_nope += qs[r * qw + d] * ks[d * kw + k];
-            for (u32 d = sub; d < rope; d += lanes) dot_rope += qs[r * qw + nope + d] * ks[(nope + d) * kw + k];
-            for (u32 m = lanes / 2; m > 0; m /= 2) {
-                dot_nope += __shfl_xor_sync(0xffffffffu, dot_nope, m);
-                dot_rope += __shfl_xor_sync(0xffffffffu, dot_rope, m);
-            }
-            float score = seen ? (dot_nope + dot_rope) * scale : NEG_INF;
-            if (pass == 0) {
-                own_best = fmaxf(own_best, score);
-                continue;
-            }
-            float e = score == NEG_INF ? 0.0f : expf(score - largest);
-            own_sum += e;
-            if (sub == 0) shares[r * kt + k] = e;
-            __syncthreads();
-            for (u32 d = threadIdx.x; d < vd; d += ROW_THREADS) {
-                for (u32 row = 0; row < QUERY_TILE; row++) {
-                    float a = acc[row * vd + d];
-                    for (u32 c = 0; c < kt; c++) {
-                        float w = shares[row * kt + c];
-                        if (w != 0.0f) a += w * vs[c * vd + d];
-                    }
-                    acc[row * vd + d] = a;
-                }
-            }
-        }
+    best = block_max(best, scratch);
+    float sum = 0.0f;
+    for (u32 j = threadIdx.x; j < positions; j += ROW_THREADS) {
+        float e = expf(row[j] - best);
+        row[j] = e;
+        sum += e;
     }
-    __syncthreads();
-    if (sub == 0) shares[r * kt + k] = own_sum;
-    __syncthreads();
-    if (threadIdx.x < QUERY_TILE) {
-        float sum = 0.0f;
-        for (u32 c = 0; c < kt; c++) sum += shares[threadIdx.x * kt + c];
-        sums[threadIdx.x] = sum;
-    }
-    __syncthreads();
-    for (u32 x = threadIdx.x; x < QUERY_TILE * vd; x += ROW_THREADS) {
-        u32 row = x / vd, d = x % vd;
-        if (q0 + row < t) out[((u64)(q0 + row) * heads + head) * vd + d] = acc[x] / sums[row];
-    }
+    sum = block_sum(sum, scratch);
+    for (u32 j = threadIdx.x; j < positions; j += ROW_THREADS) row[j] = row[j] / sum;
 }
 
-#define ATTENTION_TILED(T)                                                                      \
-    extern "C" __global__ void attention_tiled_##T(                                             \
-        const T* q, const T* kv, const T* k_rope, const u32* plan, float* out, u32 t, u32 tiles, \
-        u32 heads, u32 nope, u32 rope, u32 vd, u32 kt, float scale) {                           \
-        attention_tiled(q, kv, k_rope, plan, out, t, tiles, heads, nope, rope, vd, kt, scale);  \
-    }
-
-ATTENTION_TILED(f32)
-ATTENTION_TILED(bf16)
-ATTENTION_TILED(f16)
+// Sets *flag where any of the `n` values of `x` is NaN or infinite.
+extern "C" __global__ void any_nonfinite_f32(const float* x, u32 n, u32* flag) {
+    ELEMENT(e, n);
+    if (!isfinite(x[e])) *flag = 1;
+}
 
 // Heads whose dot products `indexer_scores_f32` runs side by side.
 #define HEAD_GROUP 16

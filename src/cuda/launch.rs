@@ -3,34 +3,27 @@
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::attention_plan::{tiled_plan, QUERY_TILE};
 use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
-use crate::exec::attention_core::AttentionInputs;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::model::kv_b::KvBDims;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).
-const ROW_THREADS: u32 = 256;
+pub(super) const ROW_THREADS: u32 = 256;
 /// Shared memory one attention or indexer block may use (the default limit per block is 48 KiB).
-const MAX_SCORES_BYTES: u32 = 40 << 10;
-/// Shared memory one block of the tiled attention kernel may use: past the default 48 KiB, which
-/// the launch asks for (Ampere and later give a block up to 163 KiB or more); 16 keys a step at
-/// GLM-5's head dims take 50 KiB.
-const MAX_TILED_BYTES: u32 = 64 << 10;
+pub(super) const MAX_SCORES_BYTES: u32 = 40 << 10;
 /// Threads per block of the element-wise kernels.
 const ELEMENT_THREADS: u32 = 256;
 
 impl Device {
-    fn kernel(&self, op: &str, suffix: &str) -> Result<cudarc::driver::CudaFunction> {
+    pub(super) fn kernel(&self, op: &str, suffix: &str) -> Result<cudarc::driver::CudaFunction> {
         self.gpu.ops_kernel(&format!("{op}_{suffix}"))
     }
 
@@ -245,7 +238,7 @@ impl Device {
     }
 
     /// The first `n > 0` values of `x` (on this GPU) as a new f32 buffer.
-    fn widen_here<D: Dtype>(&self, x: &Buffer<D>, n: usize) -> Result<Buffer<f32>> {
+    pub(super) fn widen_here<D: Dtype>(&self, x: &Buffer<D>, n: usize) -> Result<Buffer<f32>> {
         let mut out = self.alloc_written::<f32>(n)?;
         let count = to_u32(n)?;
         let f = self.kernel("widen", D::SUFFIX)?;
@@ -254,115 +247,6 @@ impl Device {
         // SAFETY: `x` holds at least `n` values (its twin's length), `out` `n`.
         unsafe { launch.launch(elements(count)) }?;
         Ok(out)
-    }
-
-    /// MLA attention (see [`AttentionInputs`]), the context in f32: tiles of positions that
-    /// share their keys (a prompt's positions) one block per tile and head, each key row loaded
-    /// once for the tile ([`tiled_plan`]); otherwise (a generated position, DSA selections that
-    /// share little, head dims too wide for the tiles) one block per position and head.
-    pub(super) fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
-        let (t, heads) = (a.q.rows, a.heads);
-        let n = t * heads * a.v;
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        if let Some(j) = a
-            .keys
-            .iter()
-            .flatten()
-            .find(|&&j| j >= 0 && j as usize >= a.positions)
-        {
-            bail!(
-                "attention: key {j} beyond the {} cached positions",
-                a.positions
-            );
-        }
-        let step = keys_per_step(a.nope + a.rope, a.v);
-        let tiles = step.and_then(|kt| Some((tiled_plan(a.keys)?, kt)));
-        let q = self.upload::<D>(a.q.fetched()?)?;
-        let kv = self.upload::<D>(a.kv)?;
-        let k_rope = self.upload::<D>(a.k_rope)?;
-        let mut out = self.alloc::<f32>(n)?;
-        let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
-        let (v, scale, t32) = (to_u32(a.v)?, a.scale, to_u32(t)?);
-        if let Some((plan, kt)) = tiles {
-            let plan_buf = self.upload_exact(&plan)?;
-            let count = to_u32(t.div_ceil(QUERY_TILE))?;
-            let kt32 = to_u32(kt)?;
-            let f = self.kernel("attention_tiled", D::SUFFIX)?;
-            let shared = tiled_shared_bytes(kt, a.nope + a.rope, a.v) as u32;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(|e| anyhow!("attention: {shared} bytes of shared memory a block: {e:?}"))?;
-            let mut launch = self.gpu.stream.launch_builder(&f);
-            launch
-                .arg(&q.slice)
-                .arg(&kv.slice)
-                .arg(&k_rope.slice)
-                .arg(&plan_buf.slice)
-                .arg(&mut out.slice)
-                .arg(&t32)
-                .arg(&count)
-                .arg(&heads32)
-                .arg(&nope)
-                .arg(&rope)
-                .arg(&v)
-                .arg(&kt32)
-                .arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (count, heads32, 1),
-                block_dim: (ROW_THREADS, 1, 1),
-                shared_mem_bytes: shared,
-            };
-            // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
-            // position the plan names (checked above), the plan `count` tiles' offsets, keys and
-            // masks (as `tiled_plan` lays them out), out t × heads × v; the block's rows take the
-            // shared bytes given, within the limit `keys_per_step` keeps.
-            unsafe { launch.launch(cfg) }?;
-        } else {
-            let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
-            let mut keys = vec![-1i32; t * slots];
-            for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
-                row[..chosen.len()].copy_from_slice(chosen);
-            }
-            // The scores, then the query head.
-            let shared = ((slots + a.nope + a.rope) * std::mem::size_of::<f32>()) as u32;
-            if shared > MAX_SCORES_BYTES {
-                bail!(
-                    "attention over {slots} keys with query heads of {}: at most {} values in one block",
-                    a.nope + a.rope,
-                    MAX_SCORES_BYTES / 4
-                );
-            }
-            let key_buf = self.upload_exact(&keys)?;
-            let slots32 = to_u32(slots)?;
-            let f = self.kernel("attention", D::SUFFIX)?;
-            let mut launch = self.gpu.stream.launch_builder(&f);
-            launch
-                .arg(&q.slice)
-                .arg(&kv.slice)
-                .arg(&k_rope.slice)
-                .arg(&key_buf.slice)
-                .arg(&mut out.slice)
-                .arg(&heads32)
-                .arg(&nope)
-                .arg(&rope)
-                .arg(&v)
-                .arg(&slots32)
-                .arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (t32, heads32, 1),
-                block_dim: (ROW_THREADS, 1, 1),
-                shared_mem_bytes: shared,
-            };
-            // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
-            // position the keys name (checked above), keys t × slots, out t × heads × v; the
-            // scores take `shared` bytes.
-            unsafe { launch.launch(cfg) }?;
-        }
-        self.download(&out, n)
     }
 
     /// `x · wᵀ` through cuBLAS, f32 accumulation; the output in the dtype, or in f32 (`exact`).
@@ -610,24 +494,7 @@ pub(super) struct GpuMlp<'a, D: Dtype> {
     pub(super) out_rows: usize,
 }
 
-/// Keys per step of the tiled attention kernel for query heads of `qk` and values of `vd`: the
-/// most of 16, 8 or 4 (two, four or eight threads to a query–key dot product) whose rows fit
-/// in [`MAX_TILED_BYTES`]; `None` where not even 4 do.
-fn keys_per_step(qk: usize, vd: usize) -> Option<usize> {
-    [16, 8, 4]
-        .into_iter()
-        .find(|&kt| tiled_shared_bytes(kt, qk, vd) <= MAX_TILED_BYTES as usize)
-}
-
-/// The tiled attention kernel's shared memory at `kt` keys a step (its layout in
-/// `kernels/ops.cu`).
-fn tiled_shared_bytes(kt: usize, qk: usize, vd: usize) -> usize {
-    let floats =
-        QUERY_TILE * (qk + 1) + qk * (kt + 1) + kt * vd + QUERY_TILE * vd + QUERY_TILE * kt;
-    (floats + 2 * QUERY_TILE) * std::mem::size_of::<f32>()
-}
-
-fn elements(count: u32) -> LaunchConfig {
+pub(super) fn elements(count: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (count.div_ceil(ELEMENT_THREADS), 1, 1),
         block_dim: (ELEMENT_THREADS, 1, 1),
@@ -635,11 +502,11 @@ fn elements(count: u32) -> LaunchConfig {
     }
 }
 
-fn to_u32(n: usize) -> Result<u32> {
+pub(super) fn to_u32(n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| anyhow!("{n} is past a kernel's 2^32 - 1 limit"))
 }
 
-fn to_i32(n: usize) -> Result<i32> {
+pub(super) fn to_i32(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| anyhow!("{n} is past cuBLAS's 2^31 - 1 limit"))
 }
 

@@ -15,7 +15,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::weights::GgmlType;
 
-mod attention_plan;
+mod attention;
 pub mod backend;
 pub mod check;
 mod device;

@@ -84,12 +84,15 @@ pub enum Op {
     },
     /// MLA attention of `t` new positions over `positions` cached ones (GLM-5's head dims:
     /// no-RoPE 192, RoPE 64, value 256), each seeing every position up to its own, or (`sparse`)
-    /// a DSA-like choice of `sparse` of them.
+    /// a DSA-like choice of `sparse` of them; `poisoned`: a NaN and an infinity in the values
+    /// of the last two positions, which the earlier queries do not see and must not be touched
+    /// by.
     Attention {
         t: usize,
         positions: usize,
         heads: usize,
         sparse: usize,
+        poisoned: bool,
     },
     /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, RoPE, add, silu_mul, one
     /// MLP, linear_exact), against the same chain given fresh host copies between the ops: a backend
@@ -110,7 +113,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 27] = [
+pub const CASES: [Op; 28] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -186,30 +189,42 @@ pub const CASES: [Op; 27] = [
         positions: 12,
         heads: 8,
         sparse: 0,
+        poisoned: false,
     },
     Op::Attention {
         t: 4,
         positions: 300,
         heads: 4,
         sparse: 64,
+        poisoned: false,
     },
     Op::Chain { t: 7, d: 384 },
     // Past the size a GPU takes statistics from (2²⁰ values): whole chunks of the sums and hash
     // pieces; then the last ones partial and the last hash word half padding.
     Op::Stats { t: 1024, d: 1024 },
     Op::Stats { t: 1025, d: 1031 },
-    // Enough positions for several tiles of the GPU's tiled kernel, the last one partial.
+    // More positions, dense and sparse.
     Op::Attention {
         t: 37,
         positions: 45,
         heads: 3,
         sparse: 0,
+        poisoned: false,
     },
     Op::Attention {
         t: 16,
         positions: 40,
         heads: 2,
         sparse: 24,
+        poisoned: false,
+    },
+    // A NaN and an infinity in values that only the last queries see.
+    Op::Attention {
+        t: 24,
+        positions: 30,
+        heads: 2,
+        sparse: 0,
+        poisoned: true,
     },
 ];
 
@@ -248,6 +263,7 @@ impl Op {
             Op::Rope { .. } => "rope_neox",
             Op::Mlp { .. } => "mlp",
             Op::IndexerScores { .. } => "indexer_scores",
+            Op::Attention { poisoned: true, .. } => "attention_nonfinite",
             Op::Attention { sparse: 0, .. } => "attention",
             Op::Attention { .. } => "attention_dsa",
             Op::Chain { .. } => "chain",
@@ -291,13 +307,19 @@ impl Op {
                 positions,
                 heads,
                 sparse,
+                poisoned,
             } => {
                 let seen = if sparse > 0 {
                     format!(", {sparse} keys")
                 } else {
                     String::new()
                 };
-                format!("{t} of {positions} positions, {heads} heads{seen}")
+                let poison = if poisoned {
+                    ", NaN and ∞ in the last two values"
+                } else {
+                    ""
+                };
+                format!("{t} of {positions} positions, {heads} heads{seen}{poison}")
             }
         }
     }
@@ -502,10 +524,20 @@ fn run_op<B: Backend<E = f32>>(
             positions,
             heads,
             sparse,
+            poisoned,
         } => {
             let (nope, rope, v) = HEAD_DIMS;
             let q = mat(rng, t, heads * (nope + rope), 1.0, p);
-            let kv = values(rng, positions * heads * (nope + v), 1.0, p);
+            let mut kv = values(rng, positions * heads * (nope + v), 1.0, p);
+            if poisoned {
+                // The first value dim of head 0 at the last position, the second of the last
+                // head one position before.
+                let at = |position: usize, head: usize, dim: usize| {
+                    (position * heads + head) * (nope + v) + nope + dim
+                };
+                kv[at(positions - 1, 0, 0)] = f32::NAN;
+                kv[at(positions - 2, heads - 1, 1)] = f32::INFINITY;
+            }
             let k_rope = values(rng, positions * rope, 1.0, p);
             let start = positions - t;
             let keys: Vec<Vec<i32>> = (0..t)
@@ -750,14 +782,21 @@ pub fn run<B: Backend<E = f32>>(be: &B, ranks: usize, seed: u64) -> Result<Vec<O
             dtype
         };
         let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+        // A NaN or infinity must be where the reference has the same; it adds no error there.
+        let mut misplaced = 0usize;
         for (&o, &r) in out.iter().zip(&reference) {
             let r = r.round_to(out_dtype);
+            if !(o.is_finite() && r.is_finite()) {
+                let same = (o.is_nan() && r.is_nan()) || f64::from(o) == r;
+                misplaced += usize::from(!same);
+                continue;
+            }
             let d = f64::from(o) - r;
             err += d * d;
             norm += r * r;
             max_abs = max_abs.max(d.abs());
         }
-        let nmse = if out.len() == reference.len() {
+        let nmse = if out.len() == reference.len() && misplaced == 0 {
             err / norm.max(f64::MIN_POSITIVE)
         } else {
             f64::INFINITY
