@@ -124,6 +124,43 @@ OPS(f32)
 OPS(bf16)
 OPS(f16)
 
+// Token blockIdx.x's row of the routed experts' weighted sum: its row of `sum` (zeros where
+// `has_sum` is 0), then each expert output row it chose (`rows[p]`, the address of one row of
+// `cols` values, for p in starts[token]..starts[token + 1], in the host's order) times its
+// routing weight added in turn: `o + w·v`, the product rounded before the add (the program is
+// compiled without contraction), as the host adds them. The sum stays in f32.
+template <typename T>
+__device__ void expert_sum(const float* sum, u32 has_sum, const u64* rows, const float* weights,
+                           const u32* starts, float* out, u32 cols) {
+    u32 token = blockIdx.x;
+    u32 first = starts[token], last = starts[token + 1];
+    for (u32 c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        u64 at = (u64)token * cols + c;
+        float o = has_sum ? sum[at] : 0.0f;
+        for (u32 p = first; p < last; p++) o += weights[p] * to_f32(((const T*)rows[p])[c]);
+        out[at] = o;
+    }
+}
+
+// f32 values rounded to the dtype to nearest even (`store`), as the host's rounding does.
+template <typename T>
+__device__ void round_to(const float* x, T* y, u32 n) {
+    ELEMENT(e, n);
+    store(&y[e], x[e]);
+}
+
+#define EXPERT_SUM(T)                                                                            \
+    extern "C" __global__ void expert_sum_##T(const float* sum, u32 has_sum, const u64* rows,    \
+                                              const float* weights, const u32* starts,           \
+                                              float* out, u32 cols) {                            \
+        expert_sum<T>(sum, has_sum, rows, weights, starts, out, cols);                           \
+    }                                                                                            \
+    extern "C" __global__ void round_to_##T(const float* x, T* y, u32 n) { round_to(x, y, n); }
+
+EXPERT_SUM(f32)
+EXPERT_SUM(bf16)
+EXPERT_SUM(f16)
+
 #define NEG_INF __int_as_float(0xff800000)
 
 // The largest of every thread's `v` over the block, in a fixed tree order.

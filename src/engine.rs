@@ -9,7 +9,7 @@ use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{Backend, Cpu, MlpJob};
+use crate::exec::backend::{Backend, Cpu, MlpJob, WeightedRows};
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
@@ -199,6 +199,19 @@ impl Backend for Engine {
 
     fn round(&self, xs: &mut [f32]) -> Result<()> {
         on_backend!(self, be => be.round(xs))
+    }
+
+    fn rounded(&self, m: Mat<f32>) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.rounded(m))
+    }
+
+    fn add_weighted(
+        &self,
+        sum: Option<Mat<f32>>,
+        shape: (usize, usize),
+        outputs: &[WeightedRows<'_, f32>],
+    ) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.add_weighted(sum, shape, outputs))
     }
 
     fn rope(&self, m: &Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<Mat<f32>> {

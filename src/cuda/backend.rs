@@ -25,7 +25,9 @@ use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{all_computed, kv_b_on_host, sum_in_rank_order, Backend, MlpJob};
+use crate::exec::backend::{
+    all_computed, kv_b_on_host, sum_in_rank_order, weighted_on_host, Backend, MlpJob, WeightedRows,
+};
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
 use crate::exec::mat::Mat;
@@ -258,6 +260,36 @@ impl Backend for Cuda {
             .par_chunks_mut(ROUND_CHUNK)
             .for_each(|c| c.iter_mut().for_each(|x| *x = D::from_f32(*x).to_f32())));
         Ok(())
+    }
+
+    /// On the GPU where it holds `m` in f32 and runs alone (a routed sum left there), else on
+    /// the host.
+    fn rounded(&self, m: Mat<f32>) -> Result<Mat<f32>> {
+        if matches!(self.precision, Precision::F32 | Precision::F64) {
+            return Ok(m);
+        }
+        let device = self.device(self.rank)?;
+        if let Some(r) = with_dtype!(self.precision, D => device.rounded::<D>(&m))? {
+            return Ok(r);
+        }
+        drop(device);
+        let mut m = m;
+        self.round(m.data_mut())?;
+        Ok(m)
+    }
+
+    /// On the GPU where it holds the outputs (and the sum so far) and runs alone, else on the
+    /// host.
+    fn add_weighted(
+        &self,
+        sum: Option<Mat<f32>>,
+        shape: (usize, usize),
+        outputs: &[WeightedRows<'_, f32>],
+    ) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        let on_gpu = with_dtype!(self.precision, D => device.add_weighted::<D>(sum.as_ref(), shape, outputs))?;
+        drop(device);
+        Ok(on_gpu.unwrap_or_else(|| weighted_on_host(sum, shape, outputs)))
     }
 
     fn rope(&self, m: &Mat<f32>, rope: &Rope<f32>, spec: RotateSpec) -> Result<Mat<f32>> {

@@ -93,7 +93,7 @@ pub(super) struct Device {
     pinned: RefCell<Pinned>,
     /// Whether an op's output stays on the GPU alone until the host reads it: where this GPU is
     /// the run's only one, so that no op holding another GPU's lock ever waits on a fetch.
-    lazy_outputs: bool,
+    pub(super) lazy_outputs: bool,
     staging: Arc<Staging>,
     /// The stream recorded stages' statistics run on, so that the forward's own waits for the
     /// GPU never include them (the forward's stream where outputs are fetched at once).

@@ -294,16 +294,31 @@ impl Device {
         let input = picked.as_ref().unwrap_or(&*source);
         let t_of = |j: &GpuMlp<'_, D>| j.rows.map_or(x.rows, <[usize]>::len);
         let out_len = |j: &GpuMlp<'_, D>| t_of(j) * j.out_rows;
-        let total: usize = jobs.iter().map(out_len).sum();
+        // Where this GPU runs alone each output gets its own buffer, left here as its matrix's
+        // twin (the experts' weighted sum reads them here); otherwise one buffer for all,
+        // fetched in one copy.
+        let own_buffers = whole || self.lazy_outputs;
+        let lens: Vec<usize> = jobs.iter().map(out_len).collect();
+        let total: usize = lens.iter().sum();
+        let outs = if own_buffers {
+            lens.clone()
+        } else {
+            vec![total]
+        };
         // A job with no intermediate features (or no inputs) writes nothing: its zeros must be
         // there already.
-        let mut out = if jobs.iter().all(|j| j.inner > 0) {
-            self.alloc_written::<D>(total)?
-        } else {
-            self.alloc::<D>(total)?
-        };
+        let mut outs = outs
+            .into_iter()
+            .map(|n| {
+                if jobs.iter().all(|j| j.inner > 0) {
+                    self.alloc_written::<D>(n)
+                } else {
+                    self.alloc::<D>(n)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
         let (mut at_in, mut at_out, cols) = (0, 0, x.cols);
-        for j in jobs {
+        for (i, j) in jobs.iter().enumerate() {
             let (t, n) = (t_of(j), t_of(j) * j.inner);
             if n > 0 && j.out_rows > 0 {
                 let rows = input.slice.slice(at_in..at_in + t * cols);
@@ -312,16 +327,25 @@ impl Device {
                 self.gemm((t, cols), &rows, gate, j.inner, &mut g.slice)?;
                 self.gemm((t, cols), &rows, up, j.inner, &mut u.slice)?;
                 let h = self.elementwise_here("silu_mul", &g, &u, n)?;
-                let mut y = out.slice.slice_mut(at_out..at_out + out_len(j));
+                let (out, at) = if own_buffers {
+                    (&mut outs[i], 0)
+                } else {
+                    (&mut outs[0], at_out)
+                };
+                let mut y = out.slice.slice_mut(at..at + lens[i]);
                 self.gemm((t, j.inner), &h.slice, down, j.out_rows, &mut y)?;
             }
             at_in += t * cols;
-            at_out += out_len(j);
+            at_out += lens[i];
         }
-        if whole {
-            return Ok(vec![self.output(x.rows, jobs[0].out_rows, out)?]);
+        if own_buffers {
+            return jobs
+                .iter()
+                .zip(outs)
+                .map(|(j, out)| self.output(t_of(j), j.out_rows, out))
+                .collect();
         }
-        let all = self.download(&out, total)?;
+        let all = self.download(&outs[0], total)?;
         // Each job's rows cut out of the one download, jobs in parallel (a 512-token MoE
         // layer's outputs are tens of millions of values).
         let starts: Vec<usize> = jobs

@@ -20,6 +20,7 @@ pub mod backend;
 pub mod check;
 mod device;
 mod dtype;
+mod expert_sum;
 mod launch;
 pub mod memory;
 mod nccl_id;

@@ -41,8 +41,9 @@ pub struct KvCache<E> {
 }
 
 pub struct LayerCache<E> {
-    /// `[pos, heads·(nope+v)]`.
-    kv: Vec<E>,
+    /// `[pos, heads·(nope+v)]`, a matrix a pass: each pass's kv projection output as it is
+    /// (shared, not copied; left on a GPU that still holds it).
+    kv: Vec<Mat<E>>,
     /// `[pos, rope]`, rotated.
     k_rope: Vec<E>,
     /// `[pos, index_head_dim]`, normalised and rotated.
@@ -202,11 +203,8 @@ pub fn attention<B: Backend>(
         .for_each(|(to, head)| to.copy_from_slice(&head[nope..]));
     be.round(q_rot.data_mut())?;
     be.round(k_rope.data_mut())?;
-    // Tens of MB a layer at GLM-5's widths and 512 tokens: copied on the pool's cores.
     be.host(Op::KvCache, || {
-        cache
-            .kv
-            .par_extend(kv.data().par_iter().with_min_len(1 << 15).copied());
+        cache.kv.push(kv.clone());
         cache.k_rope.extend_from_slice(k_rope.data());
     });
 

@@ -14,7 +14,9 @@ use super::real::Real;
 /// see (−1: none).
 pub struct AttentionInputs<'a, E> {
     pub q: &'a Mat<E>,
-    pub kv: &'a [E],
+    /// The cache's kv rows as the passes added them, one matrix a pass (a prompt's pass is the
+    /// kv projection's output itself, which a GPU backend may still hold).
+    pub kv: &'a [Mat<E>],
     pub k_rope: &'a [E],
     pub keys: &'a [Vec<i32>],
     pub heads: usize,
@@ -25,12 +27,28 @@ pub struct AttentionInputs<'a, E> {
     pub scale: E,
 }
 
+impl<E: Real> AttentionInputs<'_, E> {
+    /// The cache's kv rows, by position.
+    pub fn kv_rows(&self) -> Vec<&[E]> {
+        self.kv
+            .iter()
+            .flat_map(|m| m.data().chunks_exact(m.cols.max(1)).take(m.rows))
+            .collect()
+    }
+
+    /// The cache's positions the kv rows hold.
+    pub fn kv_positions(&self) -> usize {
+        self.kv.iter().map(|m| m.rows).sum()
+    }
+}
+
 /// `softmax(q·kᵀ · scale) · v` per position and head, unrounded: the CPU's loops, positions in
 /// parallel, each position's sums in one fixed order.
 pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
     let (nh, nope, rope_d, vd) = (a.heads, a.nope, a.rope, a.v);
     let qk = nope + rope_d;
     let row = |width: usize, j: usize| j * width..(j + 1) * width;
+    let kv_rows = a.kv_rows();
     let mut ctx = vec![E::zero(); a.q.rows * nh * vd];
     ctx.par_chunks_mut(nh * vd)
         .enumerate()
@@ -40,8 +58,8 @@ pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
                 let qh = &a.q.row(i)[head * qk..(head + 1) * qk];
                 probs.iter_mut().for_each(|v| *v = E::neg_infinity());
                 let seen = a.keys[i].iter().filter(|&&j| j >= 0).map(|&j| j as usize);
-                for j in seen.filter(|&j| j < a.positions) {
-                    let kvj = &a.kv[row(nh * (nope + vd), j)][head * (nope + vd)..];
+                for j in seen.filter(|&j| j < a.positions.min(kv_rows.len())) {
+                    let kvj = &kv_rows[j][head * (nope + vd)..];
                     let kr = &a.k_rope[row(rope_d, j)];
                     let dot_nope: E = qh[..nope]
                         .iter()
@@ -53,7 +71,7 @@ pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
                 }
                 softmax(&mut probs);
                 for (j, &pr) in probs.iter().enumerate().filter(|(_, pr)| !pr.is_zero()) {
-                    let v = &a.kv[row(nh * (nope + vd), j)][head * (nope + vd) + nope..][..vd];
+                    let v = &kv_rows[j][head * (nope + vd) + nope..][..vd];
                     out.iter_mut().zip(v).for_each(|(o, &vv)| *o += pr * vv);
                 }
             }

@@ -37,6 +37,10 @@ const TOKENS_PER_TRANSPOSE: usize = 8;
 /// expert's tokens) and its `[gate, up, down]` as backend weights `W`.
 pub type MlpJob<'a, W> = (&'a [usize], [&'a W; 3]);
 
+/// One routed expert's output for [`Backend::add_weighted`]: for each of its rows, the token
+/// it belongs to and that token's routing weight; and the rows.
+pub type WeightedRows<'a, E> = (&'a [(usize, E)], &'a Mat<E>);
+
 /// The ops the forward calls. Activations are host matrices in the backend's number type;
 /// weights arrive as stored blocks or dequantized to f32, and the backend holds them its own way
 /// (in its dtype, where it computes).
@@ -87,6 +91,25 @@ pub trait Backend: Sync + Clone {
     fn add(&self, a: &Mat<Self::E>, b: &Mat<Self::E>) -> Result<Mat<Self::E>>;
     /// Round values produced outside these ops (RoPE, attention context, weighted expert sums).
     fn round(&self, xs: &mut [Self::E]) -> Result<()>;
+    /// `m` rounded as [`Self::round`] rounds; a GPU backend rounds an output it still holds
+    /// there.
+    fn rounded(&self, mut m: Mat<Self::E>) -> Result<Mat<Self::E>> {
+        self.round(m.data_mut())?;
+        Ok(m)
+    }
+    /// `sum` (zeros of `rows × cols` where `None`) with each routed expert's output rows, times
+    /// their tokens' routing weights, added to their tokens' rows: each token's experts in
+    /// `outputs`' order, `o + w·v` with the product rounded before the add, unrounded to the
+    /// dtype. By default on the host's cores ([`add_weighted_rows`]); a GPU backend adds the
+    /// outputs it still holds there.
+    fn add_weighted(
+        &self,
+        sum: Option<Mat<Self::E>>,
+        (rows, cols): (usize, usize),
+        outputs: &[WeightedRows<'_, Self::E>],
+    ) -> Result<Mat<Self::E>> {
+        Ok(weighted_on_host(sum, (rows, cols), outputs))
+    }
     /// `m` with RoPE on the heads of every row as `spec` says, unrounded (a new matrix: the
     /// forward records the query before and after); by default the CPU's loops.
     fn rope(
@@ -199,6 +222,39 @@ pub fn all_computed<E>(parts: Vec<Option<Mat<E>>>) -> Result<Vec<Mat<E>>> {
         .enumerate()
         .map(|(r, p)| p.ok_or_else(|| anyhow::anyhow!("rank {r}'s part was not computed here")))
         .collect()
+}
+
+/// [`Backend::add_weighted`] on the host's cores.
+pub fn weighted_on_host<E: Real>(
+    sum: Option<Mat<E>>,
+    (rows, cols): (usize, usize),
+    outputs: &[WeightedRows<'_, E>],
+) -> Mat<E> {
+    let mut sum = sum.unwrap_or_else(|| Mat::zeros(rows, cols));
+    add_weighted_rows(&mut sum, outputs);
+    sum
+}
+
+/// Adds each output's rows, times their routing weights, to their tokens' rows of `sum`:
+/// tokens in parallel, each token's outputs in order (so the sum is the one a single thread
+/// makes).
+pub fn add_weighted_rows<E: Real>(sum: &mut Mat<E>, outputs: &[WeightedRows<'_, E>]) {
+    // Per token, the (output row, routing weight) of each expert it chose, in order.
+    let mut per_token: Vec<Vec<(&[E], E)>> = vec![Vec::new(); sum.rows];
+    for (rows, y) in outputs {
+        for (r, &(s, w)) in rows.iter().enumerate() {
+            per_token[s].push((y.row(r), w));
+        }
+    }
+    let width = sum.cols.max(1);
+    sum.data_mut()
+        .par_chunks_mut(width)
+        .zip(per_token)
+        .for_each(|(row, chosen)| {
+            for (y, w) in chosen {
+                row.iter_mut().zip(y).for_each(|(o, &v)| *o += w * v);
+            }
+        });
 }
 
 /// `parts` added one after another in rank order, each sum held in the dtype.

@@ -7,7 +7,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::attention_core::AttentionInputs;
-use super::backend::{Backend, Cpu};
+use super::backend::{add_weighted_rows, Backend, Cpu, WeightedRows};
 use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
 use super::real::Real;
@@ -74,6 +74,15 @@ pub enum Op {
         inner: usize,
         experts: usize,
     },
+    /// Routed experts' outputs (rows of `[t, d]` that a backend holds, as its ops leave them)
+    /// added into each token's row by their routing weights in two groups, then rounded to the
+    /// dtype: the backend's sum must be the host's, bit for bit (each token's experts in order,
+    /// each product rounded before its add).
+    ExpertSum {
+        t: usize,
+        d: usize,
+        experts: usize,
+    },
     /// The DSA indexer's scores of `t` new positions against `positions` cached keys, `heads`
     /// query heads of `dim`.
     IndexerScores {
@@ -113,7 +122,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 28] = [
+pub const CASES: [Op; 29] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -153,6 +162,11 @@ pub const CASES: [Op; 28] = [
         k: 300,
         inner: 77,
         experts: 1,
+    },
+    Op::ExpertSum {
+        t: 9,
+        d: 300,
+        experts: 6,
     },
     Op::Round { n: 100_003 },
     Op::AllReduce { t: 8, d: 6144 },
@@ -203,10 +217,10 @@ pub const CASES: [Op; 28] = [
     // pieces; then the last ones partial and the last hash word half padding.
     Op::Stats { t: 1024, d: 1024 },
     Op::Stats { t: 1025, d: 1031 },
-    // More positions, dense and sparse.
+    // More positions, dense (a prompt: the whole cache is this pass's) and sparse.
     Op::Attention {
         t: 37,
-        positions: 45,
+        positions: 37,
         heads: 3,
         sparse: 0,
         poisoned: false,
@@ -262,6 +276,7 @@ impl Op {
             } => "rope",
             Op::Rope { .. } => "rope_neox",
             Op::Mlp { .. } => "mlp",
+            Op::ExpertSum { .. } => "expert_sum",
             Op::IndexerScores { .. } => "indexer_scores",
             Op::Attention { poisoned: true, .. } => "attention_nonfinite",
             Op::Attention { sparse: 0, .. } => "attention",
@@ -287,6 +302,9 @@ impl Op {
                 inner,
                 experts,
             } => format!("{experts} × [{t},{k}] through {inner}"),
+            Op::ExpertSum { t, d, experts } => {
+                format!("{experts} experts' rows into [{t},{d}], two groups")
+            }
             Op::IndexerScores {
                 t,
                 positions,
@@ -350,9 +368,12 @@ impl Op {
 /// the f64 reference is rounded once more, so every value is off by at most `(r + 1)·u` relative
 /// and the NMSE by its square. In f32 the accumulation order of a `k`-term sum adds up to `k·u`
 /// per value (rounding errors of a random-order sum grow as `√k` in practice, so `k·u²` is the
-/// bound used). `round` and the chain must be exact.
+/// bound used). `round`, the chain, the statistics and the experts' sum must be exact.
 pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
-    if matches!(op, Op::Round { .. } | Op::Chain { .. } | Op::Stats { .. }) {
+    if matches!(
+        op,
+        Op::Round { .. } | Op::Chain { .. } | Op::Stats { .. } | Op::ExpertSum { .. }
+    ) {
         return 0.0;
     }
     if let Op::Rope { t, start, .. } = op {
@@ -385,7 +406,7 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
 
 /// Attention's inputs from its tensors, keys and `(heads, nope, rope, v, positions)`.
 fn attention_inputs<'a, E: Real>(
-    (q, kv, k_rope): (&'a Mat<E>, &'a [E], &'a [E]),
+    (q, kv, k_rope): (&'a Mat<E>, &'a [Mat<E>], &'a [E]),
     keys: &'a [Vec<i32>],
     (heads, nope, rope, v, positions): (usize, usize, usize, usize, usize),
     scale: E,
@@ -559,7 +580,18 @@ fn run_op<B: Backend<E = f32>>(
                 .collect();
             let scale = ((nope + rope) as f64).powf(-0.5);
             let shape = |heads| (heads, nope, rope, v, positions);
-            let (wq, wkv, wkr) = (wide(&q), wide_v(&kv), wide_v(&k_rope));
+            let kv = Mat::new(positions, heads * (nope + v), kv);
+            // The cache as passes leave it: the earlier positions, then this pass's rows as an
+            // op's output (adding zero), which a GPU may hold.
+            let pass_rows =
+                |range: std::ops::Range<usize>| kv.gather_rows(&range.collect::<Vec<_>>());
+            let this_pass = be.add(&pass_rows(start..positions), &Mat::zeros(t, kv.cols))?;
+            let passes = if start > 0 {
+                vec![pass_rows(0..start), this_pass]
+            } else {
+                vec![this_pass]
+            };
+            let (wq, wkv, wkr) = (wide(&q), [wide(&kv)], wide_v(&k_rope));
             let reference = f64s.attention(&attention_inputs(
                 (&wq, &wkv, &wkr),
                 &keys,
@@ -567,11 +599,38 @@ fn run_op<B: Backend<E = f32>>(
                 scale,
             ))?;
             let out = be.attention(&attention_inputs(
-                (&q, &kv, &k_rope),
+                (&q, &passes, &k_rope),
                 &keys,
                 shape(heads),
                 scale as f32,
             ))?;
+            (out, reference)
+        }
+        Op::ExpertSum { t, d, experts } => {
+            let mut outputs = Vec::with_capacity(experts);
+            for i in 0..experts {
+                let tokens = expert_tokens(t, i);
+                let weights = values(rng, tokens.len(), 1.0, Precision::F32);
+                let y = mat(rng, tokens.len(), d, 1.0, p);
+                // Held where the backend computes, as an op's output is.
+                let y = be.add(&y, &Mat::zeros(y.rows, d))?;
+                outputs.push((tokens.into_iter().zip(weights).collect::<Vec<_>>(), y));
+            }
+            let weighted: Vec<WeightedRows<'_, f32>> = outputs
+                .iter()
+                .map(|(rows, y)| (rows.as_slice(), y))
+                .collect();
+            let (first, second) = weighted.split_at(experts / 2);
+            let sum = be.add_weighted(None, (t, d), first)?;
+            let sum = be.add_weighted(Some(sum), (t, d), second)?;
+            let out = be.rounded(sum)?.into_data();
+            let mut host = Mat::zeros(t, d);
+            add_weighted_rows(&mut host, &weighted);
+            let reference = host
+                .data()
+                .iter()
+                .map(|&v| f64::from(v.round_to(p)))
+                .collect();
             (out, reference)
         }
         Op::Mlp {
@@ -902,10 +961,10 @@ mod tests {
                 Ok(())
             }
         }
-        // The exact `round` case catches the truncation; `stats` the skewed hash, once per
-        // case (the values themselves are right, so every other case passes).
+        // The exact `round` and `expert_sum` cases catch the truncation; `stats` the skewed
+        // hash, once per case (the values themselves are right, so every other case passes).
         for (fault, want) in [
-            (Fault::TruncatingRound, vec!["round"]),
+            (Fault::TruncatingRound, vec!["expert_sum", "round"]),
             (Fault::SkewedStats, vec!["stats", "stats"]),
         ] {
             let outcomes = run(&Faulty(Cpu::new(Precision::Bf16), fault), 1, 7).unwrap();

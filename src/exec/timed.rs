@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::attention_core::AttentionInputs;
-use super::backend::{Backend, MlpJob};
+use super::backend::{Backend, MlpJob, WeightedRows};
 use super::claim::Claim;
 use super::forward::{Recorder, StageKey};
 use super::indexer_core::IndexerInputs;
@@ -101,6 +101,21 @@ impl<B: Backend> Backend for Timed<B> {
 
     fn round(&self, xs: &mut [B::E]) -> Result<()> {
         self.clock.time(Op::Round, || self.inner.round(xs))
+    }
+
+    fn rounded(&self, m: Mat<B::E>) -> Result<Mat<B::E>> {
+        self.clock.time(Op::Round, || self.inner.rounded(m))
+    }
+
+    fn add_weighted(
+        &self,
+        sum: Option<Mat<B::E>>,
+        shape: (usize, usize),
+        outputs: &[WeightedRows<'_, B::E>],
+    ) -> Result<Mat<B::E>> {
+        self.clock.time(Op::ExpertSum, || {
+            self.inner.add_weighted(sum, shape, outputs)
+        })
     }
 
     fn rope(&self, m: &Mat<B::E>, rope: &Rope<B::E>, spec: RotateSpec) -> Result<Mat<B::E>> {

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::Layer;
 use crate::exec::attention::NO_BOUNDARY;
-use crate::exec::backend::{Backend, MlpJob};
+use crate::exec::backend::{Backend, MlpJob, WeightedRows};
 use crate::exec::lazy_weight::LazyWeight;
 use crate::exec::mat::Mat;
 use crate::exec::op_clock::Op;
@@ -68,7 +68,7 @@ impl<B: Backend> Layer<'_, B> {
             .hooks()
             .poisons_expert(cfg, self.l)
             .then(|| ids[0][0]);
-        let mut routed = vec![Mat::zeros(t, h); tp];
+        let mut routed: Vec<Option<Mat<B::E>>> = vec![None; tp];
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
@@ -87,17 +87,37 @@ impl<B: Backend> Layer<'_, B> {
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
                 outputs[i].parts[0].1.data_mut()[0] = <B::E as num_traits::Float>::nan();
             }
-            be.host(Op::ExpertSum, || add_weighted(&mut routed, &outputs));
+            for (rank, sum) in routed.iter_mut().enumerate() {
+                let mine: Vec<WeightedRows<'_, B::E>> = outputs
+                    .iter()
+                    .flat_map(|out| {
+                        let rows = out.rows.as_slice();
+                        out.parts
+                            .iter()
+                            .filter(move |(r, _)| *r == rank)
+                            .map(move |(_, y)| (rows, y))
+                    })
+                    .collect();
+                if !mine.is_empty() {
+                    *sum = Some(be.on_rank(rank).add_weighted(sum.take(), (t, h), &mine)?);
+                }
+            }
         }
+        let mut routed: Vec<Mat<B::E>> = routed
+            .into_iter()
+            .map(|sum| sum.unwrap_or_else(|| Mat::zeros(t, h)))
+            .collect();
         if self.src.hooks().routed_scale_again() {
             let factor = B::E::lit(cfg.routed_scaling_factor);
             routed
                 .iter_mut()
                 .for_each(|p| p.data_mut().iter_mut().for_each(|v| *v *= factor));
         }
-        for p in &mut routed {
-            be.round(p.data_mut())?;
-        }
+        let routed: Vec<Mat<B::E>> = routed
+            .into_iter()
+            .enumerate()
+            .map(|(rank, p)| be.on_rank(rank).rounded(p))
+            .collect::<Result<_>>()?;
         let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
             self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
         } else {
@@ -116,32 +136,6 @@ impl<B: Backend> Layer<'_, B> {
             .map(|(r, s)| be.add(r, s))
             .collect::<Result<_>>()?;
         be.all_reduce(&per_rank)
-    }
-}
-
-/// Adds each expert's output rows, times their routing weights, to the tokens' rows of their
-/// rank's sum: tokens in parallel, each token's experts in `outputs`' order (so the sum is
-/// the one a single thread makes).
-fn add_weighted<E: Real>(routed: &mut [Mat<E>], outputs: &[ExpertOutput<E>]) {
-    for (rank, sum) in routed.iter_mut().enumerate() {
-        // Per token, the (output row, routing weight) of each expert it chose, in order.
-        let mut per_token: Vec<Vec<(&[E], E)>> = vec![Vec::new(); sum.rows];
-        for out in outputs {
-            for (_, y) in out.parts.iter().filter(|(r, _)| *r == rank) {
-                for (r, &(s, w)) in out.rows.iter().enumerate() {
-                    per_token[s].push((y.row(r), w));
-                }
-            }
-        }
-        let width = sum.cols.max(1);
-        sum.data_mut()
-            .par_chunks_mut(width)
-            .zip(per_token)
-            .for_each(|(row, chosen)| {
-                for (y, w) in chosen {
-                    row.iter_mut().zip(y).for_each(|(o, &v)| *o += w * v);
-                }
-            });
     }
 }
 
@@ -326,35 +320,37 @@ mod tests {
     #[test]
     fn the_weighted_sum_adds_each_tokens_experts_in_their_order() {
         let (tokens, width) = (5, 7);
-        // Three experts over two ranks, tokens chosen by several of them.
-        let expert = |rows: Vec<(usize, f32)>, rank: usize, seed: u32| {
+        // Three experts, tokens chosen by several of them, added to a sum already there.
+        let expert = |rows: Vec<(usize, f32)>, seed: u32| {
             let y = Mat::new(rows.len(), width, values(rows.len() * width, seed));
-            ExpertOutput {
-                rows,
-                parts: vec![(rank, y)],
-            }
+            (rows, y)
         };
-        let outputs = vec![
-            expert(vec![(0, 0.3), (2, 1.7), (4, 0.01)], 0, 1),
-            expert(vec![(2, 0.9), (3, 2.5)], 1, 2),
-            expert(vec![(0, 1.1), (2, 0.25), (3, 0.6), (4, 3.0)], 0, 3),
+        let outputs = [
+            expert(vec![(0, 0.3), (2, 1.7), (4, 0.01)], 1),
+            expert(vec![(2, 0.9), (3, 2.5)], 2),
+            expert(vec![(0, 1.1), (2, 0.25), (3, 0.6), (4, 3.0)], 3),
         ];
-        let start = |seed| Mat::new(tokens, width, values(tokens * width, seed));
-        let mut routed = vec![start(9), start(10)];
-        let mut want = routed.clone();
-        // One thread, experts in order, rows in order.
-        for out in &outputs {
-            for (rank, y) in &out.parts {
-                for (r, &(s, w)) in out.rows.iter().enumerate() {
-                    let row = want[*rank].row_mut(s);
+        let weighted: Vec<WeightedRows<'_, f32>> = outputs
+            .iter()
+            .map(|(rows, y)| (rows.as_slice(), y))
+            .collect();
+        let be = crate::exec::backend::Cpu::<f32>::new(crate::dtype::Precision::F32);
+        let bits = |m: &Mat<f32>| m.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        // Onto a sum already there, and onto zeros (None).
+        for start in [
+            Some(Mat::new(tokens, width, values(tokens * width, 9))),
+            None,
+        ] {
+            // One thread, experts in order, rows in order.
+            let mut want = start.clone().unwrap_or_else(|| Mat::zeros(tokens, width));
+            for (rows, y) in &outputs {
+                for (r, &(s, w)) in rows.iter().enumerate() {
+                    let row = want.row_mut(s);
                     row.iter_mut().zip(y.row(r)).for_each(|(o, &v)| *o += w * v);
                 }
             }
-        }
-        add_weighted(&mut routed, &outputs);
-        for (got, want) in routed.iter().zip(&want) {
-            let bits = |m: &Mat<f32>| m.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(got), bits(want));
+            let got = be.add_weighted(start, (tokens, width), &weighted).unwrap();
+            assert_eq!(bits(&got), bits(&want));
         }
     }
 }
