@@ -528,6 +528,14 @@ STAGE_STATS(f32)
 STAGE_STATS(bf16)
 STAGE_STATS(f16)
 
+// Each head's columns from `from` on (heads of `width` values side by side), one after another:
+// the rotated RoPE dims of a query, recorded apart.
+extern "C" __global__ void head_columns_f32(const float* x, float* y, u32 width, u32 from, u32 n) {
+    ELEMENT(e, n);
+    u32 len = width - from;
+    y[e] = x[(u64)(e / len) * width + from + e % len];
+}
+
 // Values widened to f32 as the host widens them (an op that computes in f32 in place, RoPE, on
 // an output left on the GPU in the dtype: a value it passes through keeps the host's bits).
 #define WIDEN(T)                                                        \

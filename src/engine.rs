@@ -218,7 +218,11 @@ impl Backend for Engine {
         on_backend!(self, be => be.rope(m, rope, spec))
     }
 
-    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+    fn head_columns(&self, m: &Mat<f32>, width: usize, from: usize) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.head_columns(m, width, from))
+    }
+
+    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Mat<f32>> {
         on_backend!(self, be => be.attention(a))
     }
 

@@ -18,6 +18,7 @@ use super::dtype::Dtype;
 use super::launch::{elements, to_i32, to_u32, MAX_SCORES_BYTES, ROW_THREADS};
 use super::memory::Buffer;
 use crate::exec::attention_core::AttentionInputs;
+use crate::exec::mat::Mat;
 
 /// MiB the scores of one chunk of queries may take by default: GLM-5's 64 heads at 4096
 /// positions are 256 Ki scores (1 MiB) a query.
@@ -65,13 +66,14 @@ impl Operand {
 }
 
 impl Device {
-    /// MLA attention (see [`AttentionInputs`]), the context `[t, heads · v]` in f32.
-    pub(super) fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+    /// MLA attention (see [`AttentionInputs`]), the context `[t, heads · v]` in f32, left here
+    /// for the rounding that follows.
+    pub(super) fn attention<D: Dtype>(&self, a: &AttentionInputs<'_, f32>) -> Result<Mat<f32>> {
         let (t, heads, positions) = (a.q.rows, a.heads, a.positions);
         let (qk, stride) = (a.nope + a.rope, heads * (a.nope + a.v));
         let n = t * heads * a.v;
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(Mat::zeros(t, heads * a.v));
         }
         if a.q.cols != heads * qk
             || a.kv.iter().any(|m| m.cols != stride)
@@ -120,7 +122,7 @@ impl Device {
             );
             self.attention_by_gemms(a, &wide_q, &wide_kv, &wide_k_rope)?
         };
-        self.download(&out, n)
+        self.output(t, heads * a.v, out)
     }
 
     /// The context through cuBLAS, queries in chunks: per chunk every head's scores (the

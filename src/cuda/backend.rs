@@ -26,7 +26,8 @@ use super::DequantOutput;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{
-    all_computed, kv_b_on_host, sum_in_rank_order, weighted_on_host, Backend, MlpJob, WeightedRows,
+    all_computed, head_columns_on_host, kv_b_on_host, sum_in_rank_order, weighted_on_host, Backend,
+    MlpJob, WeightedRows,
 };
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
@@ -296,7 +297,19 @@ impl Backend for Cuda {
         self.device(self.rank)?.rope(m, rope, spec)
     }
 
-    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Vec<f32>> {
+    /// On the GPU where the rows are held there in f32 (RoPE's output), else on the host.
+    fn head_columns(&self, m: &Mat<f32>, width: usize, from: usize) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        match device.head_columns(m, width, from)? {
+            Some(columns) => Ok(columns),
+            None => {
+                drop(device);
+                head_columns_on_host(m, width, from)
+            }
+        }
+    }
+
+    fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Mat<f32>> {
         let device = self.device(self.rank)?;
         with_dtype!(self.precision, D => device.attention::<D>(a))
     }

@@ -215,7 +215,44 @@ impl Device {
         // SAFETY: rows × heads × width values, `half` frequencies, each thread's pair inside its
         // head (checked above).
         unsafe { launch.launch(elements(to_u32(n)?)) }?;
-        Ok(Mat::new(m.rows, m.cols, self.download(&x, m.len())?))
+        self.output(m.rows, m.cols, x)
+    }
+
+    /// [`crate::exec::backend::Backend::head_columns`] of rows held here in f32; `None` where
+    /// they are not (the host cuts them).
+    pub(super) fn head_columns(
+        &self,
+        m: &Mat<f32>,
+        width: usize,
+        from: usize,
+    ) -> Result<Option<Mat<f32>>> {
+        let Some(x) = self.twin_here::<f32>(m) else {
+            return Ok(None);
+        };
+        if width == 0 || from > width || m.cols % width != 0 {
+            bail!(
+                "head columns: rows of {} values do not hold heads of {width} with columns from {from}",
+                m.cols
+            );
+        }
+        let cols = m.cols / width * (width - from);
+        let n = m.rows * cols;
+        if n == 0 {
+            return Ok(Some(Mat::zeros(m.rows, cols)));
+        }
+        let mut out = self.alloc_written::<f32>(n)?;
+        let (width32, from32, count) = (to_u32(width)?, to_u32(from)?, to_u32(n)?);
+        let f = self.kernel("head_columns", "f32")?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&x.slice)
+            .arg(&mut out.slice)
+            .arg(&width32)
+            .arg(&from32)
+            .arg(&count);
+        // SAFETY: `x` holds rows × heads × width values, `out` rows × heads × (width − from).
+        unsafe { launch.launch(elements(count)) }?;
+        self.output(m.rows, cols, out).map(Some)
     }
 
     /// `m` as f32 on this GPU, for an op that computes in f32 and writes its input: its twin
@@ -423,11 +460,8 @@ impl Device {
         if t * total == 0 {
             return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
         }
-        let (q, keys) = (
-            self.upload::<f32>(a.q.fetched()?)?,
-            self.upload::<f32>(a.keys)?,
-        );
-        let weights = self.upload::<f32>(a.weights.fetched()?)?;
+        let (q, keys) = (self.widened(a.q)?, self.upload::<f32>(a.keys)?);
+        let weights = self.widened(a.weights)?;
         let mut out = self.alloc::<f32>(t * total)?;
         let (total32, heads, dim, start) = (
             to_u32(total)?,

@@ -96,7 +96,7 @@ pub struct AttentionOut<E> {
     pub kv_a_norm: Mat<E>,
     pub kv: Mat<E>,
     /// Rotated parts in pair order: `[t, heads·rope]` and `[t, rope]`.
-    pub q_rope: Vec<E>,
+    pub q_rope: Mat<E>,
     pub k_rope: Mat<E>,
     /// Per new position, the chosen absolute key positions (−1 past the causal edge); None
     /// where the model has no indexer and every earlier position is attended.
@@ -194,15 +194,11 @@ pub fn attention<B: Backend>(
         start,
         interleaved: interleave,
     };
-    let mut k_rope = be.rope(&k_rope, &rope, spec(rope_d, 0))?;
-    let mut q_rot = be.rope(&q, &rope, spec(qk, nope))?;
-    let mut q_rope = vec![B::E::lit(0.0); t * nh * rope_d];
-    q_rope
-        .par_chunks_mut(rope_d.max(1))
-        .zip(q_rot.data().par_chunks_exact(qk))
-        .for_each(|(to, head)| to.copy_from_slice(&head[nope..]));
-    be.round(q_rot.data_mut())?;
-    be.round(k_rope.data_mut())?;
+    let k_rope = be.rope(&k_rope, &rope, spec(rope_d, 0))?;
+    let q_rot = be.rope(&q, &rope, spec(qk, nope))?;
+    let q_rope = be.head_columns(&q_rot, qk, nope)?;
+    let q_rot = be.rounded(q_rot)?;
+    let k_rope = be.rounded(k_rope)?;
     be.host(Op::KvCache, || {
         cache.kv.push(kv.clone());
         cache.k_rope.extend_from_slice(k_rope.data());
@@ -235,7 +231,7 @@ pub fn attention<B: Backend>(
             })
             .collect()
     });
-    let mut ctx = be.attention(&AttentionInputs {
+    let ctx = be.attention(&AttentionInputs {
         q: &q_rot,
         kv: &cache.kv,
         k_rope: &cache.k_rope,
@@ -247,8 +243,7 @@ pub fn attention<B: Backend>(
         positions: total,
         scale,
     })?;
-    be.round(&mut ctx)?;
-    let ctx = Mat::new(t, nh * vd, ctx);
+    let ctx = be.rounded(ctx)?;
     // RowParallel o_proj: each rank's heads give a partial output, all-reduced.
     let (out, ctx_parts, out_parts) = if tp == 1 {
         (be.linear(&ctx, &*matrix(AttnOut)?)?, Vec::new(), Vec::new())
@@ -316,10 +311,8 @@ fn indexer<B: Backend>(
         start,
         interleaved: cfg.indexer_rope_interleave,
     };
-    let mut k = be.rope(&k, rope, spec)?;
-    let mut q = be.rope(&q, rope, spec)?;
-    be.round(k.data_mut())?;
-    be.round(q.data_mut())?;
+    let k = be.rounded(be.rope(&k, rope, spec)?)?;
+    let q = be.rounded(be.rope(&q, rope, spec)?)?;
     cache.index_k.extend_from_slice(k.data());
     let total = start + t;
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));

@@ -122,10 +122,16 @@ pub trait Backend: Sync + Clone {
         rope.rotate_rows(&mut out, spec);
         Ok(out)
     }
-    /// MLA attention of new positions over the cache, unrounded (see [`AttentionInputs`]); by
-    /// default the CPU's loops.
-    fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
-        Ok(attention_core(a))
+    /// Each head's columns from `from` on, the heads of `width` values side by side in `m`'s
+    /// rows (the rotated RoPE dims of a query): `[rows, heads · (width − from)]`; by default on
+    /// the host's cores.
+    fn head_columns(&self, m: &Mat<Self::E>, width: usize, from: usize) -> Result<Mat<Self::E>> {
+        head_columns_on_host(m, width, from)
+    }
+    /// MLA attention of new positions over the cache, the context `[t, heads · v]` unrounded
+    /// (see [`AttentionInputs`]); by default the CPU's loops.
+    fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Mat<Self::E>> {
+        Ok(Mat::new(a.q.rows, a.heads * a.v, attention_core(a)))
     }
     /// The DSA indexer's scores of new positions against every cached key, unrounded (see
     /// [`IndexerInputs`]); by default the CPU's loops.
@@ -222,6 +228,22 @@ pub fn all_computed<E>(parts: Vec<Option<Mat<E>>>) -> Result<Vec<Mat<E>>> {
         .enumerate()
         .map(|(r, p)| p.ok_or_else(|| anyhow::anyhow!("rank {r}'s part was not computed here")))
         .collect()
+}
+
+/// [`Backend::head_columns`] on the host's cores.
+pub fn head_columns_on_host<E: Real>(m: &Mat<E>, width: usize, from: usize) -> Result<Mat<E>> {
+    if width == 0 || from > width || m.cols % width != 0 {
+        bail!(
+            "head columns: rows of {} values do not hold heads of {width} with columns from {from}",
+            m.cols
+        );
+    }
+    let (heads, len) = (m.cols / width, width - from);
+    let mut out = vec![E::zero(); m.rows * heads * len];
+    out.par_chunks_mut(len.max(1))
+        .zip(m.data().par_chunks_exact(width))
+        .for_each(|(to, head)| to.copy_from_slice(&head[from..]));
+    Ok(Mat::new(m.rows, heads * len, out))
 }
 
 /// [`Backend::add_weighted`] on the host's cores.

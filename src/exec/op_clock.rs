@@ -26,6 +26,7 @@ pub enum Op {
     Add,
     Round,
     Rope,
+    HeadColumns,
     Attention,
     IndexerScores,
     Mlp,
@@ -49,7 +50,7 @@ pub enum Op {
 }
 
 impl Op {
-    const ALL: [Op; 24] = [
+    const ALL: [Op; 25] = [
         Op::Hold,
         Op::HoldStored,
         Op::HoldKvB,
@@ -61,6 +62,7 @@ impl Op {
         Op::Add,
         Op::Round,
         Op::Rope,
+        Op::HeadColumns,
         Op::Attention,
         Op::IndexerScores,
         Op::Mlp,
@@ -90,6 +92,7 @@ impl Op {
             Op::Add => "add",
             Op::Round => "round",
             Op::Rope => "rope",
+            Op::HeadColumns => "head_columns",
             Op::Attention => "attention",
             Op::IndexerScores => "indexer_scores",
             Op::Mlp => "mlp",

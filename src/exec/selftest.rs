@@ -592,18 +592,22 @@ fn run_op<B: Backend<E = f32>>(
                 vec![this_pass]
             };
             let (wq, wkv, wkr) = (wide(&q), [wide(&kv)], wide_v(&k_rope));
-            let reference = f64s.attention(&attention_inputs(
-                (&wq, &wkv, &wkr),
-                &keys,
-                shape(heads),
-                scale,
-            ))?;
-            let out = be.attention(&attention_inputs(
-                (&q, &passes, &k_rope),
-                &keys,
-                shape(heads),
-                scale as f32,
-            ))?;
+            let reference = f64s
+                .attention(&attention_inputs(
+                    (&wq, &wkv, &wkr),
+                    &keys,
+                    shape(heads),
+                    scale,
+                ))?
+                .into_data();
+            let out = be
+                .attention(&attention_inputs(
+                    (&q, &passes, &k_rope),
+                    &keys,
+                    shape(heads),
+                    scale as f32,
+                ))?
+                .into_data();
             (out, reference)
         }
         Op::ExpertSum { t, d, experts } => {

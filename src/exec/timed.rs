@@ -122,7 +122,12 @@ impl<B: Backend> Backend for Timed<B> {
         self.clock.time(Op::Rope, || self.inner.rope(m, rope, spec))
     }
 
-    fn attention(&self, a: &AttentionInputs<'_, B::E>) -> Result<Vec<B::E>> {
+    fn head_columns(&self, m: &Mat<B::E>, width: usize, from: usize) -> Result<Mat<B::E>> {
+        self.clock
+            .time(Op::HeadColumns, || self.inner.head_columns(m, width, from))
+    }
+
+    fn attention(&self, a: &AttentionInputs<'_, B::E>) -> Result<Mat<B::E>> {
         self.clock.time(Op::Attention, || self.inner.attention(a))
     }
 

@@ -557,7 +557,7 @@ impl<B: Backend> Layer<'_, B> {
             sharder: self.sharder(),
             ties: self.opts.ties,
         };
-        let mut a = attention(step, hn, self.cache, prev)?;
+        let a = attention(step, hn, self.cache, prev)?;
         self.rec_mat("attn.q_a", &[t, a.q_a.cols], "t d", &a.q_a)?;
         self.rec_mat("attn.q_a_norm", &[t, a.q_a_norm.cols], "t d", &a.q_a_norm)?;
         let q_tail = [nh, nope + rope_d];
@@ -571,8 +571,7 @@ impl<B: Backend> Layer<'_, B> {
         )?;
         let kv_tail = [nh, nope + vd];
         self.rec_parts("attn.kv", &a.kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
-        let q_rope = Mat::new(t, nh * rope_d, std::mem::take(&mut a.q_rope));
-        self.rec_parts("attn.q_rope", &q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
+        self.rec_parts("attn.q_rope", &a.q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
         self.rec_mat("attn.k_rope", &[t, rope_d], "t d", &a.k_rope)?;
         if let Some(selection) = &a.selection {
             let k = selection.first().map_or(0, Vec::len);
