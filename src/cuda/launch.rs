@@ -354,26 +354,76 @@ impl Device {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        let (mut at_in, mut at_out, cols) = (0, 0, x.cols);
-        for (i, j) in jobs.iter().enumerate() {
-            let (t, n) = (t_of(j), t_of(j) * j.inner);
-            if n > 0 && j.out_rows > 0 {
-                let rows = input.slice.slice(at_in..at_in + t * cols);
-                let (mut g, mut u) = (self.alloc_written::<D>(n)?, self.alloc_written::<D>(n)?);
-                let [gate, up, down] = j.weights;
-                self.gemm((t, cols), &rows, gate, j.inner, &mut g.slice)?;
-                self.gemm((t, cols), &rows, up, j.inner, &mut u.slice)?;
-                let h = self.elementwise_here("silu_mul", &g, &u, n)?;
-                let (out, at) = if own_buffers {
-                    (&mut outs[i], 0)
-                } else {
-                    (&mut outs[0], at_out)
-                };
-                let mut y = out.slice.slice_mut(at..at + lens[i]);
-                self.gemm((t, j.inner), &h.slice, down, j.out_rows, &mut y)?;
+        // Where each job's input rows, intermediates and output start in their buffers.
+        let starts_of = |len: &dyn Fn(&GpuMlp<'_, D>) -> usize| -> Vec<usize> {
+            jobs.iter()
+                .scan(0, |at, j| {
+                    let start = *at;
+                    *at += len(j);
+                    Some(start)
+                })
+                .collect()
+        };
+        let cols = x.cols;
+        let (at_in, at_mid) = (
+            starts_of(&|j| t_of(j) * cols),
+            starts_of(&|j| t_of(j) * j.inner),
+        );
+        let at_out = if own_buffers {
+            vec![0; jobs.len()]
+        } else {
+            starts_of(&out_len)
+        };
+        let live: Vec<usize> = (0..jobs.len())
+            .filter(|&i| t_of(&jobs[i]) * jobs[i].inner > 0 && jobs[i].out_rows > 0)
+            .collect();
+        let mid: usize = jobs.iter().map(|j| t_of(j) * j.inner).sum();
+        if !live.is_empty() {
+            // Every job's gate and up in one grouped GEMM, SiLU·up over all of them at once,
+            // every down in another: three launches a trip, where each job's own were four.
+            let (mut g, mut u) = (self.alloc_written::<D>(mid)?, self.alloc_written::<D>(mid)?);
+            let stream = &self.gpu.stream;
+            let at = |ptr: u64, values: usize| ptr + (values * size_of::<D>()) as u64;
+            {
+                let (x_ptr, _x) = input.slice.device_ptr(stream);
+                let (g_ptr, _g) = g.slice.device_ptr_mut(stream);
+                let (u_ptr, _u) = u.slice.device_ptr_mut(stream);
+                let mut problems = Vec::with_capacity(2 * live.len());
+                for (w, out) in [(0, g_ptr), (1, u_ptr)] {
+                    for &i in &live {
+                        let j = &jobs[i];
+                        problems.push(GroupedGemm {
+                            weight: &j.weights[w].slice,
+                            rows: j.inner,
+                            input: at(x_ptr, at_in[i]),
+                            t: t_of(j),
+                            k: cols,
+                            out: at(out, at_mid[i]),
+                        });
+                    }
+                }
+                self.grouped_gemm(&problems)?;
             }
-            at_in += t * cols;
-            at_out += lens[i];
+            let h = self.elementwise_here("silu_mul", &g, &u, mid)?;
+            let (h_ptr, _h) = h.slice.device_ptr(stream);
+            let (out_ptrs, _outs): (Vec<u64>, Vec<_>) = outs
+                .iter_mut()
+                .map(|out| out.slice.device_ptr_mut(stream))
+                .unzip();
+            let mut problems = Vec::with_capacity(live.len());
+            for &i in &live {
+                let j = &jobs[i];
+                let out = out_ptrs[if own_buffers { i } else { 0 }];
+                problems.push(GroupedGemm {
+                    weight: &j.weights[2].slice,
+                    rows: j.out_rows,
+                    input: at(h_ptr, at_mid[i]),
+                    t: t_of(j),
+                    k: j.inner,
+                    out: at(out, at_out[i]),
+                });
+            }
+            self.grouped_gemm(&problems)?;
         }
         if own_buffers {
             return jobs
@@ -495,6 +545,67 @@ impl Device {
 
     /// `out[t, w_rows] = input[t, cols] · w[w_rows, cols]ᵀ`: in cuBLAS's column-major terms
     /// `outᵀ = w · inputᵀ`, with `w` read transposed from its row-major storage.
+    /// Every problem's `input · weightᵀ` in one cuBLAS grouped GEMM (each problem a group of
+    /// one), f32 accumulation, outputs in the dtype: what [`Self::gemm`] gives each, in one
+    /// launch. The problems' operand addresses go to the GPU in one copy.
+    fn grouped_gemm<D: Dtype>(&self, problems: &[GroupedGemm<'_, D>]) -> Result<()> {
+        let count = problems.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let stream = &self.gpu.stream;
+        let mut guards = Vec::with_capacity(count);
+        let mut addresses = vec![0u64; 3 * count];
+        for (p, problem) in problems.iter().enumerate() {
+            let (w, guard) = problem.weight.device_ptr(stream);
+            guards.push(guard);
+            addresses[p] = w;
+            addresses[count + p] = problem.input;
+            addresses[2 * count + p] = problem.out;
+        }
+        let on_gpu = self.upload_exact(&addresses)?;
+        let (base, _base) = on_gpu.slice.device_ptr(stream);
+        let int = |f: fn(&GroupedGemm<'_, D>) -> usize| -> Result<Vec<i32>> {
+            problems.iter().map(|p| to_i32(f(p))).collect()
+        };
+        let (m, n, k) = (int(|p| p.rows)?, int(|p| p.t)?, int(|p| p.k)?);
+        let (lda, ldc) = (k.clone(), m.clone());
+        let transposed = vec![cublasOperation_t::CUBLAS_OP_T; count];
+        let plain = vec![cublasOperation_t::CUBLAS_OP_N; count];
+        let (alpha, beta, sizes) = (vec![1.0f32; count], vec![0.0f32; count], vec![1i32; count]);
+        let pointer = size_of::<u64>() as u64;
+        // SAFETY: each problem's weight holds rows × k values, its input t × k and its output
+        // t × rows (the callers' layouts); the address arrays are on the GPU as cuBLAS needs,
+        // the other arrays on the host, one entry per group of one problem; alpha and beta are
+        // f32 as CUBLAS_COMPUTE_32F needs.
+        unsafe {
+            cudarc::cublas::sys::cublasGemmGroupedBatchedEx(
+                *self.blas.handle(),
+                transposed.as_ptr(),
+                plain.as_ptr(),
+                m.as_ptr(),
+                n.as_ptr(),
+                k.as_ptr(),
+                alpha.as_ptr() as *const _,
+                base as *const *const _,
+                D::CUDA,
+                lda.as_ptr(),
+                (base + count as u64 * pointer) as *const *const _,
+                D::CUDA,
+                k.as_ptr(),
+                beta.as_ptr() as *const _,
+                (base + 2 * count as u64 * pointer) as *const *mut _,
+                D::CUDA,
+                ldc.as_ptr(),
+                to_i32(count)?,
+                sizes.as_ptr(),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+            .result()
+        }
+        .map_err(|e| anyhow!("cuBLAS grouped GEMM of {count} on {}: {e:?}", self.gpu.name))
+    }
+
     fn gemm<D: Dtype, O: Dtype>(
         &self,
         (t, cols): (usize, usize),
@@ -541,6 +652,17 @@ impl Device {
             )
         })
     }
+}
+
+/// One problem of [`Device::grouped_gemm`]: `out = input · weightᵀ`, `input` `t × k` and `out`
+/// `t × rows` row-major at those addresses on this GPU.
+struct GroupedGemm<'a, D: Dtype> {
+    weight: &'a cudarc::driver::CudaSlice<D>,
+    rows: usize,
+    input: u64,
+    t: usize,
+    k: usize,
+    out: u64,
 }
 
 /// One gated MLP of [`Device::mlps`]: its rows of the input (all of them where `None`),

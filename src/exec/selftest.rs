@@ -103,9 +103,10 @@ pub enum Op {
         sparse: usize,
         poisoned: bool,
     },
-    /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, RoPE, add, silu_mul, one
-    /// MLP, linear_exact), against the same chain given fresh host copies between the ops: a backend
-    /// that keeps an output on its device for the next op must give the same bits.
+    /// Ops fed each other's outputs on `[t, d]` (rms_norm, linear, RoPE, head_columns,
+    /// rounded, add, silu_mul, one MLP, linear_exact), against the same chain given fresh host
+    /// copies between the ops: a backend that keeps an output on its device for the next op
+    /// must give the same bits.
     Chain {
         t: usize,
         d: usize,
@@ -293,7 +294,7 @@ impl Op {
             | Op::LayerNorm { t, d }
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
-            Op::Chain { t, d } => format!("[{t},{d}] through 7 ops"),
+            Op::Chain { t, d } => format!("[{t},{d}] through 9 ops"),
             Op::Stats { t, d } => format!("[{t},{d}], 11 fields"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
@@ -728,12 +729,15 @@ fn run_op<B: Backend<E = f32>>(
                     start: 3,
                     interleaved: true,
                 };
-                let r = be.rope(&y, &Rope::plain(THETA, 64.min(d / 4), 1.0), spec)?;
-                let s = pass(be.add(&y, &h)?);
+                let r = pass(be.rope(&y, &Rope::plain(THETA, 64.min(d / 4), 1.0), spec)?);
+                // Its rotated dims cut out, and the whole rounded to the dtype, where it lies.
+                let rotated = pass(be.head_columns(&r, d / 2, d / 4)?);
+                let rounded = pass(be.rounded(r.clone())?);
+                let s = pass(be.add(&rounded, &h)?);
                 let g = pass(be.silu_mul(&s, &y)?);
                 let m = pass(be.mlp(&g, gate, up, down)?);
                 let out = be.linear_exact(&m, a)?;
-                Ok([out.data(), r.data()].concat())
+                Ok([out.data(), r.data(), rotated.data()].concat())
             };
             let (kept, fresh) = (chain(false)?, chain(true)?);
             let reference = fresh.iter().map(|&v| f64::from(v)).collect();
