@@ -24,6 +24,12 @@ use crate::weights::GgmlType;
 /// Values per parallel task of the host's conversions to and from a dtype.
 const CONVERT_CHUNK: usize = 1 << 15;
 
+/// Uploads of at most this many bytes (row indices, masks, GEMM addresses, norm weights) are
+/// copied from the host's own memory without waiting for the GPU: the driver stages them before
+/// the call returns. Through the page-locked buffer, every upload waited for all the work queued
+/// before it, so the host could never run ahead of the GPU.
+const SMALL_UPLOAD: usize = 64 << 10;
+
 /// An op's output left on its GPU (a [`Mat`]'s twin, which holds the same values as the host's:
 /// these are fetched from it, and any change to them drops it). The next op on that GPU reads it
 /// instead of converting and uploading the host's values again; where one GPU runs the forward,
@@ -192,6 +198,14 @@ impl Device {
         if n == 0 {
             return Ok(buf);
         }
+        if n * size_of::<D>() <= SMALL_UPLOAD {
+            let host: Vec<D> = parts
+                .iter()
+                .flat_map(|p| p.iter().map(|&v| D::from_f32(v)))
+                .collect();
+            self.copy_up_unwaited(&host, &mut buf)?;
+            return Ok(buf);
+        }
         let mut pinned = self.pinned.borrow_mut();
         let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&self.gpu, n * size_of::<D>())?);
         // Each part's place in the buffer; parts and their chunks converted in parallel (a
@@ -226,13 +240,31 @@ impl Device {
         values: &[T],
     ) -> Result<Buffer<T>> {
         let mut buf = self.alloc_written::<T>(values.len())?;
-        if !values.is_empty() {
+        if size_of_val(values) <= SMALL_UPLOAD {
+            self.copy_up_unwaited(values, &mut buf)?;
+        } else {
             let mut pinned = self.pinned.borrow_mut();
             let host = pinned.bytes(&self.gpu, size_of_val(values))?;
             host.copy_from_slice(bytemuck::cast_slice(values));
             self.copy_up(bytemuck::cast_slice::<u8, T>(host), &mut buf)?;
         }
         Ok(buf)
+    }
+
+    /// `host` (the host's own memory, a [`SMALL_UPLOAD`] at most) into the start of `buf`,
+    /// queued behind the stream's work without waiting for it.
+    fn copy_up_unwaited<T: DeviceRepr>(&self, host: &[T], buf: &mut Buffer<T>) -> Result<()> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        let stream = &self.gpu.stream;
+        stream.context().bind_to_thread()?;
+        let (dst, _record) = buf.slice.device_ptr_mut(stream);
+        // SAFETY: `buf` holds at least `host.len()` values (callers size it so); `host` is
+        // pageable memory, which the driver copies into its own staging memory before the call
+        // returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, host, stream.cu_stream()) }?;
+        Ok(())
     }
 
     /// `host` into the start of `buf`, waited for (so that the page-locked buffer may be
