@@ -528,13 +528,18 @@ STAGE_STATS(f32)
 STAGE_STATS(bf16)
 STAGE_STATS(f16)
 
-// Each head's columns from `from` on (heads of `width` values side by side), one after another:
-// the rotated RoPE dims of a query, recorded apart.
-extern "C" __global__ void head_columns_f32(const float* x, float* y, u32 width, u32 from, u32 n) {
-    ELEMENT(e, n);
-    u32 len = width - from;
-    y[e] = x[(u64)(e / len) * width + from + e % len];
-}
+// Columns from..from + len of each head (heads of `width` values side by side), one after
+// another: the rotated RoPE dims of a query, recorded apart; kv_a's latent and RoPE key.
+#define HEAD_COLUMNS(T)                                                                         \
+    extern "C" __global__ void head_columns_##T(const T* x, T* y, u32 width, u32 from, u32 len, \
+                                                u32 n) {                                        \
+        ELEMENT(e, n);                                                                          \
+        y[e] = x[(u64)(e / len) * width + from + e % len];                                      \
+    }
+
+HEAD_COLUMNS(f32)
+HEAD_COLUMNS(bf16)
+HEAD_COLUMNS(f16)
 
 // Values widened to f32 as the host widens them (an op that computes in f32 in place, RoPE, on
 // an output left on the GPU in the dtype: a value it passes through keeps the host's bits).

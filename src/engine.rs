@@ -9,7 +9,7 @@ use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
-use crate::exec::backend::{Backend, Cpu, MlpJob, WeightedRows};
+use crate::exec::backend::{Backend, Cpu, HeadCut, MlpJob, WeightedRows};
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
@@ -218,8 +218,8 @@ impl Backend for Engine {
         on_backend!(self, be => be.rope(m, rope, spec))
     }
 
-    fn head_columns(&self, m: &Mat<f32>, width: usize, from: usize) -> Result<Mat<f32>> {
-        on_backend!(self, be => be.head_columns(m, width, from))
+    fn head_columns(&self, m: &Mat<f32>, cut: HeadCut) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.head_columns(m, cut))
     }
 
     fn attention(&self, a: &AttentionInputs<'_, f32>) -> Result<Mat<f32>> {

@@ -13,7 +13,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
-use super::device::{Device, Input};
+use super::device::Device;
 use super::dtype::Dtype;
 use super::launch::{elements, to_i32, to_u32, MAX_SCORES_BYTES, ROW_THREADS};
 use super::memory::Buffer;
@@ -76,16 +76,17 @@ impl Device {
             return Ok(Mat::zeros(t, heads * a.v));
         }
         if a.q.cols != heads * qk
-            || a.kv.iter().any(|m| m.cols != stride)
-            || a.kv_positions() != positions
-            || a.k_rope.len() < positions * a.rope
+            || !a.kv.have_cols(stride)
+            || a.kv.positions() != positions
+            || !a.k_rope.have_cols(a.rope)
+            || a.k_rope.positions() != positions
             || a.keys.len() != t
         {
             bail!(
-                "attention: {t} queries of {} values, {} kv rows, {} RoPE key values, {} key lists, for {heads} heads of {} + {} and {positions} positions",
+                "attention: {t} queries of {} values, {} kv rows, {} RoPE key rows, {} key lists, for {heads} heads of {} + {} and {positions} positions",
                 a.q.cols,
-                a.kv_positions(),
-                a.k_rope.len(),
+                a.kv.positions(),
+                a.k_rope.positions(),
                 a.keys.len(),
                 a.nope,
                 a.rope
@@ -100,18 +101,11 @@ impl Device {
             bail!("attention: key {j} beyond the {positions} cached positions");
         }
         let q = self.input::<D>(a.q)?;
-        // A prompt's cache is its kv projection's output, read where that left it.
-        let kv = match a.kv {
-            [only] => self.input::<D>(only)?,
-            passes => {
-                let rows = passes
-                    .iter()
-                    .map(|m| m.fetched())
-                    .collect::<Result<Vec<_>>>()?;
-                Input::Uploaded(self.upload_parts(&rows)?)
-            }
-        };
-        let k_rope = self.upload::<D>(&a.k_rope[..positions * a.rope])?;
+        // A prompt's cache is its own projections' outputs, read where they were left.
+        let (kv, k_rope) = (
+            self.passes_input::<D>(a.kv)?,
+            self.passes_input::<D>(a.k_rope)?,
+        );
         let wide_kv = self.widen_here(&kv, positions * stride)?;
         let out = if self.any_nonfinite(&wide_kv, positions * stride)? {
             self.attention_by_position(a, &q, &kv, &k_rope)?

@@ -27,7 +27,7 @@ use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{
     all_computed, head_columns_on_host, kv_b_on_host, sum_in_rank_order, weighted_on_host, Backend,
-    MlpJob, WeightedRows,
+    HeadCut, MlpJob, WeightedRows,
 };
 use crate::exec::claim::Claim;
 use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
@@ -297,15 +297,18 @@ impl Backend for Cuda {
         self.device(self.rank)?.rope(m, rope, spec)
     }
 
-    /// On the GPU where the rows are held there in f32 (RoPE's output), else on the host.
-    fn head_columns(&self, m: &Mat<f32>, width: usize, from: usize) -> Result<Mat<f32>> {
+    /// On the GPU where the rows are held there (in f32, as RoPE leaves them, or in the run's
+    /// dtype), else on the host.
+    fn head_columns(&self, m: &Mat<f32>, cut: HeadCut) -> Result<Mat<f32>> {
         let device = self.device(self.rank)?;
-        match device.head_columns(m, width, from)? {
+        let here = match device.head_columns::<f32>(m, cut)? {
+            Some(columns) => Some(columns),
+            None => with_dtype!(self.precision, D => device.head_columns::<D>(m, cut))?,
+        };
+        drop(device);
+        match here {
             Some(columns) => Ok(columns),
-            None => {
-                drop(device);
-                head_columns_on_host(m, width, from)
-            }
+            None => head_columns_on_host(m, cut),
         }
     }
 

@@ -17,6 +17,7 @@ use super::resident::Resident;
 use super::stats::{stage_stats, StatsOn};
 use super::Gpu;
 use crate::exec::mat::{Mat, Remote};
+use crate::exec::passes::Passes;
 use crate::exec::stored::StoredBlock;
 use crate::trace::stats::StatsLater;
 use crate::weights::GgmlType;
@@ -150,6 +151,24 @@ impl Device {
         match self.twin_here::<D>(x) {
             Some(buf) => Ok(Input::Twin(buf)),
             None => Ok(Input::Uploaded(self.upload(x.fetched()?)?)),
+        }
+    }
+
+    /// A cache tensor's passes as one input on this GPU: a single pass (a prompt's) read where
+    /// its op left it, several uploaded one after another.
+    pub(super) fn passes_input<'a, D: Dtype>(
+        &self,
+        passes: Passes<'a, f32>,
+    ) -> Result<Input<'a, D>> {
+        match passes.0 {
+            [only] => self.input::<D>(only),
+            several => {
+                let rows = several
+                    .iter()
+                    .map(|m| m.fetched())
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Input::Uploaded(self.upload_parts(&rows)?))
+            }
         }
     }
 

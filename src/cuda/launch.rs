@@ -10,8 +10,10 @@ use rayon::prelude::*;
 use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
+use crate::exec::backend::HeadCut;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
+use crate::exec::passes::Passes;
 use crate::exec::rope::{Rope, RotateSpec};
 use crate::model::kv_b::KvBDims;
 
@@ -218,39 +220,35 @@ impl Device {
         self.output(m.rows, m.cols, x)
     }
 
-    /// [`crate::exec::backend::Backend::head_columns`] of rows held here in f32; `None` where
+    /// [`crate::exec::backend::Backend::head_columns`] of rows held here in `D`; `None` where
     /// they are not (the host cuts them).
-    pub(super) fn head_columns(
+    pub(super) fn head_columns<D: Dtype>(
         &self,
         m: &Mat<f32>,
-        width: usize,
-        from: usize,
+        cut: HeadCut,
     ) -> Result<Option<Mat<f32>>> {
-        let Some(x) = self.twin_here::<f32>(m) else {
+        let Some(x) = self.twin_here::<D>(m) else {
             return Ok(None);
         };
-        if width == 0 || from > width || m.cols % width != 0 {
-            bail!(
-                "head columns: rows of {} values do not hold heads of {width} with columns from {from}",
-                m.cols
-            );
-        }
-        let cols = m.cols / width * (width - from);
+        let cols = cut.heads_in(m.cols)? * cut.len;
         let n = m.rows * cols;
         if n == 0 {
             return Ok(Some(Mat::zeros(m.rows, cols)));
         }
-        let mut out = self.alloc_written::<f32>(n)?;
-        let (width32, from32, count) = (to_u32(width)?, to_u32(from)?, to_u32(n)?);
-        let f = self.kernel("head_columns", "f32")?;
+        let mut out = self.alloc_written::<D>(n)?;
+        let (width, from) = (to_u32(cut.width)?, to_u32(cut.from)?);
+        let (len, count) = (to_u32(cut.len)?, to_u32(n)?);
+        let f = self.kernel("head_columns", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
             .arg(&x.slice)
             .arg(&mut out.slice)
-            .arg(&width32)
-            .arg(&from32)
+            .arg(&width)
+            .arg(&from)
+            .arg(&len)
             .arg(&count);
-        // SAFETY: `x` holds rows × heads × width values, `out` rows × heads × (width − from).
+        // SAFETY: `x` holds rows × heads × width values, `out` rows × heads × len, every read
+        // inside its head (`heads_in` checked the cut).
         unsafe { launch.launch(elements(count)) }?;
         self.output(m.rows, cols, out).map(Some)
     }
@@ -272,6 +270,21 @@ impl Device {
             }
         }
         self.upload::<f32>(m.fetched()?)
+    }
+
+    /// A cache tensor's passes as f32 on this GPU ([`Self::widened`] of a single pass, a
+    /// prompt's; several uploaded one after another).
+    fn widened_passes(&self, passes: Passes<'_, f32>) -> Result<Buffer<f32>> {
+        match passes.0 {
+            [only] => self.widened(only),
+            several => {
+                let rows = several
+                    .iter()
+                    .map(|m| m.fetched())
+                    .collect::<Result<Vec<_>>>()?;
+                self.upload_parts::<f32>(&rows)
+            }
+        }
     }
 
     /// The first `n > 0` values of `x` (on this GPU) as a new f32 buffer.
@@ -493,12 +506,17 @@ impl Device {
     /// per query and key; `None` where a query's heads do not fit in a block's shared memory.
     pub(super) fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Option<Vec<f32>>> {
         let (t, total, width) = (a.q.rows, a.positions(), a.heads * a.dim);
-        if a.q.cols != width || a.weights.cols != a.heads || a.weights.rows != t {
+        if a.q.cols != width
+            || a.weights.cols != a.heads
+            || a.weights.rows != t
+            || !a.keys.have_cols(a.dim)
+        {
             bail!(
-                "indexer scores: queries of {} values and weights {}×{} for {t} queries of {} heads of {}",
+                "indexer scores: queries of {} values, weights {}×{} and keys of other widths than {} for {t} queries of {} heads of {}",
                 a.q.cols,
                 a.weights.rows,
                 a.weights.cols,
+                a.dim,
                 a.heads,
                 a.dim
             );
@@ -510,7 +528,7 @@ impl Device {
         if t * total == 0 {
             return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
         }
-        let (q, keys) = (self.widened(a.q)?, self.upload::<f32>(a.keys)?);
+        let (q, keys) = (self.widened(a.q)?, self.widened_passes(a.keys)?);
         let weights = self.widened(a.weights)?;
         let mut out = self.alloc::<f32>(t * total)?;
         let (total32, heads, dim, start) = (

@@ -8,11 +8,12 @@
 use anyhow::{bail, Result};
 
 use super::attention_core::AttentionInputs;
-use super::backend::Backend;
+use super::backend::{Backend, HeadCut};
 use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
 use super::op_clock::Op;
 use super::ops::topk;
+use super::passes::Passes;
 use num_traits::Float;
 use rayon::prelude::*;
 
@@ -41,13 +42,13 @@ pub struct KvCache<E> {
 }
 
 pub struct LayerCache<E> {
-    /// `[pos, heads·(nope+v)]`, a matrix a pass: each pass's kv projection output as it is
-    /// (shared, not copied; left on a GPU that still holds it).
+    /// `[pos, heads·(nope+v)]`, a matrix a pass ([`Passes`]): each pass's kv projection output
+    /// as it is (shared, not copied; left on a GPU that still holds it).
     kv: Vec<Mat<E>>,
-    /// `[pos, rope]`, rotated.
-    k_rope: Vec<E>,
-    /// `[pos, index_head_dim]`, normalised and rotated.
-    index_k: Vec<E>,
+    /// `[pos, rope]`, rotated, a matrix a pass.
+    k_rope: Vec<Mat<E>>,
+    /// `[pos, index_head_dim]`, normalised and rotated, a matrix a pass.
+    index_k: Vec<Mat<E>>,
     len: usize,
 }
 
@@ -182,12 +183,19 @@ pub fn attention<B: Backend>(
     };
     let (q, q_parts) = up(&q_a_norm, QB)?;
     let kv_a = be.linear(hn, &*matrix(KvA)?)?;
-    let kv_a_norm = be.rms_norm(&kv_a.columns(0, kvl), &vector(KvANorm)?, latent_norm_eps)?;
+    // kv_a's row: the latent, then the shared RoPE key (one head of the whole row).
+    let kv_a_cut = |from, len| HeadCut {
+        width: kv_a.cols,
+        from,
+        len,
+    };
+    let latent = be.head_columns(&kv_a, kv_a_cut(0, kvl))?;
+    let kv_a_norm = be.rms_norm(&latent, &vector(KvANorm)?, latent_norm_eps)?;
     let (kv, kv_parts) = up(&kv_a_norm, KvB)?;
 
     let rope = Rope::new(cfg);
     let interleave = hooks.rope_interleave(cfg.rope_interleave);
-    let k_rope = kv_a.columns(kvl, rope_d);
+    let k_rope = be.head_columns(&kv_a, kv_a_cut(kvl, rope_d))?;
     let spec = |width, offset| RotateSpec {
         width,
         offset,
@@ -196,12 +204,19 @@ pub fn attention<B: Backend>(
     };
     let k_rope = be.rope(&k_rope, &rope, spec(rope_d, 0))?;
     let q_rot = be.rope(&q, &rope, spec(qk, nope))?;
-    let q_rope = be.head_columns(&q_rot, qk, nope)?;
+    let q_rope = be.head_columns(
+        &q_rot,
+        HeadCut {
+            width: qk,
+            from: nope,
+            len: rope_d,
+        },
+    )?;
     let q_rot = be.rounded(q_rot)?;
     let k_rope = be.rounded(k_rope)?;
     be.host(Op::KvCache, || {
         cache.kv.push(kv.clone());
-        cache.k_rope.extend_from_slice(k_rope.data());
+        cache.k_rope.push(k_rope.clone());
     });
 
     let (selection, selection_gap) = if !cfg.has_dsa() {
@@ -233,8 +248,8 @@ pub fn attention<B: Backend>(
     });
     let ctx = be.attention(&AttentionInputs {
         q: &q_rot,
-        kv: &cache.kv,
-        k_rope: &cache.k_rope,
+        kv: Passes(&cache.kv),
+        k_rope: Passes(&cache.k_rope),
         keys: &keys,
         heads: nh,
         nope,
@@ -313,12 +328,12 @@ fn indexer<B: Backend>(
     };
     let k = be.rounded(be.rope(&k, rope, spec)?)?;
     let q = be.rounded(be.rope(&q, rope, spec)?)?;
-    cache.index_k.extend_from_slice(k.data());
+    cache.index_k.push(k);
     let total = start + t;
     let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
     let scores = be.indexer_scores(&IndexerInputs {
         q: &q,
-        keys: &cache.index_k,
+        keys: Passes(&cache.index_k),
         weights: &weights,
         heads: ih,
         dim: ihd,

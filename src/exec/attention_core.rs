@@ -6,18 +6,17 @@ use rayon::prelude::*;
 
 use super::mat::Mat;
 use super::ops::softmax;
+use super::passes::Passes;
 use super::real::Real;
 
 /// What MLA attention reads for a batch of new positions: their rotated queries `q` `[t, heads ·
 /// (nope + rope)]`, the cache's `kv` rows `[positions, heads · (nope + v)]` (each head's
-/// `k_nope` then `v`) and shared `k_rope` `[positions, rope]`, and the keys each position may
-/// see (−1: none).
+/// `k_nope` then `v`) and shared `k_rope` `[positions, rope]` as the passes added them, and the
+/// keys each position may see (−1: none).
 pub struct AttentionInputs<'a, E> {
     pub q: &'a Mat<E>,
-    /// The cache's kv rows as the passes added them, one matrix a pass (a prompt's pass is the
-    /// kv projection's output itself, which a GPU backend may still hold).
-    pub kv: &'a [Mat<E>],
-    pub k_rope: &'a [E],
+    pub kv: Passes<'a, E>,
+    pub k_rope: Passes<'a, E>,
     pub keys: &'a [Vec<i32>],
     pub heads: usize,
     pub nope: usize,
@@ -27,28 +26,12 @@ pub struct AttentionInputs<'a, E> {
     pub scale: E,
 }
 
-impl<E: Real> AttentionInputs<'_, E> {
-    /// The cache's kv rows, by position.
-    pub fn kv_rows(&self) -> Vec<&[E]> {
-        self.kv
-            .iter()
-            .flat_map(|m| m.data().chunks_exact(m.cols.max(1)).take(m.rows))
-            .collect()
-    }
-
-    /// The cache's positions the kv rows hold.
-    pub fn kv_positions(&self) -> usize {
-        self.kv.iter().map(|m| m.rows).sum()
-    }
-}
-
 /// `softmax(q·kᵀ · scale) · v` per position and head, unrounded: the CPU's loops, positions in
 /// parallel, each position's sums in one fixed order.
 pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
     let (nh, nope, rope_d, vd) = (a.heads, a.nope, a.rope, a.v);
     let qk = nope + rope_d;
-    let row = |width: usize, j: usize| j * width..(j + 1) * width;
-    let kv_rows = a.kv_rows();
+    let (kv_rows, k_rope_rows) = (a.kv.rows(), a.k_rope.rows());
     let mut ctx = vec![E::zero(); a.q.rows * nh * vd];
     ctx.par_chunks_mut(nh * vd)
         .enumerate()
@@ -58,9 +41,10 @@ pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
                 let qh = &a.q.row(i)[head * qk..(head + 1) * qk];
                 probs.iter_mut().for_each(|v| *v = E::neg_infinity());
                 let seen = a.keys[i].iter().filter(|&&j| j >= 0).map(|&j| j as usize);
-                for j in seen.filter(|&j| j < a.positions.min(kv_rows.len())) {
+                for j in seen.filter(|&j| j < a.positions.min(kv_rows.len()).min(k_rope_rows.len()))
+                {
                     let kvj = &kv_rows[j][head * (nope + vd)..];
-                    let kr = &a.k_rope[row(rope_d, j)];
+                    let kr = k_rope_rows[j];
                     let dot_nope: E = qh[..nope]
                         .iter()
                         .zip(&kvj[..nope])

@@ -122,11 +122,11 @@ pub trait Backend: Sync + Clone {
         rope.rotate_rows(&mut out, spec);
         Ok(out)
     }
-    /// Each head's columns from `from` on, the heads of `width` values side by side in `m`'s
-    /// rows (the rotated RoPE dims of a query): `[rows, heads · (width − from)]`; by default on
-    /// the host's cores.
-    fn head_columns(&self, m: &Mat<Self::E>, width: usize, from: usize) -> Result<Mat<Self::E>> {
-        head_columns_on_host(m, width, from)
+    /// The columns `cut` names of each head in `m`'s rows (the rotated RoPE dims of a query;
+    /// the latent and the RoPE key of kv_a's output, a row being one head): `[rows, heads ·
+    /// cut.len]`; by default on the host's cores.
+    fn head_columns(&self, m: &Mat<Self::E>, cut: HeadCut) -> Result<Mat<Self::E>> {
+        head_columns_on_host(m, cut)
     }
     /// MLA attention of new positions over the cache, the context `[t, heads · v]` unrounded
     /// (see [`AttentionInputs`]); by default the CPU's loops.
@@ -230,20 +230,40 @@ pub fn all_computed<E>(parts: Vec<Option<Mat<E>>>) -> Result<Vec<Mat<E>>> {
         .collect()
 }
 
-/// [`Backend::head_columns`] on the host's cores.
-pub fn head_columns_on_host<E: Real>(m: &Mat<E>, width: usize, from: usize) -> Result<Mat<E>> {
-    if width == 0 || from > width || m.cols % width != 0 {
-        bail!(
-            "head columns: rows of {} values do not hold heads of {width} with columns from {from}",
-            m.cols
-        );
+/// Columns `from..from + len` of each head of `width` values, the heads side by side in a
+/// matrix's rows.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadCut {
+    pub width: usize,
+    pub from: usize,
+    pub len: usize,
+}
+
+impl HeadCut {
+    /// The heads in rows of `cols` values, where they hold the cut's columns.
+    pub fn heads_in(self, cols: usize) -> Result<usize> {
+        if self.width == 0 || self.from + self.len > self.width || cols % self.width != 0 {
+            bail!(
+                "head columns: rows of {cols} values do not hold heads of {} with columns {}..{}",
+                self.width,
+                self.from,
+                self.from + self.len
+            );
+        }
+        Ok(cols / self.width)
     }
-    let (heads, len) = (m.cols / width, width - from);
-    let mut out = vec![E::zero(); m.rows * heads * len];
-    out.par_chunks_mut(len.max(1))
-        .zip(m.data().par_chunks_exact(width))
-        .for_each(|(to, head)| to.copy_from_slice(&head[from..]));
-    Ok(Mat::new(m.rows, heads * len, out))
+}
+
+/// [`Backend::head_columns`] on the host's cores.
+pub fn head_columns_on_host<E: Real>(m: &Mat<E>, cut: HeadCut) -> Result<Mat<E>> {
+    let heads = cut.heads_in(m.cols)?;
+    let mut out = vec![E::zero(); m.rows * heads * cut.len];
+    if !out.is_empty() {
+        out.par_chunks_mut(cut.len)
+            .zip(m.data().par_chunks_exact(cut.width))
+            .for_each(|(to, head)| to.copy_from_slice(&head[cut.from..cut.from + cut.len]));
+    }
+    Ok(Mat::new(m.rows, heads * cut.len, out))
 }
 
 /// [`Backend::add_weighted`] on the host's cores.

@@ -5,14 +5,16 @@
 use rayon::prelude::*;
 
 use super::mat::Mat;
+use super::passes::Passes;
 use super::real::Real;
 
 /// What the indexer scores for a batch of new positions: their rotated queries `q` `[t, heads ·
 /// dim]`, every cached key `keys` `[positions, dim]` (normalised and rotated, one head shared by
-/// the query heads), and each query's head weights `weights` `[t, heads]`.
+/// the query heads; as the passes added them), and each query's head weights `weights` `[t,
+/// heads]`.
 pub struct IndexerInputs<'a, E> {
     pub q: &'a Mat<E>,
-    pub keys: &'a [E],
+    pub keys: Passes<'a, E>,
     pub weights: &'a Mat<E>,
     pub heads: usize,
     pub dim: usize,
@@ -24,10 +26,10 @@ pub struct IndexerInputs<'a, E> {
     pub head_scale: E,
 }
 
-impl<E> IndexerInputs<'_, E> {
+impl<E: Real> IndexerInputs<'_, E> {
     /// Cached positions, the new ones included.
     pub fn positions(&self) -> usize {
-        self.keys.len().checked_div(self.dim).unwrap_or(0)
+        self.keys.positions()
     }
 }
 
@@ -42,13 +44,14 @@ pub fn indexer_scores_core<E: Real>(a: &IndexerInputs<'_, E>) -> Vec<E> {
     if total == 0 {
         return scores;
     }
+    let keys = a.keys.rows();
     scores
         .par_chunks_mut(total)
         .enumerate()
         .for_each(|(i, row)| {
             let (q, w) = (a.q.row(i), a.weights.row(i));
             for (j, score) in row.iter_mut().enumerate().take(a.start + i + 1) {
-                let key = &a.keys[j * dim..(j + 1) * dim];
+                let key = &keys[j][..dim];
                 *score = (0..a.heads)
                     .map(|head| {
                         let dot: E = q[head * dim..(head + 1) * dim]

@@ -15,6 +15,7 @@ pub mod lazy_weight;
 pub mod mat;
 pub mod op_clock;
 pub mod ops;
+pub mod passes;
 pub mod real;
 pub mod rendezvous;
 pub mod rope;

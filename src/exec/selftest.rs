@@ -7,9 +7,10 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::attention_core::AttentionInputs;
-use super::backend::{add_weighted_rows, Backend, Cpu, WeightedRows};
+use super::backend::{add_weighted_rows, Backend, Cpu, HeadCut, WeightedRows};
 use super::indexer_core::IndexerInputs;
 use super::mat::Mat;
+use super::passes::Passes;
 use super::real::Real;
 use super::rope::{Rope, RotateSpec};
 use crate::dtype::Precision;
@@ -294,7 +295,7 @@ impl Op {
             | Op::LayerNorm { t, d }
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
-            Op::Chain { t, d } => format!("[{t},{d}] through 9 ops"),
+            Op::Chain { t, d } => format!("[{t},{d}] through 10 ops"),
             Op::Stats { t, d } => format!("[{t},{d}], 11 fields"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
@@ -405,17 +406,30 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
     (r * u).powi(2) + accumulation
 }
 
+/// `m`'s rows as a cache holds them after a pass over the rows from `start` on: the earlier
+/// positions as the host's values, this pass's rows as an op's output (adding zero), which a
+/// GPU may still hold.
+fn as_passes<B: Backend<E = f32>>(be: &B, m: &Mat<f32>, start: usize) -> Result<Vec<Mat<f32>>> {
+    let rows = |range: std::ops::Range<usize>| m.gather_rows(&range.collect::<Vec<_>>());
+    let this_pass = be.add(&rows(start..m.rows), &Mat::zeros(m.rows - start, m.cols))?;
+    Ok(if start > 0 {
+        vec![rows(0..start), this_pass]
+    } else {
+        vec![this_pass]
+    })
+}
+
 /// Attention's inputs from its tensors, keys and `(heads, nope, rope, v, positions)`.
 fn attention_inputs<'a, E: Real>(
-    (q, kv, k_rope): (&'a Mat<E>, &'a [Mat<E>], &'a [E]),
+    (q, kv, k_rope): (&'a Mat<E>, &'a [Mat<E>], &'a [Mat<E>]),
     keys: &'a [Vec<i32>],
     (heads, nope, rope, v, positions): (usize, usize, usize, usize, usize),
     scale: E,
 ) -> AttentionInputs<'a, E> {
     AttentionInputs {
         q,
-        kv,
-        k_rope,
+        kv: Passes(kv),
+        k_rope: Passes(k_rope),
         keys,
         heads,
         nope,
@@ -582,17 +596,10 @@ fn run_op<B: Backend<E = f32>>(
             let scale = ((nope + rope) as f64).powf(-0.5);
             let shape = |heads| (heads, nope, rope, v, positions);
             let kv = Mat::new(positions, heads * (nope + v), kv);
-            // The cache as passes leave it: the earlier positions, then this pass's rows as an
-            // op's output (adding zero), which a GPU may hold.
-            let pass_rows =
-                |range: std::ops::Range<usize>| kv.gather_rows(&range.collect::<Vec<_>>());
-            let this_pass = be.add(&pass_rows(start..positions), &Mat::zeros(t, kv.cols))?;
-            let passes = if start > 0 {
-                vec![pass_rows(0..start), this_pass]
-            } else {
-                vec![this_pass]
-            };
-            let (wq, wkv, wkr) = (wide(&q), [wide(&kv)], wide_v(&k_rope));
+            let k_rope = Mat::new(positions, rope, k_rope);
+            let (kv_passes, k_rope_passes) =
+                (as_passes(be, &kv, start)?, as_passes(be, &k_rope, start)?);
+            let (wq, wkv, wkr) = (wide(&q), [wide(&kv)], [wide(&k_rope)]);
             let reference = f64s
                 .attention(&attention_inputs(
                     (&wq, &wkv, &wkr),
@@ -603,7 +610,7 @@ fn run_op<B: Backend<E = f32>>(
                 .into_data();
             let out = be
                 .attention(&attention_inputs(
-                    (&q, &passes, &k_rope),
+                    (&q, &kv_passes, &k_rope_passes),
                     &keys,
                     shape(heads),
                     scale as f32,
@@ -678,14 +685,15 @@ fn run_op<B: Backend<E = f32>>(
             dim,
         } => {
             let q = mat(rng, t, heads * dim, 1.0, p);
-            let keys = values(rng, positions * dim, 1.0, p);
+            let keys = mat(rng, positions, dim, 1.0, p);
             let weights = mat(rng, t, heads, 1.0, p);
             let start = positions - t;
             let power = |n: usize| (n as f64).powf(-0.5);
-            let (wq, wk, ww) = (wide(&q), wide_v(&keys), wide(&weights));
+            let (wq, wk, ww) = (wide(&q), [wide(&keys)], wide(&weights));
+            let keys = as_passes(be, &keys, start)?;
             let reference = f64s.indexer_scores(&IndexerInputs {
                 q: &wq,
-                keys: &wk,
+                keys: Passes(&wk),
                 weights: &ww,
                 heads,
                 dim,
@@ -695,7 +703,7 @@ fn run_op<B: Backend<E = f32>>(
             })?;
             let out = be.indexer_scores(&IndexerInputs {
                 q: &q,
-                keys: &keys,
+                keys: Passes(&keys),
                 weights: &weights,
                 heads,
                 dim,
@@ -731,13 +739,16 @@ fn run_op<B: Backend<E = f32>>(
                 };
                 let r = pass(be.rope(&y, &Rope::plain(THETA, 64.min(d / 4), 1.0), spec)?);
                 // Its rotated dims cut out, and the whole rounded to the dtype, where it lies.
-                let rotated = pass(be.head_columns(&r, d / 2, d / 4)?);
+                let cut = |width, from, len| HeadCut { width, from, len };
+                let rotated = pass(be.head_columns(&r, cut(d / 2, d / 4, d / 4))?);
+                // A block of the GEMM's output columns (one head of the whole row), in the dtype.
+                let block = pass(be.head_columns(&y, cut(d, d / 3, d / 2))?);
                 let rounded = pass(be.rounded(r.clone())?);
                 let s = pass(be.add(&rounded, &h)?);
                 let g = pass(be.silu_mul(&s, &y)?);
                 let m = pass(be.mlp(&g, gate, up, down)?);
                 let out = be.linear_exact(&m, a)?;
-                Ok([out.data(), r.data(), rotated.data()].concat())
+                Ok([out.data(), r.data(), rotated.data(), block.data()].concat())
             };
             let (kept, fresh) = (chain(false)?, chain(true)?);
             let reference = fresh.iter().map(|&v| f64::from(v)).collect();

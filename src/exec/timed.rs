@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::attention_core::AttentionInputs;
-use super::backend::{Backend, MlpJob, WeightedRows};
+use super::backend::{Backend, HeadCut, MlpJob, WeightedRows};
 use super::claim::Claim;
 use super::forward::{Recorder, StageKey};
 use super::indexer_core::IndexerInputs;
@@ -122,9 +122,9 @@ impl<B: Backend> Backend for Timed<B> {
         self.clock.time(Op::Rope, || self.inner.rope(m, rope, spec))
     }
 
-    fn head_columns(&self, m: &Mat<B::E>, width: usize, from: usize) -> Result<Mat<B::E>> {
+    fn head_columns(&self, m: &Mat<B::E>, cut: HeadCut) -> Result<Mat<B::E>> {
         self.clock
-            .time(Op::HeadColumns, || self.inner.head_columns(m, width, from))
+            .time(Op::HeadColumns, || self.inner.head_columns(m, cut))
     }
 
     fn attention(&self, a: &AttentionInputs<'_, B::E>) -> Result<Mat<B::E>> {
