@@ -530,3 +530,32 @@ impl<E: Real> Backend for Cpu<E> {
         claim_host(std::mem::size_of_val(w.data()) as u64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_columns_cut_each_head_and_refuse_cuts_past_a_head() {
+        // Two rows of three heads of four values: 10·row + 4·head + column.
+        let values: Vec<f32> = (0..2)
+            .flat_map(|r| (0..12).map(move |c| (10 * r + c) as f32))
+            .collect();
+        let m = Mat::new(2, 12, values);
+        let cut = |width, from, len| HeadCut { width, from, len };
+        let got = head_columns_on_host(&m, cut(4, 1, 2)).unwrap();
+        assert_eq!((got.rows, got.cols), (2, 6));
+        let want = [
+            1.0, 2.0, 5.0, 6.0, 9.0, 10.0, 11.0, 12.0, 15.0, 16.0, 19.0, 20.0,
+        ];
+        assert_eq!(got.data(), want);
+        // One head of the whole row: a block of columns.
+        let block = head_columns_on_host(&m, cut(12, 10, 2)).unwrap();
+        assert_eq!(block.data(), [10.0, 11.0, 20.0, 21.0]);
+        for bad in [cut(4, 3, 2), cut(5, 0, 1), cut(0, 0, 0)] {
+            let err = head_columns_on_host(&m, bad).unwrap_err().to_string();
+            assert!(err.contains("do not hold heads"), "{err}");
+        }
+        assert_eq!(head_columns_on_host(&m, cut(4, 4, 0)).unwrap().cols, 0);
+    }
+}

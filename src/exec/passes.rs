@@ -29,3 +29,24 @@ impl<'a, E: Real> Passes<'a, E> {
         self.0.iter().all(|m| m.cols == cols)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_run_through_the_passes_in_order() {
+        let prompt = Mat::new(3, 2, vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let generated = Mat::new(1, 2, vec![6.0f32, 7.0]);
+        let cache = [prompt, generated];
+        let passes = Passes(&cache);
+        assert_eq!(passes.positions(), 4);
+        assert!(passes.have_cols(2) && !passes.have_cols(3));
+        let rows = passes.rows();
+        assert_eq!(
+            rows,
+            vec![&[0.0, 1.0][..], &[2.0, 3.0], &[4.0, 5.0], &[6.0, 7.0]]
+        );
+        assert_eq!(Passes::<f32>(&[]).positions(), 0);
+    }
+}
