@@ -155,21 +155,38 @@ impl Device {
     }
 
     /// A cache tensor's passes as one input on this GPU: a single pass (a prompt's) read where
-    /// its op left it, several uploaded one after another.
+    /// its op left it; several copied one after another on the GPU where it holds them all (a
+    /// prompt and the positions generated after it), else uploaded.
     pub(super) fn passes_input<'a, D: Dtype>(
         &self,
         passes: Passes<'a, f32>,
     ) -> Result<Input<'a, D>> {
-        match passes.0 {
-            [only] => self.input::<D>(only),
-            several => {
-                let rows = several
-                    .iter()
-                    .map(|m| m.fetched())
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(Input::Uploaded(self.upload_parts(&rows)?))
+        let several = match passes.0 {
+            [only] => return self.input::<D>(only),
+            several => several,
+        };
+        let held: Option<Vec<&Buffer<D>>> =
+            several.iter().map(|m| self.twin_here::<D>(m)).collect();
+        let Some(held) = held else {
+            let rows = several
+                .iter()
+                .map(|m| m.fetched())
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Input::Uploaded(self.upload_parts(&rows)?));
+        };
+        let mut buf = self.alloc_written::<D>(several.iter().map(Mat::len).sum())?;
+        let mut at = 0;
+        for (m, src) in several.iter().zip(held) {
+            let len = m.len();
+            if len > 0 {
+                let mut to = buf.slice.slice_mut(at..at + len);
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src.slice.slice(..len), &mut to)?;
             }
+            at += len;
         }
+        Ok(Input::Uploaded(buf))
     }
 
     /// `x`'s twin, where it is a buffer of dtype `D` on this GPU holding all its values.

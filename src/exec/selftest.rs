@@ -406,16 +406,22 @@ pub fn limit(op: Op, dtype: Precision, ranks: usize) -> f64 {
     (r * u).powi(2) + accumulation
 }
 
-/// `m`'s rows as a cache holds them after a pass over the rows from `start` on: the earlier
-/// positions as the host's values, this pass's rows as an op's output (adding zero), which a
-/// GPU may still hold.
-fn as_passes<B: Backend<E = f32>>(be: &B, m: &Mat<f32>, start: usize) -> Result<Vec<Mat<f32>>> {
+/// `m`'s rows as a cache holds them after a pass over the rows from `start` on: this pass's rows
+/// as an op's output (adding zero), which a GPU may still hold, after the earlier positions as
+/// the host's values, or (`earlier_held`) as an op's output too.
+fn as_passes<B: Backend<E = f32>>(
+    be: &B,
+    m: &Mat<f32>,
+    start: usize,
+    earlier_held: bool,
+) -> Result<Vec<Mat<f32>>> {
     let rows = |range: std::ops::Range<usize>| m.gather_rows(&range.collect::<Vec<_>>());
-    let this_pass = be.add(&rows(start..m.rows), &Mat::zeros(m.rows - start, m.cols))?;
-    Ok(if start > 0 {
-        vec![rows(0..start), this_pass]
-    } else {
-        vec![this_pass]
+    let held = |x: Mat<f32>| be.add(&x, &Mat::zeros(x.rows, x.cols));
+    let this_pass = held(rows(start..m.rows))?;
+    Ok(match (start, earlier_held) {
+        (0, _) => vec![this_pass],
+        (_, false) => vec![rows(0..start), this_pass],
+        (_, true) => vec![held(rows(0..start))?, this_pass],
     })
 }
 
@@ -597,8 +603,13 @@ fn run_op<B: Backend<E = f32>>(
             let shape = |heads| (heads, nope, rope, v, positions);
             let kv = Mat::new(positions, heads * (nope + v), kv);
             let k_rope = Mat::new(positions, rope, k_rope);
-            let (kv_passes, k_rope_passes) =
-                (as_passes(be, &kv, start)?, as_passes(be, &k_rope, start)?);
+            // The sparse cases' earlier positions held as a GPU holds a prompt's while it
+            // generates; the dense cases' as the host's.
+            let held = sparse > 0;
+            let (kv_passes, k_rope_passes) = (
+                as_passes(be, &kv, start, held)?,
+                as_passes(be, &k_rope, start, held)?,
+            );
             let (wq, wkv, wkr) = (wide(&q), [wide(&kv)], [wide(&k_rope)]);
             let reference = f64s
                 .attention(&attention_inputs(
@@ -690,7 +701,7 @@ fn run_op<B: Backend<E = f32>>(
             let start = positions - t;
             let power = |n: usize| (n as f64).powf(-0.5);
             let (wq, wk, ww) = (wide(&q), [wide(&keys)], wide(&weights));
-            let keys = as_passes(be, &keys, start)?;
+            let keys = as_passes(be, &keys, start, false)?;
             let reference = f64s.indexer_scores(&IndexerInputs {
                 q: &wq,
                 keys: Passes(&wk),
