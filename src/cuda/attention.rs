@@ -131,8 +131,8 @@ impl Device {
     ) -> Result<Buffer<f32>> {
         let (t, heads, positions) = (a.q.rows, a.heads, a.positions);
         let (qk, stride) = (a.nope + a.rope, heads * (a.nope + a.v));
-        let words = positions.div_ceil(32);
-        let mask = self.upload_exact(&key_mask(a.keys, positions))?;
+        let (mask, words) = key_mask(a.keys, positions);
+        let mask = self.upload_exact(&mask)?;
         let mut out = self.alloc_written::<f32>(t * heads * a.v)?;
         let chunk = queries_per_chunk(t, heads, positions, score_mib());
         // The guards of the buffers' addresses end before `out` is handed back.
@@ -358,8 +358,8 @@ impl Device {
 }
 
 /// A bit per cached position for each query, set where the query sees it (its `keys`; −1 is
-/// no key), rows of `⌈positions / 32⌉` words.
-fn key_mask(keys: &[Vec<i32>], positions: usize) -> Vec<u32> {
+/// no key), and the words of a query's row (`⌈positions / 32⌉`, at least one).
+fn key_mask(keys: &[Vec<i32>], positions: usize) -> (Vec<u32>, usize) {
     let words = positions.div_ceil(32).max(1);
     let mut mask = vec![0u32; keys.len() * words];
     mask.par_chunks_mut(words)
@@ -370,7 +370,7 @@ fn key_mask(keys: &[Vec<i32>], positions: usize) -> Vec<u32> {
                 row[j / 32] |= 1 << (j % 32);
             }
         });
-    mask
+    (mask, words)
 }
 
 #[cfg(test)]
@@ -389,11 +389,8 @@ mod tests {
     #[test]
     fn the_mask_sets_each_seen_key_once() {
         let keys = vec![vec![0, 33, -1, 33], vec![], vec![31, 32, 40]];
-        let mask = key_mask(&keys, 41);
-        assert_eq!(
-            mask,
-            vec![1, 1 << 1, 0, 0, 1 << 31, 1 | 1 << 8],
-            "two words a query"
-        );
+        let (mask, words) = key_mask(&keys, 41);
+        assert_eq!(words, 2);
+        assert_eq!(mask, vec![1, 1 << 1, 0, 0, 1 << 31, 1 | 1 << 8]);
     }
 }

@@ -448,17 +448,9 @@ impl Device {
         let all = self.download(&outs[0], total)?;
         // Each job's rows cut out of the one download, jobs in parallel (a 512-token MoE
         // layer's outputs are tens of millions of values).
-        let starts: Vec<usize> = jobs
-            .iter()
-            .scan(0, |at, j| {
-                let start = *at;
-                *at += out_len(j);
-                Some(start)
-            })
-            .collect();
         Ok(jobs
             .par_iter()
-            .zip(starts)
+            .zip(at_out)
             .map(|(j, start)| {
                 Mat::new(t_of(j), j.out_rows, all[start..start + out_len(j)].to_vec())
             })
