@@ -376,13 +376,13 @@ __device__ __forceinline__ float host_f32(f16 x) {
 #define POS_INF_D __longlong_as_double(0x7ff0000000000000ll)
 #define NEG_INF_D __longlong_as_double(0xfff0000000000000ll)
 
-// Every value of chunk blockIdx.x handed to `add` on its lane's thread, each lane's values in
+// Every value of chunk `chunk` handed to `add` on its lane's thread, each lane's values in
 // order: the whole block widens a tile of the chunk into shared memory (coalesced loads), then
 // the first STATS_LANES threads add their values of it.
 template <typename T, typename Add>
-__device__ void each_lane_value(const T* x, u64 n, Add add) {
+__device__ void each_lane_value(const T* x, u64 n, u64 chunk, Add add) {
     __shared__ float tile[STATS_TILE];
-    u64 begin = (u64)blockIdx.x * STATS_CHUNK, end = min(begin + STATS_CHUNK, n);
+    u64 begin = chunk * STATS_CHUNK, end = min(begin + STATS_CHUNK, n);
     for (u64 at = begin; at < end; at += STATS_TILE) {
         u32 count = (u32)min((u64)STATS_TILE, end - at);
         for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) tile[i] = host_f32(x[at + i]);
@@ -394,13 +394,13 @@ __device__ void each_lane_value(const T* x, u64 n, Add add) {
     }
 }
 
-// Chunk blockIdx.x's lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min,
-// max], each a row of STATS_LANES per chunk.
+// Chunk `chunk`'s lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min, max],
+// each a row of STATS_LANES per chunk.
 template <typename T>
-__device__ void stage_sums(const T* x, u64 n, u64* counts, double* sums) {
+__device__ void stage_sums(const T* x, u64 n, u64 chunk, u64* counts, double* sums) {
     u64 finite = 0, nan = 0, zeros = 0;
     double sum = 0.0, sq = 0.0, lo = POS_INF_D, hi = NEG_INF_D;
-    each_lane_value(x, n, [&](double v) {
+    each_lane_value(x, n, chunk, [&](double v) {
         bool fin = isfinite(v);
         double f = fin ? v : 0.0;
         sum = __dadd_rn(sum, f);
@@ -415,11 +415,11 @@ __device__ void stage_sums(const T* x, u64 n, u64* counts, double* sums) {
     });
     u32 lane = threadIdx.x;
     if (lane >= STATS_LANES) return;
-    u64* c = counts + (u64)blockIdx.x * 3 * STATS_LANES + lane;
+    u64* c = counts + chunk * 3 * STATS_LANES + lane;
     c[0] = finite;
     c[STATS_LANES] = nan;
     c[2 * STATS_LANES] = zeros;
-    double* s = sums + (u64)blockIdx.x * 4 * STATS_LANES + lane;
+    double* s = sums + chunk * 4 * STATS_LANES + lane;
     s[0] = sum;
     s[STATS_LANES] = sq;
     s[2 * STATS_LANES] = lo;
@@ -427,12 +427,13 @@ __device__ void stage_sums(const T* x, u64 n, u64* counts, double* sums) {
 }
 
 // The mean of the finite values from every chunk's lanes, merged as the host merges them: each
-// chunk's lanes in order from +0, then the chunks in order; 0 when none is finite. The block
-// loads the lanes of 16 chunks at a time, its first thread adds them in order.
-extern "C" __global__ void stage_mean(const u64* counts, const double* sums, u64 chunks,
-                                      double* mean) {
+// chunk's lanes in order from +0, then the chunks in order; 0 when none is finite. Every thread
+// of the block calls it and gets it; the block loads the lanes of 16 chunks at a time, its
+// first thread adds them in order.
+__device__ double merged_mean(const u64* counts, const double* sums, u64 chunks) {
     __shared__ double part[STATS_THREADS];
     __shared__ u64 seen[STATS_THREADS];
+    __shared__ double mean;
     const u64 per = STATS_THREADS / STATS_LANES;
     double total = 0.0;
     u64 finite = 0;
@@ -455,19 +456,20 @@ extern "C" __global__ void stage_mean(const u64* counts, const double* sums, u64
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) *mean = finite > 0 ? __ddiv_rn(total, (double)finite) : 0.0;
+    if (threadIdx.x == 0) mean = finite > 0 ? __ddiv_rn(total, (double)finite) : 0.0;
+    __syncthreads();
+    return mean;
 }
 
-// The second pass: chunk blockIdx.x's lanes' sums of squared deviations from `*mean` over
-// their finite values.
+// Chunk `chunk`'s lanes' sums of squared deviations from `mean` over their finite values.
 template <typename T>
-__device__ void stage_deviations(const T* x, u64 n, const double* mean_at, double* out) {
-    double mean = *mean_at, acc = 0.0;
-    each_lane_value(x, n, [&](double v) {
+__device__ void stage_deviations(const T* x, u64 n, u64 chunk, double mean, double* out) {
+    double acc = 0.0;
+    each_lane_value(x, n, chunk, [&](double v) {
         double d = __dadd_rn(v, -mean);
         acc = __dadd_rn(acc, isfinite(v) ? __dmul_rn(d, d) : 0.0);
     });
-    if (threadIdx.x < STATS_LANES) out[(u64)blockIdx.x * STATS_LANES + threadIdx.x] = acc;
+    if (threadIdx.x < STATS_LANES) out[chunk * STATS_LANES + threadIdx.x] = acc;
 }
 
 // The content hash's lanes (`lane_hash` of the host): the values' f32 bytes in pieces of
@@ -489,8 +491,8 @@ __device__ __forceinline__ u64 hash_word(const T* x, u64 n, u64 e) {
 }
 
 template <typename T>
-__device__ void stage_hash_lanes(const T* x, u64 n, u64* lanes) {
-    u64 piece = blockIdx.x, lane = threadIdx.x;
+__device__ void stage_hash_lanes(const T* x, u64 n, u64 piece, u64* lanes) {
+    u64 lane = threadIdx.x;
     u64 bytes = n * 4, begin = piece * HASH_PIECE;
     u64 len = min((u64)HASH_PIECE, bytes - begin);
     u64 words = (len + 7) / 8, first = begin / 4;
@@ -512,16 +514,25 @@ __device__ void stage_hash_lanes(const T* x, u64 n, u64* lanes) {
     lanes[piece * HASH_LANES + lane] = acc;
 }
 
-#define STAGE_STATS(T)                                                                        \
-    extern "C" __global__ void stage_sums_##T(const T* x, u64 n, u64* counts, double* sums) { \
-        stage_sums(x, n, counts, sums);                                                       \
-    }                                                                                         \
-    extern "C" __global__ void stage_deviations_##T(const T* x, u64 n, const double* mean,    \
-                                                    double* out) {                            \
-        stage_deviations(x, n, mean, out);                                                    \
-    }                                                                                         \
-    extern "C" __global__ void stage_hash_lanes_##T(const T* x, u64 n, u64* lanes) {          \
-        stage_hash_lanes(x, n, lanes);                                                        \
+// A stage's statistics in two launches (each a driver call on the host's critical path): the
+// first pass, a block per chunk's sums then a block per hash piece; the second, each chunk's
+// block merging the mean itself (the same order, the same bits; the first block stores it for
+// the host's check) before its deviations.
+#define STAGE_STATS(T)                                                                         \
+    extern "C" __global__ void stage_sums_hash_##T(const T* x, u64 n, u64 chunks, u64* counts, \
+                                                   double* sums, u64* lanes) {                 \
+        if (blockIdx.x < chunks) {                                                             \
+            stage_sums(x, n, blockIdx.x, counts, sums);                                        \
+        } else {                                                                               \
+            stage_hash_lanes(x, n, blockIdx.x - chunks, lanes);                                \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void stage_deviations_##T(const T* x, u64 n, const u64* counts,      \
+                                                    const double* sums, u64 chunks,            \
+                                                    double* mean, double* out) {               \
+        double m = merged_mean(counts, sums, chunks);                                          \
+        if (blockIdx.x == 0 && threadIdx.x == 0) *mean = m;                                    \
+        stage_deviations(x, n, blockIdx.x, m, out);                                            \
     }
 
 STAGE_STATS(f32)

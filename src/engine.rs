@@ -165,6 +165,10 @@ impl Backend for Engine {
         on_backend!(self, be => be.hold_exact(v))
     }
 
+    fn placed(&self, m: Mat<f32>) -> Result<Mat<f32>> {
+        on_backend!(self, be => be.placed(m))
+    }
+
     fn linear(&self, x: &Mat<f32>, w: &EngineWeight) -> Result<Mat<f32>> {
         match (self, w) {
             (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.linear(x, w),

@@ -92,12 +92,12 @@ impl Device {
                 a.rope
             );
         }
-        if let Some(j) = a
-            .keys
-            .iter()
-            .flatten()
-            .find(|&&j| j >= 0 && j as usize >= positions)
-        {
+        let beyond = |row: &Vec<i32>| {
+            row.iter()
+                .copied()
+                .find(|&j| j >= 0 && j as usize >= positions)
+        };
+        if let Some(j) = a.keys.par_iter().find_map_any(beyond) {
             bail!("attention: key {j} beyond the {positions} cached positions");
         }
         let q = self.input::<D>(a.q)?;
@@ -251,11 +251,11 @@ impl Device {
         let f = self.kernel("attention", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&q.slice)
-            .arg(&kv.slice)
-            .arg(&k_rope.slice)
-            .arg(&key_buf.slice)
-            .arg(&mut out.slice)
+            .arg(&*q.slice)
+            .arg(&*kv.slice)
+            .arg(&*k_rope.slice)
+            .arg(&*key_buf.slice)
+            .arg(&mut *out.slice)
             .arg(&heads32)
             .arg(&nope)
             .arg(&rope)
@@ -283,10 +283,10 @@ impl Device {
         let count = to_u32(n)?;
         let f = self.gpu.ops_kernel("any_nonfinite_f32")?;
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(&x.slice).arg(&count).arg(&mut flag.slice);
+        launch.arg(&*x.slice).arg(&count).arg(&mut *flag.slice);
         // SAFETY: `x` holds at least `n` values, the flag one.
         unsafe { launch.launch(elements(count)) }?;
-        let flag = self.gpu.stream.clone_dtoh(&flag.slice)?;
+        let flag = self.gpu.stream.clone_dtoh(&*flag.slice)?;
         Ok(flag[0] != 0)
     }
 

@@ -225,6 +225,12 @@ impl Backend for Cuda {
         v
     }
 
+    /// Uploaded once, as the dtype, and left beside the host's values.
+    fn placed(&self, m: Mat<f32>) -> Result<Mat<f32>> {
+        let device = self.device(self.rank)?;
+        with_dtype!(self.precision, D => device.placed::<D>(m))
+    }
+
     fn linear(&self, x: &Mat<f32>, w: &GpuWeight) -> Result<Mat<f32>> {
         self.linear_as(x, w, false)
     }

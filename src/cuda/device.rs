@@ -12,9 +12,9 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZer
 use rayon::prelude::*;
 
 use super::dtype::Dtype;
-use super::memory::{Buffer, Meter, Pinned, Staging};
+use super::memory::{Buffer, FreeList, Meter, Pinned, Staging};
 use super::resident::Resident;
-use super::stats::{stage_stats, StatsOn};
+use super::stats::{stage_stats, stage_stats_on_host, StatsOn};
 use super::Gpu;
 use crate::exec::mat::{Mat, Remote};
 use crate::exec::passes::Passes;
@@ -55,21 +55,23 @@ impl<D: Dtype> Remote for DeviceTwin<D> {
     }
 
     fn stats(self: Arc<Self>) -> Result<Option<StatsLater>> {
-        if self.len < STATS_ON_GPU_FROM {
-            return Ok(None);
-        }
         let on = StatsOn {
             gpu: self.gpu.clone(),
             side: self.side.clone(),
             staging: self.staging.clone(),
+            free: self.buf.free.clone(),
+            meter: self.buf.meter.clone(),
         };
         let (len, values) = (self.len, self.clone());
-        stage_stats(on, &self.buf.slice, len, values).map(Some)
+        if len < STATS_ON_GPU_FROM {
+            return stage_stats_on_host(on, &*self.buf.slice, len, values).map(Some);
+        }
+        stage_stats(on, &*self.buf.slice, len, values).map(Some)
     }
 }
 
-/// Values from which a recorded stage's statistics are taken on the GPU: below, fetching the
-/// values and taking them on the host's cores costs less than the kernels' launches and the
+/// Values from which a recorded stage's statistics are taken on the GPU: below, copying the
+/// values back and taking them on the host's cores costs less than the kernels' launches and the
 /// partials' trip (a stage at 8 tokens is tens of thousands of values).
 const STATS_ON_GPU_FROM: usize = 1 << 20;
 
@@ -96,6 +98,8 @@ pub(super) struct Device {
     pub(super) gpu: Gpu,
     pub(super) blas: CudaBlas,
     pub(super) meter: Arc<Meter>,
+    /// Memory its buffers freed, for the next buffers of their sizes.
+    free: Arc<FreeList>,
     pub(super) resident: Resident,
     pinned: RefCell<Pinned>,
     /// Whether an op's output stays on the GPU alone until the host reads it: where this GPU is
@@ -117,32 +121,24 @@ impl Device {
         Ok(())
     }
 
+    /// A zeroed buffer for `n` values.
     pub(super) fn alloc<D: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buffer<D>> {
-        let slice = self.gpu.stream.alloc_zeros::<D>(n.max(1));
-        self.counted(slice, n)
+        let mut buf = self.alloc_written::<D>(n)?;
+        self.gpu
+            .stream
+            .memset_zeros(&mut *buf.slice)
+            .with_context(|| format!("zeroing {n} values on {}", self.gpu.name))?;
+        Ok(buf)
     }
 
     /// A buffer for `n` values that the op allocating it writes in full before anything reads
     /// it (a copy from the host, a dequantization, a GEMM's output): not zeroed first, which
-    /// for a routed expert's three weights was a memset of its whole dequantized size.
+    /// for a routed expert's three weights was a memset of its whole dequantized size; memory
+    /// freed earlier of its size where the GPU kept some ([`FreeList`]).
     pub(super) fn alloc_written<D: DeviceRepr>(&self, n: usize) -> Result<Buffer<D>> {
-        // SAFETY: the caller writes every value before any is read.
-        let slice = unsafe { self.gpu.stream.alloc::<D>(n.max(1)) };
-        self.counted(slice, n)
-    }
-
-    fn counted<D: DeviceRepr>(
-        &self,
-        slice: Result<cudarc::driver::CudaSlice<D>, cudarc::driver::DriverError>,
-        n: usize,
-    ) -> Result<Buffer<D>> {
-        let slice = slice.with_context(|| format!("allocating {n} values on {}", self.gpu.name))?;
-        self.meter
-            .take((slice.len() * std::mem::size_of::<D>()) as u64);
-        Ok(Buffer {
-            slice,
-            meter: self.meter.clone(),
-        })
+        self.free
+            .buffer(&self.meter, n.max(1))
+            .with_context(|| format!("allocating {n} values on {}", self.gpu.name))
     }
 
     /// `x` as dtype `D` on this GPU for an op that only reads it: the output of the op before
@@ -194,6 +190,21 @@ impl Device {
         x.twin::<DeviceTwin<D>>()
             .filter(|t| Arc::ptr_eq(&t.gpu.stream, &self.gpu.stream) && t.len >= x.len())
             .map(|t| &t.buf)
+    }
+
+    /// `m` with its values uploaded as `D` beside them, unless they are here already.
+    pub(super) fn placed<D: Dtype>(&self, m: Mat<f32>) -> Result<Mat<f32>> {
+        if m.is_empty() || self.twin_here::<D>(&m).is_some() {
+            return Ok(m);
+        }
+        let twin = DeviceTwin {
+            gpu: self.gpu.clone(),
+            buf: self.upload::<D>(m.fetched()?)?,
+            len: m.len(),
+            staging: self.staging.clone(),
+            side: self.side.clone(),
+        };
+        Ok(m.with_twin(twin))
     }
 
     /// `buf`'s first `rows × cols` values as a host matrix with `buf` left beside it as its
@@ -328,7 +339,7 @@ impl Device {
         }
         let raw = self.upload_exact(bytemuck::cast_slice::<f32, u8>(values))?;
         self.gpu
-            .launch_dequant(GgmlType::F32, &raw.slice, &mut out.slice, n)?;
+            .launch_dequant(GgmlType::F32, &*raw.slice, &mut *out.slice, n)?;
         Ok(out)
     }
 
@@ -350,7 +361,7 @@ impl Device {
         let key = w.key();
         if let Some(blocks) = self.resident.blocks.get(&key) {
             self.gpu
-                .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+                .launch_dequant(w.ty(), &*blocks.slice, &mut *out.slice, n)?;
             return Ok(out);
         }
         let began = std::time::Instant::now();
@@ -363,7 +374,7 @@ impl Device {
             self.copy_up(staging, &mut blocks)?;
         }
         self.gpu
-            .launch_dequant(w.ty(), &blocks.slice, &mut out.slice, n)?;
+            .launch_dequant(w.ty(), &*blocks.slice, &mut *out.slice, n)?;
         let r = &mut self.resident;
         r.loaded += bytes as u64;
         r.load_seconds += began.elapsed().as_secs_f64();
@@ -421,10 +432,12 @@ pub(super) fn open_device(ordinal: usize, lazy_outputs: bool) -> Result<Mutex<De
     } else {
         gpu.stream.clone()
     };
+    let freed = Arc::new(FreeList::new(gpu.stream.clone()));
     Ok(Mutex::new(Device {
         gpu,
         blas,
         meter: Arc::default(),
+        free: freed,
         resident: Resident::new(free as u64, total as u64),
         pinned: RefCell::default(),
         lazy_outputs,

@@ -83,10 +83,10 @@ impl Device {
         launch
             .arg(&sum_ptr)
             .arg(&has_sum)
-            .arg(&addresses.slice)
-            .arg(&weights.slice)
-            .arg(&starts.slice)
-            .arg(&mut out.slice)
+            .arg(&*addresses.slice)
+            .arg(&*weights.slice)
+            .arg(&*starts.slice)
+            .arg(&mut *out.slice)
             .arg(&cols32);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(rows)?, 1, 1),
@@ -116,7 +116,7 @@ impl Device {
         let count = to_u32(n)?;
         let f = self.kernel("round_to", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(&x.slice).arg(&mut out.slice).arg(&count);
+        launch.arg(&*x.slice).arg(&mut *out.slice).arg(&count);
         // SAFETY: `x` holds at least `n` values (its twin's length), `out` `n`.
         unsafe { launch.launch(elements(count)) }?;
         self.output(m.rows, m.cols, out).map(Some)

@@ -42,7 +42,8 @@ impl Device {
             check_len("norm bias", b.len(), x.cols)?;
         }
         let (input, weight) = (self.input::<D>(x)?, self.upload::<D>(w)?);
-        let mut out = self.alloc::<D>(x.len())?;
+        // Every row normalized whole.
+        let mut out = self.alloc_written::<D>(x.len())?;
         let (cols, eps) = (to_u32(x.cols)?, eps as f32);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(x.rows)?, 1, 1),
@@ -57,9 +58,9 @@ impl Device {
                 let f = self.kernel("rms_norm", D::SUFFIX)?;
                 let mut launch = self.gpu.stream.launch_builder(&f);
                 launch
-                    .arg(&input.slice)
-                    .arg(&weight.slice)
-                    .arg(&mut out.slice)
+                    .arg(&*input.slice)
+                    .arg(&*weight.slice)
+                    .arg(&mut *out.slice)
                     .arg(&cols)
                     .arg(&eps);
                 // SAFETY: rows × cols values in and out, cols weights, as allocated above.
@@ -70,10 +71,10 @@ impl Device {
                 let f = self.kernel("layer_norm", D::SUFFIX)?;
                 let mut launch = self.gpu.stream.launch_builder(&f);
                 launch
-                    .arg(&input.slice)
-                    .arg(&weight.slice)
-                    .arg(&bias.slice)
-                    .arg(&mut out.slice)
+                    .arg(&*input.slice)
+                    .arg(&*weight.slice)
+                    .arg(&*bias.slice)
+                    .arg(&mut *out.slice)
                     .arg(&cols)
                     .arg(&eps);
                 // SAFETY: as above, with cols bias values.
@@ -117,14 +118,14 @@ impl Device {
         y: &Buffer<D>,
         n: usize,
     ) -> Result<Buffer<D>> {
-        let mut out = self.alloc::<D>(n)?;
+        let mut out = self.alloc_written::<D>(n)?;
         let count = to_u32(n)?;
         let f = self.kernel(op, D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&x.slice)
-            .arg(&y.slice)
-            .arg(&mut out.slice)
+            .arg(&*x.slice)
+            .arg(&*y.slice)
+            .arg(&mut *out.slice)
             .arg(&count);
         // SAFETY: n values in each input and the output.
         unsafe { launch.launch(elements(count)) }?;
@@ -161,9 +162,9 @@ impl Device {
         );
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&k_b.slice)
-            .arg(&v_b.slice)
-            .arg(&mut out.slice)
+            .arg(&*k_b.slice)
+            .arg(&*v_b.slice)
+            .arg(&mut *out.slice)
             .arg(&kv_lora)
             .arg(&nope)
             .arg(&v)
@@ -204,8 +205,8 @@ impl Device {
         let (interleaved, scale) = (u32::from(spec.interleaved), rope.scale());
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&mut x.slice)
-            .arg(&freq.slice)
+            .arg(&mut *x.slice)
+            .arg(&*freq.slice)
             .arg(&rows)
             .arg(&width)
             .arg(&heads32)
@@ -241,8 +242,8 @@ impl Device {
         let f = self.kernel("head_columns", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&x.slice)
-            .arg(&mut out.slice)
+            .arg(&*x.slice)
+            .arg(&mut *out.slice)
             .arg(&width)
             .arg(&from)
             .arg(&len)
@@ -293,7 +294,7 @@ impl Device {
         let count = to_u32(n)?;
         let f = self.kernel("widen", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(&x.slice).arg(&mut out.slice).arg(&count);
+        launch.arg(&*x.slice).arg(&mut *out.slice).arg(&count);
         // SAFETY: `x` holds at least `n` values (its twin's length), `out` `n`.
         unsafe { launch.launch(elements(count)) }?;
         Ok(out)
@@ -314,11 +315,11 @@ impl Device {
         let input = self.input::<D>(x)?;
         if exact {
             let mut out = self.alloc_written::<f32>(n)?;
-            self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
+            self.gemm((x.rows, x.cols), &*input.slice, w, w_rows, &mut *out.slice)?;
             self.output(x.rows, w_rows, out)
         } else {
             let mut out = self.alloc_written::<D>(n)?;
-            self.gemm((x.rows, x.cols), &input.slice, w, w_rows, &mut out.slice)?;
+            self.gemm((x.rows, x.cols), &*input.slice, w, w_rows, &mut *out.slice)?;
             self.output(x.rows, w_rows, out)
         }
     }
@@ -406,7 +407,7 @@ impl Device {
                     for &i in &live {
                         let j = &jobs[i];
                         problems.push(GroupedGemm {
-                            weight: &j.weights[w].slice,
+                            weight: &*j.weights[w].slice,
                             rows: j.inner,
                             input: at(x_ptr, at_in[i]),
                             t: t_of(j),
@@ -428,7 +429,7 @@ impl Device {
                 let j = &jobs[i];
                 let out = out_ptrs[if own_buffers { i } else { 0 }];
                 problems.push(GroupedGemm {
-                    weight: &j.weights[2].slice,
+                    weight: &*j.weights[2].slice,
                     rows: j.out_rows,
                     input: at(h_ptr, at_mid[i]),
                     t: t_of(j),
@@ -483,9 +484,9 @@ impl Device {
         let f = self.kernel("gather_rows", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&source.slice)
-            .arg(&rows.slice)
-            .arg(&mut out.slice)
+            .arg(&*source.slice)
+            .arg(&*rows.slice)
+            .arg(&mut *out.slice)
             .arg(&cols)
             .arg(&count);
         // SAFETY: every row index is below `x.rows` (the caller's check) and `source` holds
@@ -522,7 +523,8 @@ impl Device {
         }
         let (q, keys) = (self.widened(a.q)?, self.widened_passes(a.keys)?);
         let weights = self.widened(a.weights)?;
-        let mut out = self.alloc::<f32>(t * total)?;
+        // Every query's score of every position (−∞ past its own).
+        let mut out = self.alloc_written::<f32>(t * total)?;
         let (total32, heads, dim, start) = (
             to_u32(total)?,
             to_u32(a.heads)?,
@@ -532,10 +534,10 @@ impl Device {
         let f = self.kernel("indexer_scores", "f32")?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
-            .arg(&q.slice)
-            .arg(&keys.slice)
-            .arg(&weights.slice)
-            .arg(&mut out.slice)
+            .arg(&*q.slice)
+            .arg(&*keys.slice)
+            .arg(&*weights.slice)
+            .arg(&mut *out.slice)
             .arg(&total32)
             .arg(&heads)
             .arg(&dim)

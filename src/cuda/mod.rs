@@ -8,8 +8,8 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -135,6 +135,9 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
 #[derive(Clone)]
 pub struct Gpu {
     stream: Arc<CudaStream>,
+    /// Marks how far the stream's work has been queued, for other streams to wait behind (one
+    /// event recorded again each time: a wait behind a later mark is still behind the earlier).
+    mark: Arc<CudaEvent>,
     dequant: Arc<CudaModule>,
     ops: Arc<CudaModule>,
     /// `NVIDIA H200 (sm_90)`.
@@ -172,8 +175,11 @@ impl Gpu {
                 .with_context(|| format!("loading the kernels of {file}"))
         });
         let name = format!("{} ({arch})", ctx.name()?);
+        keep_freed_memory(&ctx).with_context(|| format!("the memory pool of {name}"))?;
+        let mark = ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         Ok(Gpu {
             stream: ctx.default_stream(),
+            mark: Arc::new(mark),
             dequant: dequant?,
             ops: ops?,
             name,
@@ -308,6 +314,28 @@ impl Gpu {
         }
         Ok(2.0 * BYTES as f64 / (f64::from(best) * 1e-3) / 1e9)
     }
+}
+
+/// Memory a stream frees stays in the device's pool for its next allocation: by default the pool
+/// hands it back to the driver at every synchronization, and the next large allocation then
+/// maps it again (100–200 µs each for an attention's scores, several times a layer).
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys::{self, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD};
+    ctx.bind_to_thread()?;
+    let mut pool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: the pool handle is written by the driver for this context's device; the
+    // attribute takes a pointer to a u64, read during the call.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -151,7 +151,7 @@ impl Ranks {
                 .zip(&sends)
                 .zip(&mut receives)
                 .try_for_each(|((comm, send), receive)| {
-                    comm.all_reduce(&send.slice, &mut receive.slice, &ReduceOp::Sum)
+                    comm.all_reduce(&*send.slice, &mut *receive.slice, &ReduceOp::Sum)
                         .map(|_| ())
                 })
         })
@@ -175,7 +175,7 @@ impl Ranks {
         let mut receive = device.alloc::<D>(n * tp)?;
         nccl_group(|| {
             comms.0[0]
-                .all_gather(&send.slice, &mut receive.slice)
+                .all_gather(&*send.slice, &mut *receive.slice)
                 .map(|_| ())
         })
         .context("NCCL all-gather")?;

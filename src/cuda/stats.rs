@@ -7,10 +7,12 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::dtype::Dtype;
-use super::memory::{Pinned, Staging};
+use super::memory::{FreeList, Meter, Pinned, Staging};
 use super::Gpu;
 use crate::trace::stats::{
     content_hash_of_pieces, merge_lanes, moments_of_lanes, StatsLater, TensorStats, HASH_LANES,
@@ -20,14 +22,49 @@ use crate::trace::stats::{
 /// Threads per block of the statistics kernels: a hash piece's lanes (`HASH_LANES`).
 const STATS_THREADS: u32 = 256;
 
-/// The partial results on the GPU, in the order they land in the page-locked buffer (8 bytes a
-/// value each).
-struct Partials {
-    counts: CudaSlice<u64>,
-    sums: CudaSlice<f64>,
-    hash_lanes: CudaSlice<u64>,
-    deviations: CudaSlice<f64>,
-    mean: CudaSlice<f64>,
+/// The partial results, one 8-byte word a value, in one device buffer and in the same order in
+/// the page-locked one they are copied back into: one allocation and one copy a stage instead
+/// of one each (a stage's driver calls are the cost at small prompts, not its bytes).
+struct Layout {
+    /// Words of the counts, the sums, the hash lanes, the deviations and the one mean.
+    words: [usize; 5],
+}
+
+impl Layout {
+    const COUNTS: usize = 0;
+    const SUMS: usize = 1;
+    const HASH_LANES: usize = 2;
+    const DEVIATIONS: usize = 3;
+    const MEAN: usize = 4;
+
+    fn of(n: usize) -> Layout {
+        let lanes = n.div_ceil(TASK) * MOMENT_LANES;
+        let pieces = (n * 4).div_ceil(HASH_PIECE_BYTES);
+        Layout {
+            words: [
+                lanes * LANE_COUNTS,
+                lanes * LANE_SUMS,
+                pieces * HASH_LANES,
+                lanes,
+                1,
+            ],
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.words.iter().sum()
+    }
+
+    /// Where part `part` starts, in words.
+    fn offset(&self, part: usize) -> usize {
+        self.words[..part].iter().sum()
+    }
+
+    /// Part `part` of the landed words.
+    fn part<'a>(&self, all: &'a [u64], part: usize) -> &'a [u64] {
+        let at = self.offset(part);
+        &all[at..at + self.words[part]]
+    }
 }
 
 /// Where a stage's statistics are taken: its GPU, the side stream they run on, and the
@@ -36,6 +73,20 @@ pub(super) struct StatsOn {
     pub(super) gpu: Gpu,
     pub(super) side: Arc<CudaStream>,
     pub(super) staging: Arc<Staging>,
+    /// Where the partials' device memory comes from and is counted (the values' GPU's).
+    pub(super) free: Arc<FreeList>,
+    pub(super) meter: Arc<Meter>,
+}
+
+impl StatsOn {
+    /// The side stream, bound to this thread, ordered behind everything queued on the
+    /// forward's stream so far.
+    fn behind_the_forward(&self) -> Result<()> {
+        self.side.context().bind_to_thread()?;
+        self.gpu.mark.record(&self.gpu.stream)?;
+        self.side.wait(&self.gpu.mark)?;
+        Ok(())
+    }
 }
 
 /// The statistics and content hash of the first `n` values of `x`, as the host computes them of
@@ -52,98 +103,118 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         let none = TensorStats::of::<f32>(&[]);
         return Ok(Box::new(move || Ok(none)));
     }
-    let StatsOn { gpu, side, staging } = on;
-    side.context().bind_to_thread()?;
-    side.wait(&gpu.stream.record_event(None)?)?;
-    let (count, chunks) = (n as u64, n.div_ceil(TASK));
-    let lanes = chunks * MOMENT_LANES;
-    let bytes = n * 4;
-    let pieces = bytes.div_ceil(HASH_PIECE_BYTES);
-    let mut p = Partials {
-        counts: side.alloc_zeros(lanes * LANE_COUNTS)?,
-        sums: side.alloc_zeros(lanes * LANE_SUMS)?,
-        hash_lanes: side.alloc_zeros(pieces * HASH_LANES)?,
-        deviations: side.alloc_zeros(lanes)?,
-        mean: side.alloc_zeros(1)?,
-    };
-    let kernel = |name: &str| gpu.ops_kernel(&format!("{name}_{}", D::SUFFIX));
-    let f = kernel("stage_sums")?;
-    let mut launch = side.launch_builder(&f);
-    launch
-        .arg(x)
-        .arg(&count)
-        .arg(&mut p.counts)
-        .arg(&mut p.sums);
-    // SAFETY: a block per chunk, its lanes writing their own slots of buffers sized for every
-    // lane; `x` holds at least `n` values (callers pass its length or less).
-    unsafe { launch.launch(blocks(chunks)) }?;
-    let f = kernel("stage_hash_lanes")?;
-    let mut launch = side.launch_builder(&f);
-    launch.arg(x).arg(&count).arg(&mut p.hash_lanes);
-    // SAFETY: a block per piece, a thread per lane writing its own slot.
-    unsafe { launch.launch(blocks(pieces)) }?;
-    let f = gpu.ops_kernel("stage_mean")?;
-    let chunk_count = chunks as u64;
-    let mut launch = side.launch_builder(&f);
-    launch
-        .arg(&p.counts)
-        .arg(&p.sums)
-        .arg(&chunk_count)
-        .arg(&mut p.mean);
-    // SAFETY: one block reading every chunk's lanes, its first thread writing the one mean.
-    unsafe { launch.launch(blocks(1)) }?;
-    let f = kernel("stage_deviations")?;
-    let mut launch = side.launch_builder(&f);
-    launch
-        .arg(x)
-        .arg(&count)
-        .arg(&p.mean)
-        .arg(&mut p.deviations);
-    // SAFETY: as the sums, a block per chunk.
-    unsafe { launch.launch(blocks(chunks)) }?;
-
-    let words = [
-        p.counts.len(),
-        p.sums.len(),
-        p.hash_lanes.len(),
-        p.deviations.len(),
-        1,
-    ];
-    let bytes_back = words.iter().sum::<usize>() * 8;
+    on.behind_the_forward()?;
+    let StatsOn {
+        gpu,
+        side,
+        staging,
+        free,
+        meter,
+    } = on;
+    let count = n as u64;
+    let chunks = n.div_ceil(TASK) as u64;
+    let pieces = (n * 4).div_ceil(HASH_PIECE_BYTES);
+    let layout = Layout::of(n);
+    // Every word is written by the kernels: no zeroing.
+    let mut partials = free.buffer::<u64>(&meter, layout.total())?;
+    {
+        // The kernels take the parts as pointers into the one buffer.
+        let (base, _record) = partials.slice.device_ptr_mut(&side);
+        let at = |part: usize| base + (layout.offset(part) * 8) as u64;
+        let (counts, sums, hash_lanes) =
+            (at(Layout::COUNTS), at(Layout::SUMS), at(Layout::HASH_LANES));
+        let (deviations, mean) = (at(Layout::DEVIATIONS), at(Layout::MEAN));
+        let kernel = |name: &str| gpu.ops_kernel(&format!("{name}_{}", D::SUFFIX));
+        let f = kernel("stage_sums_hash")?;
+        let mut launch = side.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(&count)
+            .arg(&chunks)
+            .arg(&counts)
+            .arg(&sums)
+            .arg(&hash_lanes);
+        // SAFETY: a block per chunk, its lanes writing their own slots of parts sized for
+        // every lane, then a block per piece, a thread per lane writing its own slot; `x` holds
+        // at least `n` values (callers pass its length or less).
+        unsafe { launch.launch(blocks(chunks as usize + pieces)) }?;
+        let f = kernel("stage_deviations")?;
+        let mut launch = side.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(&count)
+            .arg(&counts)
+            .arg(&sums)
+            .arg(&chunks)
+            .arg(&mean)
+            .arg(&deviations);
+        // SAFETY: a block per chunk, each reading every chunk's lanes and writing its own.
+        unsafe { launch.launch(blocks(chunks as usize)) }?;
+    }
+    let bytes_back = layout.total() * 8;
     let mut pinned = staging.take(bytes_back);
-    let host: &mut [u64] = bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes_back)?);
-    let (counts_h, rest) = host.split_at_mut(words[0]);
-    let (sums_h, rest) = rest.split_at_mut(words[1]);
-    let (hash_h, rest) = rest.split_at_mut(words[2]);
-    let (dev_h, mean_h) = rest.split_at_mut(words[3]);
-    copy_back(&side, &p.counts, counts_h)?;
-    copy_back(&side, &p.sums, bytemuck::cast_slice_mut(sums_h))?;
-    copy_back(&side, &p.hash_lanes, hash_h)?;
-    copy_back(&side, &p.deviations, bytemuck::cast_slice_mut(dev_h))?;
-    copy_back(&side, &p.mean, bytemuck::cast_slice_mut(mean_h))?;
+    copy_back(
+        &side,
+        &*partials.slice,
+        bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes_back)?),
+    )?;
     let landed = side.record_event(None)?;
     Ok(Box::new(move || {
         // The writing thread finishes it: the GPU's context bound there for the wait and for
         // freeing the partials.
         side.context().bind_to_thread()?;
         landed.synchronize()?;
-        let finished = finish(&pinned, &words, n);
-        drop((p, values));
+        let finished = finish(&pinned, &layout, n);
+        drop((partials, values));
         staging.give(pinned);
         finished
     }))
 }
 
-/// The statistics from the partials landed in `pinned` (laid out as `words` says).
-fn finish(pinned: &Pinned, words: &[usize; 5], n: usize) -> Result<TensorStats> {
-    let host: &[u64] = bytemuck::cast_slice(pinned.landed(words.iter().sum::<usize>() * 8)?);
-    let (counts, rest) = host.split_at(words[0]);
-    let (sums, rest) = rest.split_at(words[1]);
-    let (hash_lanes, rest) = rest.split_at(words[2]);
-    let (deviations, mean) = rest.split_at(words[3]);
-    let sums: &[f64] = bytemuck::cast_slice(sums);
-    let deviations: &[f64] = bytemuck::cast_slice(deviations);
-    let device_mean = f64::from_bits(mean[0]);
+/// The statistics of the first `n` values of `x`, taken on the host's cores from a copy queued
+/// now on the side stream behind the forward's work: a stage too small for the kernels'
+/// launches to pay for themselves, recorded without the wait for the GPU a fetch would be.
+pub(super) fn stage_stats_on_host<D: Dtype, V: Send + 'static>(
+    on: StatsOn,
+    x: &CudaSlice<D>,
+    n: usize,
+    values: V,
+) -> Result<StatsLater> {
+    on.behind_the_forward()?;
+    let StatsOn {
+        gpu, side, staging, ..
+    } = on;
+    let n = n.min(x.len());
+    let bytes = n * size_of::<D>();
+    let mut pinned = staging.take(bytes);
+    if n > 0 {
+        let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes)?);
+        copy_back(&side, &x.slice(..n), host)?;
+    }
+    let landed = side.record_event(None)?;
+    Ok(Box::new(move || {
+        side.context().bind_to_thread()?;
+        landed.synchronize()?;
+        drop(values);
+        let widened: Vec<f32> = if n == 0 {
+            Vec::new()
+        } else {
+            let host: &[D] = bytemuck::cast_slice(pinned.landed(bytes)?);
+            host.iter().map(|&v| v.to_f32()).collect()
+        };
+        staging.give(pinned);
+        Ok(TensorStats::of(&widened))
+    }))
+}
+
+/// The statistics from the partials landed in `pinned` (laid out as `layout` says).
+fn finish(pinned: &Pinned, layout: &Layout, n: usize) -> Result<TensorStats> {
+    let host: &[u64] = bytemuck::cast_slice(pinned.landed(layout.total() * 8)?);
+    let counts = layout.part(host, Layout::COUNTS);
+    let hash_lanes = layout.part(host, Layout::HASH_LANES);
+    let sums: &[f64] = bytemuck::cast_slice(layout.part(host, Layout::SUMS));
+    let deviations: &[f64] = bytemuck::cast_slice(layout.part(host, Layout::DEVIATIONS));
+    let device_mean = f64::from_bits(layout.part(host, Layout::MEAN)[0]);
     let stats = moments_of_lanes(n, counts, sums, |mean| {
         // The deviations were taken from the GPU's mean: it must be the host's, bit for bit.
         if mean.to_bits() != device_mean.to_bits() {
@@ -167,7 +238,11 @@ fn finish(pinned: &Pinned, words: &[usize; 5], n: usize) -> Result<TensorStats> 
 }
 
 /// `src` copied into `host` on `stream`, not waited for.
-fn copy_back<T: DeviceRepr>(stream: &CudaStream, src: &CudaSlice<T>, host: &mut [T]) -> Result<()> {
+fn copy_back<T: DeviceRepr>(
+    stream: &CudaStream,
+    src: &impl DevicePtr<T>,
+    host: &mut [T],
+) -> Result<()> {
     let (ptr, _record) = src.device_ptr(stream);
     // SAFETY: `host` is page-locked and holds `src.len()` values; it is read only after the
     // event recorded behind this copy, and `src` lives until then.

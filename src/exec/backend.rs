@@ -74,6 +74,11 @@ pub trait Backend: Sync + Clone {
     fn hold_values(&self, v: Vec<f32>) -> Vec<Self::E>;
     /// Values kept exactly (the expert-choice bias engines keep in f32).
     fn hold_exact(&self, v: Vec<f32>) -> Vec<Self::E>;
+    /// `m` (values the dtype holds) also where the backend computes, for the ops that read it
+    /// (the embedding: the first norm and the first residual add); the CPU's is the host's.
+    fn placed(&self, m: Mat<Self::E>) -> Result<Mat<Self::E>> {
+        Ok(m)
+    }
     /// `x · wᵀ`, rounded to the dtype.
     fn linear(&self, x: &Mat<Self::E>, w: &Self::Weight) -> Result<Mat<Self::E>>;
     /// `x · wᵀ` left unrounded (the router, which engines run in f32).

@@ -71,6 +71,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.hold_exact(v)
     }
 
+    fn placed(&self, m: Mat<B::E>) -> Result<Mat<B::E>> {
+        self.inner.placed(m)
+    }
+
     fn linear(&self, x: &Mat<B::E>, w: &B::Weight) -> Result<Mat<B::E>> {
         self.clock.time(Op::Linear, || self.inner.linear(x, w))
     }

@@ -189,7 +189,7 @@ pub fn forward<B: Backend>(
                 .into_data(),
         );
     }
-    let mut x = Mat::new(t, h, be.hold_values(rows));
+    let mut x = be.placed(Mat::new(t, h, be.hold_values(rows)))?;
     let shape = [t as u64, h as u64];
     rec.record_owned(StageKey::new("embed", &shape, "t d", None), shared(&x)?)?;
     record_embed_parts(tokens, &x, vocab, opts.tp, rec)?;
@@ -386,6 +386,20 @@ impl<B: Backend> Layer<'_, B> {
         self.rec_part(stage, shape, dims, None, values)
     }
 
+    /// Record a whole stage whose values the forward hands over (not copied again).
+    fn rec_owned(
+        &mut self,
+        stage: &str,
+        shape: &[usize],
+        dims: &str,
+        values: OwnedStage,
+    ) -> Result<()> {
+        let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        let name = StageName::layer_stage(self.l, stage).to_string();
+        self.rec
+            .record_owned(StageKey::new(&name, &shape, dims, None), values)
+    }
+
     /// Record one rank's part (`rank` Some) or the whole stage, copied.
     fn rec_part(
         &mut self,
@@ -576,7 +590,7 @@ impl<B: Backend> Layer<'_, B> {
         if let Some(selection) = &a.selection {
             let k = selection.first().map_or(0, Vec::len);
             let flat: Vec<i32> = selection.iter().flatten().copied().collect();
-            self.rec("attn.index_topk", &[t, k], "t k", Stage::I32(&flat))?;
+            self.rec_owned("attn.index_topk", &[t, k], "t k", OwnedStage::I32(flat))?;
         }
         if let Some(gap) = &a.selection_gap {
             self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;

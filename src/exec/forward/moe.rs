@@ -18,7 +18,7 @@ use crate::exec::sharder::Sharder;
 use crate::exec::source::WeightSource;
 use crate::model::names::LayerWeight::*;
 use crate::shard::plan::expert_rank;
-use crate::trace::writer::Stage;
+use crate::trace::writer::OwnedStage;
 
 impl<B: Backend> Layer<'_, B> {
     pub(super) fn moe(&mut self, x: &Mat<B::E>) -> Result<Mat<B::E>> {
@@ -56,7 +56,7 @@ impl<B: Backend> Layer<'_, B> {
         }
         let k = cfg.num_experts_per_tok as usize;
         let flat_ids: Vec<i32> = ids.iter().flatten().map(|&i| i as i32).collect();
-        self.rec("moe.topk_ids", &[t, k], "t k", Stage::I32(&flat_ids))?;
+        self.rec_owned("moe.topk_ids", &[t, k], "t k", OwnedStage::I32(flat_ids))?;
         let flat_w: Vec<B::E> = weights.iter().flatten().copied().collect();
         self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
         self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
