@@ -230,7 +230,7 @@ impl Backend for Engine {
         on_backend!(self, be => be.attention(a))
     }
 
-    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Vec<f32>> {
+    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Mat<f32>> {
         on_backend!(self, be => be.indexer_scores(a))
     }
 

@@ -325,9 +325,9 @@ impl Backend for Cuda {
 
     /// On the GPU; on the host where a query's heads do not fit in a block's shared memory
     /// (the GPU free meanwhile).
-    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Vec<f32>> {
+    fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Mat<f32>> {
         let on_gpu = self.device(self.rank)?.indexer_scores(a)?;
-        Ok(on_gpu.unwrap_or_else(|| indexer_scores_core(a)))
+        Ok(on_gpu.unwrap_or_else(|| Mat::new(a.q.rows, a.positions(), indexer_scores_core(a))))
     }
 
     /// The three GEMMs and SiLU·up on the weights' GPU, the input read from its twin or sent

@@ -14,9 +14,9 @@ use rayon::prelude::*;
 use super::dtype::Dtype;
 use super::memory::{Buffer, FreeList, Meter, Pinned, Staging};
 use super::resident::Resident;
-use super::stats::{stage_stats, stage_stats_on_host, StatsOn};
+use super::stats::{copy_later, stage_stats, stage_stats_on_host, StatsOn};
 use super::Gpu;
-use crate::exec::mat::{Mat, Remote};
+use crate::exec::mat::{FetchLater, Mat, Remote};
 use crate::exec::passes::Passes;
 use crate::exec::stored::StoredBlock;
 use crate::trace::stats::StatsLater;
@@ -55,18 +55,29 @@ impl<D: Dtype> Remote for DeviceTwin<D> {
     }
 
     fn stats(self: Arc<Self>) -> Result<Option<StatsLater>> {
-        let on = StatsOn {
+        let (on, len) = (self.stats_on(), self.len);
+        let buf = &self.buf.slice;
+        if len < STATS_ON_GPU_FROM {
+            return stage_stats_on_host(on, buf, len, self.clone()).map(Some);
+        }
+        stage_stats(on, buf, len, self.clone()).map(Some)
+    }
+
+    fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
+        copy_later(self.stats_on(), &self.buf.slice, self.len, self.clone()).map(Some)
+    }
+}
+
+impl<D: Dtype> DeviceTwin<D> {
+    /// Where work on the values beside the forward runs: the side stream, behind the forward.
+    fn stats_on(&self) -> StatsOn {
+        StatsOn {
             gpu: self.gpu.clone(),
             side: self.side.clone(),
             staging: self.staging.clone(),
             free: self.buf.free.clone(),
             meter: self.buf.meter.clone(),
-        };
-        let (len, values) = (self.len, self.clone());
-        if len < STATS_ON_GPU_FROM {
-            return stage_stats_on_host(on, &*self.buf.slice, len, values).map(Some);
         }
-        stage_stats(on, &*self.buf.slice, len, values).map(Some)
     }
 }
 
@@ -339,7 +350,7 @@ impl Device {
         }
         let raw = self.upload_exact(bytemuck::cast_slice::<f32, u8>(values))?;
         self.gpu
-            .launch_dequant(GgmlType::F32, &*raw.slice, &mut *out.slice, n)?;
+            .launch_dequant(GgmlType::F32, &raw.slice, &mut *out.slice, n)?;
         Ok(out)
     }
 
@@ -361,7 +372,7 @@ impl Device {
         let key = w.key();
         if let Some(blocks) = self.resident.blocks.get(&key) {
             self.gpu
-                .launch_dequant(w.ty(), &*blocks.slice, &mut *out.slice, n)?;
+                .launch_dequant(w.ty(), &blocks.slice, &mut *out.slice, n)?;
             return Ok(out);
         }
         let began = std::time::Instant::now();
@@ -374,7 +385,7 @@ impl Device {
             self.copy_up(staging, &mut blocks)?;
         }
         self.gpu
-            .launch_dequant(w.ty(), &*blocks.slice, &mut *out.slice, n)?;
+            .launch_dequant(w.ty(), &blocks.slice, &mut *out.slice, n)?;
         let r = &mut self.resident;
         r.loaded += bytes as u64;
         r.load_seconds += began.elapsed().as_secs_f64();

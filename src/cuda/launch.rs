@@ -497,7 +497,7 @@ impl Device {
 
     /// The DSA indexer's scores (see [`IndexerInputs`]) in f32, in the CPU's order, one thread
     /// per query and key; `None` where a query's heads do not fit in a block's shared memory.
-    pub(super) fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Option<Vec<f32>>> {
+    pub(super) fn indexer_scores(&self, a: &IndexerInputs<'_, f32>) -> Result<Option<Mat<f32>>> {
         let (t, total, width) = (a.q.rows, a.positions(), a.heads * a.dim);
         if a.q.cols != width
             || a.weights.cols != a.heads
@@ -519,7 +519,7 @@ impl Device {
             return Ok(None);
         }
         if t * total == 0 {
-            return Ok(Some(vec![f32::NEG_INFINITY; t * total]));
+            return Ok(Some(Mat::new(t, total, vec![f32::NEG_INFINITY; t * total])));
         }
         let (q, keys) = (self.widened(a.q)?, self.widened_passes(a.keys)?);
         let weights = self.widened(a.weights)?;
@@ -552,11 +552,9 @@ impl Device {
         // SAFETY: q holds t × heads × dim values, keys total × dim, weights t × heads (checked
         // above), out t × total; a query's values and weights take `shared` bytes.
         unsafe { launch.launch(cfg) }?;
-        Ok(Some(self.download(&out, t * total)?))
+        Ok(Some(self.output(t, total, out)?))
     }
 
-    /// `out[t, w_rows] = input[t, cols] · w[w_rows, cols]ᵀ`: in cuBLAS's column-major terms
-    /// `outᵀ = w · inputᵀ`, with `w` read transposed from its row-major storage.
     /// Every problem's `input · weightᵀ` in one cuBLAS grouped GEMM (each problem a group of
     /// one), f32 accumulation, outputs in the dtype: what [`Self::gemm`] gives each, in one
     /// launch. The problems' operand addresses go to the GPU in one copy.

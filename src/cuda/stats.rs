@@ -14,6 +14,7 @@ use cudarc::driver::{
 use super::dtype::Dtype;
 use super::memory::{FreeList, Meter, Pinned, Staging};
 use super::Gpu;
+use crate::exec::mat::FetchLater;
 use crate::trace::stats::{
     content_hash_of_pieces, merge_lanes, moments_of_lanes, StatsLater, TensorStats, HASH_LANES,
     HASH_PIECE_BYTES, LANE_COUNTS, LANE_SUMS, MOMENT_LANES, TASK,
@@ -172,14 +173,27 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
 }
 
 /// The statistics of the first `n` values of `x`, taken on the host's cores from a copy queued
-/// now on the side stream behind the forward's work: a stage too small for the kernels'
-/// launches to pay for themselves, recorded without the wait for the GPU a fetch would be.
+/// now behind the forward's work: a stage too small for the kernels' launches to pay for
+/// themselves, recorded without the wait for the GPU a fetch would be.
 pub(super) fn stage_stats_on_host<D: Dtype, V: Send + 'static>(
     on: StatsOn,
     x: &CudaSlice<D>,
     n: usize,
     values: V,
 ) -> Result<StatsLater> {
+    let later = copy_later(on, x, n, values)?;
+    Ok(Box::new(move || Ok(TensorStats::of(&later()?))))
+}
+
+/// The first `n` values of `x` as host f32, copied on the side stream behind everything queued
+/// on the forward's stream so far into page-locked memory, waited for and widened when called;
+/// `values` (what holds `x`) is kept until then.
+pub(super) fn copy_later<D: Dtype, V: Send + 'static>(
+    on: StatsOn,
+    x: &CudaSlice<D>,
+    n: usize,
+    values: V,
+) -> Result<FetchLater> {
     on.behind_the_forward()?;
     let StatsOn {
         gpu, side, staging, ..
@@ -193,17 +207,18 @@ pub(super) fn stage_stats_on_host<D: Dtype, V: Send + 'static>(
     }
     let landed = side.record_event(None)?;
     Ok(Box::new(move || {
+        // Called on any thread: the GPU's context bound there for the wait.
         side.context().bind_to_thread()?;
         landed.synchronize()?;
         drop(values);
-        let widened: Vec<f32> = if n == 0 {
+        let widened = if n == 0 {
             Vec::new()
         } else {
             let host: &[D] = bytemuck::cast_slice(pinned.landed(bytes)?);
             host.iter().map(|&v| v.to_f32()).collect()
         };
         staging.give(pinned);
-        Ok(TensorStats::of(&widened))
+        Ok(widened)
     }))
 }
 

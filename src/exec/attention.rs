@@ -5,6 +5,8 @@
 //! (`[k_nope | v]` per head), the rotated shared `k_rope`, and the indexer's rotated keys.
 //! Positions are absolute; a forward over new tokens starts at the cache's length.
 
+use std::sync::mpsc::Receiver;
+
 use anyhow::{bail, Result};
 
 use super::attention_core::AttentionInputs;
@@ -219,30 +221,28 @@ pub fn attention<B: Backend>(
         cache.k_rope.push(k_rope.clone());
     });
 
-    let (selection, selection_gap) = if !cfg.has_dsa() {
-        (None, None)
+    let choice = if !cfg.has_dsa() {
+        None
     } else {
         match (cfg.indexer_types.get(l as usize), prev_selection) {
-            (Some(IndexerKind::Shared), Some(prev)) => (Some(prev), None),
+            (Some(IndexerKind::Shared), Some(prev)) => Some(Choice::Shared(prev)),
             (Some(IndexerKind::Shared), None) => {
                 bail!("layer {l} shares the DSA selection but no earlier layer made one")
             }
-            _ => {
-                let (sel, gap) = indexer(step, hn, &q_a_norm, cache, &rope)?;
-                (Some(sel), Some(gap))
-            }
+            _ => Some(indexer(step, hn, &q_a_norm, cache, &rope)?),
         }
     };
     cache.len += t;
 
     let total = start + t;
     let scale = B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(yarn_softmax_factor(cfg));
-    // The keys each position sees: its DSA selection, else every position up to its own.
+    // The keys each position sees: its DSA selection, else every position up to its own (the
+    // same set where the indexer keeps them all; the attention reads keys in any order).
     let keys: Vec<Vec<i32>> = be.host(Op::AttentionKeys, || {
         (0..t)
-            .map(|i| match &selection {
-                Some(sel) => sel[i].clone(),
-                None => (0..=(start + i) as i32).collect(),
+            .map(|i| match &choice {
+                Some(Choice::Ranked(sel, _) | Choice::Shared(sel)) => sel[i].clone(),
+                None | Some(Choice::AllKept(_)) => (0..=(start + i) as i32).collect(),
             })
             .collect()
     });
@@ -271,6 +271,18 @@ pub fn attention<B: Backend>(
         let out = hooks.attn_all_reduce(be, l, out, &out_parts)?;
         (out, ctx_parts, out_parts)
     };
+    let (selection, selection_gap) = match choice {
+        None => (None, None),
+        Some(Choice::Shared(sel)) => (Some(sel), None),
+        Some(Choice::Ranked(sel, gap)) => (Some(sel), Some(gap)),
+        Some(Choice::AllKept(ranking)) => {
+            let ranked = be.host(Op::IndexerTopk, || ranking.recv());
+            let (sel, gap) = ranked.map_err(|_| {
+                anyhow::anyhow!("layer {l}: the DSA indexer's ranking stopped before its end")
+            })??;
+            (Some(sel), Some(gap))
+        }
+    };
     Ok(AttentionOut {
         q_a,
         q_a_norm,
@@ -293,15 +305,28 @@ pub fn attention<B: Backend>(
     })
 }
 
-/// DSA lightning indexer for the new positions: per query, the causal top-`index_topk` key
-/// positions (−1 where fewer keys exist), and the score gap at the top-k boundary.
+/// The DSA indexer's choice for the new positions, or a shared layer's reuse of an earlier one.
+enum Choice<E> {
+    /// Per query, the causal top-`index_topk` key positions (−1 where fewer keys exist), and
+    /// the score gap at the top-k boundary.
+    Ranked(Selection, Vec<E>),
+    /// Every causal position kept (the cache holds no more than `index_topk`) and the scores
+    /// left on a GPU: the attention needs no score, and the order by score, which only the
+    /// trace records, is ranked beside the attention's work from a copy of the scores that the
+    /// forward does not wait for.
+    AllKept(Receiver<Result<(Selection, Vec<E>)>>),
+    /// An earlier layer's choice, for a layer that shares it.
+    Shared(Selection),
+}
+
+/// DSA lightning indexer for the new positions.
 fn indexer<B: Backend>(
     step: Step<'_, B>,
     hn: &Mat<B::E>,
     q_a_norm: &Mat<B::E>,
     cache: &mut LayerCache<B::E>,
     rope: &Rope<B::E>,
-) -> Result<(Selection, Vec<B::E>)> {
+) -> Result<Choice<B::E>> {
     let Step {
         src, l, start, be, ..
     } = step;
@@ -342,29 +367,53 @@ fn indexer<B: Backend>(
         head_scale: power(ih),
     })?;
     let k_sel = (cfg.index_topk as usize).min(total);
-    // Query positions in parallel, each its own top-k.
-    let chosen: Vec<(Vec<i32>, B::E)> = be.host(Op::IndexerTopk, || {
-        scores
-            .par_chunks(total.max(1))
-            .enumerate()
-            .map(|(i, score)| {
-                let p = start + i;
-                let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
-                let gap = if p + 1 > k_sel {
-                    score[ranked[k_sel - 1]] - score[ranked[k_sel]]
-                } else {
-                    B::E::lit(NO_BOUNDARY)
-                };
-                let mut chosen: Vec<i32> =
-                    ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
-                chosen.resize(k_sel, -1);
-                if let Some(reference) = step.ties.and_then(|ties| ties.dsa_at(l, p)) {
-                    chosen = reference.to_vec();
-                }
-                (chosen, gap)
-            })
-            .collect()
-    });
-    let (selection, gaps) = chosen.into_iter().unzip();
-    Ok((selection, gaps))
+    if k_sel == total && step.ties.is_none() && !scores.on_host() {
+        // A thread of its own: it waits for the GPU, which no pool's worker should.
+        let scores = scores.values_later()?;
+        let (sender, ranking) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("dsa-ranking".into())
+            .spawn(move || {
+                let ranked = scores().map(|scores| rank(&scores, (start, total), k_sel, None, l));
+                // The forward may have stopped on an error meanwhile: then nobody waits.
+                let _ = sender.send(ranked);
+            })?;
+        return Ok(Choice::AllKept(ranking));
+    }
+    let scores = scores.fetched()?;
+    let ranked = || rank(scores, (start, total), k_sel, step.ties, l);
+    let (selection, gaps) = be.host(Op::IndexerTopk, ranked);
+    Ok(Choice::Ranked(selection, gaps))
+}
+
+/// Per query of `scores` (`[t, total]`, the first at position `start`), the causal top
+/// `k_sel` positions (−1 where fewer exist; the reference's choice where `ties` holds one for
+/// it), and the gap between the scores of the k-th choice and the best unchosen one. Queries
+/// in parallel, each its own top-k.
+fn rank<E: Real>(
+    scores: &[E],
+    (start, total): (usize, usize),
+    k_sel: usize,
+    ties: Option<&TieBreaks>,
+    l: u64,
+) -> (Selection, Vec<E>) {
+    scores
+        .par_chunks(total.max(1))
+        .enumerate()
+        .map(|(i, score)| {
+            let p = start + i;
+            let ranked = topk(&score[..=p], (k_sel + 1).min(p + 1));
+            let gap = if p + 1 > k_sel {
+                score[ranked[k_sel - 1]] - score[ranked[k_sel]]
+            } else {
+                E::lit(NO_BOUNDARY)
+            };
+            let mut chosen: Vec<i32> = ranked.into_iter().take(k_sel).map(|j| j as i32).collect();
+            chosen.resize(k_sel, -1);
+            if let Some(reference) = ties.and_then(|ties| ties.dsa_at(l, p)) {
+                chosen = reference.to_vec();
+            }
+            (chosen, gap)
+        })
+        .unzip()
 }

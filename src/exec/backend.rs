@@ -138,10 +138,10 @@ pub trait Backend: Sync + Clone {
     fn attention(&self, a: &AttentionInputs<'_, Self::E>) -> Result<Mat<Self::E>> {
         Ok(Mat::new(a.q.rows, a.heads * a.v, attention_core(a)))
     }
-    /// The DSA indexer's scores of new positions against every cached key, unrounded (see
-    /// [`IndexerInputs`]); by default the CPU's loops.
-    fn indexer_scores(&self, a: &IndexerInputs<'_, Self::E>) -> Result<Vec<Self::E>> {
-        Ok(indexer_scores_core(a))
+    /// The DSA indexer's scores `[t, positions]` of new positions against every cached key,
+    /// unrounded (see [`IndexerInputs`]); by default the CPU's loops.
+    fn indexer_scores(&self, a: &IndexerInputs<'_, Self::E>) -> Result<Mat<Self::E>> {
+        Ok(Mat::new(a.q.rows, a.positions(), indexer_scores_core(a)))
     }
     /// A gated MLP whose three weights are held at once (a routed expert; a dense layer's MLP
     /// and the shared expert at TP 1 where [`Self::fuses_mlp`]),

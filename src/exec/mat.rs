@@ -31,7 +31,18 @@ pub trait Remote: Any + Send + Sync {
     /// values are, finished when called for (the values held until then); `None` where
     /// fetching them and taking the statistics on the host costs less (a small matrix).
     fn stats(self: Arc<Self>) -> Result<Option<StatsLater>>;
+    /// The values as [`Self::fetch`] gives them, from a copy queued now and waited for when
+    /// called (the values held until then); `None` where the twin cannot queue one.
+    fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
+        Ok(None)
+    }
 }
+
+/// Values on their way to the host: waited for when called.
+pub type FetchLater = Box<dyn FnOnce() -> Result<Vec<f32>> + Send>;
+
+/// A matrix's values, ready when called: see [`Mat::values_later`].
+pub type ValuesLater<E> = Box<dyn FnOnce() -> Result<Arc<Vec<E>>> + Send>;
 
 /// The same values held elsewhere by the backend that produced them. Only values equal to the
 /// host's; any mutable access to the host's values drops it, so the two never disagree.
@@ -146,6 +157,26 @@ impl<E: Real> Mat<E> {
             (Some(twin), false) => twin.clone().stats(),
             _ => Ok(None),
         }
+    }
+
+    /// The values, for work beside the forward: where only the twin holds them and can queue a
+    /// copy, it is queued now and waited for when called, so that neither the host nor the
+    /// twin's device waits now; else the host's (fetched now where needed).
+    pub fn values_later(&self) -> Result<ValuesLater<E>> {
+        if let (Some(twin), false) = (&self.twin.0, self.on_host()) {
+            if let Some(later) = twin.clone().fetch_later()? {
+                let len = self.len();
+                return Ok(Box::new(move || {
+                    let values = later()?;
+                    if values.len() != len {
+                        bail!("{} values fetched for {len}", values.len());
+                    }
+                    Ok(Arc::new(E::widen_all(values)))
+                }));
+            }
+        }
+        let values = self.shared()?.clone();
+        Ok(Box::new(move || Ok(values)))
     }
 
     /// The values to change in place, not in number (their twin, if any, dropped; copied first

@@ -722,7 +722,7 @@ fn run_op<B: Backend<E = f32>>(
                 scale: power(dim) as f32,
                 head_scale: power(heads) as f32,
             })?;
-            causal_scores(&out, &reference, start, positions)
+            causal_scores(out.fetched()?, reference.fetched()?, start, positions)
         }
         Op::Chain { t, d } => {
             let x = mat(rng, t, d, 1.0, p);

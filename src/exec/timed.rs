@@ -135,7 +135,7 @@ impl<B: Backend> Backend for Timed<B> {
         self.clock.time(Op::Attention, || self.inner.attention(a))
     }
 
-    fn indexer_scores(&self, a: &IndexerInputs<'_, B::E>) -> Result<Vec<B::E>> {
+    fn indexer_scores(&self, a: &IndexerInputs<'_, B::E>) -> Result<Mat<B::E>> {
         self.clock
             .time(Op::IndexerScores, || self.inner.indexer_scores(a))
     }
