@@ -81,9 +81,9 @@ impl<B: Backend> Layer<'_, B> {
         } else {
             be.experts_at_once()
         };
+        let by_expert = be.host(Op::ExpertInputs, || rows_by_expert(e, (&ids, &weights)));
         for group in used.chunks(at_once) {
-            let mut outputs =
-                routed_experts(self.src, be, self.l, group, x, (&ids, &weights), sharder)?;
+            let mut outputs = routed_experts(self.src, be, self.l, group, x, &by_expert, sharder)?;
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
                 outputs[i].parts[0].1.data_mut()[0] = <B::E as num_traits::Float>::nan();
             }
@@ -148,21 +148,25 @@ struct ExpertOutput<E> {
     parts: Vec<(usize, Mat<E>)>,
 }
 
-/// The tokens that chose `expert`, with their routing weights, and the tokens alone.
-fn expert_rows<E: Real>(
-    expert: usize,
+/// Per expert of `experts`, the tokens that chose it in token order, each with its routing
+/// weight (a token listing an expert twice, as a reference's tie-break might, counts its first
+/// weight once): one pass over the choices.
+fn rows_by_expert<E: Real>(
+    experts: usize,
     (ids, weights): (&[Vec<usize>], &[Vec<E>]),
-) -> (Vec<(usize, E)>, Vec<usize>) {
-    let rows: Vec<(usize, E)> = (0..ids.len())
-        .filter_map(|s| {
-            ids[s]
-                .iter()
-                .position(|&i| i == expert)
-                .map(|k| (s, weights[s][k]))
-        })
-        .collect();
-    let tokens = rows.iter().map(|&(s, _)| s).collect();
-    (rows, tokens)
+) -> Vec<Vec<(usize, E)>> {
+    let mut rows: Vec<Vec<(usize, E)>> = vec![Vec::new(); experts];
+    for (s, (ids, weights)) in ids.iter().zip(weights).enumerate() {
+        for (&e, &w) in ids.iter().zip(weights) {
+            let Some(expert) = rows.get_mut(e) else {
+                continue;
+            };
+            if expert.last().is_none_or(|&(last, _)| last != s) {
+                expert.push((s, w));
+            }
+        }
+    }
+    rows
 }
 
 /// Routed experts `group` on the tokens that chose each. Under TP each is split along the
@@ -174,14 +178,21 @@ fn routed_experts<B: Backend>(
     l: u64,
     group: &[usize],
     x: &Mat<B::E>,
-    routing: (&[Vec<usize>], &[Vec<B::E>]),
+    by_expert: &[Vec<(usize, B::E)>],
     sharder: Sharder,
 ) -> Result<Vec<ExpertOutput<B::E>>> {
     let weights_of = |e: usize| {
         [ExpertsGate, ExpertsUp, ExpertsDown].map(|role| LazyWeight::expert(src, l, e as u64, role))
     };
     let inputs: Vec<_> = be.host(Op::ExpertInputs, || {
-        group.par_iter().map(|&e| expert_rows(e, routing)).collect()
+        group
+            .iter()
+            .map(|&e| {
+                let rows = by_expert.get(e).cloned().unwrap_or_default();
+                let tokens: Vec<usize> = rows.iter().map(|&(s, _)| s).collect();
+                (rows, tokens)
+            })
+            .collect()
     });
     if sharder.tp > 1 && !sharder.ep {
         // Split along the intermediate dimension, each expert's rows go to every rank.
@@ -306,6 +317,28 @@ fn route<E: Real>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tokens in order, each with the weight it gave the expert; an expert a token lists twice
+    /// gets the token once, with its first weight; an id past the experts is nobody's.
+    #[test]
+    fn each_expert_gets_the_tokens_that_chose_it_once_in_order() {
+        let ids = vec![vec![2, 0], vec![0, 1], vec![1, 1], vec![7, 2]];
+        let weights = vec![
+            vec![0.5f32, 0.25],
+            vec![0.125, 2.0],
+            vec![3.0, 4.0],
+            vec![9.0, 1.5],
+        ];
+        let rows = rows_by_expert(3, (&ids, &weights));
+        assert_eq!(
+            rows,
+            vec![
+                vec![(0, 0.25), (1, 0.125)],
+                vec![(1, 2.0), (2, 3.0)],
+                vec![(0, 0.5), (3, 1.5)],
+            ]
+        );
+    }
 
     /// Values whose sums depend on their order in f32.
     fn values(n: usize, seed: u32) -> Vec<f32> {
