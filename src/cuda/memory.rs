@@ -35,7 +35,8 @@ impl Meter {
 /// One rank's use of its GPU in a run.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RankMemory {
-    /// The most bytes glmcheck held on the GPU at once.
+    /// The most bytes glmcheck held on the GPU at once in live buffers (not the freed memory its
+    /// [`FreeList`] keeps for reuse, 2 GiB at most).
     pub peak_bytes: u64,
     /// Bytes of stored weight blocks kept on the GPU.
     pub resident_bytes: u64,
