@@ -36,7 +36,7 @@ impl Meter {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RankMemory {
     /// The most bytes glmcheck held on the GPU at once in live buffers (not the freed memory its
-    /// [`FreeList`] keeps for reuse, 2 GiB at most).
+    /// `FreeList` keeps for reuse, 2 GiB at most).
     pub peak_bytes: u64,
     /// Bytes of stored weight blocks kept on the GPU.
     pub resident_bytes: u64,
