@@ -290,6 +290,38 @@ mod tests {
             let stats = TensorStats::of(&self.0);
             Ok(Some(Box::new(move || Ok(stats))))
         }
+        fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
+            Ok(Some(Box::new(move || self.fetch())))
+        }
+    }
+
+    /// Values for later come from a twin that can queue a copy, fetched when called and not
+    /// before, and never kept on the host; from the host's values where it holds them; a twin
+    /// whose copy has another length is an error, not a short matrix.
+    #[test]
+    fn values_for_later_are_fetched_when_called() {
+        let values = [0.5f32, -1.0, 2.0, 7.0];
+        let (twin, fetches) = elsewhere(&values);
+        let m = Mat::<f64>::remote(2, 2, twin);
+        let later = m.values_later().unwrap();
+        assert_eq!(fetches.load(Ordering::SeqCst), 0, "nothing fetched yet");
+        assert_eq!(*later().unwrap(), vec![0.5f64, -1.0, 2.0, 7.0]);
+        assert_eq!(fetches.load(Ordering::SeqCst), 1);
+        assert!(
+            !m.on_host(),
+            "a copy for later leaves the host's values unfetched"
+        );
+
+        let on_host = Mat::new(1, 2, vec![3.0f32, 4.0]).with_twin(elsewhere(&[3.0, 4.0]).0);
+        assert_eq!(
+            *on_host.values_later().unwrap()().unwrap(),
+            vec![3.0f32, 4.0]
+        );
+
+        let (short, _) = elsewhere(&values[..3]);
+        let wrong = Mat::<f32>::remote(2, 2, short).values_later().unwrap();
+        let err = wrong().unwrap_err().to_string();
+        assert!(err.contains("3 values fetched for 4"), "{err}");
     }
 
     fn elsewhere(values: &[f32]) -> (Elsewhere, Arc<AtomicUsize>) {
