@@ -208,13 +208,7 @@ impl Device {
         if m.is_empty() || self.twin_here::<D>(&m).is_some() {
             return Ok(m);
         }
-        let twin = DeviceTwin {
-            gpu: self.gpu.clone(),
-            buf: self.upload::<D>(m.fetched()?)?,
-            len: m.len(),
-            staging: self.staging.clone(),
-            side: self.side.clone(),
-        };
+        let twin = self.twin(self.upload::<D>(m.fetched()?)?, m.len());
         Ok(m.with_twin(twin))
     }
 
@@ -227,18 +221,23 @@ impl Device {
         cols: usize,
         buf: Buffer<D>,
     ) -> Result<Mat<f32>> {
-        let twin = DeviceTwin {
-            gpu: self.gpu.clone(),
-            buf,
-            len: rows * cols,
-            staging: self.staging.clone(),
-            side: self.side.clone(),
-        };
+        let twin = self.twin(buf, rows * cols);
         if self.lazy_outputs {
             return Ok(Mat::remote(rows, cols, twin));
         }
         let values = self.download(&twin.buf, rows * cols)?;
         Ok(Mat::new(rows, cols, values).with_twin(twin))
+    }
+
+    /// `buf`, holding `len` values, as a matrix's twin on this GPU.
+    fn twin<D: Dtype>(&self, buf: Buffer<D>, len: usize) -> DeviceTwin<D> {
+        DeviceTwin {
+            gpu: self.gpu.clone(),
+            buf,
+            len,
+            staging: self.staging.clone(),
+            side: self.side.clone(),
+        }
     }
 
     /// Host f32 values as dtype `D` on this GPU, converted on the host's cores straight into

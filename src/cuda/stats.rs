@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::dtype::Dtype;
@@ -27,6 +28,9 @@ const STATS_THREADS: u32 = 256;
 /// the page-locked one they are copied back into: one allocation and one copy a stage instead
 /// of one each (a stage's driver calls are the cost at small prompts, not its bytes).
 struct Layout {
+    /// Chunks of `TASK` values (a block each) and hash pieces (a block each).
+    chunks: usize,
+    pieces: usize,
     /// Words of the counts, the sums, the hash lanes, the deviations and the one mean.
     words: [usize; 5],
 }
@@ -39,9 +43,12 @@ impl Layout {
     const MEAN: usize = 4;
 
     fn of(n: usize) -> Layout {
-        let lanes = n.div_ceil(TASK) * MOMENT_LANES;
+        let chunks = n.div_ceil(TASK);
+        let lanes = chunks * MOMENT_LANES;
         let pieces = (n * 4).div_ceil(HASH_PIECE_BYTES);
         Layout {
+            chunks,
+            pieces,
             words: [
                 lanes * LANE_COUNTS,
                 lanes * LANE_SUMS,
@@ -112,10 +119,8 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         free,
         meter,
     } = on;
-    let count = n as u64;
-    let chunks = n.div_ceil(TASK) as u64;
-    let pieces = (n * 4).div_ceil(HASH_PIECE_BYTES);
     let layout = Layout::of(n);
+    let (count, chunks) = (n as u64, layout.chunks as u64);
     // Every word is written by the kernels: no zeroing.
     let mut partials = free.buffer::<u64>(&meter, layout.total())?;
     {
@@ -138,7 +143,7 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         // SAFETY: a block per chunk, its lanes writing their own slots of parts sized for
         // every lane, then a block per piece, a thread per lane writing its own slot; `x` holds
         // at least `n` values (callers pass its length or less).
-        unsafe { launch.launch(blocks(chunks as usize + pieces)) }?;
+        unsafe { launch.launch(blocks(layout.chunks + layout.pieces)) }?;
         let f = kernel("stage_deviations")?;
         let mut launch = side.launch_builder(&f);
         launch
@@ -150,7 +155,7 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
             .arg(&mean)
             .arg(&deviations);
         // SAFETY: a block per chunk, each reading every chunk's lanes and writing its own.
-        unsafe { launch.launch(blocks(chunks as usize)) }?;
+        unsafe { launch.launch(blocks(layout.chunks)) }?;
     }
     let bytes_back = layout.total() * 8;
     let mut pinned = staging.take(bytes_back);
@@ -159,12 +164,11 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         &*partials.slice,
         bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes_back)?),
     )?;
-    let landed = side.record_event(None)?;
+    let landing = Landing::new(side, (pinned, partials, values))?;
     Ok(Box::new(move || {
-        // The writing thread finishes it: the GPU's context bound there for the wait and for
-        // freeing the partials.
-        side.context().bind_to_thread()?;
-        landed.synchronize()?;
+        // The writing thread finishes it (the context bound there by the wait, for freeing the
+        // partials too).
+        let (pinned, partials, values) = landing.wait()?;
         let finished = finish(&pinned, &layout, n);
         drop((partials, values));
         staging.give(pinned);
@@ -205,11 +209,10 @@ pub(super) fn copy_later<D: Dtype, V: Send + 'static>(
         let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes)?);
         copy_back(&side, &x.slice(..n), host)?;
     }
-    let landed = side.record_event(None)?;
+    let landing = Landing::new(side, (pinned, values))?;
     Ok(Box::new(move || {
-        // Called on any thread: the GPU's context bound there for the wait.
-        side.context().bind_to_thread()?;
-        landed.synchronize()?;
+        // Called on any thread: the wait binds the GPU's context there.
+        let (pinned, values) = landing.wait()?;
         drop(values);
         let widened = if n == 0 {
             Vec::new()
@@ -220,6 +223,45 @@ pub(super) fn copy_later<D: Dtype, V: Send + 'static>(
         staging.give(pinned);
         Ok(widened)
     }))
+}
+
+/// What work queued on the side stream uses (the page-locked memory it copies into, the device
+/// buffers it reads or writes), held until that work has landed: when the closure that waits
+/// for it runs, and also where that closure is dropped uncalled (a writer that stopped), so
+/// that no buffer goes back to the free list, nor page-locked memory to the host, under a
+/// kernel or a copy.
+struct Landing<T> {
+    side: Arc<CudaStream>,
+    landed: CudaEvent,
+    held: Option<T>,
+}
+
+impl<T> Landing<T> {
+    /// `held` until the work queued on `side` so far has landed.
+    fn new(side: Arc<CudaStream>, held: T) -> Result<Self> {
+        let landed = side.record_event(None)?;
+        Ok(Landing {
+            side,
+            landed,
+            held: Some(held),
+        })
+    }
+
+    /// What it holds, once the work has landed.
+    fn wait(mut self) -> Result<T> {
+        self.side.context().bind_to_thread()?;
+        self.landed.synchronize()?;
+        Ok(self.held.take().expect("held until waited for"))
+    }
+}
+
+impl<T> Drop for Landing<T> {
+    fn drop(&mut self) {
+        if self.held.is_some() && self.side.context().bind_to_thread().is_ok() {
+            // Nothing to report to: the owner is gone, and a wait fails only on a lost device.
+            let _ = self.landed.synchronize();
+        }
+    }
 }
 
 /// The statistics from the partials landed in `pinned` (laid out as `layout` says).
