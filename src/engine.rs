@@ -11,6 +11,7 @@ use crate::dtype::Precision;
 use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu, HeadCut, MlpJob, WeightedRows};
 use crate::exec::claim::Claim;
+use crate::exec::host_weight::HostWeight;
 use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
 use crate::exec::rope::{Rope, RotateSpec};
@@ -46,12 +47,12 @@ pub enum Engine {
 
 /// A weight as either backend holds it.
 pub enum EngineWeight {
-    Cpu(Mat<f32>),
+    Cpu(HostWeight<f32>),
     Cuda(GpuWeight),
 }
 
 impl EngineWeight {
-    fn on_cpu(&self) -> Result<&Mat<f32>> {
+    fn on_cpu(&self) -> Result<&HostWeight<f32>> {
         match self {
             EngineWeight::Cpu(w) => Ok(w),
             EngineWeight::Cuda(_) => anyhow::bail!("a weight held on a GPU given to the CPU"),
@@ -275,6 +276,14 @@ impl Backend for Engine {
 
     fn collectives_across_processes(&self) -> bool {
         on_backend!(self, be => be.collectives_across_processes())
+    }
+
+    fn kept_form(&self, w: EngineWeight) -> Result<EngineWeight> {
+        Ok(match (self, w) {
+            (Engine::Cpu(be), EngineWeight::Cpu(w)) => EngineWeight::Cpu(be.kept_form(w)?),
+            (Engine::Cuda(be), EngineWeight::Cuda(w)) => EngineWeight::Cuda(be.kept_form(w)?),
+            (_, w) => w,
+        })
     }
 
     fn claim_kept(&self, w: &EngineWeight) -> Result<Option<Claim>> {

@@ -13,9 +13,10 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
-use super::claim::{claim_host, Claim};
+use super::claim::{claim_host, room_on_host, Claim};
 use super::few_tokens;
 use super::gemm_kernel;
+use super::host_weight::{round_to_precision, Blocks, HostWeight};
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
 use super::op_clock::Op;
@@ -26,6 +27,7 @@ use super::stored::StoredBlock;
 use super::real::Real;
 use crate::dtype::Precision;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
+use crate::weights::GgmlType;
 
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
@@ -196,6 +198,10 @@ pub trait Backend: Sync + Clone {
     /// must issue them in the same order, so work that reaches them runs one item at a time.
     fn collectives_across_processes(&self) -> bool {
         false
+    }
+    /// `w` as a run that keeps weights between passes keeps it (by default as it is).
+    fn kept_form(&self, w: Self::Weight) -> Result<Self::Weight> {
+        Ok(w)
     }
     /// A claim on the memory that holds `w`, for a run that keeps weights between passes
     /// ([`super::kept`]); `None` where it does not fit (or the backend keeps nothing).
@@ -412,14 +418,6 @@ impl Cpu<f64> {
 }
 
 impl<E: Real> Cpu<E> {
-    fn round_in_place(&self, xs: &mut [E]) {
-        if !matches!(self.precision, Precision::F32 | Precision::F64) {
-            // A weight is millions of values: its parts in parallel (each value on its own).
-            xs.par_chunks_mut(1 << 16)
-                .for_each(|part| E::round_all(part, self.precision));
-        }
-    }
-
     fn rounded(&self, mut m: Mat<E>) -> Result<Mat<E>> {
         self.round(m.data_mut())?;
         Ok(m)
@@ -428,7 +426,7 @@ impl<E: Real> Cpu<E> {
 
 impl<E: Real> Backend for Cpu<E> {
     type E = E;
-    type Weight = Mat<E>;
+    type Weight = HostWeight<E>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -438,13 +436,27 @@ impl<E: Real> Backend for Cpu<E> {
         self.precision
     }
 
-    fn hold(&self, w: Mat<f32>) -> Result<Mat<E>> {
-        Ok(Mat::new(w.rows, w.cols, self.hold_values(w.into_data())))
+    fn hold(&self, w: Mat<f32>) -> Result<HostWeight<E>> {
+        let (rows, cols) = (w.rows, w.cols);
+        Ok(HostWeight::Values(Mat::new(
+            rows,
+            cols,
+            self.hold_values(w.into_data()),
+        )))
+    }
+
+    /// Quantized blocks stay blocks, decoded where a GEMM reads them; f32 values are read as
+    /// they are.
+    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<HostWeight<E>> {
+        if w.ty() == GgmlType::F32 {
+            return self.hold(w.dequantize()?);
+        }
+        Ok(HostWeight::Blocks(Blocks::read(w, self.precision)?))
     }
 
     fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
         let mut v = E::widen_all(v);
-        self.round_in_place(&mut v);
+        round_to_precision(&mut v, self.precision);
         v
     }
 
@@ -452,20 +464,19 @@ impl<E: Real> Backend for Cpu<E> {
         E::widen_all(v)
     }
 
-    fn linear(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
+    fn linear(&self, x: &Mat<E>, w: &HostWeight<E>) -> Result<Mat<E>> {
         self.rounded(self.linear_exact(x, w)?)
     }
 
     /// `w · xᵀ` in blocks of weight rows, the blocks in parallel, each through the `gemm`
     /// crate (the kernel under candle's CPU matmul) on one thread: the blocks have a fixed
-    /// size, so every output is the same sum whatever the thread count. Accumulates in `E`.
-    fn linear_exact(&self, x: &Mat<E>, w: &Mat<E>) -> Result<Mat<E>> {
-        let (t, features, out) = (x.rows, x.cols, w.rows);
-        if features != w.cols {
-            bail!(
-                "linear: input has {features} features, weight expects {}",
-                w.cols
-            );
+    /// size, so every output is the same sum whatever the thread count (and whether the weight
+    /// is held as values or as blocks each task decodes). Accumulates in `E`.
+    fn linear_exact(&self, x: &Mat<E>, w: &HostWeight<E>) -> Result<Mat<E>> {
+        let (out, weight_features) = w.shape();
+        let (t, features) = (x.rows, x.cols);
+        if features != weight_features {
+            bail!("linear: input has {features} features, weight expects {weight_features}");
         }
         // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
         // them column-major.
@@ -480,15 +491,14 @@ impl<E: Real> Backend for Cpu<E> {
             .par_iter()
             .map(|&start| {
                 let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                let w = &w.data()[start * features..];
-                match (few, E::as_f32(w)) {
+                w.with_rows(start..start + rows, |w| match (few, E::as_f32(w)) {
                     (Some(x), Some(w)) => {
                         E::widen_all(few_tokens::x_times_weight_rows(x, t, w, rows, features))
                     }
                     _ => x_times_weight_rows(&x_cols, t, w, rows),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         // Back to row-major, a few token rows per task: each weight row's outputs for those
         // tokens are one short contiguous read.
         let mut y = Mat::zeros(t, out);
@@ -527,12 +537,21 @@ impl<E: Real> Backend for Cpu<E> {
     }
 
     fn round(&self, xs: &mut [E]) -> Result<()> {
-        self.round_in_place(xs);
+        round_to_precision(xs, self.precision);
         Ok(())
     }
 
-    fn claim_kept(&self, w: &Mat<E>) -> Result<Option<Claim>> {
-        claim_host(std::mem::size_of_val(w.data()) as u64)
+    /// Decoded where the values fit the budget: a later pass then reads them instead of
+    /// decoding the blocks again.
+    fn kept_form(&self, w: HostWeight<E>) -> Result<HostWeight<E>> {
+        if room_on_host(w.decoded_bytes() as u64)? {
+            return w.into_values();
+        }
+        Ok(w)
+    }
+
+    fn claim_kept(&self, w: &HostWeight<E>) -> Result<Option<Claim>> {
+        claim_host(w.bytes() as u64)
     }
 }
 

@@ -64,7 +64,7 @@ impl KeptWeights {
         if let Some(w) = found.and_then(|w| w.downcast::<B::Weight>().ok()) {
             return Ok(w);
         }
-        let w = Arc::new(hold()?);
+        let w = Arc::new(be.kept_form(hold()?)?);
         if let Some(claim) = be.claim_kept(&w)? {
             self.bytes.fetch_add(claim.bytes(), Ordering::Relaxed);
             // Two threads holding the same part keep the later one; the earlier one's claim is
@@ -90,6 +90,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::exec::backend::Cpu;
+    use crate::exec::host_weight::HostWeight;
     use crate::exec::mat::Mat;
     use crate::model::names::LayerWeight;
 
@@ -106,10 +107,10 @@ mod tests {
         let kept = KeptWeights::default();
         let be = Cpu::new(Precision::F32);
         let first = kept
-            .get_or_hold(&be, part(0), || Ok(Mat::new(1, 2, vec![1.0, 2.0])))
+            .get_or_hold(&be, part(0), || be.hold(Mat::new(1, 2, vec![1.0, 2.0])))
             .unwrap();
         let again = kept
-            .get_or_hold(&be, part(0), || -> Result<Mat<f32>> {
+            .get_or_hold(&be, part(0), || -> Result<HostWeight<f32>> {
                 panic!("held again")
             })
             .unwrap();
@@ -118,8 +119,11 @@ mod tests {
         // Another precision is another weight.
         let bf16 = Cpu::new(Precision::Bf16);
         let other = kept
-            .get_or_hold(&bf16, part(0), || Ok(Mat::new(1, 1, vec![3.0])))
+            .get_or_hold(&bf16, part(0), || bf16.hold(Mat::new(1, 1, vec![3.0])))
             .unwrap();
+        let HostWeight::Values(other) = &*other else {
+            panic!("values held as blocks");
+        };
         assert_eq!(other.data(), [3.0]);
     }
 }

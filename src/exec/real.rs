@@ -33,6 +33,8 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn as_f32(xs: &[Self]) -> Option<&[f32]>;
     /// [`Self::as_f32`], writable.
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
+    /// f32 values as this type, where it is f32.
+    fn from_f32(xs: &[f32]) -> Option<&[Self]>;
     /// [`Self::stage`], shared with the writer.
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage;
     /// [`Self::stage`], handed over.
@@ -66,6 +68,9 @@ impl Real for f32 {
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]> {
         Some(xs)
     }
+    fn from_f32(xs: &[f32]) -> Option<&[Self]> {
+        Some(xs)
+    }
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F32(xs)
     }
@@ -91,6 +96,9 @@ impl Real for f64 {
         None
     }
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn from_f32(_: &[f32]) -> Option<&[Self]> {
         None
     }
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {

@@ -907,6 +907,7 @@ pub fn run<B: Backend<E = f32>>(be: &B, ranks: usize, seed: u64) -> Result<Vec<O
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exec::host_weight::HostWeight;
     use crate::trace::stats::StatsLater;
 
     #[test]
@@ -944,14 +945,14 @@ mod tests {
         struct Faulty(Cpu<f32>, Fault);
         impl Backend for Faulty {
             type E = f32;
-            type Weight = Mat<f32>;
+            type Weight = HostWeight<f32>;
             fn name(&self) -> &'static str {
                 "faulty"
             }
             fn precision(&self) -> Precision {
                 Precision::Bf16
             }
-            fn hold(&self, w: Mat<f32>) -> Result<Mat<f32>> {
+            fn hold(&self, w: Mat<f32>) -> Result<HostWeight<f32>> {
                 self.0.hold(w)
             }
             fn hold_values(&self, v: Vec<f32>) -> Vec<f32> {
@@ -960,10 +961,10 @@ mod tests {
             fn hold_exact(&self, v: Vec<f32>) -> Vec<f32> {
                 v
             }
-            fn linear(&self, x: &Mat<f32>, w: &Mat<f32>) -> Result<Mat<f32>> {
+            fn linear(&self, x: &Mat<f32>, w: &HostWeight<f32>) -> Result<Mat<f32>> {
                 self.0.linear(x, w)
             }
-            fn linear_exact(&self, x: &Mat<f32>, w: &Mat<f32>) -> Result<Mat<f32>> {
+            fn linear_exact(&self, x: &Mat<f32>, w: &HostWeight<f32>) -> Result<Mat<f32>> {
                 self.0.linear_exact(x, w)
             }
             fn rms_norm(&self, x: &Mat<f32>, w: &[f32], eps: f64) -> Result<Mat<f32>> {

@@ -145,6 +145,12 @@ impl StoredBlock<'_> {
         Ok(())
     }
 
+    /// The file and tensor it is read from, as errors name them.
+    pub fn origin(&self) -> String {
+        let m = &self.matrix;
+        format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
+    }
+
     /// The block's values in f32, dequantized on the host.
     pub fn dequantize(&self) -> Result<Mat<f32>> {
         let (rows, cols) = self.shape();
@@ -160,11 +166,8 @@ impl StoredBlock<'_> {
         }
         let mut blocks = vec![0u8; self.nbytes()];
         self.read_into(&mut blocks)?;
-        let out =
-            quant::dequantize_rows_to_vec(self.matrix.ty, &blocks, cols).with_context(|| {
-                let m = &self.matrix;
-                format!("{}: {}", m.files.file_of(m.tensor).display(), m.tensor.name)
-            })?;
+        let out = quant::dequantize_rows_to_vec(self.matrix.ty, &blocks, cols)
+            .with_context(|| self.origin())?;
         Ok(Mat::new(rows, cols, out))
     }
 }

@@ -178,6 +178,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.collectives_across_processes()
     }
 
+    fn kept_form(&self, w: B::Weight) -> Result<B::Weight> {
+        self.inner.kept_form(w)
+    }
+
     fn claim_kept(&self, w: &B::Weight) -> Result<Option<Claim>> {
         self.inner.claim_kept(w)
     }
