@@ -59,13 +59,16 @@ impl Blocks {
         self.cols / self.ty.block_size() * self.ty.type_size()
     }
 
-    /// Rows `rows` decoded into `out` (`rows.len() × cols` long) and rounded to the precision.
+    /// Rows `rows` decoded into `out` (`rows.len() × cols` long) and rounded to the precision,
+    /// a row at a time: each is rounded while the decoder's writes are still in L1.
     fn decode_rows(&self, rows: Range<usize>, out: &mut [f32]) -> Result<()> {
         let per_row = self.row_bytes();
         let src = &self.bytes[rows.start * per_row..rows.end * per_row];
-        quant::dequantize(self.ty, src, out).with_context(|| self.origin.clone())?;
-        if rounds(self.precision) {
-            self.precision.round_slice_f32(out);
+        for (row, values) in src.chunks_exact(per_row).zip(out.chunks_exact_mut(self.cols)) {
+            quant::dequantize(self.ty, row, values).with_context(|| self.origin.clone())?;
+            if rounds(self.precision) {
+                self.precision.round_slice_f32(values);
+            }
         }
         Ok(())
     }
