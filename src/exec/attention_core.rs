@@ -27,7 +27,8 @@ pub struct AttentionInputs<'a, E> {
 }
 
 /// `softmax(q·kᵀ · scale) · v` per position and head, unrounded: the CPU's loops, positions in
-/// parallel, each position's sums in one fixed order.
+/// parallel, each position's sums in one fixed order (each dot product as [`Real::dot`] sums
+/// it: in f32 16 lanes, not one chain of dependent adds).
 pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
     let (nh, nope, rope_d, vd) = (a.heads, a.nope, a.rope, a.v);
     let qk = nope + rope_d;
@@ -45,12 +46,8 @@ pub fn attention_core<E: Real>(a: &AttentionInputs<'_, E>) -> Vec<E> {
                 {
                     let kvj = &kv_rows[j][head * (nope + vd)..];
                     let kr = k_rope_rows[j];
-                    let dot_nope: E = qh[..nope]
-                        .iter()
-                        .zip(&kvj[..nope])
-                        .map(|(&x, &y)| x * y)
-                        .sum();
-                    let dot_rope: E = qh[nope..].iter().zip(kr).map(|(&x, &y)| x * y).sum();
+                    let dot_nope = E::dot(&qh[..nope], &kvj[..nope]);
+                    let dot_rope = E::dot(&qh[nope..], kr);
                     probs[j] = (dot_nope + dot_rope) * a.scale;
                 }
                 softmax(&mut probs);

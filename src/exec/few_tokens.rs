@@ -4,11 +4,11 @@
 //! contiguously, 16 values at a time, against every token's features, which lie interleaved in
 //! L1 (`benches/gemm.rs` measures the two against each other).
 //!
-//! The order of the sums is this module's own and the same on every machine: a dot product
-//! runs in [`K_LANES`] lanes, feature `i` into lane `i mod K_LANES` by a fused multiply-add, each
-//! lane in order, then the lanes added in order from lane 0. AVX2 with FMA and the portable loop
-//! do exactly those operations (the lanes bound the rounding error too: about a tenth of gemm's
-//! single-accumulator sums at 1024 features).
+//! Each dot product is summed as [`super::lane_dot`] sums it, the same on every machine (the
+//! lanes bound the rounding error too: about a tenth of gemm's single-accumulator sums at 1024
+//! features).
+
+use super::lane_dot::{finish, LANES};
 
 /// The most tokens the kernel takes.
 pub const MAX_TOKENS: usize = 4;
@@ -22,9 +22,6 @@ pub const MAX_TOKEN_FEATURES: usize = 4096;
 pub fn takes(t: usize, k: usize) -> bool {
     t <= MAX_TOKENS && t * k <= MAX_TOKEN_FEATURES
 }
-
-/// Lanes of a dot product: feature `i` adds to lane `i mod K_LANES`.
-pub const K_LANES: usize = 16;
 
 /// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features, `x` row-major `[t, k]`
 /// and `w` row-major with at least `rows` rows of `k`, laid out column-major: `[rows, t]`, a
@@ -50,17 +47,17 @@ pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize
     dst
 }
 
-/// The tokens' features chunk by chunk: for each whole chunk of [`K_LANES`] features, every
+/// The tokens' features chunk by chunk: for each whole chunk of [`LANES`] features, every
 /// token's in turn. The kernel reads it front to back instead of one stream per token: token
 /// rows lie a multiple of 4 KiB apart at most widths, so per-token streams contend for the same
 /// few L1 sets.
 #[cfg(target_arch = "x86_64")]
 fn interleaved(x: &[f32], t: usize, k: usize) -> Vec<f32> {
-    let chunks = k / K_LANES;
-    let mut xp = Vec::with_capacity(chunks * t * K_LANES);
+    let chunks = k / LANES;
+    let mut xp = Vec::with_capacity(chunks * t * LANES);
     for c in 0..chunks {
         for tok in 0..t {
-            xp.extend_from_slice(&x[tok * k + c * K_LANES..][..K_LANES]);
+            xp.extend_from_slice(&x[tok * k + c * LANES..][..LANES]);
         }
     }
     xp
@@ -71,20 +68,10 @@ fn interleaved(x: &[f32], t: usize, k: usize) -> Vec<f32> {
 fn portable_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize, dst: &mut [f32]) {
     for r in 0..rows {
         for tok in 0..t {
-            let lanes = [0f32; K_LANES];
+            let lanes = [0f32; LANES];
             dst[r * t + tok] = finish(lanes, &x[tok * k..(tok + 1) * k], &w[r * k..(r + 1) * k]);
         }
     }
-}
-
-/// A dot product from its lanes so far: the `features` and `weights` not yet in them (fewer than
-/// one lane's worth of each, or all of them) added lane by lane, then the lanes added in order
-/// from lane 0.
-fn finish(mut lanes: [f32; K_LANES], features: &[f32], weights: &[f32]) -> f32 {
-    for (i, (&a, &b)) in features.iter().zip(weights).enumerate() {
-        lanes[i % K_LANES] = a.mul_add(b, lanes[i % K_LANES]);
-    }
-    lanes.iter().fold(0.0, |a, &b| a + b)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -93,7 +80,7 @@ mod avx2 {
 
     #[cfg(doc)]
     use super::interleaved;
-    use super::{finish, K_LANES, MAX_TOKENS};
+    use super::{finish, LANES, MAX_TOKENS};
 
     /// The portable loop's operations, two registers of eight lanes per token, the tokens of a
     /// row side by side so that the row is read once.
@@ -111,23 +98,23 @@ mod avx2 {
         k: usize,
         dst: &mut [f32],
     ) {
-        let whole = k - k % K_LANES;
+        let whole = k - k % LANES;
         for r in 0..rows {
             let row = w[r * k..].as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 2]; MAX_TOKENS];
-            for i in (0..whole).step_by(K_LANES) {
+            for i in (0..whole).step_by(LANES) {
                 // SAFETY: i + 16 ≤ whole ≤ k, within the row and within `xp`'s t · whole values.
                 unsafe {
                     let (w0, w1) = (_mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(row.add(i + 8)));
                     for (tok, acc) in acc.iter_mut().enumerate().take(t) {
-                        let f = xp.as_ptr().add(i * t + tok * K_LANES);
+                        let f = xp.as_ptr().add(i * t + tok * LANES);
                         acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(f), w0, acc[0]);
                         acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(f.add(8)), w1, acc[1]);
                     }
                 }
             }
             for (tok, acc) in acc.iter().enumerate().take(t) {
-                let mut lanes = [0f32; K_LANES];
+                let mut lanes = [0f32; LANES];
                 // SAFETY: 16 lanes stored into 16 floats.
                 unsafe {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);

@@ -64,7 +64,10 @@ impl Blocks {
     fn decode_rows(&self, rows: Range<usize>, out: &mut [f32]) -> Result<()> {
         let per_row = self.row_bytes();
         let src = &self.bytes[rows.start * per_row..rows.end * per_row];
-        for (row, values) in src.chunks_exact(per_row).zip(out.chunks_exact_mut(self.cols)) {
+        for (row, values) in src
+            .chunks_exact(per_row)
+            .zip(out.chunks_exact_mut(self.cols))
+        {
             quant::dequantize(self.ty, row, values).with_context(|| self.origin.clone())?;
             if rounds(self.precision) {
                 self.precision.round_slice_f32(values);

@@ -12,6 +12,7 @@ pub mod host_weight;
 pub mod indexer_core;
 pub mod inject;
 pub mod kept;
+pub mod lane_dot;
 pub mod lazy_weight;
 pub mod mat;
 pub mod op_clock;

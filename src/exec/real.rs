@@ -35,6 +35,9 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
     /// f32 values as this type, where it is f32.
     fn from_f32(xs: &[f32]) -> Option<&[Self]>;
+    /// `Σ a[i]·b[i]` in this type's fixed order (f32: in lanes, [`super::lane_dot`]; f64: in
+    /// sequence).
+    fn dot(a: &[Self], b: &[Self]) -> Self;
     /// [`Self::stage`], shared with the writer.
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage;
     /// [`Self::stage`], handed over.
@@ -71,6 +74,9 @@ impl Real for f32 {
     fn from_f32(xs: &[f32]) -> Option<&[Self]> {
         Some(xs)
     }
+    fn dot(a: &[Self], b: &[Self]) -> Self {
+        super::lane_dot::dot(a, b)
+    }
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F32(xs)
     }
@@ -100,6 +106,9 @@ impl Real for f64 {
     }
     fn from_f32(_: &[f32]) -> Option<&[Self]> {
         None
+    }
+    fn dot(a: &[Self], b: &[Self]) -> Self {
+        a.iter().zip(b).map(|(&x, &y)| x * y).sum()
     }
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F64(xs)
