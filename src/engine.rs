@@ -278,6 +278,10 @@ impl Backend for Engine {
         on_backend!(self, be => be.collectives_across_processes())
     }
 
+    fn reads_ahead(&self) -> bool {
+        on_backend!(self, be => be.reads_ahead())
+    }
+
     fn kept_form(&self, w: EngineWeight) -> Result<EngineWeight> {
         Ok(match (self, w) {
             (Engine::Cpu(be), EngineWeight::Cpu(w)) => EngineWeight::Cpu(be.kept_form(w)?),

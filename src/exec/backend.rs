@@ -199,6 +199,12 @@ pub trait Backend: Sync + Clone {
     fn collectives_across_processes(&self) -> bool {
         false
     }
+    /// Whether the forward should ask for stored weights to be read into the page cache ahead
+    /// of their use ([`crate::weights::read_ahead`]): where this backend reads them from the
+    /// files each time it holds them (the CPU), not where it may keep them on its device.
+    fn reads_ahead(&self) -> bool {
+        false
+    }
     /// `w` as a run that keeps weights between passes keeps it (by default as it is).
     fn kept_form(&self, w: Self::Weight) -> Result<Self::Weight> {
         Ok(w)
@@ -539,6 +545,10 @@ impl<E: Real> Backend for Cpu<E> {
     fn round(&self, xs: &mut [E]) -> Result<()> {
         round_to_precision(xs, self.precision);
         Ok(())
+    }
+
+    fn reads_ahead(&self) -> bool {
+        true
     }
 
     /// Decoded where the values fit the budget: a later pass then reads them instead of

@@ -17,7 +17,7 @@ use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
 use crate::model::Glm5Config;
 use crate::synth::quantize::round_trip;
-use crate::weights::{quant, Encoding, GgmlType, ModelFiles};
+use crate::weights::{quant, read_ahead, Encoding, GgmlType, ModelFiles};
 
 /// Weights of one model file set with its config, and the fault planted in the run that reads
 /// them (weight faults are applied here, op faults by the forward).
@@ -428,6 +428,28 @@ impl WeightSource {
     /// whole GGML blocks, when a run may read it that way: not through another file set's
     /// storage, not touched by a planted weight fault, and stored as one matrix (not as
     /// llama.cpp's split kv_b).
+    /// Asks for layer `l`'s routed `experts` to be read into the page cache ahead of their use,
+    /// in the order a layer multiplies by them (see [`crate::weights::read_ahead`]).
+    pub fn read_ahead_experts(&self, l: u64, experts: &[usize]) {
+        let ranges = experts
+            .iter()
+            .flat_map(|&e| {
+                [
+                    LayerWeight::ExpertsGate,
+                    LayerWeight::ExpertsUp,
+                    LayerWeight::ExpertsDown,
+                ]
+                .map(|which| WeightId::Expert {
+                    layer: l,
+                    expert: e as u64,
+                    which,
+                })
+            })
+            .filter_map(|id| Some(self.stored_matrix(id)?.whole().file_range()))
+            .collect();
+        read_ahead::ask(ranges);
+    }
+
     pub fn stored_matrix(&self, id: WeightId) -> Option<StoredMatrix<'_>> {
         if self.storage.is_some() || self.hooks().changes_weight(id) {
             return None;

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use super::mat::Mat;
+use crate::weights::read_ahead::FileRange;
 use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
 /// A `[rows, cols]` matrix stored as rows `first_row..first_row + rows` of a GGML tensor's 2-D
@@ -118,6 +119,16 @@ impl StoredBlock<'_> {
             per_value(self.matrix.cols),
             per_value(self.cols.start)..per_value(self.cols.end),
         )
+    }
+
+    /// The bytes of the file its rows lie in (all of each row's columns).
+    pub fn file_range(&self) -> FileRange {
+        let m = &self.matrix;
+        let (row_bytes, _) = self.row_bytes();
+        let rows = self.tensor_rows();
+        let start = m.tensor.offset + rows.start * row_bytes as u64;
+        let end = m.tensor.offset + rows.end * row_bytes as u64;
+        (m.files.file_of(m.tensor), start..end)
     }
 
     /// Bytes of the block's GGML blocks.

@@ -178,6 +178,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.collectives_across_processes()
     }
 
+    fn reads_ahead(&self) -> bool {
+        self.inner.reads_ahead()
+    }
+
     fn kept_form(&self, w: B::Weight) -> Result<B::Weight> {
         self.inner.kept_form(w)
     }

@@ -72,6 +72,9 @@ impl<B: Backend> Layer<'_, B> {
         let mut used: Vec<usize> = ids.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
+        if be.reads_ahead() {
+            self.src.read_ahead_experts(self.l, &used);
+        }
         // Experts run a group at a time (a few on the CPU's cores, more in one GPU trip);
         // their outputs are added in expert order, so the sum depends on neither the group size
         // nor the thread count. Ranks in processes of their own must issue their collectives in
