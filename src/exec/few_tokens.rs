@@ -132,13 +132,8 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::lane_dot::test_values::{near_exact, values};
     use super::*;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
-            .collect()
-    }
 
     /// Every kernel this CPU can run gives the portable loop's bits, at every token count it
     /// takes, with odd rows and features that do not fill the last lanes; and all are within
@@ -176,11 +171,8 @@ mod tests {
             }
             for r in 0..rows {
                 for tok in 0..t {
-                    let exact: f64 = (0..k)
-                        .map(|i| f64::from(x[tok * k + i]) * f64::from(w[r * k + i]))
-                        .sum();
-                    let got = f64::from(want[r * t + tok]);
-                    assert!((got - exact).abs() <= 1e-6 * (1.0 + exact.abs()) * k as f64);
+                    let (x, w) = (&x[tok * k..(tok + 1) * k], &w[r * k..(r + 1) * k]);
+                    assert!(near_exact(want[r * t + tok], x, w));
                 }
             }
         }

@@ -63,31 +63,42 @@ mod avx2 {
     }
 }
 
+/// Operands for the tests of the dot products built on these lanes.
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
+pub(crate) mod test_values {
+    /// `n` values in [−1, 1] whose sums depend on their order in f32.
+    pub fn values(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
             .map(|i| ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0)
             .collect()
     }
 
+    /// Whether `got` is within f32's rounding of `a`·`b` summed in f64.
+    pub fn near_exact(got: f32, a: &[f32], b: &[f32]) -> bool {
+        let exact: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(&x, &y)| f64::from(x) * f64::from(y))
+            .sum();
+        (f64::from(got) - exact).abs() <= 1e-6 * (1.0 + exact.abs()) * a.len() as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_values::{near_exact, values};
+    use super::*;
+
     /// The dispatched dot product is the portable loop's, bit for bit, at lengths that fill no
     /// lane, some lanes, whole lanes and whole lanes and a tail; and within f32's rounding of
     /// f64.
     #[test]
-    fn every_path_sums_in_the_same_lanes() {
+    fn the_dispatched_dot_product_is_the_portable_loops() {
         for n in [0, 1, 7, 15, 16, 17, 64, 192, 257, 1000] {
             let (a, b) = (values(n, 1), values(n + 3, 2));
             let want = finish([0.0; LANES], &a, &b[..n]);
             assert_eq!(dot(&a, &b).to_bits(), want.to_bits(), "{n} terms");
-            let exact: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(&x, &y)| f64::from(x) * f64::from(y))
-                .sum();
-            assert!((f64::from(want) - exact).abs() <= 1e-6 * (1.0 + exact.abs()) * n as f64);
+            assert!(near_exact(want, &a, &b[..n]), "{n} terms");
         }
         // The lanes in order: term 16 joins lane 0, and the lanes are added from lane 0.
         let mut a = vec![0f32; 17];
