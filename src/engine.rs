@@ -282,14 +282,6 @@ impl Backend for Engine {
         on_backend!(self, be => be.reads_ahead())
     }
 
-    fn kept_form(&self, w: EngineWeight) -> Result<EngineWeight> {
-        Ok(match (self, w) {
-            (Engine::Cpu(be), EngineWeight::Cpu(w)) => EngineWeight::Cpu(be.kept_form(w)?),
-            (Engine::Cuda(be), EngineWeight::Cuda(w)) => EngineWeight::Cuda(be.kept_form(w)?),
-            (_, w) => w,
-        })
-    }
-
     fn claim_kept(&self, w: &EngineWeight) -> Result<Option<Claim>> {
         match (self, w) {
             (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.claim_kept(w),

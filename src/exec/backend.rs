@@ -13,7 +13,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
-use super::claim::{claim_host, room_on_host, Claim};
+use super::claim::{claim_host, Claim};
 use super::few_tokens;
 use super::gemm_kernel;
 use super::host_weight::{round_to_precision, Blocks, HostWeight};
@@ -204,10 +204,6 @@ pub trait Backend: Sync + Clone {
     /// files each time it holds them (the CPU), not where it may keep them on its device.
     fn reads_ahead(&self) -> bool {
         false
-    }
-    /// `w` as a run that keeps weights between passes keeps it (by default as it is).
-    fn kept_form(&self, w: Self::Weight) -> Result<Self::Weight> {
-        Ok(w)
     }
     /// A claim on the memory that holds `w`, for a run that keeps weights between passes
     /// ([`super::kept`]); `None` where it does not fit (or the backend keeps nothing).
@@ -549,15 +545,6 @@ impl<E: Real> Backend for Cpu<E> {
 
     fn reads_ahead(&self) -> bool {
         true
-    }
-
-    /// Decoded where the values fit the budget: a later pass then reads them instead of
-    /// decoding the blocks again.
-    fn kept_form(&self, w: HostWeight<E>) -> Result<HostWeight<E>> {
-        if room_on_host(w.decoded_bytes() as u64)? {
-            return w.into_values();
-        }
-        Ok(w)
     }
 
     fn claim_kept(&self, w: &HostWeight<E>) -> Result<Option<Claim>> {

@@ -50,13 +50,6 @@ pub fn claim_host(bytes: u64) -> Result<Option<Claim>> {
     Ok(Claim::reserve(&HOST_KEPT, bytes, budget()?))
 }
 
-/// Whether `bytes` more would fit the process's budget now.
-pub fn room_on_host(bytes: u64) -> Result<bool> {
-    let budget = budget()?;
-    let used = HOST_KEPT.load(Ordering::Relaxed);
-    Ok(used.checked_add(bytes).is_some_and(|total| total <= budget))
-}
-
 /// The process's budget, read once.
 fn budget() -> Result<u64> {
     static BUDGET: OnceLock<std::result::Result<u64, String>> = OnceLock::new();

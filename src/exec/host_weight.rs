@@ -75,18 +75,6 @@ impl Blocks {
         }
         Ok(())
     }
-
-    /// The whole weight's values, as [`HostWeight::Values`] holds them.
-    fn decoded<E: Real>(&self) -> Result<Mat<E>> {
-        let mut out = vec![0f32; self.rows * self.cols];
-        if !out.is_empty() {
-            let decode = quant::dequantize_rows(self.ty, &self.bytes, &mut out, self.cols);
-            decode.with_context(|| self.origin.clone())?;
-        }
-        let mut values = E::widen_all(out);
-        round_to_precision(&mut values, self.precision);
-        Ok(Mat::new(self.rows, self.cols, values))
-    }
 }
 
 /// Whether values held at `precision` are rounded (f32 and f64 hold what they compute).
@@ -123,20 +111,6 @@ impl<E: Real> HostWeight<E> {
         match self {
             HostWeight::Values(m) => std::mem::size_of_val(m.data()),
             HostWeight::Blocks(b) => b.bytes.len(),
-        }
-    }
-
-    /// Bytes its values take once decoded.
-    pub fn decoded_bytes(&self) -> usize {
-        let (rows, cols) = self.shape();
-        rows * cols * size_of::<E>()
-    }
-
-    /// The weight with its values decoded (as it is where it holds them already).
-    pub fn into_values(self) -> Result<HostWeight<E>> {
-        match self {
-            HostWeight::Blocks(b) => Ok(HostWeight::Values(b.decoded()?)),
-            values => Ok(values),
         }
     }
 
@@ -249,7 +223,6 @@ mod tests {
                         "{ty}: not blocks"
                     );
                     let by_values = be.hold(b.dequantize().unwrap()).unwrap();
-                    let decoded = by_blocks.into_values().unwrap();
                     for tokens in [1, 3, 17, 40] {
                         let x = Mat::new(tokens, b.shape().1, values(tokens * b.shape().1, 9));
                         let want = be.linear_exact(&x, &by_values).unwrap();
@@ -257,8 +230,6 @@ mod tests {
                         let got = be.linear_exact(&x, &by_blocks).unwrap();
                         let case = format!("{ty} {precision:?} {:?} {tokens} tokens", b.shape());
                         assert_eq!(differing(&got, &want), 0, "{case}: outputs differ");
-                        let again = be.linear_exact(&x, &decoded).unwrap();
-                        assert_eq!(differing(&again, &want), 0, "{case}, decoded whole");
                     }
                 }
             }

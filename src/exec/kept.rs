@@ -64,7 +64,7 @@ impl KeptWeights {
         if let Some(w) = found.and_then(|w| w.downcast::<B::Weight>().ok()) {
             return Ok(w);
         }
-        let w = Arc::new(be.kept_form(hold()?)?);
+        let w = Arc::new(hold()?);
         if let Some(claim) = be.claim_kept(&w)? {
             self.bytes.fetch_add(claim.bytes(), Ordering::Relaxed);
             // Two threads holding the same part keep the later one; the earlier one's claim is

@@ -182,10 +182,6 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.reads_ahead()
     }
 
-    fn kept_form(&self, w: B::Weight) -> Result<B::Weight> {
-        self.inner.kept_form(w)
-    }
-
     fn claim_kept(&self, w: &B::Weight) -> Result<Option<Claim>> {
         self.inner.claim_kept(w)
     }
