@@ -16,7 +16,7 @@ use super::attention_core::{attention_core, AttentionInputs};
 use super::claim::{claim_host, Claim};
 use super::few_tokens;
 use super::gemm_kernel;
-use super::host_weight::{round_to_precision, Blocks, HostWeight};
+use super::host_weight::{Blocks, HostWeight};
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
 use super::op_clock::Op;
@@ -420,6 +420,14 @@ impl Cpu<f64> {
 }
 
 impl<E: Real> Cpu<E> {
+    fn round_in_place(&self, xs: &mut [E]) {
+        if !matches!(self.precision, Precision::F32 | Precision::F64) {
+            // A weight is millions of values: its parts in parallel (each value on its own).
+            xs.par_chunks_mut(1 << 16)
+                .for_each(|part| E::round_all(part, self.precision));
+        }
+    }
+
     fn rounded(&self, mut m: Mat<E>) -> Result<Mat<E>> {
         self.round(m.data_mut())?;
         Ok(m)
@@ -458,7 +466,7 @@ impl<E: Real> Backend for Cpu<E> {
 
     fn hold_values(&self, v: Vec<f32>) -> Vec<E> {
         let mut v = E::widen_all(v);
-        round_to_precision(&mut v, self.precision);
+        self.round_in_place(&mut v);
         v
     }
 
@@ -539,7 +547,7 @@ impl<E: Real> Backend for Cpu<E> {
     }
 
     fn round(&self, xs: &mut [E]) -> Result<()> {
-        round_to_precision(xs, self.precision);
+        self.round_in_place(xs);
         Ok(())
     }
 

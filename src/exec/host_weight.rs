@@ -11,7 +11,6 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use anyhow::{Context, Result};
-use rayon::prelude::*;
 
 use super::mat::Mat;
 use super::real::Real;
@@ -69,25 +68,9 @@ impl Blocks {
             .zip(out.chunks_exact_mut(self.cols))
         {
             quant::dequantize(self.ty, row, values).with_context(|| self.origin.clone())?;
-            if rounds(self.precision) {
-                self.precision.round_slice_f32(values);
-            }
+            self.precision.round_slice_f32(values);
         }
         Ok(())
-    }
-}
-
-/// Whether values held at `precision` are rounded (f32 and f64 hold what they compute).
-fn rounds(precision: Precision) -> bool {
-    !matches!(precision, Precision::F32 | Precision::F64)
-}
-
-/// `xs` rounded to `precision` as a weight's values are held, in parallel parts (a weight is
-/// millions of values, each rounded on its own).
-pub fn round_to_precision<E: Real>(xs: &mut [E], precision: Precision) {
-    if rounds(precision) {
-        xs.par_chunks_mut(1 << 16)
-            .for_each(|part| E::round_all(part, precision));
     }
 }
 

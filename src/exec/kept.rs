@@ -1,9 +1,10 @@
 //! Weights a run keeps between its passes, as its backend holds them. A greedy generation or a
-//! warm-up runs every layer and lm_head again, and dequantizing a weight again costs far more
-//! than keeping it (GLM-5's lm_head alone is 3.8 GB of f32 decoded from Q6_K per pass).
+//! warm-up runs every layer and lm_head again, and reading a weight again (from a disk, for a
+//! model larger than the page cache) or dequantizing it again on a GPU costs more than keeping
+//! it: the CPU keeps a quantized weight's blocks, a GPU its dequantized values.
 //!
 //! Bounded: each kept weight holds a [`Claim`] on the memory its backend keeps it in (see
-//! [`super::claim`]). First come, first kept; a weight past the budget is dequantized for each
+//! [`super::claim`]). First come, first kept; a weight past the budget is read again for each
 //! use, as without keeping. Keeping never changes a value: a kept weight is the one the first
 //! pass held.
 

@@ -424,10 +424,6 @@ impl WeightSource {
         Ok(Some((name, first..first + rows)))
     }
 
-    /// Where matrix `id` (a layer's weight, a routed expert's, lm_head) lies in the files as
-    /// whole GGML blocks, when a run may read it that way: not through another file set's
-    /// storage, not touched by a planted weight fault, and stored as one matrix (not as
-    /// llama.cpp's split kv_b).
     /// Asks for layer `l`'s routed `experts` to be read into the page cache ahead of their use,
     /// in the order a layer multiplies by them (see [`crate::weights::read_ahead`]).
     pub fn read_ahead_experts(&self, l: u64, experts: &[usize]) {
@@ -450,6 +446,10 @@ impl WeightSource {
         read_ahead::ask(ranges);
     }
 
+    /// Where matrix `id` (a layer's weight, a routed expert's, lm_head) lies in the files as
+    /// whole GGML blocks, when a run may read it that way: not through another file set's
+    /// storage, not touched by a planted weight fault, and stored as one matrix (not as
+    /// llama.cpp's split kv_b).
     pub fn stored_matrix(&self, id: WeightId) -> Option<StoredMatrix<'_>> {
         if self.storage.is_some() || self.hooks().changes_weight(id) {
             return None;

@@ -13,7 +13,7 @@ use std::fs::File;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// A range of bytes of a file.
 pub type FileRange = (PathBuf, Range<u64>);
@@ -23,7 +23,7 @@ pub fn ask(ranges: Vec<FileRange>) {
     if ranges.is_empty() {
         return;
     }
-    static WORKER: OnceLock<Option<Mutex<Sender<Vec<FileRange>>>>> = OnceLock::new();
+    static WORKER: OnceLock<Option<Sender<Vec<FileRange>>>> = OnceLock::new();
     let worker = WORKER.get_or_init(|| {
         let (tx, rx) = channel::<Vec<FileRange>>();
         let started = std::thread::Builder::new()
@@ -36,10 +36,9 @@ pub fn ask(ranges: Vec<FileRange>) {
                     }
                 }
             });
-        started.ok().map(|_| Mutex::new(tx))
+        started.ok().map(|_| tx)
     });
     if let Some(tx) = worker {
-        let tx = tx.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         // The thread lives as long as the process; a send cannot fail while it does.
         let _ = tx.send(ranges);
     }
