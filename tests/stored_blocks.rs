@@ -14,6 +14,7 @@ use glmcheck::exec::source::WeightSource;
 use glmcheck::exec::stored::StoredMatrix;
 use glmcheck::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use glmcheck::shard::plan::splits_rows;
+use glmcheck::weights::file_read::{as_room, filled_vec};
 
 /// Every split matrix of the model: attention's, the dense MLP's, the shared expert's and two
 /// routed experts' per MoE layer.
@@ -187,17 +188,20 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let t = files.require("blk.0.attn_q_b.weight").unwrap();
     let mut two = [7u8; 2];
     let err = files
-        .read_into(t, t.nbytes - 1, &mut two)
+        .read_into(t, t.nbytes - 1, as_room(&mut two))
         .unwrap_err()
         .to_string();
     assert!(err.contains("blk.0.attn_q_b.weight"), "{err}");
     assert!(err.contains("outside its"), "{err}");
     assert_eq!(two, [7, 7]);
     let mut last = [0u8; 1];
-    files.read_into(t, t.nbytes - 1, &mut last).unwrap();
+    files
+        .read_into(t, t.nbytes - 1, as_room(&mut last))
+        .unwrap();
     assert_eq!(last[0], files.bytes(t)[t.nbytes as usize - 1]);
 
-    // A read of several MiB goes out on several threads: the bytes are the map's, in order.
+    // A read of several MiB goes out on several threads, into memory nothing wrote before: the
+    // bytes are the map's, in order.
     let big = dir.path().join("small.gguf");
     common::glmcheck_json(
         [
@@ -215,8 +219,8 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let files = glmcheck::weights::ModelFiles::open(&big).unwrap();
     let t = files.tensors().iter().max_by_key(|t| t.nbytes).unwrap();
     assert!(t.nbytes > 8 << 20, "{} is {} bytes", t.name, t.nbytes);
-    let mut whole = vec![0u8; t.nbytes as usize - 3];
-    files.read_into(t, 3, &mut whole).unwrap();
+    let whole: Vec<u8> =
+        filled_vec(t.nbytes as usize - 3, |room| files.read_into(t, 3, room)).unwrap();
     assert!(whole == files.bytes(t)[3..], "{}", t.name);
 
     // F32 blocks are read straight into the values: the map's bytes as little-endian f32, for

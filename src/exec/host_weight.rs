@@ -42,8 +42,7 @@ impl Blocks {
     /// `w`'s blocks read from its file, to be rounded to `precision`.
     pub fn read(w: &StoredBlock<'_>, precision: Precision) -> Result<Blocks> {
         let (rows, cols) = w.shape();
-        let mut bytes = vec![0u8; w.nbytes()];
-        w.read_into(&mut bytes)?;
+        let bytes = w.read_bytes()?;
         Ok(Blocks {
             ty: w.ty(),
             rows,

@@ -3,12 +3,14 @@
 //! by dequantizing it on the host, a GPU by uploading the blocks (once) and dequantizing them on
 //! the device — so a tensor-parallel rank reads only its own shard, never the whole weight.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
 use super::mat::Mat;
+use crate::weights::file_read::{as_room, filled_vec};
 use crate::weights::read_ahead::FileRange;
 use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
@@ -141,17 +143,30 @@ impl StoredBlock<'_> {
     /// `[rows, cols]` tensor of the same type. Reads the rows' bytes from the file (positioned
     /// reads, not through the map) and keeps the block's columns of each.
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
+        self.read_to(as_room(out))
+    }
+
+    /// [`Self::read_into`] a new buffer, which nothing but the read writes.
+    pub fn read_bytes(&self) -> Result<Vec<u8>> {
+        filled_vec(self.nbytes(), |room| self.read_to(room))
+    }
+
+    /// [`Self::read_into`] room that need not be initialized; every byte written on success.
+    fn read_to(&self, out: &mut [MaybeUninit<u8>]) -> Result<()> {
         let m = &self.matrix;
         let (row_bytes, within) = self.row_bytes();
         let first = self.tensor_rows().start * row_bytes as u64;
         if within.len() == row_bytes {
             return Ok(m.files.read_into(m.tensor, first, out)?);
         }
-        let mut rows = vec![0u8; self.rows.len() * row_bytes];
-        m.files.read_into(m.tensor, first, &mut rows)?;
+        let rows: Vec<u8> = filled_vec(self.rows.len() * row_bytes, |room| {
+            m.files.read_into(m.tensor, first, room)
+        })?;
         let kept = rows.chunks_exact(row_bytes).map(|row| &row[within.clone()]);
         for (dst, src) in out.chunks_exact_mut(within.len().max(1)).zip(kept) {
-            dst.copy_from_slice(src);
+            for (d, &b) in dst.iter_mut().zip(src) {
+                d.write(b);
+            }
         }
         Ok(())
     }
@@ -171,12 +186,10 @@ impl StoredBlock<'_> {
         if self.matrix.ty == GgmlType::F32 && cfg!(target_endian = "little") {
             // The values' own bytes: read straight into the output, without a second buffer of
             // the weight's size and a copy out of it.
-            let mut out = vec![0f32; rows * cols];
-            self.read_into(bytemuck::cast_slice_mut(&mut out))?;
+            let out = filled_vec(rows * cols, |room| self.read_to(room))?;
             return Ok(Mat::new(rows, cols, out));
         }
-        let mut blocks = vec![0u8; self.nbytes()];
-        self.read_into(&mut blocks)?;
+        let blocks = self.read_bytes()?;
         let out = quant::dequantize_rows_to_vec(self.matrix.ty, &blocks, cols)
             .with_context(|| self.origin())?;
         Ok(Mat::new(rows, cols, out))

@@ -1,6 +1,7 @@
 //! Reading weights: GGUF and safetensors files, GGML dequantizers, GLM-5 names and kv_b assembly.
 
 pub mod error;
+pub mod file_read;
 pub mod fp8;
 pub mod ggml_type;
 pub mod quant;

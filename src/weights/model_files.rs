@@ -2,9 +2,11 @@
 //! safetensors checkpoint. Tensors are listed uniformly and dequantized lazily, by row range or
 //! expert, reading only the bytes asked for.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use super::file_read::read_exact_at;
 use super::fp8;
 use super::gguf::GgufModel;
 use super::quant;
@@ -130,8 +132,12 @@ impl ModelFiles {
     /// Bytes of `t` from offset `start` (within the tensor) into `out`, by a positioned read of
     /// its file, not through the map: one bulk copy out of the page cache, without faulting
     /// each page into this process (for bytes that are only passed on, as to a GPU).
-    pub fn read_into(&self, t: &TensorEntry, start: u64, out: &mut [u8]) -> Result<()> {
-        use std::os::unix::fs::FileExt;
+    pub fn read_into(
+        &self,
+        t: &TensorEntry,
+        start: u64,
+        out: &mut [MaybeUninit<u8>],
+    ) -> Result<()> {
         let path = self.file_of(t);
         let end = start.checked_add(out.len() as u64);
         if end.is_none_or(|end| end > t.nbytes) {
@@ -149,9 +155,7 @@ impl ModelFiles {
         let per_thread = out.len().div_ceil(READ_THREADS).max(READ_CHUNK);
         if out.len() <= per_thread {
             // One read: no thread to start.
-            return file
-                .read_exact_at(out, at)
-                .map_err(|e| WeightError::io(&path, e));
+            return read_exact_at(&file, at, out).map_err(|e| WeightError::io(&path, e));
         }
         std::thread::scope(|scope| {
             let reads: Vec<_> = out
@@ -159,7 +163,7 @@ impl ModelFiles {
                 .enumerate()
                 .map(|(i, part)| {
                     let file = &file;
-                    scope.spawn(move || file.read_exact_at(part, at + (i * per_thread) as u64))
+                    scope.spawn(move || read_exact_at(file, at + (i * per_thread) as u64, part))
                 })
                 .collect();
             reads
