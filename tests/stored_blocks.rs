@@ -241,4 +241,25 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
         .flat_map(|r| mapped[r * cols + cols / 4..r * cols + cols / 2].to_vec())
         .collect();
     assert!(bits(block.dequantize().unwrap()) == want);
+
+    // Blocks of whole rows are read in place in the map (the CPU backend's held blocks); a
+    // block of columns, whose rows do not lie together, is not. Dropping mapped bytes gives
+    // their pages back; the same bytes map again.
+    let rows_block = matrix.block(1..rows - 1, 0..cols).unwrap();
+    for _ in 0..2 {
+        let in_place = rows_block.mapped().unwrap().expect("whole rows are mapped");
+        assert!(*in_place == files.bytes(t)[cols * 4..(rows - 1) * cols * 4]);
+        assert!(*in_place == rows_block.read_bytes().unwrap());
+    }
+    assert!(block.mapped().unwrap().is_none());
+    assert!(matrix.whole().mapped().unwrap().unwrap().len() == t.nbytes as usize);
+    let err = files
+        .mapped(t, 1, t.nbytes as usize)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(&t.name) && err.contains("outside its"),
+        "{err}"
+    );
 }

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 
 use super::mat::Mat;
 use crate::weights::file_read::{as_room, filled_vec};
+use crate::weights::pages::MappedBytes;
 use crate::weights::read_ahead::FileRange;
 use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
@@ -144,6 +145,18 @@ impl StoredBlock<'_> {
     /// reads, not through the map) and keeps the block's columns of each.
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
         self.read_to(as_room(out))
+    }
+
+    /// The block's GGML blocks in place in the file's map, where they lie together (a block of
+    /// whole rows); `None` for a block of columns.
+    pub fn mapped(&self) -> Result<Option<MappedBytes>> {
+        let m = &self.matrix;
+        let (row_bytes, within) = self.row_bytes();
+        if within.len() != row_bytes {
+            return Ok(None);
+        }
+        let first = self.tensor_rows().start * row_bytes as u64;
+        Ok(Some(m.files.mapped(m.tensor, first, self.nbytes())?))
     }
 
     /// [`Self::read_into`] a new buffer, which nothing but the read writes.

@@ -13,7 +13,7 @@ pub use ggml_type::GgmlType;
 pub use tensor::{Encoding, TensorEntry};
 pub mod gguf;
 pub mod model_files;
-mod pages;
+pub mod pages;
 pub mod read_ahead;
 pub use model_files::ModelFiles;
 pub mod health;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use super::file_read::read_exact_at;
 use super::fp8;
 use super::gguf::GgufModel;
+use super::pages::{self, MappedBytes};
 use super::quant;
 use super::safetensors::SafetensorsSet;
 use super::{Encoding, Result, TensorEntry, WeightError};
@@ -139,17 +140,8 @@ impl ModelFiles {
         out: &mut [MaybeUninit<u8>],
     ) -> Result<()> {
         let path = self.file_of(t);
-        let end = start.checked_add(out.len() as u64);
-        if end.is_none_or(|end| end > t.nbytes) {
-            let why = format!(
-                "{} bytes from {start} are outside its {} bytes",
-                out.len(),
-                t.nbytes
-            );
-            return Err(WeightError::tensor(&path, &t.name, why));
-        }
+        let at = t.offset + self.checked(t, start, out.len())?;
         let file = std::fs::File::open(&path).map_err(|e| WeightError::io(&path, e))?;
-        let at = t.offset + start;
         // Several reads at once (one thread copies out of the page cache at a few GB/s), on
         // threads of their own: callers may hold a lock that a pool's stolen task would want.
         let per_thread = out.len().div_ceil(READ_THREADS).max(READ_CHUNK);
@@ -173,14 +165,41 @@ impl ModelFiles {
         .map_err(|e| WeightError::io(&path, e))
     }
 
+    /// `len` bytes of `t` from offset `start` (within the tensor), read in place in the file's
+    /// map: no copy, and out of this process's resident memory again once dropped.
+    pub fn mapped(&self, t: &TensorEntry, start: u64, len: usize) -> Result<MappedBytes> {
+        let at = (t.offset + self.checked(t, start, len)?) as usize;
+        Ok(MappedBytes::new(self.map_of(t).clone(), at..at + len))
+    }
+
+    /// `start`, once `len` bytes from it are known to lie within `t`.
+    fn checked(&self, t: &TensorEntry, start: u64, len: usize) -> Result<u64> {
+        match start.checked_add(len as u64) {
+            Some(end) if end <= t.nbytes => Ok(start),
+            _ => {
+                let why = format!(
+                    "{len} bytes from {start} are outside its {} bytes",
+                    t.nbytes
+                );
+                Err(WeightError::tensor(&self.file_of(t), &t.name, why))
+            }
+        }
+    }
+
     /// Tell the kernel rows `rows` of `t` are done with: their mapped pages leave this process's
     /// resident memory (a later read faults them back from the page cache or the file).
     pub fn release_rows(&self, t: &TensorEntry, rows: Range<u64>) {
         let row_bytes = t.nbytes / t.rows().max(1);
-        let range = rows.start * row_bytes..rows.end * row_bytes;
+        let start = (t.offset + rows.start * row_bytes) as usize;
+        let len = ((rows.end - rows.start) * row_bytes) as usize;
+        pages::release(self.map_of(t), start..start + len);
+    }
+
+    /// The map of the file holding `t`.
+    fn map_of(&self, t: &TensorEntry) -> &std::sync::Arc<memmap2::Mmap> {
         match &self.source {
-            Source::Gguf(g) => g.release(t, range),
-            Source::Safetensors(s) => s.release(t, range),
+            Source::Gguf(g) => g.map(t),
+            Source::Safetensors(s) => s.map(t),
         }
     }
 

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
@@ -28,7 +29,7 @@ const LEN_BYTES: u64 = 8;
 pub struct SafetensorsSet {
     /// The files, indexed by [`TensorEntry::file`].
     pub files: Vec<PathBuf>,
-    maps: Vec<Mmap>,
+    maps: Vec<Arc<Mmap>>,
     /// Every tensor, sorted by name.
     pub tensors: Vec<TensorEntry>,
     /// The `__metadata__` of the first file.
@@ -61,13 +62,12 @@ impl SafetensorsSet {
         &self.maps[t.file][t.offset as usize..(t.offset + t.nbytes) as usize]
     }
 
-    /// Let the kernel drop bytes `range` of tensor `t` from memory (they are re-read on demand).
-    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
-        let start = (t.offset + range.start) as usize;
-        crate::weights::pages::release(
-            &self.maps[t.file],
-            start..start + (range.end - range.start) as usize,
-        );
+    /// The map of the file holding `t`.
+    ///
+    /// # Panics
+    /// If `t` is not an entry of this set.
+    pub fn map(&self, t: &TensorEntry) -> &Arc<Mmap> {
+        &self.maps[t.file]
     }
 
     /// The tensor of this name.
@@ -96,7 +96,7 @@ impl SafetensorsSet {
             let (map, header_len, meta) = map_file(path)?;
             tensors.extend(entries(&meta, header_len, i));
             metadata.get_or_insert_with(|| meta.metadata().clone().unwrap_or_default());
-            maps.push(map);
+            maps.push(Arc::new(map));
         }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {

@@ -3,6 +3,8 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use memmap2::Mmap;
 
 use super::cursor::Cursor;
@@ -25,7 +27,7 @@ pub struct GgufFile {
     pub alignment: u64,
     /// Absolute offset of the data section.
     pub data_offset: u64,
-    map: Mmap,
+    map: Arc<Mmap>,
 }
 
 impl GgufFile {
@@ -42,7 +44,7 @@ impl GgufFile {
             tensors: h.tensors,
             alignment: h.alignment,
             data_offset: h.data_offset,
-            map,
+            map: Arc::new(map),
         })
     }
 
@@ -51,13 +53,9 @@ impl GgufFile {
         &self.map[t.offset as usize..(t.offset + t.nbytes) as usize]
     }
 
-    /// Let the kernel drop bytes `range` of tensor `t` from memory (they are re-read on demand).
-    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
-        let start = (t.offset + range.start) as usize;
-        crate::weights::pages::release(
-            &self.map,
-            start..start + (range.end - range.start) as usize,
-        );
+    /// The file's map.
+    pub fn map(&self) -> &Arc<Mmap> {
+        &self.map
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {

@@ -80,8 +80,9 @@ impl GgufModel {
         self.shards[t.file].bytes(t)
     }
 
-    pub fn release(&self, t: &TensorEntry, range: std::ops::Range<u64>) {
-        self.shards[t.file].release(t, range)
+    /// The map of the shard holding `t`.
+    pub fn map(&self, t: &TensorEntry) -> &std::sync::Arc<memmap2::Mmap> {
+        self.shards[t.file].map()
     }
 
     pub fn paths(&self) -> Vec<PathBuf> {
