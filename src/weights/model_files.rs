@@ -181,7 +181,7 @@ impl ModelFiles {
                     "{len} bytes from {start} are outside its {} bytes",
                     t.nbytes
                 );
-                Err(WeightError::tensor(&self.file_of(t), &t.name, why))
+                Err(WeightError::tensor(self.file_of(t), &t.name, why))
             }
         }
     }
