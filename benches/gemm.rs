@@ -4,8 +4,10 @@
 //! `small`'s and GLM-5's projections (1024 and 6144 features in, and the experts' 512 and 2048),
 //! against 1 to 4 tokens. The last column says which of the two the forward runs there.
 //!
-//! Weights come from memory, as in a forward: each timed call reads another copy of the rows,
-//! out of 512 MiB of copies, each copy twice in all. The median call counts (the best would
+//! Weights come from memory, as an f32 weight's do in a forward: each timed call reads another
+//! copy of the rows, out of 512 MiB of copies, each copy twice in all. Or they were just written
+//! to one buffer, as a quantized weight's rows are once a GEMM task has decoded them: each copy
+//! is first written there, untimed. The median call counts (the best would
 //! favour calls whose rows the prefetchers or L3 happened to hold). Both kernels' outputs are checked to
 //! agree within f32 rounding once per shape.
 //!
@@ -34,11 +36,25 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
-/// GB/s of weights of the median call of `kernel`, over every copy twice.
-fn median_rate(copies: &[Vec<f32>], mut kernel: impl FnMut(&[f32])) -> f64 {
+/// Where a call's weight rows are: in memory, as f32 weights of the file are, or just written to
+/// one buffer, as a quantized weight's rows are once a task has decoded them.
+#[derive(Clone, Copy, PartialEq)]
+enum Rows {
+    InMemory,
+    JustDecoded,
+}
+
+/// GB/s of weights of the median call of `kernel`, over every copy twice; for rows just
+/// decoded, each copy is first written (untimed) to the one buffer the kernel then reads.
+fn median_rate(copies: &[Vec<f32>], rows: Rows, mut kernel: impl FnMut(&[f32])) -> f64 {
+    let mut decoded = vec![0f32; copies[0].len()];
     let mut seconds: Vec<f64> = (0..2 * copies.len())
         .map(|call| {
-            let w = &copies[call % copies.len()];
+            let mut w = &copies[call % copies.len()][..];
+            if rows == Rows::JustDecoded {
+                decoded.copy_from_slice(w);
+                w = &decoded;
+            }
             let began = Instant::now();
             kernel(w);
             began.elapsed().as_secs_f64()
@@ -54,7 +70,10 @@ fn main() -> Result<()> {
     table.set_header([
         "features",
         "tokens",
-        "few-token GB/s",
+        "from memory: few-token GB/s",
+        "gemm GB/s",
+        "ratio",
+        "just decoded: few-token GB/s",
         "gemm GB/s",
         "ratio",
         "the forward runs",
@@ -90,33 +109,37 @@ fn main() -> Result<()> {
                 .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
                 .fold(0f32, f32::max);
             ensure!(worst < 1e-4, "k {k}, t {t}: the kernels differ by {worst}");
-            let few = median_rate(&copies, |w| {
-                black_box(few_tokens::x_times_weight_rows(&x, t, w, ROWS, k));
-            });
-            let blocked = median_rate(&copies, |w| {
-                black_box(gemm(w));
-            });
-            table.add_row([
-                k.to_string(),
-                t.to_string(),
-                format!("{few:.1}"),
-                format!("{blocked:.1}"),
-                format!("{:.2}×", few / blocked),
+            let mut row = vec![k.to_string(), t.to_string()];
+            for rows in [Rows::InMemory, Rows::JustDecoded] {
+                let few = median_rate(&copies, rows, |w| {
+                    black_box(few_tokens::x_times_weight_rows(&x, t, w, ROWS, k));
+                });
+                let blocked = median_rate(&copies, rows, |w| {
+                    black_box(gemm(w));
+                });
+                row.extend([
+                    format!("{few:.1}"),
+                    format!("{blocked:.1}"),
+                    format!("{:.2}×", few / blocked),
+                ]);
+            }
+            row.push(
                 if few_tokens::takes(t, k) {
                     "few-token"
                 } else {
                     "gemm"
                 }
                 .to_string(),
-            ]);
+            );
+            table.add_row(row);
         }
     }
     println!("{table}");
     let mut md = String::new();
     writeln!(
         md,
-        "Few-token GEMMs, one thread, {ROWS} weight rows from memory, the median call \
-         (`cargo bench --bench gemm`)\n"
+        "Few-token GEMMs, one thread, {ROWS} weight rows from memory or just decoded, the \
+         median call (`cargo bench --bench gemm`)\n"
     )?;
     writeln!(md, "{table}")?;
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");

@@ -2,7 +2,7 @@
 //! weight. gemm broadcasts six weight rows' values at a time against a column of tokens: six
 //! strided streams through memory and a load per weight. Here each weight row is read once,
 //! contiguously, 16 values at a time, against every token's features, which lie interleaved in
-//! L1 (`benches/gemm.rs` measures the two against each other).
+//! L1, or L2 at GLM-5's widths (`benches/gemm.rs` measures the two against each other).
 //!
 //! Each dot product is summed as [`super::lane_dot`] sums it, the same on every machine (the
 //! lanes bound the rounding error too: about a tenth of gemm's single-accumulator sums at 1024
@@ -13,14 +13,17 @@ use super::lane_dot::{finish, LANES};
 /// The most tokens the kernel takes.
 pub const MAX_TOKENS: usize = 4;
 
-/// The most features of all tokens together (`t · k`) for which the kernel beats gemm's: the
-/// tokens' 16 KiB stay in L1 beside the streaming weights. Past that it reads them from L2 and
-/// falls behind (`benches/gemm.rs`).
-pub const MAX_TOKEN_FEATURES: usize = 4096;
+/// The most features one token may have for the kernel to take it alone. From two tokens on it
+/// takes every width: against rows a GEMM task has just decoded (a quantized or 16-bit weight,
+/// the forward's usual case), it reads them 1.4–3.7× as fast as gemm at 2–4 tokens, up to
+/// GLM-5's 6144 features; alone, one token's rows go as fast through gemm's path for a single
+/// column, faster at 6144 features (`benches/gemm.rs`). From memory (an f32 weight) it wins at
+/// one token, and from two tokens up to 2048 features, 6144 at two.
+pub const MAX_ONE_TOKEN_FEATURES: usize = 4096;
 
 /// Whether a GEMM of `t` tokens of `k` features is this kernel's to run.
 pub fn takes(t: usize, k: usize) -> bool {
-    t <= MAX_TOKENS && t * k <= MAX_TOKEN_FEATURES
+    t <= MAX_TOKENS && (t >= 2 || k <= MAX_ONE_TOKEN_FEATURES)
 }
 
 /// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features, `x` row-major `[t, k]`
