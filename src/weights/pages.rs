@@ -1,5 +1,6 @@
-//! Giving mapped weight pages back to the kernel once they are decoded, so that reading a 402 GB
-//! model leaves resident memory at one chunk, not at the bytes read so far.
+//! Weight bytes read in place in a file's map, and their pages given back to the kernel once
+//! used, so that reading a 402 GB model leaves resident memory at what is in use, not at the
+//! bytes read so far.
 
 use std::ops::{Deref, Range};
 use std::sync::Arc;
