@@ -59,23 +59,13 @@ impl Precision {
     }
 
     /// Every value of `xs` as [`Self::round_f32`] rounds it, at memory speed: bf16 by integer
-    /// arithmetic the compiler vectorizes, f16 through `half`'s slice conversions (F16C where
-    /// the CPU has it). The emulated bf16/f16 runs round every weight they hold this way.
+    /// arithmetic the compiler vectorizes, f16 through F16C where the CPU has it. The emulated
+    /// bf16/f16 runs round every weight they hold this way.
     pub fn round_slice_f32(self, xs: &mut [f32]) {
         match self {
             Precision::F64 | Precision::F32 => {}
-            Precision::Bf16 => xs
-                .iter_mut()
-                .for_each(|x| *x = f32::from_bits(bf16_rounded_bits(x.to_bits()))),
-            Precision::F16 => {
-                use half::slice::HalfFloatSliceExt;
-                let mut held = [f16::ZERO; 1024];
-                for chunk in xs.chunks_mut(held.len()) {
-                    let held = &mut held[..chunk.len()];
-                    held.convert_from_f32_slice(chunk);
-                    held.convert_to_f32_slice(chunk);
-                }
-            }
+            Precision::Bf16 => round_bf16_slice(xs),
+            Precision::F16 => round_f16_slice(xs),
         }
     }
 
@@ -105,6 +95,66 @@ fn to_f32_round_odd(x: f64) -> f32 {
         nearest
     };
     f32::from_bits(toward_zero.to_bits() | 1)
+}
+
+/// Every value of `xs` rounded to bf16, eight at a time where the CPU has AVX2: a copy of the
+/// same loop compiled for it (the baseline's four lanes ran at 4.7 G values/s on one core,
+/// half the rate a Q4_K weight decodes at, so the emulated bf16 run's rounding of each decoded
+/// row cost more than decoding it). Integer operations only, so both copies give the same bits.
+fn round_bf16_slice(xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { round_bf16_slice_avx2(xs) };
+    }
+    round_bf16_each(xs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn round_bf16_slice_avx2(xs: &mut [f32]) {
+    round_bf16_each(xs)
+}
+
+#[inline(always)]
+fn round_bf16_each(xs: &mut [f32]) {
+    for x in xs {
+        *x = f32::from_bits(bf16_rounded_bits(x.to_bits()));
+    }
+}
+
+/// Every value of `xs` rounded to f16: eight at a time through F16C's conversions there and
+/// back where the CPU has them (to nearest, ties to even, as `half` rounds; 2.4 G values/s
+/// through `half`'s slice conversions on one core), else through `half`.
+fn round_f16_slice(xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has AVX and F16C.
+        unsafe { round_f16_slice_f16c(xs) };
+        return;
+    }
+    round_f16_with_half(xs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+fn round_f16_slice_f16c(xs: &mut [f32]) {
+    use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps};
+    let mut eights = xs.chunks_exact_mut(8);
+    for eight in &mut eights {
+        // SAFETY: eight values read and written in place; 0 rounds to nearest, ties to even.
+        unsafe {
+            let halves = _mm256_cvtps_ph::<0>(_mm256_loadu_ps(eight.as_ptr()));
+            _mm256_storeu_ps(eight.as_mut_ptr(), _mm256_cvtph_ps(halves));
+        }
+    }
+    round_f16_with_half(eights.into_remainder());
+}
+
+fn round_f16_with_half(xs: &mut [f32]) {
+    for x in xs {
+        *x = f16::from_f32(*x).to_f32();
+    }
 }
 
 /// The f32 bits `x` rounded to bf16 (to nearest, ties to even; a NaN stays a NaN, made quiet),
@@ -162,9 +212,17 @@ mod tests {
         for p in [Precision::Bf16, Precision::F16, Precision::F32] {
             let mut xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
             p.round_slice_f32(&mut xs);
-            for (&b, x) in bits.iter().zip(&xs) {
+            // The copy without AVX2 too, wherever the test runs.
+            let mut plain: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            match p {
+                Precision::Bf16 => round_bf16_each(&mut plain),
+                Precision::F16 => round_f16_with_half(&mut plain),
+                _ => p.round_slice_f32(&mut plain),
+            }
+            for ((&b, x), y) in bits.iter().zip(&xs).zip(&plain) {
                 let one = p.round_f32(f32::from_bits(b));
                 assert_eq!(one.to_bits(), x.to_bits(), "{p:?} {b:#010x}");
+                assert_eq!(one.to_bits(), y.to_bits(), "{p:?} {b:#010x}, plain");
             }
         }
     }
