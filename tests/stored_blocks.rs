@@ -187,16 +187,19 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let files = glmcheck::weights::ModelFiles::open(&model).unwrap();
     let t = files.require("blk.0.attn_q_b.weight").unwrap();
     let mut two = [7u8; 2];
+    // SAFETY: the reader writes only bytes of the file.
+    let room = unsafe { as_room(&mut two) };
     let err = files
-        .read_into(t, t.nbytes - 1, as_room(&mut two))
+        .read_into(t, t.nbytes - 1, room)
         .unwrap_err()
         .to_string();
     assert!(err.contains("blk.0.attn_q_b.weight"), "{err}");
     assert!(err.contains("outside its"), "{err}");
     assert_eq!(two, [7, 7]);
     let mut last = [0u8; 1];
+    // SAFETY: as above.
     files
-        .read_into(t, t.nbytes - 1, as_room(&mut last))
+        .read_into(t, t.nbytes - 1, unsafe { as_room(&mut last) })
         .unwrap();
     assert_eq!(last[0], files.bytes(t)[t.nbytes as usize - 1]);
 
@@ -219,8 +222,9 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
     let files = glmcheck::weights::ModelFiles::open(&big).unwrap();
     let t = files.tensors().iter().max_by_key(|t| t.nbytes).unwrap();
     assert!(t.nbytes > 8 << 20, "{} is {} bytes", t.name, t.nbytes);
+    // SAFETY: the reader writes every byte or fails.
     let whole: Vec<u8> =
-        filled_vec(t.nbytes as usize - 3, |room| files.read_into(t, 3, room)).unwrap();
+        unsafe { filled_vec(t.nbytes as usize - 3, |room| files.read_into(t, 3, room)) }.unwrap();
     assert!(whole == files.bytes(t)[3..], "{}", t.name);
 
     // F32 blocks are read straight into the values: the map's bytes as little-endian f32, for

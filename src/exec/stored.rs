@@ -144,7 +144,8 @@ impl StoredBlock<'_> {
     /// `[rows, cols]` tensor of the same type. Reads the rows' bytes from the file (positioned
     /// reads, not through the map) and keeps the block's columns of each.
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
-        self.read_to(as_room(out))
+        // SAFETY: `read_to` writes only bytes read from the file.
+        self.read_to(unsafe { as_room(out) })
     }
 
     /// The block's GGML blocks in place in the file's map, where they lie together (a block of
@@ -161,10 +162,11 @@ impl StoredBlock<'_> {
 
     /// [`Self::read_into`] a new buffer, which nothing but the read writes.
     pub fn read_bytes(&self) -> Result<Vec<u8>> {
-        filled_vec(self.nbytes(), |room| self.read_to(room))
+        // SAFETY: `read_to` writes every byte or fails.
+        unsafe { filled_vec(self.nbytes(), |room| self.read_to(room)) }
     }
 
-    /// [`Self::read_into`] room that need not be initialized; every byte written on success.
+    /// [`Self::read_into`] room that need not be initialized: every byte written, or an error.
     fn read_to(&self, out: &mut [MaybeUninit<u8>]) -> Result<()> {
         let m = &self.matrix;
         let (row_bytes, within) = self.row_bytes();
@@ -172,9 +174,12 @@ impl StoredBlock<'_> {
         if within.len() == row_bytes {
             return Ok(m.files.read_into(m.tensor, first, out)?);
         }
-        let rows: Vec<u8> = filled_vec(self.rows.len() * row_bytes, |room| {
-            m.files.read_into(m.tensor, first, room)
-        })?;
+        // SAFETY: `ModelFiles::read_into` writes every byte or fails.
+        let rows: Vec<u8> = unsafe {
+            filled_vec(self.rows.len() * row_bytes, |room| {
+                m.files.read_into(m.tensor, first, room)
+            })
+        }?;
         let kept = rows.chunks_exact(row_bytes).map(|row| &row[within.clone()]);
         for (dst, src) in out.chunks_exact_mut(within.len().max(1)).zip(kept) {
             for (d, &b) in dst.iter_mut().zip(src) {
@@ -199,7 +204,8 @@ impl StoredBlock<'_> {
         if self.matrix.ty == GgmlType::F32 && cfg!(target_endian = "little") {
             // The values' own bytes: read straight into the output, without a second buffer of
             // the weight's size and a copy out of it.
-            let out = filled_vec(rows * cols, |room| self.read_to(room))?;
+            // SAFETY: `read_to` writes every byte or fails.
+            let out = unsafe { filled_vec(rows * cols, |room| self.read_to(room)) }?;
             return Ok(Mat::new(rows, cols, out));
         }
         let blocks = self.read_bytes()?;

@@ -38,8 +38,12 @@ pub fn read_exact_at(file: &File, mut at: u64, mut out: &mut [MaybeUninit<u8>]) 
     Ok(())
 }
 
-/// `n` values whose bytes `fill` writes, every one of them, when it returns `Ok`.
-pub fn filled_vec<T: Pod, E>(
+/// `n` values whose bytes `fill` writes into the room it is given.
+///
+/// # Safety
+/// When `fill` returns `Ok`, it has written every byte of its room ([`read_exact_at`], and the
+/// readers built on it, do, or fail).
+pub unsafe fn filled_vec<T: Pod, E>(
     n: usize,
     fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<(), E>,
 ) -> Result<Vec<T>, E> {
@@ -49,16 +53,19 @@ pub fn filled_vec<T: Pod, E>(
     // SAFETY: the first `n` values' room, as bytes: the same memory, byte-aligned.
     let bytes = unsafe { std::slice::from_raw_parts_mut(room.as_mut_ptr().cast(), len) };
     fill(bytes)?;
-    // SAFETY: `fill` wrote every byte of the first `n` values (its contract), and any bytes are a
-    // valid `T` (`Pod`).
+    // SAFETY: `fill` wrote every byte of the first `n` values (the caller's promise), and any
+    // bytes are a valid `T` (`Pod`).
     unsafe { v.set_len(n) };
     Ok(v)
 }
 
-/// Initialized bytes seen as room to write: only initialized bytes are ever written through it.
-pub fn as_room(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
-    // SAFETY: same layout; writes through the result only store initialized bytes (the readers
-    // above), so `bytes` stays initialized.
+/// Initialized bytes seen as room to write.
+///
+/// # Safety
+/// Only initialized bytes are written through the result (as the readers here write), so that
+/// `bytes` stays initialized.
+pub unsafe fn as_room(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: the same layout; the caller keeps the bytes initialized.
     unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) }
 }
 
@@ -72,9 +79,12 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
         f.write_all(&data).unwrap();
-        let got: Vec<u8> = filled_vec(9_000, |room| read_exact_at(&f, 1_000, room)).unwrap();
+        // SAFETY: read_exact_at writes every byte or fails.
+        let got: Vec<u8> =
+            unsafe { filled_vec(9_000, |room| read_exact_at(&f, 1_000, room)) }.unwrap();
         assert_eq!(got, data[1_000..]);
-        let words: Vec<u32> = filled_vec(4, |room| read_exact_at(&f, 0, room)).unwrap();
+        // SAFETY: as above.
+        let words: Vec<u32> = unsafe { filled_vec(4, |room| read_exact_at(&f, 0, room)) }.unwrap();
         assert_eq!(bytemuck::cast_slice::<u32, u8>(&words), &data[..16]);
     }
 
@@ -82,7 +92,8 @@ mod tests {
     fn a_read_past_the_end_is_an_error() {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[1, 2, 3]).unwrap();
-        let got: io::Result<Vec<u8>> = filled_vec(4, |room| read_exact_at(&f, 0, room));
+        // SAFETY: read_exact_at writes every byte or fails.
+        let got: io::Result<Vec<u8>> = unsafe { filled_vec(4, |room| read_exact_at(&f, 0, room)) };
         assert_eq!(got.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
     }
 }

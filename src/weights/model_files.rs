@@ -132,7 +132,8 @@ impl ModelFiles {
 
     /// Bytes of `t` from offset `start` (within the tensor) into `out`, by a positioned read of
     /// its file, not through the map: one bulk copy out of the page cache, without faulting
-    /// each page into this process (for bytes that are only passed on, as to a GPU).
+    /// each page into this process (for bytes that are only passed on, as to a GPU). On `Ok`
+    /// every byte of `out` is written.
     pub fn read_into(
         &self,
         t: &TensorEntry,

@@ -2,7 +2,6 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-
 use std::sync::Arc;
 
 use memmap2::Mmap;
