@@ -9,7 +9,7 @@
 
 use std::marker::PhantomData;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
@@ -22,12 +22,12 @@ use super::mat::Mat;
 use super::op_clock::Op;
 use super::ops;
 use super::rope::{Rope, RotateSpec};
-use super::stored::StoredBlock;
+use super::stored::{BlockBytes, StoredBlock};
 
 use super::real::Real;
 use crate::dtype::Precision;
-use crate::model::kv_b::{assemble_kv_b, KvBDims};
-use crate::weights::GgmlType;
+use crate::model::kv_b::{assemble_kv_b_by_heads, KvBDims, KvBSizeError};
+use crate::weights::{quant, GgmlType};
 
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
@@ -230,8 +230,70 @@ pub trait Backend: Sync + Clone {
 /// kv_b (or a block of its heads) dequantized and assembled on the host from llama.cpp's split
 /// blocks.
 pub fn kv_b_on_host(k_b: &StoredBlock<'_>, v_b: &StoredBlock<'_>, d: KvBDims) -> Result<Mat<f32>> {
-    let kv_b = assemble_kv_b(k_b.dequantize()?.data(), v_b.dequantize()?.data(), d)?;
+    let k = HeadRows::of(k_b, ("attn_k_b", d.k_b_len(), d.kv_lora * d.nope), d)?;
+    let v = HeadRows::of(v_b, ("attn_v_b", d.v_b_len(), d.v * d.kv_lora), d)?;
+    let kv_b = assemble_kv_b_by_heads(d, |h, k_head, uv| {
+        k.decode(h, k_head)?;
+        v.decode(h, uv)
+    })?;
     Ok(Mat::new(d.heads * (d.nope + d.v), d.kv_lora, kv_b))
+}
+
+/// A split kv_b part's blocks, decoded a head's rows at a time straight to where they go.
+struct HeadRows {
+    ty: GgmlType,
+    bytes: BlockBytes,
+    row_len: usize,
+    head_bytes: usize,
+    origin: String,
+}
+
+impl HeadRows {
+    /// `w`'s blocks, each head `per_head` values of whole rows; `(part, len, per_head)`.
+    fn of(
+        w: &StoredBlock<'_>,
+        (part, len, per_head): (&'static str, usize, usize),
+        d: KvBDims,
+    ) -> Result<HeadRows> {
+        let (rows, cols) = w.shape();
+        let origin = w.origin();
+        if rows * cols != len {
+            let error = KvBSizeError {
+                part,
+                got: rows * cols,
+                expected: len,
+                dims: d,
+            };
+            bail!("{origin}: {error}");
+        }
+        if cols == 0 || per_head % cols != 0 {
+            bail!("{origin}: rows of {cols} values do not split into heads of {per_head}");
+        }
+        let row_bytes = cols / w.ty().block_size() * w.ty().type_size();
+        let (bytes, head_bytes) = (w.blocks()?, per_head / cols * row_bytes);
+        if bytes.len() != head_bytes * d.heads {
+            bail!(
+                "{origin}: {} bytes of {} blocks for {} heads of {per_head} values",
+                bytes.len(),
+                w.ty().name(),
+                d.heads
+            );
+        }
+        Ok(HeadRows {
+            ty: w.ty(),
+            bytes,
+            row_len: cols,
+            head_bytes,
+            origin,
+        })
+    }
+
+    /// Head `h`'s values into `out`.
+    fn decode(&self, h: usize, out: &mut [f32]) -> Result<()> {
+        let blocks = &self.bytes[h * self.head_bytes..][..self.head_bytes];
+        quant::dequantize_rows(self.ty, blocks, out, self.row_len)
+            .with_context(|| self.origin.clone())
+    }
 }
 
 /// Every rank's part, computed in this process.

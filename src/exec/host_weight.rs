@@ -14,9 +14,8 @@ use anyhow::{Context, Result};
 
 use super::mat::Mat;
 use super::real::Real;
-use super::stored::StoredBlock;
+use super::stored::{BlockBytes, StoredBlock};
 use crate::dtype::Precision;
-use crate::weights::pages::MappedBytes;
 use crate::weights::{quant, GgmlType};
 
 /// A `[rows, cols]` weight of the CPU backend in its number type `E`.
@@ -39,37 +38,15 @@ pub struct Blocks {
     origin: String,
 }
 
-/// Where a weight's blocks are: in place in the file's map (a copy out of the page cache took a
-/// fifth of a few-token MoE layer), or read out of it where they do not lie together.
-enum BlockBytes {
-    Mapped(MappedBytes),
-    Read(Vec<u8>),
-}
-
-impl std::ops::Deref for BlockBytes {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            BlockBytes::Mapped(m) => m,
-            BlockBytes::Read(v) => v,
-        }
-    }
-}
-
 impl Blocks {
     /// `w`'s blocks from its file, to be rounded to `precision`.
     pub fn read(w: &StoredBlock<'_>, precision: Precision) -> Result<Blocks> {
         let (rows, cols) = w.shape();
-        let bytes = match w.mapped()? {
-            Some(m) => BlockBytes::Mapped(m),
-            None => BlockBytes::Read(w.read_bytes()?),
-        };
         Ok(Blocks {
             ty: w.ty(),
             rows,
             cols,
-            bytes,
+            bytes: w.blocks()?,
             precision,
             origin: w.origin(),
         })

@@ -15,6 +15,24 @@ use crate::weights::pages::MappedBytes;
 use crate::weights::read_ahead::FileRange;
 use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
+/// A block's GGML blocks: in place in the file's map (a copy out of the page cache took a fifth
+/// of a few-token MoE layer), or read out of it where they do not lie together.
+pub enum BlockBytes {
+    Mapped(MappedBytes),
+    Read(Vec<u8>),
+}
+
+impl std::ops::Deref for BlockBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            BlockBytes::Mapped(m) => m,
+            BlockBytes::Read(v) => v,
+        }
+    }
+}
+
 /// A `[rows, cols]` matrix stored as rows `first_row..first_row + rows` of a GGML tensor's 2-D
 /// view (`[tensor.rows(), tensor.row_len()]`): a weight, or one expert of a stacked tensor.
 #[derive(Clone, Copy)]
@@ -158,6 +176,15 @@ impl StoredBlock<'_> {
         }
         let first = self.tensor_rows().start * row_bytes as u64;
         Ok(Some(m.files.mapped(m.tensor, first, self.nbytes())?))
+    }
+
+    /// The block's GGML blocks, row after row: [`Self::mapped`] where they lie together, else
+    /// [`Self::read_bytes`].
+    pub fn blocks(&self) -> Result<BlockBytes> {
+        Ok(match self.mapped()? {
+            Some(m) => BlockBytes::Mapped(m),
+            None => BlockBytes::Read(self.read_bytes()?),
+        })
     }
 
     /// [`Self::read_into`] a new buffer, which nothing but the read writes.

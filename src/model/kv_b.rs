@@ -85,21 +85,41 @@ fn check_len(
 pub fn assemble_kv_b(k_b: &[f32], v_b: &[f32], d: KvBDims) -> Result<Vec<f32>, KvBSizeError> {
     check_len("attn_k_b", k_b.len(), d.k_b_len(), d)?;
     check_len("attn_v_b", v_b.len(), d.v_b_len(), d)?;
+    assemble_kv_b_by_heads(d, |h, k_head, uv| {
+        k_head.copy_from_slice(&k_b[h * k_head.len()..][..k_head.len()]);
+        uv.copy_from_slice(&v_b[h * uv.len()..][..uv.len()]);
+        Ok(())
+    })
+}
+
+/// `kv_b_proj` assembled head by head, the heads in parallel: `fill(h, k_head, uv)` writes head
+/// h's `attn_k_b` (`[kv_lora, nope]`) into `k_head`, which is then transposed into place, and its
+/// `attn_v_b` (`[v, kv_lora]`) straight into its place `uv`; so that no part is held whole
+/// beside the result (GLM-5's are 57 MB of f32 a layer).
+pub fn assemble_kv_b_by_heads<E: Send>(
+    d: KvBDims,
+    fill: impl Fn(usize, &mut [f32], &mut [f32]) -> Result<(), E> + Sync,
+) -> Result<Vec<f32>, E> {
     let mut out = vec![0f32; d.kv_b_len()];
-    // Heads in parallel: GLM-5's is 15 M values a layer, assembled again at every pass.
+    if out.is_empty() {
+        return Ok(out);
+    }
     out.par_chunks_exact_mut(d.rows_per_head() * d.kv_lora)
         .enumerate()
-        .for_each(|(h, head_out)| {
-            let k_head = &k_b[h * d.kv_lora * d.nope..][..d.kv_lora * d.nope];
-            let (uk, uv) = head_out.split_at_mut(d.nope * d.kv_lora);
-            // uk[i][c] = k_head[c][i]: undo the per-head transpose.
-            for (c, k_row) in k_head.chunks_exact(d.nope).enumerate() {
-                for (i, &x) in k_row.iter().enumerate() {
-                    uk[i * d.kv_lora + c] = x;
+        .try_for_each_init(
+            || vec![0f32; d.kv_lora * d.nope],
+            |k_head, (h, head_out)| {
+                let (uk, uv) = head_out.split_at_mut(d.nope * d.kv_lora);
+                fill(h, k_head, uv)?;
+                // uk[i][c] = k_head[c][i]: undo the per-head transpose.
+                for (c, k_row) in k_head.chunks_exact(d.nope.max(1)).enumerate() {
+                    for (i, &x) in k_row.iter().enumerate() {
+                        uk[i * d.kv_lora + c] = x;
+                    }
                 }
-            }
-            uv.copy_from_slice(&v_b[h * d.v * d.kv_lora..][..d.v * d.kv_lora]);
-        });
+                Ok(())
+            },
+        )?;
     Ok(out)
 }
 
