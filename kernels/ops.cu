@@ -186,10 +186,13 @@ __device__ float warp_sum(float v) {
 // `keys` names for the position (−1: none), the context in f32. The query head sits in shared
 // memory after the scores; each warp scores one key at a time, its lanes across the key's
 // dims (reads of a key row coalesced), the nope and rope dot products summed apart as the CPU
-// does. Dynamic shared memory: `slots` scores, then the query's nope + rope values.
+// does. Dynamic shared memory: `slots` scores, then the query's nope + rope values. Only where
+// *nonfinite is set: the cache holds a NaN or an infinity, which the GEMMs would spread.
 template <typename T>
-__device__ void attention(const T* q, const T* kv, const T* k_rope, const int* keys, float* out,
-                          u32 heads, u32 nope, u32 rope, u32 vd, u32 slots, float scale) {
+__device__ void attention(const u32* nonfinite, const T* q, const T* kv, const T* k_rope,
+                          const int* keys, float* out, u32 heads, u32 nope, u32 rope, u32 vd,
+                          u32 slots, float scale) {
+    if (*nonfinite == 0) return;
     extern __shared__ float probs[];
     __shared__ float scratch[ROW_THREADS];
     u32 i = blockIdx.x, head = blockIdx.y;
@@ -234,10 +237,11 @@ __device__ void attention(const T* q, const T* kv, const T* k_rope, const int* k
 }
 
 #define ATTENTION(T)                                                                            \
-    extern "C" __global__ void attention_##T(const T* q, const T* kv, const T* k_rope,         \
-                                             const int* keys, float* out, u32 heads, u32 nope, \
-                                             u32 rope, u32 vd, u32 slots, float scale) {       \
-        attention(q, kv, k_rope, keys, out, heads, nope, rope, vd, slots, scale);               \
+    extern "C" __global__ void attention_##T(const u32* nonfinite, const T* q, const T* kv,    \
+                                             const T* k_rope, const int* keys, float* out,     \
+                                             u32 heads, u32 nope, u32 rope, u32 vd, u32 slots, \
+                                             float scale) {                                    \
+        attention(nonfinite, q, kv, k_rope, keys, out, heads, nope, rope, vd, slots, scale);    \
     }
 
 ATTENTION(f32)
@@ -277,6 +281,25 @@ extern "C" __global__ void attention_softmax(float* scores, const u32* mask, u32
 extern "C" __global__ void any_nonfinite_f32(const float* x, u32 n, u32* flag) {
     ELEMENT(e, n);
     if (!isfinite(x[e])) *flag = 1;
+}
+
+// Each query's row of `mask` (a bit per cached position) as the list of positions it sees, in
+// ascending order as the CPU visits them, then −1 up to `slots`: the keys of `attention` above,
+// where *nonfinite is set. Nothing otherwise (the GEMMs' context stands), so that the choice
+// between the two needs no trip to the host.
+extern "C" __global__ void mask_keys(const u32* nonfinite, const u32* mask, int* keys, u32 rows,
+                                     u32 words, u32 slots) {
+    if (*nonfinite == 0) return;
+    ELEMENT(i, rows);
+    const u32* seen = mask + (u64)i * words;
+    int* out = keys + (u64)i * slots;
+    u32 n = 0;
+    for (u32 w = 0; w < words; w++) {
+        for (u32 bits = seen[w]; bits != 0 && n < slots; bits &= bits - 1) {
+            out[n++] = (int)(w * 32 + __ffs(bits) - 1);
+        }
+    }
+    for (; n < slots; n++) out[n] = -1;
 }
 
 // Heads whose dot products `indexer_scores_f32` runs side by side.

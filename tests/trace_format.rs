@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use glmcheck::trace::stats::StatsLater;
 use glmcheck::trace::{
-    FullSelector, ModelInfo, OwnedStage, Stage, TensorStats, Trace, TraceHeader, TraceWriter,
+    FullSelector, ModelInfo, OwnedStage, Stage, StageLater, TensorStats, Trace, TraceHeader,
+    TraceWriter,
 };
 use serde_json::{json, Value};
 
@@ -190,6 +191,8 @@ enum Give {
     /// An f32 stage the trace keeps statistics of by its statistics alone, finished by the
     /// writing thread (as a GPU's are); every other stage copied.
     StatsAlone,
+    /// Values handed over when the writing thread asks for them (as a GPU's copies arrive).
+    Later,
 }
 
 /// Write the sample run into `dir` with `full` patterns.
@@ -209,13 +212,19 @@ fn write_trace_as(dir: &Path, full: &[&str], give: Give) {
                 let later: StatsLater = Box::new(move || Ok(stats));
                 w.record_stats(s.name, &s.shape, s.dims, s.rank, v.len(), later)
             }
-            _ if give == Give::HandedOver => {
-                let owned = match s.values() {
+            values if give == Give::HandedOver || give == Give::Later => {
+                let owned = match values {
                     Stage::I32(_) => OwnedStage::I32(s.i32s),
                     Stage::F64(_) => OwnedStage::F64(s.f64s.into()),
                     Stage::F32(_) => OwnedStage::F32(s.f32s.into()),
                 };
-                w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
+                let len = s.shape.iter().product::<u64>() as usize;
+                if give == Give::Later {
+                    let later = Box::new(move || Ok(owned));
+                    w.record_later(s.name, &s.shape, s.dims, s.rank, len, later)
+                } else {
+                    w.record_owned(s.name, &s.shape, s.dims, s.rank, owned)
+                }
             }
             values => w.record(s.name, &s.shape, s.dims, s.rank, values),
         }
@@ -456,6 +465,42 @@ fn statistics_finished_later_write_what_the_values_do() {
     let err = w.finish().unwrap_err().to_string();
     assert!(
         err.contains("\"L0.attn_norm\" statistics") && err.contains("device lost"),
+        "{err}"
+    );
+}
+
+/// Values that arrive on the writing thread (a GPU's copies, a ranking on its own thread) write
+/// what the same values recorded at once do, stored or not; values that fail to arrive, or
+/// arrive in another number, fail the trace naming the stage.
+#[test]
+fn values_arriving_later_write_what_the_values_do() {
+    let tmp = common::scratch();
+    let (a, b) = (tmp.path().join("a.trace"), tmp.path().join("b.trace"));
+    write_trace(&a, &FULL);
+    write_trace_as(&b, &FULL, Give::Later);
+    assert_same_files(&a, &b);
+
+    let failing = |dir: &str, name: &str, later: StageLater| {
+        let selector = FullSelector::new(&["L0.out"]).expect("valid globs");
+        let mut w = TraceWriter::create(&tmp.path().join(dir), header(), selector).unwrap();
+        w.record_later(name, &[1, 2], "t d", None, 2, later)
+            .unwrap();
+        w.finish().unwrap_err().to_string()
+    };
+    let err = failing(
+        "c.trace",
+        "L0.out",
+        Box::new(|| anyhow::bail!("device lost")),
+    );
+    assert!(
+        err.contains("\"L0.out\" values") && err.contains("device lost"),
+        "{err}"
+    );
+    let three = || Ok(OwnedStage::F32(vec![1.0f32, 2.0, 3.0].into()));
+    let err = failing("d.trace", "L0.attn_norm", Box::new(three));
+    assert!(
+        err.contains("\"L0.attn_norm\" values")
+            && err.contains("3 values arrived for shape [1, 2]"),
         "{err}"
     );
 }

@@ -2,9 +2,10 @@
 //! cuBLAS (scores from the no-RoPE and the RoPE dims, then the weighted values) around one
 //! softmax kernel that masks each query's scores to the keys it sees (`attention_softmax` in
 //! `kernels/ops.cu`): every head's scores at once, in f32, chunked so that they take at most
-//! [`score_mib`]. Where the cache holds a NaN or an infinity, one block per position and
-//! head instead (`attention`): the CPU skips keys a query does not see, a product by zero would
-//! not (0 · NaN is NaN), and a fault at a later position must not reach earlier ones.
+//! [`score_mib`]. Where the cache holds a NaN or an infinity, one block per position and head
+//! (`attention`) writes the context again: the CPU skips keys a query does not see, a product
+//! by zero would not (0 · NaN is NaN), and a fault at a later position must not reach earlier
+//! ones. A flag on the GPU makes that choice, which the host does not wait for.
 
 use std::sync::OnceLock;
 
@@ -107,15 +108,18 @@ impl Device {
             self.passes_input::<D>(a.k_rope)?,
         );
         let wide_kv = self.widen_here(&kv, positions * stride)?;
-        let out = if self.any_nonfinite(&wide_kv, positions * stride)? {
-            self.attention_by_position(a, &q, &kv, &k_rope)?
-        } else {
-            let (wide_q, wide_k_rope) = (
-                self.widen_here(&q, t * heads * qk)?,
-                self.widen_maybe_empty(&k_rope, positions * a.rope)?,
-            );
-            self.attention_by_gemms(a, &wide_q, &wide_kv, &wide_k_rope)?
-        };
+        let (wide_q, wide_k_rope) = (
+            self.widen_here(&q, t * heads * qk)?,
+            self.widen_maybe_empty(&k_rope, positions * a.rope)?,
+        );
+        let mask = KeyMask::of(a.keys, positions);
+        let mask_buf = self.upload_exact(&mask.bits)?;
+        let mut out = self.attention_by_gemms(a, &wide_q, &wide_kv, &wide_k_rope, &mask_buf)?;
+        // Where the cache holds a NaN or an infinity, the per-position kernel writes the
+        // context again: the GPU reads the flag itself, so the host never waits for it.
+        let nonfinite = self.any_nonfinite(&wide_kv, positions * stride)?;
+        let inputs = [&*q, &*kv, &*k_rope];
+        self.attention_by_position(a, inputs, (&mask, &mask_buf), &nonfinite, &mut out)?;
         self.output(t, heads * a.v, out)
     }
 
@@ -128,11 +132,11 @@ impl Device {
         q: &Buffer<f32>,
         kv: &Buffer<f32>,
         k_rope: &Buffer<f32>,
+        mask: &Buffer<u32>,
     ) -> Result<Buffer<f32>> {
         let (t, heads, positions) = (a.q.rows, a.heads, a.positions);
         let (qk, stride) = (a.nope + a.rope, heads * (a.nope + a.v));
-        let (mask, words) = key_mask(a.keys, positions);
-        let mask = self.upload_exact(&mask)?;
+        let words = mask_words(positions);
         let mut out = self.alloc_written::<f32>(t * heads * a.v)?;
         let chunk = queries_per_chunk(t, heads, positions, score_mib());
         // The guards of the buffers' addresses end before `out` is handed back.
@@ -220,37 +224,53 @@ impl Device {
         Ok(out)
     }
 
-    /// One block per position and head (`attention` of `kernels/ops.cu`), each skipping the
-    /// keys its position does not see, as the CPU does.
+    /// Where `nonfinite` is set on the GPU, the context `out` again with one block per position
+    /// and head (`attention` of `kernels/ops.cu`), each skipping the keys its position does not
+    /// see, as the CPU does; its keys listed from the mask there (`mask_keys`), in ascending
+    /// order as the CPU visits them. Where it is not, both kernels return at once.
     fn attention_by_position<D: Dtype>(
         &self,
         a: &AttentionInputs<'_, f32>,
-        q: &Buffer<D>,
-        kv: &Buffer<D>,
-        k_rope: &Buffer<D>,
-    ) -> Result<Buffer<f32>> {
+        [q, kv, k_rope]: [&Buffer<D>; 3],
+        (mask, mask_buf): (&KeyMask, &Buffer<u32>),
+        nonfinite: &Buffer<u32>,
+        out: &mut Buffer<f32>,
+    ) -> Result<()> {
         let (t, heads) = (a.q.rows, a.heads);
-        let mut out = self.alloc::<f32>(t * heads * a.v)?;
-        let slots = a.keys.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut keys = vec![-1i32; t * slots];
-        for (row, chosen) in keys.chunks_mut(slots).zip(a.keys) {
-            row[..chosen.len()].copy_from_slice(chosen);
-        }
+        let slots = mask.most_seen.max(1);
         // The scores, then the query head.
         let shared = ((slots + a.nope + a.rope) * std::mem::size_of::<f32>()) as u32;
         if shared > MAX_SCORES_BYTES {
-            bail!(
-                "attention over {slots} keys with query heads of {}: at most {} values in one block",
-                a.nope + a.rope,
-                MAX_SCORES_BYTES / 4
-            );
+            // Too many keys for one block: only a cache that needs the kernel is an error,
+            // which here the host must read the flag to tell.
+            if self.gpu.stream.clone_dtoh(&*nonfinite.slice)?[0] != 0 {
+                bail!(
+                    "attention over {slots} keys of a cache holding a NaN or an infinity, with query heads of {}: at most {} values in one block",
+                    a.nope + a.rope,
+                    MAX_SCORES_BYTES / 4
+                );
+            }
+            return Ok(());
         }
-        let key_buf = self.upload_exact(&keys)?;
         let (heads32, nope, rope) = (to_u32(heads)?, to_u32(a.nope)?, to_u32(a.rope)?);
         let (v, slots32, t32) = (to_u32(a.v)?, to_u32(slots)?, to_u32(t)?);
+        let mut key_buf = self.alloc_written::<i32>(t * slots)?;
+        let words32 = to_u32(mask_words(a.positions))?;
+        let listing = self.gpu.ops_kernel("mask_keys")?;
+        let mut launch = self.gpu.stream.launch_builder(&listing);
+        launch
+            .arg(&*nonfinite.slice)
+            .arg(&*mask_buf.slice)
+            .arg(&mut *key_buf.slice)
+            .arg(&t32)
+            .arg(&words32)
+            .arg(&slots32);
+        // SAFETY: the mask holds a row of `words` words per query, the key buffer t × slots.
+        unsafe { launch.launch(elements(t32)) }?;
         let f = self.kernel("attention", D::SUFFIX)?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch
+            .arg(&*nonfinite.slice)
             .arg(&*q.slice)
             .arg(&*kv.slice)
             .arg(&*k_rope.slice)
@@ -268,26 +288,25 @@ impl Device {
             shared_mem_bytes: shared,
         };
         // SAFETY: q holds t × heads × (nope + rope) values, kv and k_rope every cached
-        // position the keys name (checked by the caller), keys t × slots, out t × heads × v;
+        // position the mask sees (checked by the caller), keys t × slots, out t × heads × v;
         // the scores take `shared` bytes.
         unsafe { launch.launch(cfg) }?;
-        Ok(out)
+        Ok(())
     }
 
-    /// Whether any of the first `n` values of `x` is NaN or infinite.
-    fn any_nonfinite(&self, x: &Buffer<f32>, n: usize) -> Result<bool> {
-        if n == 0 {
-            return Ok(false);
-        }
+    /// A flag on the GPU, set where any of the first `n` values of `x` is NaN or infinite.
+    fn any_nonfinite(&self, x: &Buffer<f32>, n: usize) -> Result<Buffer<u32>> {
         let mut flag = self.alloc::<u32>(1)?;
+        if n == 0 {
+            return Ok(flag);
+        }
         let count = to_u32(n)?;
         let f = self.gpu.ops_kernel("any_nonfinite_f32")?;
         let mut launch = self.gpu.stream.launch_builder(&f);
         launch.arg(&*x.slice).arg(&count).arg(&mut *flag.slice);
         // SAFETY: `x` holds at least `n` values, the flag one.
         unsafe { launch.launch(elements(count)) }?;
-        let flag = self.gpu.stream.clone_dtoh(&*flag.slice)?;
-        Ok(flag[0] != 0)
+        Ok(flag)
     }
 
     /// [`Self::widen_here`], an empty buffer for no values.
@@ -357,20 +376,38 @@ impl Device {
     }
 }
 
-/// A bit per cached position for each query, set where the query sees it (its `keys`; −1 is
-/// no key), and the words of a query's row (`⌈positions / 32⌉`, at least one).
-fn key_mask(keys: &[Vec<i32>], positions: usize) -> (Vec<u32>, usize) {
-    let words = positions.div_ceil(32).max(1);
-    let mut mask = vec![0u32; keys.len() * words];
-    mask.par_chunks_mut(words)
-        .zip(keys)
-        .for_each(|(row, chosen)| {
-            for &j in chosen.iter().filter(|&&j| j >= 0) {
-                let j = j as usize;
-                row[j / 32] |= 1 << (j % 32);
-            }
-        });
-    (mask, words)
+/// The words of a query's row of a [`KeyMask`]: `⌈positions / 32⌉`, at least one.
+fn mask_words(positions: usize) -> usize {
+    positions.div_ceil(32).max(1)
+}
+
+/// The keys each query sees, as the GPU reads them.
+struct KeyMask {
+    /// A bit per cached position for each query, set where the query sees it (its `keys`; −1
+    /// is no key), [`mask_words`] words a query.
+    bits: Vec<u32>,
+    /// The most keys any query sees.
+    most_seen: usize,
+}
+
+impl KeyMask {
+    fn of(keys: &[Vec<i32>], positions: usize) -> KeyMask {
+        let words = mask_words(positions);
+        let mut bits = vec![0u32; keys.len() * words];
+        let most_seen = bits
+            .par_chunks_mut(words)
+            .zip(keys)
+            .map(|(row, chosen)| {
+                for &j in chosen.iter().filter(|&&j| j >= 0) {
+                    let j = j as usize;
+                    row[j / 32] |= 1 << (j % 32);
+                }
+                row.iter().map(|w| w.count_ones() as usize).sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0);
+        KeyMask { bits, most_seen }
+    }
 }
 
 #[cfg(test)]
@@ -389,8 +426,9 @@ mod tests {
     #[test]
     fn the_mask_sets_each_seen_key_once() {
         let keys = vec![vec![0, 33, -1, 33], vec![], vec![31, 32, 40]];
-        let (mask, words) = key_mask(&keys, 41);
-        assert_eq!(words, 2);
-        assert_eq!(mask, vec![1, 1 << 1, 0, 0, 1 << 31, 1 | 1 << 8]);
+        let mask = KeyMask::of(&keys, 41);
+        assert_eq!(mask_words(41), 2);
+        assert_eq!(mask.bits, vec![1, 1 << 1, 0, 0, 1 << 31, 1 | 1 << 8]);
+        assert_eq!(mask.most_seen, 3);
     }
 }

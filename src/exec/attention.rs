@@ -6,8 +6,9 @@
 //! Positions are absolute; a forward over new tokens starts at the cache's length.
 
 use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, OnceLock};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 
 use super::attention_core::AttentionInputs;
 use super::backend::{Backend, HeadCut};
@@ -101,11 +102,9 @@ pub struct AttentionOut<E> {
     /// Rotated parts in pair order: `[t, heads·rope]` and `[t, rope]`.
     pub q_rope: Mat<E>,
     pub k_rope: Mat<E>,
-    /// Per new position, the chosen absolute key positions (−1 past the causal edge); None
-    /// where the model has no indexer and every earlier position is attended.
-    pub selection: Option<Selection>,
-    /// Per new position, indexer score of the k-th choice minus the best unchosen one.
-    pub selection_gap: Option<Vec<E>>,
+    /// The DSA indexer's choice for the new positions; None where the model has no indexer
+    /// and every earlier position is attended.
+    pub selection: Option<Chosen<E>>,
     /// `[t, heads·v]`.
     pub ctx: Mat<E>,
     pub out: Mat<E>,
@@ -151,7 +150,7 @@ pub fn attention<B: Backend>(
     step: Step<'_, B>,
     hn: &Mat<B::E>,
     cache: &mut LayerCache<B::E>,
-    prev_selection: Option<Selection>,
+    prev_selection: Option<Chosen<B::E>>,
 ) -> Result<AttentionOut<B::E>> {
     let Step {
         src,
@@ -225,7 +224,9 @@ pub fn attention<B: Backend>(
         None
     } else {
         match (cfg.indexer_types.get(l as usize), prev_selection) {
-            (Some(IndexerKind::Shared), Some(prev)) => Some(Choice::Shared(prev)),
+            (Some(IndexerKind::Shared), Some(prev)) => {
+                Some(Chosen::Known(prev.selection()?.clone(), None))
+            }
             (Some(IndexerKind::Shared), None) => {
                 bail!("layer {l} shares the DSA selection but no earlier layer made one")
             }
@@ -241,8 +242,8 @@ pub fn attention<B: Backend>(
     let keys: Vec<Vec<i32>> = be.host(Op::AttentionKeys, || {
         (0..t)
             .map(|i| match &choice {
-                Some(Choice::Ranked(sel, _) | Choice::Shared(sel)) => sel[i].clone(),
-                None | Some(Choice::AllKept(_)) => (0..=(start + i) as i32).collect(),
+                Some(Chosen::Known(sel, _)) => sel[i].clone(),
+                None | Some(Chosen::Ranking(_)) => (0..=(start + i) as i32).collect(),
             })
             .collect()
     });
@@ -271,18 +272,6 @@ pub fn attention<B: Backend>(
         let out = hooks.attn_all_reduce(be, l, out, &out_parts)?;
         (out, ctx_parts, out_parts)
     };
-    let (selection, selection_gap) = match choice {
-        None => (None, None),
-        Some(Choice::Shared(sel)) => (Some(sel), None),
-        Some(Choice::Ranked(sel, gap)) => (Some(sel), Some(gap)),
-        Some(Choice::AllKept(ranking)) => {
-            let ranked = be.host(Op::IndexerTopk, || ranking.recv());
-            let (sel, gap) = ranked.map_err(|_| {
-                anyhow::anyhow!("layer {l}: the DSA indexer's ranking stopped before its end")
-            })??;
-            (Some(sel), Some(gap))
-        }
-    };
     Ok(AttentionOut {
         q_a,
         q_a_norm,
@@ -292,8 +281,7 @@ pub fn attention<B: Backend>(
         kv,
         q_rope,
         k_rope,
-        selection,
-        selection_gap,
+        selection: choice,
         ctx,
         out,
         parts: RankParts {
@@ -306,17 +294,68 @@ pub fn attention<B: Backend>(
 }
 
 /// The DSA indexer's choice for the new positions, or a shared layer's reuse of an earlier one.
-enum Choice<E> {
+pub enum Chosen<E> {
     /// Per query, the causal top-`index_topk` key positions (−1 where fewer keys exist), and
-    /// the score gap at the top-k boundary.
-    Ranked(Selection, Vec<E>),
+    /// the score gap at the top-k boundary (none for a layer that shares an earlier choice).
+    Known(Selection, Option<Vec<E>>),
     /// Every causal position kept (the cache holds no more than `index_topk`) and the scores
-    /// left on a GPU: the attention needs no score, and the order by score, which only the
-    /// trace records, is ranked beside the attention's work from a copy of the scores that the
-    /// forward does not wait for.
-    AllKept(Receiver<Result<(Selection, Vec<E>)>>),
-    /// An earlier layer's choice, for a layer that shares it.
-    Shared(Selection),
+    /// left on a GPU: the attention needs no score, and the order by score, which the trace
+    /// records (and a later layer sharing the choice reads), is ranked on a thread of its own
+    /// from a copy of the scores that the forward does not wait for.
+    Ranking(Ranking<E>),
+}
+
+impl<E> Chosen<E> {
+    /// Per query, the chosen key positions: waited for where they are still being ranked.
+    pub fn selection(&self) -> Result<&Selection> {
+        match self {
+            Chosen::Known(sel, _) => Ok(sel),
+            Chosen::Ranking(ranking) => Ok(&ranking.get()?.0),
+        }
+    }
+}
+
+/// A layer's DSA ranking on its way from a thread of its own: shared by whoever reads it (the
+/// trace's writer, a later layer), and waited for by the first of them.
+pub struct Ranking<E>(Arc<RankingCell<E>>);
+
+impl<E> Clone for Ranking<E> {
+    fn clone(&self) -> Self {
+        Ranking(self.0.clone())
+    }
+}
+
+type Ranked<E> = (Selection, Vec<E>);
+
+struct RankingCell<E> {
+    l: u64,
+    /// Choices a query: every row of the selection has this many.
+    k: usize,
+    coming: Mutex<Option<Receiver<Result<Ranked<E>>>>>,
+    ranked: OnceLock<std::result::Result<Ranked<E>, String>>,
+}
+
+impl<E> Ranking<E> {
+    /// The selection and the score gaps, once ranked.
+    pub fn get(&self) -> Result<&Ranked<E>> {
+        let cell = &*self.0;
+        let ranked = cell.ranked.get_or_init(|| {
+            let coming = cell.coming.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match coming.map(|c| c.recv()) {
+                Some(Ok(Ok(ranked))) => Ok(ranked),
+                Some(Ok(Err(e))) => Err(format!("{e:#}")),
+                _ => Err("the DSA indexer's ranking stopped before its end".into()),
+            }
+        });
+        ranked
+            .as_ref()
+            .map_err(|why| anyhow!("layer {}: {why}", cell.l))
+    }
+
+    /// Choices a query.
+    pub fn k(&self) -> usize {
+        self.0.k
+    }
 }
 
 /// DSA lightning indexer for the new positions.
@@ -326,7 +365,7 @@ fn indexer<B: Backend>(
     q_a_norm: &Mat<B::E>,
     cache: &mut LayerCache<B::E>,
     rope: &Rope<B::E>,
-) -> Result<Choice<B::E>> {
+) -> Result<Chosen<B::E>> {
     let Step {
         src, l, start, be, ..
     } = step;
@@ -370,7 +409,7 @@ fn indexer<B: Backend>(
     if k_sel == total && step.ties.is_none() && !scores.on_host() {
         // A thread of its own: it waits for the GPU, which no pool's worker should.
         let scores = scores.values_later()?;
-        let (sender, ranking) = std::sync::mpsc::channel();
+        let (sender, coming) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("dsa-ranking".into())
             .spawn(move || {
@@ -378,12 +417,17 @@ fn indexer<B: Backend>(
                 // The forward may have stopped on an error meanwhile: then nobody waits.
                 let _ = sender.send(ranked);
             })?;
-        return Ok(Choice::AllKept(ranking));
+        return Ok(Chosen::Ranking(Ranking(Arc::new(RankingCell {
+            l,
+            k: k_sel,
+            coming: Mutex::new(Some(coming)),
+            ranked: OnceLock::new(),
+        }))));
     }
     let scores = scores.fetched()?;
     let ranked = || rank(scores, (start, total), k_sel, step.ties, l);
     let (selection, gaps) = be.host(Op::IndexerTopk, ranked);
-    Ok(Choice::Ranked(selection, gaps))
+    Ok(Chosen::Known(selection, Some(gaps)))
 }
 
 /// Per query of `scores` (`[t, total]`, the first at position `start`), the causal top

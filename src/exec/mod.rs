@@ -33,7 +33,7 @@ pub mod tp;
 use anyhow::Result;
 
 use crate::trace::stats::StatsLater;
-use crate::trace::{OwnedStage, Stage, TraceWriter};
+use crate::trace::{OwnedStage, Stage, StageLater, TraceWriter};
 
 impl forward::Recorder for TraceWriter {
     fn record(&mut self, k: forward::StageKey<'_>, values: Stage<'_>) -> Result<()> {
@@ -60,6 +60,17 @@ impl forward::Recorder for TraceWriter {
     ) -> Result<()> {
         Ok(TraceWriter::record_stats(
             self, k.name, k.shape, k.dims, k.rank, len, stats,
+        )?)
+    }
+
+    fn record_later(
+        &mut self,
+        k: forward::StageKey<'_>,
+        len: usize,
+        values: StageLater,
+    ) -> Result<()> {
+        Ok(TraceWriter::record_later(
+            self, k.name, k.shape, k.dims, k.rank, len, values,
         )?)
     }
 

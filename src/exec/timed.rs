@@ -17,7 +17,7 @@ use super::stored::StoredBlock;
 use crate::dtype::Precision;
 use crate::model::kv_b::KvBDims;
 use crate::trace::stats::StatsLater;
-use crate::trace::{OwnedStage, Stage};
+use crate::trace::{OwnedStage, Stage, StageLater};
 
 /// Backend `B` with every op timed on a shared [`OpClock`].
 #[derive(Clone)]
@@ -226,6 +226,16 @@ impl Recorder for TimedRecorder<'_> {
         let inner = &mut *self.inner;
         self.clock
             .time(Op::Record, || inner.record_stats(key, len, stats))
+    }
+
+    fn record_later(&mut self, key: StageKey<'_>, len: usize, values: StageLater) -> Result<()> {
+        let inner = &mut *self.inner;
+        self.clock
+            .time(Op::Record, || inner.record_later(key, len, values))
+    }
+
+    fn discards(&self) -> bool {
+        self.inner.discards()
     }
 
     fn layer_seconds(&mut self, layer: &str, seconds: f64) {

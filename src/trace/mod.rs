@@ -14,4 +14,4 @@ pub use manifest::{ElemType, Manifest, ModelInfo, StageRecord};
 pub use reader::Trace;
 pub use select::{FullSelector, DEFAULT_FULL};
 pub use stats::TensorStats;
-pub use writer::{OwnedStage, Stage, TraceHeader, TraceWriter};
+pub use writer::{OwnedStage, Stage, StageLater, TraceHeader, TraceWriter};

@@ -11,7 +11,9 @@
 //! A stage's statistics and content hash are computed on the thread pool while the forward
 //! goes on (some 200 MB a layer at GLM-5's widths and 512 tokens), on the stage's values copied
 //! out of the forward or, where the forward is done with them, handed over
-//! ([`TraceWriter::record_owned`]). A finished group goes to a writing thread, which waits for
+//! ([`TraceWriter::record_owned`]), or, where they are still on their way (a GPU's copy queued
+//! beside the forward), when they arrive ([`TraceWriter::record_later`]), so that the forward
+//! never waits for a stage it stores. A finished group goes to a writing thread, which waits for
 //! its statistics and writes its file and the manifest while the forward runs the next layer
 //! (a manifest write took up to 20 ms on a GPU host, a 512-token layer's tensors 5 ms); the run
 //! is held back only when it gets [`JOBS_AHEAD`] jobs ahead of the disk.
@@ -145,6 +147,10 @@ impl OwnedStage {
     }
 }
 
+/// A stage's values still on their way (a copy from a GPU queued beside the forward): waited
+/// for when called, by the writing thread.
+pub type StageLater = Box<dyn FnOnce() -> anyhow::Result<OwnedStage> + Send>;
+
 /// A stage's statistics: its values until someone takes them to compute, then the statistics.
 /// The values are shared with the group's full tensors when the stage is stored whole: one copy
 /// serves both.
@@ -185,6 +191,9 @@ enum PendingStats {
     OnPool(Arc<(Mutex<StatsCell>, Condvar)>),
     /// Started elsewhere (on a GPU, beside the values), finished by the writing thread.
     Later(Option<StatsLater>),
+    /// Not started: the values are on their way ([`StageLater`]), and the writing thread starts
+    /// them when they arrive; the full tensor's name where the stage is stored whole.
+    Arriving(Option<(StageLater, Option<String>)>),
 }
 
 impl PendingStats {
@@ -206,6 +215,7 @@ impl PendingStats {
                 let later = later.take().ok_or("statistics already taken")?;
                 return later().map_err(|e| format!("{e:#}"));
             }
+            PendingStats::Arriving(_) => return Err("its values never arrived".into()),
         };
         let (state_cell, done) = &**cell;
         if let Some(values) = claim(state_cell) {
@@ -389,6 +399,44 @@ impl TraceWriter {
         self.add_stage(name, shape, dims, rank, Arc::new(values))
     }
 
+    /// [`Self::record_owned`] of `len` values still on their way: the writing thread waits for
+    /// them, then takes their statistics (and stores them where `--full` selects the stage), so
+    /// that the run does not wait for them here.
+    pub fn record_later(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dims: &str,
+        rank: Option<u32>,
+        len: usize,
+        values: StageLater,
+    ) -> Result<()> {
+        self.check_stage(name, shape, rank, len)?;
+        // The element type is the values' own, set when they arrive.
+        let mut record = stage_record(name, shape, ElemType::F32, dims, rank);
+        let tensor = self.held_tensor(&mut record);
+        self.open.stages.push(record);
+        self.open
+            .stats
+            .push(PendingStats::Arriving(Some((values, tensor))));
+        Ok(())
+    }
+
+    /// Where `--full` selects the stage of `record`: the name of its full tensor, set in the
+    /// record with the group's file.
+    fn held_tensor(&self, record: &mut StageRecord) -> Option<String> {
+        if !self.full.matches(&record.name) {
+            return None;
+        }
+        let tensor = match record.rank {
+            Some(r) => format!("{}@rank{r}", record.name),
+            None => record.name.clone(),
+        };
+        record.file = Some(format!("{}.safetensors", self.open.name));
+        record.tensor = Some(tensor.clone());
+        Some(tensor)
+    }
+
     /// A stage's name, shape and rank checked before its values are copied; a new group
     /// writes the one before.
     fn check_stage(
@@ -451,18 +499,12 @@ impl TraceWriter {
         values: Arc<OwnedStage>,
     ) -> Result<()> {
         let mut record = stage_record(name, shape, values.view().elem_type(), dims, rank);
-        if self.full.matches(name) {
-            let tensor = match rank {
-                Some(r) => format!("{name}@rank{r}"),
-                None => name.to_string(),
-            };
+        if let Some(tensor) = self.held_tensor(&mut record) {
             self.open.held.push(Held {
-                name: tensor.clone(),
+                name: tensor,
                 shape: shape.iter().map(|&d| d as usize).collect(),
                 values: values.clone(),
             });
-            record.file = Some(format!("{}.safetensors", self.open.name));
-            record.tensor = Some(tensor);
         }
         self.open.stages.push(record);
         self.open.stats.push(PendingStats::start(values));
@@ -548,6 +590,7 @@ fn write_groups(dir: &Path, mut manifest: Manifest, jobs: Receiver<Job>) -> Resu
     for job in jobs {
         match job {
             Job::Group(mut group) => {
+                arrive(dir, &mut group)?;
                 for (stage, stats) in group.stages.iter_mut().zip(&mut group.stats) {
                     stage.stats = stats.wait().map_err(|why| {
                         TraceError::field(dir, format!("stage \"{}\" statistics", stage.name), why)
@@ -575,6 +618,39 @@ fn write_groups(dir: &Path, mut manifest: Manifest, jobs: Receiver<Job>) -> Resu
         }
     }
     Ok(manifest)
+}
+
+/// The group's values on their way, waited for in order: each checked against its record, its
+/// statistics started, and held for the group's file where it is stored whole.
+fn arrive(dir: &Path, group: &mut Group) -> Result<()> {
+    for (stage, stats) in group.stages.iter_mut().zip(&mut group.stats) {
+        let PendingStats::Arriving(arriving) = stats else {
+            continue;
+        };
+        let Some((later, tensor)) = arriving.take() else {
+            continue;
+        };
+        let bad =
+            |why: String| TraceError::field(dir, format!("stage \"{}\" values", stage.name), why);
+        let values = Arc::new(later().map_err(|e| bad(format!("{e:#}")))?);
+        let len = values.view().len() as u64;
+        if stage.shape.iter().product::<u64>() != len {
+            return Err(bad(format!(
+                "{len} values arrived for shape {:?}",
+                stage.shape
+            )));
+        }
+        stage.dtype = values.view().elem_type();
+        if let Some(name) = tensor {
+            group.held.push(Held {
+                name,
+                shape: stage.shape.iter().map(|&d| d as usize).collect(),
+                values: values.clone(),
+            });
+        }
+        *stats = PendingStats::start(values);
+    }
+    Ok(())
 }
 
 fn write_tensors(dir: &Path, group: &Group) -> Result<()> {

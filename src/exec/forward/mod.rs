@@ -9,13 +9,15 @@
 //! expert, dense MLP layers, the final norm and an untied `lm_head`. Only the experts the tokens
 //! choose are read. Layer weights are dequantized when the layer runs and dropped after it.
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 mod moe;
 mod residual_scale;
 
-use crate::exec::attention::{attention, KvCache, LayerCache, Selection, Step};
+use crate::exec::attention::{attention, Chosen, KvCache, LayerCache, Step};
 use crate::exec::backend::Backend;
 use crate::exec::lazy_weight::LazyWeight;
 use crate::exec::mat::Mat;
@@ -27,7 +29,7 @@ use crate::exec::ties::TieBreaks;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::stage::{Place, Stage as StageName};
 use crate::trace::stats::StatsLater;
-use crate::trace::writer::{OwnedStage, Stage};
+use crate::trace::writer::{OwnedStage, Stage, StageLater};
 use residual_scale::ResidualScale;
 
 /// The eps transformers gives `q_a_layernorm` and `kv_a_layernorm` (they are built without one;
@@ -78,6 +80,19 @@ pub trait Recorder {
         anyhow::bail!("stage {} needs its values, not only statistics", key.name)
     }
 
+    /// [`Self::record_owned`] of `len` values still on their way (a copy from a GPU queued
+    /// beside the forward): a recorder that writes them waits for them on a thread of its
+    /// own; this one waits now.
+    fn record_later(&mut self, key: StageKey<'_>, _len: usize, values: StageLater) -> Result<()> {
+        self.record_owned(key, values()?)
+    }
+
+    /// Whether every stage is dropped unseen (generation steps): the forward then neither
+    /// fetches nor copies their values.
+    fn discards(&self) -> bool {
+        false
+    }
+
     /// The wall time a layer (`L3`) or its MLP or MoE block (`L3.ffn`) took, recording
     /// included.
     fn layer_seconds(&mut self, _layer: &str, _seconds: f64) {}
@@ -89,6 +104,10 @@ pub struct Discard;
 impl Recorder for Discard {
     fn record(&mut self, _: StageKey<'_>, _: Stage<'_>) -> Result<()> {
         Ok(())
+    }
+
+    fn discards(&self) -> bool {
+        true
     }
 }
 
@@ -121,6 +140,23 @@ impl Default for ForwardOptions<'_> {
 /// them later.
 fn shared<E: Real>(m: &Mat<E>) -> Result<OwnedStage> {
     Ok(E::shared_stage(m.shared_data()?))
+}
+
+/// Record matrix `m` whole: shared with the recorder where the host holds its values, else
+/// from a copy queued beside the forward, which the recorder waits for (the forward does not).
+fn record_mat<E: Real>(rec: &mut dyn Recorder, key: StageKey<'_>, m: &Mat<E>) -> Result<()> {
+    if rec.discards() {
+        return Ok(());
+    }
+    if m.on_host() {
+        return rec.record_owned(key, shared(m)?);
+    }
+    let later = m.values_later()?;
+    rec.record_later(
+        key,
+        m.len(),
+        Box::new(move || Ok(E::shared_stage(later()?))),
+    )
 }
 
 /// What runs a forward: the weights (with any planted fault), the backend, the options.
@@ -196,7 +232,7 @@ pub fn forward<B: Backend>(
     let mut scale = ResidualScale::of(src, be);
     x = scale.down(be, x)?;
     let start = cache.len();
-    let mut prev_topk: Option<Selection> = None;
+    let mut prev_topk: Option<Chosen<B::E>> = None;
     for l in 0..cfg.num_hidden_layers {
         let Runner { src, be, opts } = run.at(l as usize + 1);
         x = scale.convert(be, ResidualScale::of(src, be), x)?;
@@ -225,10 +261,7 @@ pub fn forward<B: Backend>(
         cfg.rms_norm_eps,
     )?;
     let shape = [t as u64, h as u64];
-    rec.record_owned(
-        StageKey::new("final_norm", &shape, "t d", None),
-        shared(&norm)?,
-    )?;
+    record_mat(rec, StageKey::new("final_norm", &shape, "t d", None), &norm)?;
     let logits = lm_head(src, &norm, be, opts.tp)?;
     let shape = [t as u64, logits.cols as u64];
     rec.record_owned(
@@ -400,6 +433,24 @@ impl<B: Backend> Layer<'_, B> {
             .record_owned(StageKey::new(&name, &shape, dims, None), values)
     }
 
+    /// Record a whole stage whose values are still on their way ([`Recorder::record_later`]).
+    fn rec_later(
+        &mut self,
+        stage: &str,
+        shape: &[usize],
+        dims: &str,
+        values: StageLater,
+    ) -> Result<()> {
+        if self.rec.discards() {
+            return Ok(());
+        }
+        let len = shape.iter().product();
+        let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        let name = StageName::layer_stage(self.l, stage).to_string();
+        self.rec
+            .record_later(StageKey::new(&name, &shape, dims, None), len, values)
+    }
+
     /// Record one rank's part (`rank` Some) or the whole stage, copied.
     fn rec_part(
         &mut self,
@@ -433,7 +484,7 @@ impl<B: Backend> Layer<'_, B> {
                 return self.rec.record_stats(key, m.len(), stats);
             }
         }
-        self.rec.record_owned(key, shared(m)?)
+        record_mat(self.rec, key, m)
     }
 
     fn rec_mat(&mut self, stage: &str, shape: &[usize], dims: &str, m: &Mat<B::E>) -> Result<()> {
@@ -483,8 +534,8 @@ impl<B: Backend> Layer<'_, B> {
     fn run(
         mut self,
         x: &Mat<B::E>,
-        prev_topk: Option<Selection>,
-    ) -> Result<(Mat<B::E>, Option<Selection>)> {
+        prev_topk: Option<Chosen<B::E>>,
+    ) -> Result<(Mat<B::E>, Option<Chosen<B::E>>)> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let be = self.be;
@@ -552,8 +603,8 @@ impl<B: Backend> Layer<'_, B> {
     fn attention(
         &mut self,
         hn: &Mat<B::E>,
-        prev: Option<Selection>,
-    ) -> Result<(Mat<B::E>, Option<Selection>)> {
+        prev: Option<Chosen<B::E>>,
+    ) -> Result<(Mat<B::E>, Option<Chosen<B::E>>)> {
         let cfg = &self.src.cfg;
         let t = self.t;
         let (nh, nope, rope_d, vd) = (
@@ -587,13 +638,26 @@ impl<B: Backend> Layer<'_, B> {
         self.rec_parts("attn.kv", &a.kv, &a.parts.kv, &kv_tail, "t h(tp) d")?;
         self.rec_parts("attn.q_rope", &a.q_rope, &[], &[nh, rope_d], "t h(tp) d")?;
         self.rec_mat("attn.k_rope", &[t, rope_d], "t d", &a.k_rope)?;
-        if let Some(selection) = &a.selection {
-            let k = selection.first().map_or(0, Vec::len);
-            let flat: Vec<i32> = selection.iter().flatten().copied().collect();
-            self.rec_owned("attn.index_topk", &[t, k], "t k", OwnedStage::I32(flat))?;
-        }
-        if let Some(gap) = &a.selection_gap {
-            self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
+        match &a.selection {
+            None => {}
+            Some(Chosen::Known(selection, gap)) => {
+                let k = selection.first().map_or(0, Vec::len);
+                let flat = OwnedStage::I32(selection.concat());
+                self.rec_owned("attn.index_topk", &[t, k], "t k", flat)?;
+                if let Some(gap) = gap {
+                    self.rec("attn.index_gap", &[t], "t", B::E::stage(gap))?;
+                }
+            }
+            Some(Chosen::Ranking(ranking)) => {
+                // Recorded when ranked: the writer waits for it, the forward goes on.
+                let (k, ranked) = (ranking.k(), ranking.clone());
+                let flat = Box::new(move || Ok(OwnedStage::I32(ranked.get()?.0.concat())));
+                self.rec_later("attn.index_topk", &[t, k], "t k", flat)?;
+                let ranked = ranking.clone();
+                let gap =
+                    Box::new(move || Ok(B::E::shared_stage(Arc::new(ranked.get()?.1.clone()))));
+                self.rec_later("attn.index_gap", &[t], "t", gap)?;
+            }
         }
         self.rec_parts("attn.ctx", &a.ctx, &a.parts.ctx, &[nh, vd], "t h(tp) d")?;
         // After the all-reduce, and at TP each rank's partial sum before it: a missing or
