@@ -335,6 +335,30 @@ struct RankingCell<E> {
     ranked: OnceLock<std::result::Result<Ranked<E>, String>>,
 }
 
+impl<E: Send + 'static> Ranking<E> {
+    /// Layer `l`'s ranking of `k` choices a query, by `rank` on a thread of its own (it waits
+    /// for the GPU, which no pool's worker should).
+    fn on_thread(
+        l: u64,
+        k: usize,
+        rank: impl FnOnce() -> Result<Ranked<E>> + Send + 'static,
+    ) -> Result<Self> {
+        let (sender, coming) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("dsa-ranking".into())
+            .spawn(move || {
+                // The forward may have stopped on an error meanwhile: then nobody waits.
+                let _ = sender.send(rank());
+            })?;
+        Ok(Ranking(Arc::new(RankingCell {
+            l,
+            k,
+            coming: Mutex::new(Some(coming)),
+            ranked: OnceLock::new(),
+        })))
+    }
+}
+
 impl<E> Ranking<E> {
     /// The selection and the score gaps, once ranked.
     pub fn get(&self) -> Result<&Ranked<E>> {
@@ -409,20 +433,10 @@ fn indexer<B: Backend>(
     if k_sel == total && step.ties.is_none() && !scores.on_host() {
         // A thread of its own: it waits for the GPU, which no pool's worker should.
         let scores = scores.values_later()?;
-        let (sender, coming) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("dsa-ranking".into())
-            .spawn(move || {
-                let ranked = scores().map(|scores| rank(&scores, (start, total), k_sel, None, l));
-                // The forward may have stopped on an error meanwhile: then nobody waits.
-                let _ = sender.send(ranked);
-            })?;
-        return Ok(Chosen::Ranking(Ranking(Arc::new(RankingCell {
-            l,
-            k: k_sel,
-            coming: Mutex::new(Some(coming)),
-            ranked: OnceLock::new(),
-        }))));
+        let ranking = Ranking::on_thread(l, k_sel, move || {
+            scores().map(|scores| rank(&scores, (start, total), k_sel, None, l))
+        })?;
+        return Ok(Chosen::Ranking(ranking));
     }
     let scores = scores.fetched()?;
     let ranked = || rank(scores, (start, total), k_sel, step.ties, l);
@@ -460,4 +474,40 @@ fn rank<E: Real>(
             (chosen, gap)
         })
         .unzip()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranking_is_shared_by_its_readers_and_its_failures_name_the_layer() {
+        let ranking = Ranking::on_thread(3, 2, || {
+            Ok((vec![vec![1, 0], vec![0, -1]], vec![0.5f32, -1.0]))
+        })
+        .unwrap();
+        let (copy, later) = (ranking.clone(), Chosen::Ranking(ranking.clone()));
+        let reader = std::thread::spawn(move || copy.get().unwrap().clone());
+        assert_eq!(later.selection().unwrap(), &vec![vec![1, 0], vec![0, -1]]);
+        assert_eq!(reader.join().unwrap(), ranking.get().unwrap().clone());
+        assert_eq!(ranking.k(), 2);
+
+        let failed = Ranking::<f32>::on_thread(4, 1, || bail!("device lost")).unwrap();
+        let err = failed.get().unwrap_err().to_string();
+        assert!(
+            err.contains("layer 4") && err.contains("device lost"),
+            "{err}"
+        );
+        let stopped =
+            Ranking::<f32>::on_thread(5, 1, || panic!("the ranking's thread ends here")).unwrap();
+        let err = stopped.get().unwrap_err().to_string();
+        assert!(
+            err.contains("layer 5") && err.contains("stopped before its end"),
+            "{err}"
+        );
+        assert!(
+            stopped.get().is_err(),
+            "the failure is kept for every reader"
+        );
+    }
 }
