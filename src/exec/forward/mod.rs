@@ -400,6 +400,9 @@ fn part_shape<E>(m: &Mat<E>, tail: &[usize]) -> Vec<usize> {
     s
 }
 
+/// An output and the DSA choice behind it (for shared layers after it).
+type WithChoice<E> = (Mat<E>, Option<Chosen<E>>);
+
 /// One decoder layer's run.
 struct Layer<'a, B: Backend> {
     src: &'a WeightSource,
@@ -531,11 +534,7 @@ impl<B: Backend> Layer<'_, B> {
     }
 
     /// The layer's output and its DSA selection (for shared layers after it).
-    fn run(
-        mut self,
-        x: &Mat<B::E>,
-        prev_topk: Option<Chosen<B::E>>,
-    ) -> Result<(Mat<B::E>, Option<Chosen<B::E>>)> {
+    fn run(mut self, x: &Mat<B::E>, prev_topk: Option<Chosen<B::E>>) -> Result<WithChoice<B::E>> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let be = self.be;
@@ -604,7 +603,7 @@ impl<B: Backend> Layer<'_, B> {
         &mut self,
         hn: &Mat<B::E>,
         prev: Option<Chosen<B::E>>,
-    ) -> Result<(Mat<B::E>, Option<Chosen<B::E>>)> {
+    ) -> Result<WithChoice<B::E>> {
         let cfg = &self.src.cfg;
         let t = self.t;
         let (nh, nope, rope_d, vd) = (
