@@ -8,7 +8,11 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
+use glmcheck::dtype::Precision;
+use glmcheck::exec::backend::Cpu;
+use glmcheck::exec::host_weight::HostWeight;
 use glmcheck::exec::inject::Injection;
+use glmcheck::exec::lazy_weight::LazyWeight;
 use glmcheck::exec::sharder::Sharder;
 use glmcheck::exec::source::WeightSource;
 use glmcheck::exec::stored::StoredMatrix;
@@ -266,4 +270,37 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
         err.contains(&t.name) && err.contains("outside its"),
         "{err}"
     );
+}
+
+/// llama.cpp's split kv_b held by the CPU backend, each rank's heads decoded a head at a time
+/// from `attn_k_b` and `attn_v_b` in place, holds exactly the host's cut of kv_b assembled from
+/// the two parts dequantized whole, at every TP degree and rank, in Q8_0 and Q4_K_M.
+#[test]
+fn split_kv_b_decoded_by_heads_equals_the_whole_assembled_and_cut() {
+    let dir = common::scratch();
+    for (name, quant) in [("q8.gguf", "q8_0"), ("q4.gguf", "q4_k_m")] {
+        let src = synth(dir.path(), name, &["--quant", quant]);
+        let cpu = Cpu::<f32>::new(Precision::F32);
+        for l in 0..src.cfg.num_hidden_layers {
+            assert!(src.stored_kv_b(l).is_some(), "{name}: kv_b stored split");
+            let whole = src.matrix(WeightId::Layer(l, KvB)).expect("kv_b assembles");
+            for tp in [1, 2, 4] {
+                let sharder = Sharder {
+                    tp,
+                    ep: false,
+                    fault: None,
+                };
+                for rank in 0..tp {
+                    let held = LazyWeight::layer(&src, l, KvB)
+                        .shard_held(&cpu, sharder, rank)
+                        .expect("held");
+                    let HostWeight::Values(held) = &*held else {
+                        panic!("{name}: kv_b held as blocks, not assembled");
+                    };
+                    let host = sharder.shard(&whole, KvB, rank).unwrap();
+                    assert_eq!(*held, host, "{name} layer {l} rank {rank} of {tp}");
+                }
+            }
+        }
+    }
 }
