@@ -2,14 +2,17 @@
 //! kernel (`exec::few_tokens`) against the gemm crate's kernels as the forward calls them
 //! (`exec::gemm_kernel`), on the shapes a forward hands them: 256 weight rows (one task) of
 //! `small`'s and GLM-5's projections (1024 and 6144 features in, and the experts' 512 and 2048),
-//! against 1 to 4 tokens. The last column says which of the two the forward runs there.
+//! against 1 to 4 tokens (the forward runs the few-token kernel there).
 //!
 //! Weights come from memory, as an f32 weight's do in a forward: each timed call reads another
 //! copy of the rows, out of 512 MiB of copies, each copy twice in all. Or they were just written
-//! to one buffer, as a quantized weight's rows are once a GEMM task has decoded them: each copy
-//! is first written there, untimed. The median call counts (the best would
-//! favour calls whose rows the prefetchers or L3 happened to hold). Both kernels' outputs are checked to
-//! agree within f32 rounding once per shape.
+//! to one buffer, as a whole task's rows would be once decoded: each copy is first written
+//! there, untimed. Or they were written a piece at a time, as the forward decodes a quantized
+//! weight's rows for the few-token kernel (`Tokens::piece_rows`): each piece is written just
+//! before the kernel reads it, untimed; the last column compares that with gemm on the whole
+//! task just decoded, gemm's best case for such weights. The median call counts (the best would
+//! favour calls whose rows the prefetchers or L3 happened to hold). Both kernels' outputs are
+//! checked to agree within f32 rounding once per shape.
 //!
 //! Run with `cargo bench --bench gemm`; the table also goes to `bench-results/gemm.md`.
 
@@ -36,32 +39,59 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Where a call's weight rows are: in memory, as f32 weights of the file are, or just written to
-/// one buffer, as a quantized weight's rows are once a task has decoded them.
+/// Where a call's weight rows are: in memory, as f32 weights of the file are; just written to
+/// one buffer, as a quantized weight's rows are once a task has decoded them; or just written
+/// a piece of this many rows at a time, as the forward decodes them for the few-token kernel.
 #[derive(Clone, Copy, PartialEq)]
 enum Rows {
     InMemory,
     JustDecoded,
+    DecodedInPieces(usize),
 }
 
-/// GB/s of weights of the median call of `kernel`, over every copy twice; for rows just
-/// decoded, each copy is first written (untimed) to the one buffer the kernel then reads.
-fn median_rate(copies: &[Vec<f32>], rows: Rows, mut kernel: impl FnMut(&[f32])) -> f64 {
+/// GB/s of weights of the median call of `kernel` (given rows and their count), over every
+/// copy twice. Rows just decoded are first written (untimed) to the one buffer the kernel then
+/// reads: the whole call's rows, or each piece's just before the kernel reads that piece.
+fn median_rate(
+    copies: &[Vec<f32>],
+    k: usize,
+    rows: Rows,
+    mut kernel: impl FnMut(&[f32], usize),
+) -> f64 {
     let mut decoded = vec![0f32; copies[0].len()];
     let mut seconds: Vec<f64> = (0..2 * copies.len())
         .map(|call| {
-            let mut w = &copies[call % copies.len()][..];
-            if rows == Rows::JustDecoded {
-                decoded.copy_from_slice(w);
-                w = &decoded;
+            let w = &copies[call % copies.len()][..];
+            let piece = match rows {
+                Rows::InMemory => ROWS,
+                Rows::JustDecoded => {
+                    decoded.copy_from_slice(w);
+                    return timed(|| kernel(&decoded, ROWS));
+                }
+                Rows::DecodedInPieces(piece) => piece,
+            };
+            let mut spent = 0.0;
+            for first in (0..ROWS).step_by(piece) {
+                let n = piece.min(ROWS - first);
+                let mut part = &w[first * k..(first + n) * k];
+                if rows != Rows::InMemory {
+                    decoded[..part.len()].copy_from_slice(part);
+                    part = &decoded[..part.len()];
+                }
+                spent += timed(|| kernel(part, n));
             }
-            let began = Instant::now();
-            kernel(w);
-            began.elapsed().as_secs_f64()
+            spent
         })
         .collect();
     seconds.sort_by(f64::total_cmp);
     (copies[0].len() * 4) as f64 / seconds[seconds.len() / 2] / 1e9
+}
+
+/// Seconds `f` takes.
+fn timed(f: impl FnOnce()) -> f64 {
+    let began = Instant::now();
+    f();
+    began.elapsed().as_secs_f64()
 }
 
 fn main() -> Result<()> {
@@ -76,7 +106,8 @@ fn main() -> Result<()> {
         "just decoded: few-token GB/s",
         "gemm GB/s",
         "ratio",
-        "the forward runs",
+        "decoded in pieces: few-token GB/s",
+        "/ gemm just decoded",
     ]);
     for k in FEATURES {
         let copies: Vec<Vec<f32>> = (0..COPIES_BYTES / (ROWS * k * 4) + 1)
@@ -110,11 +141,13 @@ fn main() -> Result<()> {
                 .fold(0f32, f32::max);
             ensure!(worst < 1e-4, "k {k}, t {t}: the kernels differ by {worst}");
             let mut row = vec![k.to_string(), t.to_string()];
+            let tokens = few_tokens::Tokens::new(&x, t, k);
+            let mut blocked = 0.0;
             for rows in [Rows::InMemory, Rows::JustDecoded] {
-                let few = median_rate(&copies, rows, |w| {
-                    black_box(few_tokens::x_times_weight_rows(&x, t, w, ROWS, k));
+                let few = median_rate(&copies, k, rows, |w, n| {
+                    black_box(tokens.times_weight_rows(w, n));
                 });
-                let blocked = median_rate(&copies, rows, |w| {
+                blocked = median_rate(&copies, k, rows, |w, _| {
                     black_box(gemm(w));
                 });
                 row.extend([
@@ -123,14 +156,11 @@ fn main() -> Result<()> {
                     format!("{:.2}×", few / blocked),
                 ]);
             }
-            row.push(
-                if few_tokens::takes(t, k) {
-                    "few-token"
-                } else {
-                    "gemm"
-                }
-                .to_string(),
-            );
+            let pieces = Rows::DecodedInPieces(tokens.piece_rows());
+            let few = median_rate(&copies, k, pieces, |w, n| {
+                black_box(tokens.times_weight_rows(w, n));
+            });
+            row.extend([format!("{few:.1}"), format!("{:.2}×", few / blocked)]);
             table.add_row(row);
         }
     }

@@ -250,17 +250,26 @@ fn a_read_past_a_tensor_names_it_and_reads_nothing() {
         .collect();
     assert!(bits(block.dequantize().unwrap()) == want);
 
-    // Blocks of whole rows are read in place in the map (the CPU backend's held blocks); a
-    // block of columns, whose rows do not lie together, is not. Dropping mapped bytes gives
-    // their pages back; the same bytes map again.
+    // Blocks are read in place in the map (the CPU backend's held blocks): a block of whole
+    // rows as its rows, a block of columns as its own bytes of each row of their span, which
+    // is all it counts as its own. Dropping them gives their pages back; the same bytes map
+    // again.
+    let map = files.bytes(t);
     let rows_block = matrix.block(1..rows - 1, 0..cols).unwrap();
     for _ in 0..2 {
-        let in_place = rows_block.mapped().unwrap().expect("whole rows are mapped");
-        assert!(*in_place == files.bytes(t)[cols * 4..(rows - 1) * cols * 4]);
-        assert!(*in_place == rows_block.read_bytes().unwrap());
+        let in_place = rows_block.blocks().unwrap();
+        let got: Vec<u8> = in_place.rows(0..rows - 2).flatten().copied().collect();
+        assert!(got == map[cols * 4..(rows - 1) * cols * 4]);
+        assert!(got == rows_block.read_bytes().unwrap());
+        assert_eq!(in_place.nbytes(), (rows - 2) * cols * 4);
     }
-    assert!(block.mapped().unwrap().is_none());
-    assert!(matrix.whole().mapped().unwrap().unwrap().len() == t.nbytes as usize);
+    let columns = block.blocks().unwrap();
+    assert_eq!(columns.nbytes(), (rows - 2) * (cols / 4) * 4);
+    for (r, row) in columns.rows(0..rows - 2).enumerate() {
+        let at = ((r + 1) * cols + cols / 4) * 4;
+        assert!(row == &map[at..at + cols], "row {r} of the column block");
+    }
+    assert!(matrix.whole().blocks().unwrap().nbytes() == t.nbytes as usize);
     let err = files
         .mapped(t, 1, t.nbytes as usize)
         .err()

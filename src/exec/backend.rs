@@ -244,7 +244,7 @@ struct HeadRows {
     ty: GgmlType,
     bytes: BlockBytes,
     row_len: usize,
-    head_bytes: usize,
+    head_rows: usize,
     origin: String,
 }
 
@@ -266,33 +266,35 @@ impl HeadRows {
             };
             bail!("{origin}: {error}");
         }
-        if cols == 0 || per_head % cols != 0 {
+        if cols == 0 || per_head % cols != 0 || rows != per_head / cols * d.heads {
             bail!("{origin}: rows of {cols} values do not split into heads of {per_head}");
-        }
-        let row_bytes = cols / w.ty().block_size() * w.ty().type_size();
-        let (bytes, head_bytes) = (w.blocks()?, per_head / cols * row_bytes);
-        if bytes.len() != head_bytes * d.heads {
-            bail!(
-                "{origin}: {} bytes of {} blocks for {} heads of {per_head} values",
-                bytes.len(),
-                w.ty().name(),
-                d.heads
-            );
         }
         Ok(HeadRows {
             ty: w.ty(),
-            bytes,
+            bytes: w.blocks()?,
             row_len: cols,
-            head_bytes,
+            head_rows: per_head / cols,
             origin,
         })
     }
 
-    /// Head `h`'s values into `out`.
+    /// Head `h`'s values into `out`, a row at a time.
     fn decode(&self, h: usize, out: &mut [f32]) -> Result<()> {
-        let blocks = &self.bytes[h * self.head_bytes..][..self.head_bytes];
-        quant::dequantize_rows(self.ty, blocks, out, self.row_len)
-            .with_context(|| self.origin.clone())
+        if out.len() != self.head_rows * self.row_len {
+            bail!(
+                "{}: a head of {} values into {}",
+                self.origin,
+                self.head_rows * self.row_len,
+                out.len()
+            );
+        }
+        let rows = self
+            .bytes
+            .rows(h * self.head_rows..(h + 1) * self.head_rows);
+        for (blocks, values) in rows.zip(out.chunks_exact_mut(self.row_len)) {
+            quant::dequantize(self.ty, blocks, values).with_context(|| self.origin.clone())?;
+        }
+        Ok(())
     }
 }
 
@@ -552,7 +554,9 @@ impl<E: Real> Backend for Cpu<E> {
         }
         // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
         // them column-major.
-        let few = E::as_f32(x.data()).filter(|_| few_tokens::takes(t, features));
+        let few = E::as_f32(x.data())
+            .filter(|_| few_tokens::takes(t))
+            .map(|x| few_tokens::Tokens::new(x, t, features));
         let x_cols = if few.is_some() {
             Vec::new()
         } else {
@@ -562,13 +566,19 @@ impl<E: Real> Backend for Cpu<E> {
         let blocks: Vec<Vec<E>> = starts
             .par_iter()
             .map(|&start| {
-                let rows = WEIGHT_ROWS_PER_TASK.min(out - start);
-                w.with_rows(start..start + rows, |w| match (few, E::as_f32(w)) {
-                    (Some(x), Some(w)) => {
-                        E::widen_all(few_tokens::x_times_weight_rows(x, t, w, rows, features))
-                    }
-                    _ => x_times_weight_rows(&x_cols, t, w, rows),
-                })
+                let rows = start..(start + WEIGHT_ROWS_PER_TASK).min(out);
+                let Some(tokens) = &few else {
+                    let n = rows.len();
+                    return w.with_rows(rows, |w| x_times_weight_rows(&x_cols, t, w, n));
+                };
+                // Each output is one row's sum, so the task's rows may go in pieces.
+                let mut y = Vec::with_capacity(rows.len() * t);
+                w.with_row_pieces(rows, tokens.piece_rows(), |piece, w| {
+                    let w = E::as_f32(w).context("few-token GEMM: weights not in f32")?;
+                    y.extend(tokens.times_weight_rows(w, piece.len()));
+                    Ok(())
+                })?;
+                Ok(E::widen_all(y))
             })
             .collect::<Result<_>>()?;
         // Back to row-major, a few token rows per task: each weight row's outputs for those

@@ -13,41 +13,81 @@ use super::lane_dot::{finish, LANES};
 /// The most tokens the kernel takes.
 pub const MAX_TOKENS: usize = 4;
 
-/// The most features one token may have for the kernel to take it alone. From two tokens on it
-/// takes every width: against rows a GEMM task has just decoded (a quantized or 16-bit weight,
-/// the forward's usual case), it reads them 1.4–3.7× as fast as gemm at 2–4 tokens, up to
-/// GLM-5's 6144 features; alone, one token's rows go as fast through gemm's path for a single
-/// column, faster at 6144 features (`benches/gemm.rs`). From memory (an f32 weight) it wins at
-/// one token, and from two tokens up to 2048 features, 6144 at two.
-pub const MAX_ONE_TOKEN_FEATURES: usize = 4096;
+/// Bytes of decoded weight rows the kernel reads at a time from a task's blocks
+/// ([`Tokens::piece_rows`]): decoded just before, they are read from L2, where a whole task's
+/// rows (256 of them, 6 MiB at GLM-5's 6144 features) would go out to memory and back.
+const PIECE_BYTES: usize = 128 << 10;
 
-/// Whether a GEMM of `t` tokens of `k` features is this kernel's to run.
-pub fn takes(t: usize, k: usize) -> bool {
-    t <= MAX_TOKENS && (t >= 2 || k <= MAX_ONE_TOKEN_FEATURES)
+/// Whether a GEMM of `t` tokens is this kernel's to run, at any width.
+pub fn takes(t: usize) -> bool {
+    t <= MAX_TOKENS
 }
 
-/// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features, `x` row-major `[t, k]`
-/// and `w` row-major with at least `rows` rows of `k`, laid out column-major: `[rows, t]`, a
-/// weight row's outputs for every token.
-pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize) -> Vec<f32> {
-    assert!(
-        t <= MAX_TOKENS && x.len() == t * k && w.len() >= rows * k,
-        "few-token GEMM operands of the wrong size"
-    );
-    let mut dst = vec![0.0; rows * t];
+/// A few tokens' features as the kernel reads them, laid out once for every weight row of a
+/// GEMM.
+pub struct Tokens<'a> {
+    x: &'a [f32],
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            let xp = interleaved(x, t, k);
-            // SAFETY: the CPU has AVX2 and FMA; the assert bounds every read and `dst` every
-            // write.
-            unsafe { avx2::rows(x, &xp, t, w, rows, k, &mut dst) };
-            return dst;
+    interleaved: Option<Vec<f32>>,
+    t: usize,
+    k: usize,
+}
+
+impl<'a> Tokens<'a> {
+    /// `t` ≤ [`MAX_TOKENS`] tokens of `k` features, `x` row-major `[t, k]`.
+    ///
+    /// # Panics
+    /// If `t` is more than [`MAX_TOKENS`] or `x` is not `t * k` long.
+    pub fn new(x: &'a [f32], t: usize, k: usize) -> Tokens<'a> {
+        assert!(
+            t <= MAX_TOKENS && x.len() == t * k,
+            "few-token GEMM operands of the wrong size"
+        );
+        Tokens {
+            x,
+            #[cfg(target_arch = "x86_64")]
+            interleaved: (std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma"))
+            .then(|| interleaved(x, t, k)),
+            t,
+            k,
         }
     }
-    portable_rows(x, t, w, rows, k, &mut dst);
-    dst
+
+    /// Weight rows worth decoding at a time for the kernel: about [`PIECE_BYTES`] of f32.
+    pub fn piece_rows(&self) -> usize {
+        (PIECE_BYTES / 4 / self.k.max(1)).max(1)
+    }
+
+    /// `x · w[..rows]ᵀ`, `w` row-major with at least `rows` rows of `k`, laid out column-major:
+    /// `[rows, t]`, a weight row's outputs for every token. Each output is its row's sum alone,
+    /// so rows taken in pieces give the same outputs.
+    ///
+    /// # Panics
+    /// If `w` has fewer than `rows` rows.
+    pub fn times_weight_rows(&self, w: &[f32], rows: usize) -> Vec<f32> {
+        let (x, t, k) = (self.x, self.t, self.k);
+        assert!(
+            w.len() >= rows * k,
+            "few-token GEMM weights of the wrong size"
+        );
+        let mut dst = vec![0.0; rows * t];
+        #[cfg(target_arch = "x86_64")]
+        if let Some(xp) = &self.interleaved {
+            // SAFETY: `interleaved` exists only where the CPU has AVX2 and FMA; `new` bounds
+            // `x`, the assert above `w`, and `dst` holds `rows * t`.
+            unsafe { avx2::rows(x, xp, t, w, rows, k, &mut dst) };
+            return dst;
+        }
+        portable_rows(x, t, w, rows, k, &mut dst);
+        dst
+    }
+}
+
+/// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features ([`Tokens::new`] and
+/// [`Tokens::times_weight_rows`]).
+pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize) -> Vec<f32> {
+    Tokens::new(x, t, k).times_weight_rows(w, rows)
 }
 
 /// The tokens' features chunk by chunk: for each whole chunk of [`LANES`] features, every

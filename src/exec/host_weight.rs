@@ -52,19 +52,10 @@ impl Blocks {
         })
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols / self.ty.block_size() * self.ty.type_size()
-    }
-
     /// Rows `rows` decoded into `out` (`rows.len() × cols` long) and rounded to the precision,
     /// a row at a time: each is rounded while the decoder's writes are still in L1.
     fn decode_rows(&self, rows: Range<usize>, out: &mut [f32]) -> Result<()> {
-        let per_row = self.row_bytes();
-        let src = &self.bytes[rows.start * per_row..rows.end * per_row];
-        for (row, values) in src
-            .chunks_exact(per_row)
-            .zip(out.chunks_exact_mut(self.cols))
-        {
+        for (row, values) in self.bytes.rows(rows).zip(out.chunks_exact_mut(self.cols)) {
             quant::dequantize(self.ty, row, values).with_context(|| self.origin.clone())?;
             self.precision.round_slice_f32(values);
         }
@@ -91,7 +82,7 @@ impl<E: Real> HostWeight<E> {
     pub fn bytes(&self) -> usize {
         match self {
             HostWeight::Values(m) => std::mem::size_of_val(m.data()),
-            HostWeight::Blocks(b) => b.bytes.len(),
+            HostWeight::Blocks(b) => b.bytes.nbytes(),
         }
     }
 
@@ -116,6 +107,25 @@ impl<E: Real> HostWeight<E> {
                 None => f(&E::widen_all(decoded.to_vec())),
             })
         })
+    }
+
+    /// `f` of rows `rows`' values in pieces of at most `piece` rows, in order, with the rows
+    /// of each: values as one piece, already in memory; blocks a piece at a time, each decoded
+    /// just before `f` reads it, so that it is read from L2 rather than from memory.
+    pub fn with_row_pieces(
+        &self,
+        rows: Range<usize>,
+        piece: usize,
+        mut f: impl FnMut(Range<usize>, &[E]) -> Result<()>,
+    ) -> Result<()> {
+        if let HostWeight::Values(_) = self {
+            return self.with_rows(rows.clone(), |w| f(rows, w))?;
+        }
+        for start in rows.clone().step_by(piece.max(1)) {
+            let piece = start..(start + piece).min(rows.end);
+            self.with_rows(piece.clone(), |w| f(piece, w))??;
+        }
+        Ok(())
     }
 }
 

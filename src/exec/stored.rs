@@ -15,21 +15,41 @@ use crate::weights::pages::MappedBytes;
 use crate::weights::read_ahead::FileRange;
 use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 
-/// A block's GGML blocks: in place in the file's map (a copy out of the page cache took a fifth
-/// of a few-token MoE layer), or read out of it where they do not lie together.
-pub enum BlockBytes {
-    Mapped(MappedBytes),
-    Read(Vec<u8>),
+/// A block's GGML blocks in place in the file's map, without a copy out of the page cache (a
+/// copy took a fifth of a few-token MoE layer): its rows `stride` bytes apart, each row's blocks
+/// at `within` of its stride. A block of whole rows lies together; a block of columns (a
+/// RowParallel rank's shard) is a view of the rows' whole span, of which it reads only its own
+/// blocks, so a rank never copies the other ranks' columns.
+pub struct BlockBytes {
+    map: MappedBytes,
+    rows: usize,
+    stride: usize,
+    within: Range<usize>,
 }
 
-impl std::ops::Deref for BlockBytes {
-    type Target = [u8];
+impl BlockBytes {
+    /// Bytes of one row's blocks.
+    pub fn row_len(&self) -> usize {
+        self.within.len()
+    }
 
-    fn deref(&self) -> &[u8] {
-        match self {
-            BlockBytes::Mapped(m) => m,
-            BlockBytes::Read(v) => v,
-        }
+    /// Bytes of the block's own blocks (what it reads; other ranks' columns are theirs).
+    pub fn nbytes(&self) -> usize {
+        self.rows * self.row_len()
+    }
+
+    /// Row `i`'s blocks.
+    ///
+    /// # Panics
+    /// If `i` is not a row of the block.
+    pub fn row(&self, i: usize) -> &[u8] {
+        assert!(i < self.rows, "row {i} of a block of {} rows", self.rows);
+        &self.map[i * self.stride..][self.within.clone()]
+    }
+
+    /// Rows `rows`' blocks, one slice a row.
+    pub fn rows(&self, rows: Range<usize>) -> impl Iterator<Item = &[u8]> {
+        rows.map(|i| self.row(i))
     }
 }
 
@@ -159,31 +179,25 @@ impl StoredBlock<'_> {
     }
 
     /// The block's GGML blocks, row after row, into `out` ([`Self::nbytes`] long): a
-    /// `[rows, cols]` tensor of the same type. Reads the rows' bytes from the file (positioned
-    /// reads, not through the map) and keeps the block's columns of each.
+    /// `[rows, cols]` tensor of the same type. A block of whole rows is read from the file
+    /// (positioned reads, not through the map); a block of columns is copied out of the map.
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
         // SAFETY: `read_to` writes only bytes read from the file.
         self.read_to(unsafe { as_room(out) })
     }
 
-    /// The block's GGML blocks in place in the file's map, where they lie together (a block of
-    /// whole rows); `None` for a block of columns.
-    pub fn mapped(&self) -> Result<Option<MappedBytes>> {
+    /// The block's GGML blocks in place in the file's map: the span of its rows, of which a
+    /// block of columns reads only its own.
+    pub fn blocks(&self) -> Result<BlockBytes> {
         let m = &self.matrix;
         let (row_bytes, within) = self.row_bytes();
-        if within.len() != row_bytes {
-            return Ok(None);
-        }
         let first = self.tensor_rows().start * row_bytes as u64;
-        Ok(Some(m.files.mapped(m.tensor, first, self.nbytes())?))
-    }
-
-    /// The block's GGML blocks, row after row: [`Self::mapped`] where they lie together, else
-    /// [`Self::read_bytes`].
-    pub fn blocks(&self) -> Result<BlockBytes> {
-        Ok(match self.mapped()? {
-            Some(m) => BlockBytes::Mapped(m),
-            None => BlockBytes::Read(self.read_bytes()?),
+        let span = self.rows.len() * row_bytes;
+        Ok(BlockBytes {
+            map: m.files.mapped(m.tensor, first, span)?,
+            rows: self.rows.len(),
+            stride: row_bytes,
+            within,
         })
     }
 
@@ -201,14 +215,11 @@ impl StoredBlock<'_> {
         if within.len() == row_bytes {
             return Ok(m.files.read_into(m.tensor, first, out)?);
         }
-        // SAFETY: `ModelFiles::read_into` writes every byte or fails.
-        let rows: Vec<u8> = unsafe {
-            filled_vec(self.rows.len() * row_bytes, |room| {
-                m.files.read_into(m.tensor, first, room)
-            })
-        }?;
-        let kept = rows.chunks_exact(row_bytes).map(|row| &row[within.clone()]);
-        for (dst, src) in out.chunks_exact_mut(within.len().max(1)).zip(kept) {
+        // A block of columns: its own bytes of each row, out of the rows' span in the map
+        // (a positioned read of the span would copy every rank's columns).
+        let blocks = self.blocks()?;
+        let rows = blocks.rows(0..self.rows.len());
+        for (dst, src) in out.chunks_exact_mut(within.len().max(1)).zip(rows) {
             for (d, &b) in dst.iter_mut().zip(src) {
                 d.write(b);
             }
