@@ -125,8 +125,11 @@ mod avx2 {
     use super::interleaved;
     use super::{finish, LANES, MAX_TOKENS};
 
-    /// The portable loop's operations, two registers of eight lanes per token, the tokens of a
-    /// row side by side so that the row is read once.
+    /// The portable loop's operations, two registers of eight lanes per token and row, the
+    /// tokens of a row side by side so that the row is read once. A sum's lanes wait on their
+    /// own fused multiply-adds, so one, two or three tokens take four, two or two rows at a
+    /// time, to keep eight or more sums in flight (four tokens and two rows would need more
+    /// registers than AVX2 has); every sum is still its own row's, in the same order.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; `x` holds `t * k` values and `xp` them [`interleaved`], `w`
@@ -141,29 +144,86 @@ mod avx2 {
         k: usize,
         dst: &mut [f32],
     ) {
+        // SAFETY: as this function's.
+        unsafe {
+            match t {
+                0 => {}
+                1 => rows_by::<1, 4>(x, xp, w, rows, k, dst),
+                2 => rows_by::<2, 2>(x, xp, w, rows, k, dst),
+                3 => rows_by::<3, 2>(x, xp, w, rows, k, dst),
+                _ => rows_by::<MAX_TOKENS, 1>(x, xp, w, rows, k, dst),
+            }
+        }
+    }
+
+    /// [`rows`] for `T` tokens, `R` rows at a time, then any rows left one at a time.
+    ///
+    /// # Safety
+    /// As [`rows`]'s, with `t` = `T`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_by<const T: usize, const R: usize>(
+        x: &[f32],
+        xp: &[f32],
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
+        let mut first = 0;
+        // SAFETY: as this function's; each call's rows are below `rows`.
+        unsafe {
+            while first + R <= rows {
+                row_block::<T, R>(x, xp, w, first, k, dst);
+                first += R;
+            }
+            while first < rows {
+                row_block::<T, 1>(x, xp, w, first, k, dst);
+                first += 1;
+            }
+        }
+    }
+
+    /// Rows `first..first + R` for `T` tokens.
+    ///
+    /// # Safety
+    /// As [`rows`]'s, with `t` = `T` and `first + R` ≤ the rows `w` and `dst` hold.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_block<const T: usize, const R: usize>(
+        x: &[f32],
+        xp: &[f32],
+        w: &[f32],
+        first: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
         let whole = k - k % LANES;
-        for r in 0..rows {
-            let row = w[r * k..].as_ptr();
-            let mut acc = [[_mm256_setzero_ps(); 2]; MAX_TOKENS];
-            for i in (0..whole).step_by(LANES) {
-                // SAFETY: i + 16 ≤ whole ≤ k, within the row and within `xp`'s t · whole values.
+        let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+        for i in (0..whole).step_by(LANES) {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 16 ≤ whole ≤ k, within row `first + j` and within `xp`'s
+                // T · whole values.
                 unsafe {
-                    let (w0, w1) = (_mm256_loadu_ps(row.add(i)), _mm256_loadu_ps(row.add(i + 8)));
-                    for (tok, acc) in acc.iter_mut().enumerate().take(t) {
-                        let f = xp.as_ptr().add(i * t + tok * LANES);
+                    let row = w.as_ptr().add((first + j) * k + i);
+                    let (w0, w1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+                    for (tok, acc) in acc.iter_mut().enumerate() {
+                        let f = xp.as_ptr().add(i * T + tok * LANES);
                         acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(f), w0, acc[0]);
                         acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(f.add(8)), w1, acc[1]);
                     }
                 }
             }
-            for (tok, acc) in acc.iter().enumerate().take(t) {
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            let r = first + j;
+            for (tok, acc) in acc.iter().enumerate() {
                 let mut lanes = [0f32; LANES];
                 // SAFETY: 16 lanes stored into 16 floats.
                 unsafe {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
                     _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
                 }
-                dst[r * t + tok] = finish(
+                dst[r * T + tok] = finish(
                     lanes,
                     &x[tok * k + whole..(tok + 1) * k],
                     &w[r * k + whole..(r + 1) * k],
@@ -191,6 +251,10 @@ mod tests {
             (4, 9, 37),
             (4, 2, 1024),
             (3, 4, 2500),
+            (1, 9, 37),
+            (1, 8, 1040),
+            (2, 7, 100),
+            (2, 4, 16),
         ];
         let mut checked = 0;
         for (t, rows, k) in shapes {
