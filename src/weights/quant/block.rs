@@ -20,9 +20,9 @@ pub(super) fn each_block<const TS: usize, const BS: usize>(
 /// The `BlockDecoder` of a function decoding one `$ts`-byte block into `$bs` values. The block
 /// function is inlined into an out-of-line function per block, so that LLVM vectorizes within
 /// the block (inlined into the loop over blocks, it vectorizes across blocks instead: a lane per
-/// block, strided byte gathers and scalar stores, 1.6x slower on Q4_0). Where the CPU has AVX2
-/// the blocks go through a second copy compiled for it: twice the lanes, the same operations in
-/// the same order, so the same bits.
+/// block, strided byte gathers and scalar stores, 1.6x slower on Q4_0). Where the CPU has
+/// AVX-512 or AVX2 the blocks go through a copy compiled for it: four or two times the lanes,
+/// the same operations in the same order, so the same bits.
 macro_rules! blocks {
     ($decode:path, $ts:literal, $bs:literal) => {{
         fn decode(src: &[u8], dst: &mut [f32]) {
@@ -35,6 +35,19 @@ macro_rules! blocks {
             #[inline(never)]
             fn one_avx2(b: &[u8; $ts], out: &mut [f32; $bs]) {
                 $decode(b, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+            #[inline(never)]
+            fn one_avx512(b: &[u8; $ts], out: &mut [f32; $bs]) {
+                $decode(b, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if $crate::weights::quant::block::has_avx512() {
+                // SAFETY: the CPU has AVX-512 F, BW and VL.
+                return $crate::weights::quant::block::each_block(src, dst, |b, out| unsafe {
+                    one_avx512(b, out)
+                });
             }
             #[cfg(target_arch = "x86_64")]
             if $crate::weights::quant::block::has_avx2() {
@@ -50,13 +63,27 @@ macro_rules! blocks {
 }
 pub(super) use blocks;
 
+/// Whether the CPU has AVX-512 (F, BW, VL), so that `blocks!` takes its AVX-512 copy (a test
+/// can turn it off on its thread to check the other copies).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn has_avx512() -> bool {
+    #[cfg(test)]
+    if tests::NARROWEST.with(std::cell::Cell::get) >= tests::Copy::Avx2 {
+        return false;
+    }
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
 /// Whether the CPU has AVX2, so that `blocks!` takes its AVX2 copy (a test can turn it off
 /// on its thread to check the plain copy).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn has_avx2() -> bool {
     #[cfg(test)]
-    if tests::PLAIN_ONLY.with(std::cell::Cell::get) {
+    if tests::NARROWEST.with(std::cell::Cell::get) >= tests::Copy::Plain {
         return false;
     }
     std::arch::is_x86_feature_detected!("avx2")
@@ -204,29 +231,43 @@ mod tests {
     use crate::weights::quant::dequantize;
     use crate::weights::GgmlType;
 
-    thread_local! {
-        /// Set: `blocks!` decoders on this thread take their plain copy.
-        pub(super) static PLAIN_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The copies of a `blocks!` decoder, widest first.
+    #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+    pub(super) enum Copy {
+        Widest,
+        Avx2,
+        Plain,
     }
 
-    /// The AVX2 copy of every decoder gives the plain copy's bits (the oracle tests check
-    /// whichever copy the machine runs against gguf-py).
+    thread_local! {
+        /// The widest copy `blocks!` decoders on this thread may take.
+        pub(super) static NARROWEST: std::cell::Cell<Copy> = const { std::cell::Cell::new(Copy::Widest) };
+    }
+
+    /// Every copy of every decoder (AVX-512 and AVX2 where the CPU has them, and the plain one)
+    /// gives the same bits (the oracle tests check whichever copy the machine runs against
+    /// gguf-py).
     #[test]
-    fn avx2_and_plain_decoders_agree() {
+    fn every_copy_of_the_decoders_agrees() {
         let block_types: Vec<GgmlType> = GgmlType::all()
             .filter(|&t| t.block_size() > 1 && super::super::block_decoder(t).is_ok())
             .collect();
         assert_eq!(block_types.len(), 23, "every type `blocks!` decodes");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for ty in block_types {
             let src = random_blocks(ty, 64, &mut SplitMix::new(5));
-            let mut fast = vec![0f32; 64 * ty.block_size()];
-            let mut plain = fast.clone();
-            dequantize(ty, &src, &mut fast).unwrap();
-            PLAIN_ONLY.with(|p| p.set(true));
-            dequantize(ty, &src, &mut plain).unwrap();
-            PLAIN_ONLY.with(|p| p.set(false));
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fast), bits(&plain), "{ty}");
+            let decoded: Vec<Vec<u32>> = [Copy::Widest, Copy::Avx2, Copy::Plain]
+                .into_iter()
+                .map(|copy| {
+                    let mut out = vec![0f32; 64 * ty.block_size()];
+                    NARROWEST.with(|c| c.set(copy));
+                    dequantize(ty, &src, &mut out).unwrap();
+                    NARROWEST.with(|c| c.set(Copy::Widest));
+                    bits(&out)
+                })
+                .collect();
+            assert_eq!(decoded[0], decoded[2], "{ty}: the widest copy");
+            assert_eq!(decoded[1], decoded[2], "{ty}: the AVX2 copy");
         }
     }
 
