@@ -19,7 +19,8 @@ use crate::weights::{quant, Encoding, GgmlType, ModelFiles, TensorEntry};
 /// copy took a fifth of a few-token MoE layer): its rows `stride` bytes apart, each row's blocks
 /// at `within` of its stride. A block of whole rows lies together; a block of columns (a
 /// RowParallel rank's shard) is a view of the rows' whole span, of which it reads only its own
-/// blocks, so a rank never copies the other ranks' columns.
+/// blocks, so a rank never copies the other ranks' columns. Dropped, it gives the span's pages
+/// back; another rank's view of the same rows faults them in again from the page cache.
 pub struct BlockBytes {
     map: MappedBytes,
     rows: usize,
@@ -28,14 +29,9 @@ pub struct BlockBytes {
 }
 
 impl BlockBytes {
-    /// Bytes of one row's blocks.
-    pub fn row_len(&self) -> usize {
-        self.within.len()
-    }
-
     /// Bytes of the block's own blocks (what it reads; other ranks' columns are theirs).
     pub fn nbytes(&self) -> usize {
-        self.rows * self.row_len()
+        self.rows * self.within.len()
     }
 
     /// Row `i`'s blocks.
