@@ -18,6 +18,10 @@ pub const MAX_TOKENS: usize = 4;
 /// rows (256 of them, 6 MiB at GLM-5's 6144 features) would go out to memory and back.
 const PIECE_BYTES: usize = 128 << 10;
 
+/// Pieces are whole multiples of the most rows a kernel takes at a time (AVX-512's eight for one
+/// or two tokens), or a piece's rows would go one at a time.
+const PIECE_ROWS_MULTIPLE: usize = 8;
+
 /// Whether a GEMM of `t` tokens is this kernel's to run, at any width.
 pub fn takes(t: usize) -> bool {
     t <= MAX_TOKENS
@@ -27,8 +31,9 @@ pub fn takes(t: usize) -> bool {
 /// GEMM.
 pub struct Tokens<'a> {
     x: &'a [f32],
+    /// The widest kernel the CPU runs, and the tokens laid out for it.
     #[cfg(target_arch = "x86_64")]
-    interleaved: Option<Vec<f32>>,
+    interleaved: Option<(Simd, Vec<f32>)>,
     t: usize,
     k: usize,
 }
@@ -46,17 +51,18 @@ impl<'a> Tokens<'a> {
         Tokens {
             x,
             #[cfg(target_arch = "x86_64")]
-            interleaved: (std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma"))
-            .then(|| interleaved(x, t, k)),
+            interleaved: Simd::widest().map(|simd| (simd, interleaved(x, t, k))),
             t,
             k,
         }
     }
 
-    /// Weight rows worth decoding at a time for the kernel: about [`PIECE_BYTES`] of f32.
+    /// Weight rows worth decoding at a time for the kernel: about [`PIECE_BYTES`] of f32, in
+    /// whole blocks of the rows its kernels take at a time ([`PIECE_ROWS_MULTIPLE`]).
     pub fn piece_rows(&self) -> usize {
-        (PIECE_BYTES / 4 / self.k.max(1)).max(1)
+        (PIECE_BYTES / 4 / self.k.max(1))
+            .max(1)
+            .next_multiple_of(PIECE_ROWS_MULTIPLE)
     }
 
     /// `x · w[..rows]ᵀ`, `w` row-major with at least `rows` rows of `k`, laid out column-major:
@@ -73,14 +79,64 @@ impl<'a> Tokens<'a> {
         );
         let mut dst = vec![0.0; rows * t];
         #[cfg(target_arch = "x86_64")]
-        if let Some(xp) = &self.interleaved {
-            // SAFETY: `interleaved` exists only where the CPU has AVX2 and FMA; `new` bounds
-            // `x`, the assert above `w`, and `dst` holds `rows * t`.
-            unsafe { avx2::rows(x, xp, t, w, rows, k, &mut dst) };
+        if let Some((simd, xp)) = &self.interleaved {
+            // SAFETY: the CPU has what `simd` names; `new` bounds `x`, the assert above `w`,
+            // and `dst` holds `rows * t`.
+            unsafe {
+                match simd {
+                    Simd::Avx512 => avx512::rows(x, xp, t, w, rows, k, &mut dst),
+                    Simd::Avx2 => avx2::rows(x, xp, t, w, rows, k, &mut dst),
+                }
+            }
             return dst;
         }
         portable_rows(x, t, w, rows, k, &mut dst);
         dst
+    }
+}
+
+/// The instruction sets the kernel has a copy for; both sum in the same sixteen lanes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Simd {
+    Avx2,
+    Avx512,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Simd {
+    /// The widest this CPU has, if any.
+    fn widest() -> Option<Simd> {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            Some(Simd::Avx512)
+        } else if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            Some(Simd::Avx2)
+        } else {
+            None
+        }
+    }
+}
+
+/// Rows `0..rows` in blocks of `R`, `whole(first, dst)` each, then `single(first, dst)` for
+/// each row left.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn in_row_blocks<const R: usize>(
+    rows: usize,
+    dst: &mut [f32],
+    mut whole: impl FnMut(usize, &mut [f32]),
+    mut single: impl FnMut(usize, &mut [f32]),
+) {
+    let mut first = 0;
+    while first + R <= rows {
+        whole(first, dst);
+        first += R;
+    }
+    while first < rows {
+        single(first, dst);
+        first += 1;
     }
 }
 
@@ -123,7 +179,7 @@ mod avx2 {
 
     #[cfg(doc)]
     use super::interleaved;
-    use super::{finish, LANES, MAX_TOKENS};
+    use super::{finish, in_row_blocks, LANES, MAX_TOKENS};
 
     /// The portable loop's operations, two registers of eight lanes per token and row, the
     /// tokens of a row side by side so that the row is read once. A sum's lanes wait on their
@@ -169,18 +225,13 @@ mod avx2 {
         k: usize,
         dst: &mut [f32],
     ) {
-        let mut first = 0;
-        // SAFETY: as this function's; each call's rows are below `rows`.
-        unsafe {
-            while first + R <= rows {
-                row_block::<T, R>(x, xp, w, first, k, dst);
-                first += R;
-            }
-            while first < rows {
-                row_block::<T, 1>(x, xp, w, first, k, dst);
-                first += 1;
-            }
-        }
+        // SAFETY: as this function's; each block's rows are below `rows`.
+        in_row_blocks::<R>(
+            rows,
+            dst,
+            |first, dst| unsafe { row_block::<T, R>(x, xp, w, first, k, dst) },
+            |first, dst| unsafe { row_block::<T, 1>(x, xp, w, first, k, dst) },
+        );
     }
 
     /// Rows `first..first + R` for `T` tokens.
@@ -233,6 +284,111 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    #[cfg(doc)]
+    use super::interleaved;
+    use super::{finish, in_row_blocks, LANES, MAX_TOKENS};
+
+    /// The portable loop's operations, one register of sixteen lanes per token and row: AVX2's
+    /// sums in half the registers, of which AVX-512 has twice as many, so more rows at a time
+    /// (eight, eight, four and four for one to four tokens) and eight to sixteen sums in
+    /// flight.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `x` holds `t * k` values and `xp` them [`interleaved`], `w` at
+    /// least `rows * k`, `dst` `rows * t`, `t` ≤ [`MAX_TOKENS`].
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn rows(
+        x: &[f32],
+        xp: &[f32],
+        t: usize,
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
+        // SAFETY: as this function's.
+        unsafe {
+            match t {
+                0 => {}
+                1 => rows_by::<1, 8>(x, xp, w, rows, k, dst),
+                2 => rows_by::<2, 8>(x, xp, w, rows, k, dst),
+                3 => rows_by::<3, 4>(x, xp, w, rows, k, dst),
+                _ => rows_by::<MAX_TOKENS, 4>(x, xp, w, rows, k, dst),
+            }
+        }
+    }
+
+    /// [`rows`] for `T` tokens, `R` rows at a time, then any rows left one at a time.
+    ///
+    /// # Safety
+    /// As [`rows`]'s, with `t` = `T`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rows_by<const T: usize, const R: usize>(
+        x: &[f32],
+        xp: &[f32],
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
+        // SAFETY: as this function's; each block's rows are below `rows`.
+        in_row_blocks::<R>(
+            rows,
+            dst,
+            |first, dst| unsafe { row_block::<T, R>(x, xp, w, first, k, dst) },
+            |first, dst| unsafe { row_block::<T, 1>(x, xp, w, first, k, dst) },
+        );
+    }
+
+    /// Rows `first..first + R` for `T` tokens.
+    ///
+    /// # Safety
+    /// As [`rows`]'s, with `t` = `T` and `first + R` ≤ the rows `w` and `dst` hold.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn row_block<const T: usize, const R: usize>(
+        x: &[f32],
+        xp: &[f32],
+        w: &[f32],
+        first: usize,
+        k: usize,
+        dst: &mut [f32],
+    ) {
+        let whole = k - k % LANES;
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for i in (0..whole).step_by(LANES) {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 16 ≤ whole ≤ k, within row `first + j` and within `xp`'s
+                // T · whole values.
+                unsafe {
+                    let row = _mm512_loadu_ps(w.as_ptr().add((first + j) * k + i));
+                    for (tok, acc) in acc.iter_mut().enumerate() {
+                        let f = _mm512_loadu_ps(xp.as_ptr().add(i * T + tok * LANES));
+                        *acc = _mm512_fmadd_ps(f, row, *acc);
+                    }
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            let r = first + j;
+            for (tok, acc) in acc.iter().enumerate() {
+                let mut lanes = [0f32; LANES];
+                // SAFETY: 16 lanes stored into 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+                dst[r * T + tok] = finish(
+                    lanes,
+                    &x[tok * k + whole..(tok + 1) * k],
+                    &w[r * k + whole..(r + 1) * k],
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::lane_dot::test_values::{near_exact, values};
@@ -255,6 +411,9 @@ mod tests {
             (1, 8, 1040),
             (2, 7, 100),
             (2, 4, 16),
+            (1, 19, 300),
+            (2, 9, 48),
+            (4, 5, 33),
         ];
         let mut checked = 0;
         for (t, rows, k) in shapes {
@@ -271,6 +430,13 @@ mod tests {
                 // SAFETY: the CPU has AVX2 and FMA; t ≤ MAX_TOKENS, sizes as it needs.
                 unsafe { avx2::rows(&x, &interleaved(&x, t, k), t, &w, rows, k, &mut got) };
                 paths.push(("avx2", got));
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let mut got = vec![0.0; rows * t];
+                // SAFETY: the CPU has AVX-512 F; t ≤ MAX_TOKENS, sizes as it needs.
+                unsafe { avx512::rows(&x, &interleaved(&x, t, k), t, &w, rows, k, &mut got) };
+                paths.push(("avx512", got));
             }
             for (path, got) in &paths {
                 assert_eq!(bits(got), bits(&want), "{path}: t {t}, rows {rows}, k {k}");
