@@ -270,7 +270,7 @@ fn cases() -> Vec<Case> {
 fn scale_tie(rng: &mut SplitMix, i: usize) -> f32 {
     const EXTREMES: [f32; 8] = [127.0, -8.0, -16.0, 8.0, 2.0, 15.0, 31.0, -4.0];
     let s = EXTREMES[(i / 32 + i / 512) % EXTREMES.len()];
-    if i % 32 == 0 {
+    if i.is_multiple_of(32) {
         return s;
     }
     let m = 2 * s.abs() as u64;
@@ -299,8 +299,8 @@ fn pow2_edge(rng: &mut SplitMix, r: usize, i: usize) -> f32 {
     ];
     let b = i / 32 + 16 * r;
     let top = 2f32.powi(b as i32 - 40);
-    if i % 32 == 0 {
-        return if b % 2 == 0 {
+    if i.is_multiple_of(32) {
+        return if b.is_multiple_of(2) {
             top
         } else {
             f32::from_bits(top.to_bits() - 1)

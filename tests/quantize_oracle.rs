@@ -182,7 +182,11 @@ fn scale_ties(rng: &mut SplitMix, shift: usize) -> Vec<f32> {
 fn range_ties(rng: &mut SplitMix, shift: usize) -> Vec<f32> {
     (0..ROW / 32)
         .flat_map(|b| {
-            let span = if (b + shift) % 2 == 0 { 15u64 } else { 31 };
+            let span = if (b + shift).is_multiple_of(2) {
+                15u64
+            } else {
+                31
+            };
             let lo = [0.0f32, -3.0, 2.0][(b + shift) % 3];
             let rest: Vec<f32> = (2..32)
                 .map(|_| lo + below(rng, span) as f32 + 0.5)
@@ -228,7 +232,7 @@ fn mxfp4_edges(rng: &mut SplitMix) -> Vec<f32> {
             let rest: Vec<f32> = (1..32)
                 .map(|_| {
                     let v = HALVES[below(rng, 12) as usize] * top / 8.0;
-                    if rng.next_u64() % 2 == 0 {
+                    if rng.next_u64().is_multiple_of(2) {
                         v
                     } else {
                         -v

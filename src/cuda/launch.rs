@@ -183,7 +183,10 @@ impl Device {
         spec: RotateSpec,
     ) -> Result<Mat<f32>> {
         let half = rope.inv_freq().len();
-        if spec.width == 0 || m.cols % spec.width != 0 || spec.offset + 2 * half > spec.width {
+        if spec.width == 0
+            || !m.cols.is_multiple_of(spec.width)
+            || spec.offset + 2 * half > spec.width
+        {
             bail!(
                 "rope: rows of {} values do not hold heads of {} with {} rope dims from {}",
                 m.cols,

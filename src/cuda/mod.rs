@@ -219,7 +219,7 @@ impl Gpu {
     ) -> Result<()> {
         let f = self.dequant_function::<O>(ty)?;
         let expected = (n / ty.block_size()) * ty.type_size();
-        if n % ty.block_size() != 0 || src.len() != expected {
+        if !n.is_multiple_of(ty.block_size()) || src.len() != expected {
             bail!("{ty}: {} bytes do not hold {n} values", src.len());
         }
         if dst.len() < n {

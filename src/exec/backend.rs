@@ -319,7 +319,8 @@ pub struct HeadCut {
 impl HeadCut {
     /// The heads in rows of `cols` values, where they hold the cut's columns.
     pub fn heads_in(self, cols: usize) -> Result<usize> {
-        if self.width == 0 || self.from + self.len > self.width || cols % self.width != 0 {
+        if self.width == 0 || self.from + self.len > self.width || !cols.is_multiple_of(self.width)
+        {
             bail!(
                 "head columns: rows of {cols} values do not hold heads of {} with columns {}..{}",
                 self.width,

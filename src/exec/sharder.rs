@@ -15,7 +15,7 @@ use crate::shard::plan::splits_rows;
 
 /// The `[start, len)` of rank `rank`'s even share of `total`.
 fn share(total: usize, rank: usize, tp: usize) -> Result<(usize, usize)> {
-    if tp == 0 || total % tp != 0 {
+    if tp == 0 || !total.is_multiple_of(tp) {
         bail!("{total} does not split evenly over {tp} ranks");
     }
     Ok((rank * total / tp, total / tp))

@@ -97,7 +97,7 @@ impl<'a> StoredMatrix<'a> {
     /// Rows `rows` × columns `cols` of the matrix, when the columns are whole blocks.
     pub fn block(&self, rows: Range<usize>, cols: Range<usize>) -> Option<StoredBlock<'a>> {
         let bs = self.ty.block_size();
-        let aligned = cols.start % bs == 0 && cols.end % bs == 0;
+        let aligned = cols.start.is_multiple_of(bs) && cols.end.is_multiple_of(bs);
         let inside = rows.start <= rows.end
             && rows.end <= self.rows
             && cols.start <= cols.end

@@ -415,7 +415,7 @@ impl Glm5Config {
                 return Err(cfg_err(name, "must be positive"));
             }
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(cfg_err(
                 "qk_rope_head_dim",
                 format!("{} is odd; RoPE rotates pairs", self.qk_rope_head_dim),
@@ -442,7 +442,7 @@ impl Glm5Config {
         }
         if self.n_group == 0
             || self.topk_group > self.n_group
-            || (self.n_routed_experts % self.n_group != 0)
+            || !self.n_routed_experts.is_multiple_of(self.n_group)
         {
             return Err(cfg_err(
                 "n_group",

@@ -32,7 +32,7 @@ impl LogitsSide {
     /// `values` of `shape` (the last dimension is the vocabulary).
     pub fn new(values: Vec<f32>, shape: &[u64]) -> Option<LogitsSide> {
         let vocab = shape.last().copied().unwrap_or(0) as usize;
-        if vocab == 0 || values.is_empty() || values.len() % vocab != 0 {
+        if vocab == 0 || values.is_empty() || !values.len().is_multiple_of(vocab) {
             return None;
         }
         let health = LogitsHealth::of(&values, vocab);

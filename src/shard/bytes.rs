@@ -205,7 +205,7 @@ fn planned(
             let n = s.row_len / tp;
             let (bs, ts) = s.block();
             let elems = rank * n..(rank + 1) * n;
-            if elems.start % bs != 0 || n % bs != 0 {
+            if elems.start % bs != 0 || !n.is_multiple_of(bs) {
                 Err(elems)
             } else {
                 Ok(Region {

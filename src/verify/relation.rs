@@ -598,7 +598,7 @@ impl Departure<'_> {
             }
         }
         let row_len = self.row_len();
-        if row_len >= 2 && row_len % 2 == 0 {
+        if row_len >= 2 && row_len.is_multiple_of(2) {
             let half = row_len / 2;
             let swapped: Vec<f32> = x
                 .chunks(row_len)

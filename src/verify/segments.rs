@@ -174,7 +174,7 @@ fn judge(
         .enumerate()
         .map(|(i, (xs, cs))| measure(i, xs, cs, block))
         .collect();
-    let requant = ty.filter(|&t| has_quantizer(t) && row_len % t.block_size() == 0);
+    let requant = ty.filter(|&t| has_quantizer(t) && row_len.is_multiple_of(t.block_size()));
     let typical = match requant {
         Some(ty) => {
             let whole = whole || segs.len() <= WHOLE_UNIT_SEGMENTS;
@@ -309,7 +309,7 @@ fn in_sample(i: u64) -> bool {
     let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) % SAMPLE_ONE_IN == 0
+    (z ^ (z >> 31)).is_multiple_of(SAMPLE_ONE_IN)
 }
 
 /// Re-quantize the segments `pick` chooses that are not yet: their noise, factor sums and
@@ -370,7 +370,7 @@ pub fn restore(
     row_len: usize,
     x: &[f32],
 ) -> anyhow::Result<Option<(Vec<f32>, Vec<u8>)>> {
-    if !has_quantizer(ty) || row_len % ty.block_size() != 0 {
+    if !has_quantizer(ty) || !row_len.is_multiple_of(ty.block_size()) {
         return Ok(None);
     }
     let bytes = quantize(ty, x, row_len)?;

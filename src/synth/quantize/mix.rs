@@ -87,7 +87,7 @@ pub fn mix_type(mix: Mix, name: &str, row_len: u64, n_dims: usize, n_layers: u64
         Mix::Q8_0 => GgmlType::Q8_0,
         Mix::Q4KM => {
             if name == "output.weight" {
-                if row_len % 256 == 0 {
+                if row_len.is_multiple_of(256) {
                     GgmlType::Q6_K
                 } else {
                     GgmlType::Q8_0
@@ -123,7 +123,7 @@ pub fn mix_type(mix: Mix, name: &str, row_len: u64, n_dims: usize, n_layers: u64
 /// 32-block type of similar size, then anything still not fitting to F16.
 pub fn fallback(ty: GgmlType, row_len: u64) -> GgmlType {
     use GgmlType as T;
-    let fits = |t: GgmlType| row_len % t.block_size() as u64 == 0;
+    let fits = |t: GgmlType| row_len.is_multiple_of(t.block_size() as u64);
     if fits(ty) {
         return ty;
     }

@@ -65,14 +65,14 @@ pub enum QuantizeError {
 pub fn quantize(ty: GgmlType, values: &[f32], row_len: usize) -> Result<Vec<u8>, QuantizeError> {
     let encode = block_encoder(ty)?;
     let bs = ty.block_size();
-    if row_len == 0 || row_len % bs != 0 {
+    if row_len == 0 || !row_len.is_multiple_of(bs) {
         return Err(QuantizeError::RowLength {
             ty,
             row_len,
             block_size: bs,
         });
     }
-    if values.len() % row_len != 0 {
+    if !values.len().is_multiple_of(row_len) {
         return Err(QuantizeError::PartialRow {
             len: values.len(),
             row_len,
@@ -95,7 +95,7 @@ pub fn quantize(ty: GgmlType, values: &[f32], row_len: usize) -> Result<Vec<u8>,
 pub fn quantize_blocks(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, QuantizeError> {
     let encode = block_encoder(ty)?;
     let bs = ty.block_size();
-    if values.len() % bs != 0 {
+    if !values.len().is_multiple_of(bs) {
         return Err(QuantizeError::PartialRow {
             len: values.len(),
             row_len: bs,

@@ -175,7 +175,7 @@ pub(super) fn crumb_rows(q: &[u8], out: &mut [f32], f: impl Fn(u8, usize, usize)
 #[inline(always)]
 pub(super) fn codebook_nibbles(d: f32, levels: &[i8; 16], q: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if q.len() % 8 == 0 && out.len() == 2 * q.len() && has_avx2() {
+    if q.len().is_multiple_of(8) && out.len() == 2 * q.len() && has_avx2() {
         // SAFETY: the CPU has AVX2; `out` holds two values per byte of `q`, which comes in
         // whole steps of 8 bytes.
         unsafe { lookup_nibbles_avx2(d, levels, q, out) };

@@ -47,7 +47,7 @@ pub enum QuantError {
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     let decode = block_decoder(ty)?;
     let ts = ty.type_size();
-    if src.len() % ts != 0 {
+    if !src.len().is_multiple_of(ts) {
         return Err(QuantError::PartialBlock {
             ty,
             bytes: src.len(),
@@ -151,7 +151,7 @@ impl Rows {
     /// values.
     fn of(ty: GgmlType, src: &[u8], out_len: usize, row_len: usize) -> Result<Rows, QuantError> {
         let (ts, bs) = (ty.type_size(), ty.block_size());
-        if row_len == 0 || row_len % bs != 0 || src.len() % ts != 0 {
+        if row_len == 0 || !row_len.is_multiple_of(bs) || !src.len().is_multiple_of(ts) {
             return Err(QuantError::PartialBlock {
                 ty,
                 bytes: src.len(),
