@@ -140,6 +140,63 @@ fn in_row_blocks<const R: usize>(
     }
 }
 
+/// A kernel module's `rows(x, xp, t, w, rows, k, dst)`: `t` tokens against `rows` weight rows
+/// of `k` features through the module's `row_block::<T, R>`, compiled for `$features`, `R` rows
+/// at a time for one to four tokens (`$r1` … `$r4`), then any rows left one at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rows_in_blocks {
+    ($features:tt, $r1:tt, $r2:tt, $r3:tt, $r4:tt) => {
+        /// `x · w[..rows]ᵀ` for `t` tokens into `dst`, `[rows, t]`.
+        ///
+        /// # Safety
+        /// The CPU has `$features`; `x` holds `t * k` values and `xp` them [`interleaved`],
+        /// `w` at least `rows * k`, `dst` `rows * t`, `t` ≤ [`MAX_TOKENS`].
+        #[target_feature(enable = $features)]
+        pub unsafe fn rows(
+            x: &[f32],
+            xp: &[f32],
+            t: usize,
+            w: &[f32],
+            rows: usize,
+            k: usize,
+            dst: &mut [f32],
+        ) {
+            // SAFETY: as this function's.
+            unsafe {
+                match t {
+                    0 => {}
+                    1 => rows_by::<1, $r1>(x, xp, w, rows, k, dst),
+                    2 => rows_by::<2, $r2>(x, xp, w, rows, k, dst),
+                    3 => rows_by::<3, $r3>(x, xp, w, rows, k, dst),
+                    _ => rows_by::<MAX_TOKENS, $r4>(x, xp, w, rows, k, dst),
+                }
+            }
+        }
+
+        /// [`rows`] for `T` tokens, `R` rows at a time, then any rows left one at a time.
+        ///
+        /// # Safety
+        /// As [`rows`]'s, with `t` = `T`.
+        #[target_feature(enable = $features)]
+        unsafe fn rows_by<const T: usize, const R: usize>(
+            x: &[f32],
+            xp: &[f32],
+            w: &[f32],
+            rows: usize,
+            k: usize,
+            dst: &mut [f32],
+        ) {
+            // SAFETY: as this function's; each block's rows are below `rows`.
+            in_row_blocks::<R>(
+                rows,
+                dst,
+                |first, dst| unsafe { row_block::<T, R>(x, xp, w, first, k, dst) },
+                |first, dst| unsafe { row_block::<T, 1>(x, xp, w, first, k, dst) },
+            );
+        }
+    };
+}
+
 /// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features ([`Tokens::new`] and
 /// [`Tokens::times_weight_rows`]).
 pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize) -> Vec<f32> {
@@ -173,6 +230,11 @@ fn portable_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize, dst: &mu
     }
 }
 
+/// The portable loop's operations, two registers of eight lanes per token and row, the tokens of
+/// a row side by side so that the row is read once. A sum's lanes wait on their own fused
+/// multiply-adds, so one, two or three tokens take four, two or two rows at a time, to keep
+/// eight or more sums in flight (four tokens and two rows would need more registers than AVX2
+/// has); every sum is still its own row's, in the same order.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -181,58 +243,7 @@ mod avx2 {
     use super::interleaved;
     use super::{finish, in_row_blocks, LANES, MAX_TOKENS};
 
-    /// The portable loop's operations, two registers of eight lanes per token and row, the
-    /// tokens of a row side by side so that the row is read once. A sum's lanes wait on their
-    /// own fused multiply-adds, so one, two or three tokens take four, two or two rows at a
-    /// time, to keep eight or more sums in flight (four tokens and two rows would need more
-    /// registers than AVX2 has); every sum is still its own row's, in the same order.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA; `x` holds `t * k` values and `xp` them [`interleaved`], `w`
-    /// at least `rows * k`, `dst` `rows * t`, `t` ≤ [`MAX_TOKENS`].
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows(
-        x: &[f32],
-        xp: &[f32],
-        t: usize,
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        dst: &mut [f32],
-    ) {
-        // SAFETY: as this function's.
-        unsafe {
-            match t {
-                0 => {}
-                1 => rows_by::<1, 4>(x, xp, w, rows, k, dst),
-                2 => rows_by::<2, 2>(x, xp, w, rows, k, dst),
-                3 => rows_by::<3, 2>(x, xp, w, rows, k, dst),
-                _ => rows_by::<MAX_TOKENS, 1>(x, xp, w, rows, k, dst),
-            }
-        }
-    }
-
-    /// [`rows`] for `T` tokens, `R` rows at a time, then any rows left one at a time.
-    ///
-    /// # Safety
-    /// As [`rows`]'s, with `t` = `T`.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_by<const T: usize, const R: usize>(
-        x: &[f32],
-        xp: &[f32],
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        dst: &mut [f32],
-    ) {
-        // SAFETY: as this function's; each block's rows are below `rows`.
-        in_row_blocks::<R>(
-            rows,
-            dst,
-            |first, dst| unsafe { row_block::<T, R>(x, xp, w, first, k, dst) },
-            |first, dst| unsafe { row_block::<T, 1>(x, xp, w, first, k, dst) },
-        );
-    }
+    rows_in_blocks!("avx2,fma", 4, 2, 2, 1);
 
     /// Rows `first..first + R` for `T` tokens.
     ///
@@ -284,6 +295,9 @@ mod avx2 {
     }
 }
 
+/// The portable loop's operations, one register of sixteen lanes per token and row: AVX2's sums
+/// in half the registers, of which AVX-512 has twice as many, so more rows at a time (eight,
+/// eight, four and four for one to four tokens) and eight to sixteen sums in flight.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -292,57 +306,7 @@ mod avx512 {
     use super::interleaved;
     use super::{finish, in_row_blocks, LANES, MAX_TOKENS};
 
-    /// The portable loop's operations, one register of sixteen lanes per token and row: AVX2's
-    /// sums in half the registers, of which AVX-512 has twice as many, so more rows at a time
-    /// (eight, eight, four and four for one to four tokens) and eight to sixteen sums in
-    /// flight.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F; `x` holds `t * k` values and `xp` them [`interleaved`], `w` at
-    /// least `rows * k`, `dst` `rows * t`, `t` ≤ [`MAX_TOKENS`].
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn rows(
-        x: &[f32],
-        xp: &[f32],
-        t: usize,
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        dst: &mut [f32],
-    ) {
-        // SAFETY: as this function's.
-        unsafe {
-            match t {
-                0 => {}
-                1 => rows_by::<1, 8>(x, xp, w, rows, k, dst),
-                2 => rows_by::<2, 8>(x, xp, w, rows, k, dst),
-                3 => rows_by::<3, 4>(x, xp, w, rows, k, dst),
-                _ => rows_by::<MAX_TOKENS, 4>(x, xp, w, rows, k, dst),
-            }
-        }
-    }
-
-    /// [`rows`] for `T` tokens, `R` rows at a time, then any rows left one at a time.
-    ///
-    /// # Safety
-    /// As [`rows`]'s, with `t` = `T`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn rows_by<const T: usize, const R: usize>(
-        x: &[f32],
-        xp: &[f32],
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        dst: &mut [f32],
-    ) {
-        // SAFETY: as this function's; each block's rows are below `rows`.
-        in_row_blocks::<R>(
-            rows,
-            dst,
-            |first, dst| unsafe { row_block::<T, R>(x, xp, w, first, k, dst) },
-            |first, dst| unsafe { row_block::<T, 1>(x, xp, w, first, k, dst) },
-        );
-    }
+    rows_in_blocks!("avx512f", 8, 8, 4, 4);
 
     /// Rows `first..first + R` for `T` tokens.
     ///
