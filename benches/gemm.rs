@@ -133,7 +133,8 @@ fn main() -> Result<()> {
             };
             let (ran, want) = gemm(&copies[0]);
             ensure!(ran, "this CPU has no AVX2: gemm_kernel does not run");
-            let got = few_tokens::x_times_weight_rows(&x, t, &copies[0], ROWS, k);
+            let tokens = few_tokens::Tokens::new(&x, t, k);
+            let got = tokens.times_weight_rows(&copies[0], ROWS);
             let worst = got
                 .iter()
                 .zip(&want)
@@ -141,7 +142,6 @@ fn main() -> Result<()> {
                 .fold(0f32, f32::max);
             ensure!(worst < 1e-4, "k {k}, t {t}: the kernels differ by {worst}");
             let mut row = vec![k.to_string(), t.to_string()];
-            let tokens = few_tokens::Tokens::new(&x, t, k);
             let mut blocked = 0.0;
             for rows in [Rows::InMemory, Rows::JustDecoded] {
                 let few = median_rate(&copies, k, rows, |w, n| {

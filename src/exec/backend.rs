@@ -266,7 +266,7 @@ impl HeadRows {
             };
             bail!("{origin}: {error}");
         }
-        if cols == 0 || per_head % cols != 0 || rows != per_head / cols * d.heads {
+        if cols == 0 || per_head % cols != 0 {
             bail!("{origin}: rows of {cols} values do not split into heads of {per_head}");
         }
         Ok(HeadRows {

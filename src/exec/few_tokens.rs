@@ -197,12 +197,6 @@ macro_rules! rows_in_blocks {
     };
 }
 
-/// `x · w[..rows]ᵀ` for `t` ≤ [`MAX_TOKENS`] tokens of `k` features ([`Tokens::new`] and
-/// [`Tokens::times_weight_rows`]).
-pub fn x_times_weight_rows(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize) -> Vec<f32> {
-    Tokens::new(x, t, k).times_weight_rows(w, rows)
-}
-
 /// The tokens' features chunk by chunk: for each whole chunk of [`LANES`] features, every
 /// token's in turn. The kernel reads it front to back instead of one stream per token: token
 /// rows lie a multiple of 4 KiB apart at most widths, so per-token streams contend for the same
@@ -385,7 +379,8 @@ mod tests {
             let mut want = vec![0.0; rows * t];
             portable_rows(&x, t, &w, rows, k, &mut want);
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            let mut paths = vec![("dispatched", x_times_weight_rows(&x, t, &w, rows, k))];
+            let dispatched = Tokens::new(&x, t, k).times_weight_rows(&w, rows);
+            let mut paths = vec![("dispatched", dispatched)];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
