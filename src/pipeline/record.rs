@@ -14,7 +14,9 @@ use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::engine::{BackendKind, Engine};
 use crate::exec::backend::{Backend, Cpu};
-use crate::exec::forward::{generate, Discard, ForwardOptions, Hybrid, Recorder, Runner};
+use crate::exec::forward::{
+    generate, Discard, ForwardOptions, Hybrid, Recorder, Rehearsal, Runner,
+};
 use crate::exec::inject::Injection;
 use crate::exec::op_clock::{OpClock, OpTime};
 use crate::exec::ops::argmax;
@@ -230,7 +232,9 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                 None => {
                     let run = Hybrid::single(candidate);
                     for _ in 0..spec.warm_up {
-                        greedy(&run, n, 0, &mut Discard)?;
+                        let mut rehearsal = Rehearsal::like(rec);
+                        greedy(&run, n, 0, &mut rehearsal)?;
+                        rehearsal.finish()?;
                     }
                     clock.reset();
                     began = Instant::now();

@@ -270,15 +270,22 @@ struct Group {
     held: Vec<Held>,
 }
 
-/// What the writing thread is sent, in the order the run made it.
-enum Job {
-    Group(Group),
+/// What the writing thread is sent: a finished group (none at the end), and what the run
+/// learnt about itself since the last job, written into the manifest's `producer` with it.
+struct Job {
+    group: Option<Group>,
+    facts: Vec<Fact>,
+}
+
+/// A `producer` entry of the manifest: set, or a layer's seconds added to `layer_seconds`.
+enum Fact {
     Producer(String, Value),
     LayerSeconds(String, f64),
 }
 
-/// Jobs the run may be ahead of the writing thread: a layer or two, so that memory held for
-/// unwritten groups stays bounded when the disk is slow.
+/// Groups the run may be ahead of the writing thread: a layer or two, so that memory held for
+/// unwritten groups stays bounded when the disk is slow. (Facts wait for the next group rather
+/// than take a place of their own: a layer's two timings must not hold the forward back.)
 const JOBS_AHEAD: usize = 4;
 
 /// An open trace being written. Finished groups go to a thread of their own, which waits for
@@ -290,6 +297,8 @@ pub struct TraceWriter {
     open: Group,
     finished: HashSet<String>,
     jobs: Option<SyncSender<Job>>,
+    /// Facts for the next job.
+    facts: Vec<Fact>,
     /// The writing thread; it returns the manifest with every group it wrote, or its first
     /// error.
     thread: Option<JoinHandle<Result<Manifest>>>,
@@ -332,6 +341,7 @@ impl TraceWriter {
             open: Group::default(),
             finished: HashSet::new(),
             jobs: Some(jobs),
+            facts: Vec::new(),
             thread: Some(thread),
         })
     }
@@ -512,22 +522,25 @@ impl TraceWriter {
     }
 
     /// Set `key` of the manifest's `producer` (what a run learnt while running, such as each
-    /// rank's peak GPU memory); written with the next group or at `finish`. (Should the
-    /// writing thread have stopped on an error, the next record or `finish` reports it.)
+    /// rank's peak GPU memory); written with the next group or at `finish`.
     pub fn set_producer(&mut self, key: &str, value: serde_json::Value) {
-        let _ = self.send(Job::Producer(key.to_string(), value));
+        self.facts.push(Fact::Producer(key.to_string(), value));
     }
 
     /// Add a layer's (or its FFN's) wall time to the manifest's `producer.layer_seconds`: where
     /// the traced forward spends its time.
     pub fn add_layer_seconds(&mut self, layer: &str, seconds: f64) {
-        let _ = self.send(Job::LayerSeconds(layer.to_string(), seconds));
+        self.facts
+            .push(Fact::LayerSeconds(layer.to_string(), seconds));
     }
 
     /// Write the group in progress and the final manifest, marked complete; the trace as
     /// written.
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_group()?;
+        if !self.facts.is_empty() {
+            self.send(None)?;
+        }
         self.jobs = None;
         let mut manifest = self.join()?;
         manifest.complete = true;
@@ -542,10 +555,15 @@ impl TraceWriter {
             return Ok(());
         }
         self.finished.insert(group.name.clone());
-        self.send(Job::Group(group))
+        self.send(Some(group))
     }
 
-    fn send(&mut self, job: Job) -> Result<()> {
+    /// `group` and the facts so far to the writing thread.
+    fn send(&mut self, group: Option<Group>) -> Result<()> {
+        let job = Job {
+            group,
+            facts: std::mem::take(&mut self.facts),
+        };
         let sent = self
             .jobs
             .as_ref()
@@ -587,35 +605,38 @@ impl Drop for TraceWriter {
 /// The writing thread: each group's statistics awaited, its tensors written, then the manifest
 /// rewritten with it, in the order they come.
 fn write_groups(dir: &Path, mut manifest: Manifest, jobs: Receiver<Job>) -> Result<Manifest> {
-    for job in jobs {
-        match job {
-            Job::Group(mut group) => {
-                arrive(dir, &mut group)?;
-                for (stage, stats) in group.stages.iter_mut().zip(&mut group.stats) {
-                    stage.stats = stats.wait().map_err(|why| {
-                        TraceError::field(dir, format!("stage \"{}\" statistics", stage.name), why)
-                    })?;
+    for Job { group, facts } in jobs {
+        for fact in facts {
+            match fact {
+                Fact::Producer(key, value) => {
+                    manifest.producer.insert(key, value);
                 }
-                if !group.held.is_empty() {
-                    write_tensors(dir, &group)?;
-                }
-                manifest.stages.extend(group.stages);
-                write_manifest(dir, &manifest)?;
-            }
-            Job::Producer(key, value) => {
-                manifest.producer.insert(key, value);
-            }
-            Job::LayerSeconds(layer, seconds) => {
-                let times = manifest
-                    .producer
-                    .entry("layer_seconds")
-                    .or_insert_with(|| Value::Object(Map::new()));
-                if let Some(times) = times.as_object_mut() {
-                    let total = times.get(&layer).and_then(|v| v.as_f64()).unwrap_or(0.0);
-                    times.insert(layer, serde_json::json!(total + seconds));
+                Fact::LayerSeconds(layer, seconds) => {
+                    let times = manifest
+                        .producer
+                        .entry("layer_seconds")
+                        .or_insert_with(|| Value::Object(Map::new()));
+                    if let Some(times) = times.as_object_mut() {
+                        let total = times.get(&layer).and_then(|v| v.as_f64()).unwrap_or(0.0);
+                        times.insert(layer, serde_json::json!(total + seconds));
+                    }
                 }
             }
         }
+        let Some(mut group) = group else {
+            continue;
+        };
+        arrive(dir, &mut group)?;
+        for (stage, stats) in group.stages.iter_mut().zip(&mut group.stats) {
+            stage.stats = stats.wait().map_err(|why| {
+                TraceError::field(dir, format!("stage \"{}\" statistics", stage.name), why)
+            })?;
+        }
+        if !group.held.is_empty() {
+            write_tensors(dir, &group)?;
+        }
+        manifest.stages.extend(group.stages);
+        write_manifest(dir, &manifest)?;
     }
     Ok(manifest)
 }

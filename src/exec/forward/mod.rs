@@ -111,6 +111,54 @@ impl Recorder for Discard {
     }
 }
 
+/// Records like another recorder and keeps nothing: the warm-up passes before a timed one. The
+/// stages are taken as that recorder takes them (statistics on the device, or values copied
+/// back) and dropped once the pass is done, so that the page-locked buffers and device memory
+/// their copies need are set aside before the timed pass, not inside it.
+pub struct Rehearsal<'a> {
+    like: &'a dyn Recorder,
+    /// The pass's statistics and copies still on their way, waited for by [`Self::finish`].
+    pending: Vec<Box<dyn FnOnce() -> Result<()> + Send>>,
+}
+
+impl<'a> Rehearsal<'a> {
+    pub fn like(like: &'a dyn Recorder) -> Self {
+        Rehearsal {
+            like,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Wait for every stage's statistics and copies, as the writer would, and drop them.
+    pub fn finish(self) -> Result<()> {
+        self.pending.into_iter().try_for_each(|landed| landed())
+    }
+}
+
+impl Recorder for Rehearsal<'_> {
+    fn record(&mut self, _: StageKey<'_>, _: Stage<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn takes_stats(&self, name: &str) -> bool {
+        self.like.takes_stats(name)
+    }
+
+    fn record_stats(&mut self, _: StageKey<'_>, _len: usize, stats: StatsLater) -> Result<()> {
+        self.pending.push(Box::new(move || stats().map(drop)));
+        Ok(())
+    }
+
+    fn record_later(&mut self, _: StageKey<'_>, _len: usize, values: StageLater) -> Result<()> {
+        self.pending.push(Box::new(move || values().map(drop)));
+        Ok(())
+    }
+
+    fn discards(&self) -> bool {
+        self.like.discards()
+    }
+}
+
 /// Settings where implementations differ.
 #[derive(Clone, Copy, Debug)]
 pub struct ForwardOptions<'a> {
