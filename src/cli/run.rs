@@ -88,7 +88,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub generate: usize,
     /// Forward passes run first and left unrecorded: on the GPUs they leave the weights they
-    /// read resident, so the recorded pass times the forward without loading (benchmarks).
+    /// read resident, and their stages are taken as the recorded pass takes them and dropped,
+    /// so the recorded pass times the forward without loading or first allocations
+    /// (benchmarks).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub warm_up: usize,
     /// After the run, where the recorded pass spent its time: each backend op's calls and
