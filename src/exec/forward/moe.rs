@@ -25,15 +25,23 @@ impl<B: Backend> Layer<'_, B> {
         let cfg = &self.src.cfg;
         let (t, h) = (self.t, cfg.hidden_size as usize);
         let e = cfg.n_routed_experts as usize;
-        let be = self.be;
+        let (be, tp) = (self.be, self.opts.tp);
         let logits = be.linear_exact(x, &*self.matrix(Router)?)?;
         self.rec_mat("moe.router_logits", &[t, e], "t e", &logits)?;
         // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
         let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
         let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
         let (ties, l, start) = (self.opts.ties, self.l, self.start);
-        // Fetched here, once, where the backend left them on its device.
-        let scores = logits.fetched()?;
+        // The logits come back (once, where the backend left them on its device) while the
+        // device runs the shared expert, which needs no routing: the host's routing overlaps
+        // work queued there, where waiting for the logits alone would leave the device idle.
+        let scores = logits.values_later()?;
+        let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
+            self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
+        } else {
+            (Mat::zeros(t, h), vec![Mat::zeros(t, h); tp])
+        };
+        let scores = scores()?;
         let routes: Vec<_> = be.host(Op::Route, || {
             scores
                 .par_chunks(e.max(1))
@@ -60,7 +68,6 @@ impl<B: Backend> Layer<'_, B> {
         let flat_w: Vec<B::E> = weights.iter().flatten().copied().collect();
         self.rec("moe.topk_weights", &[t, k], "t k", B::E::stage(&flat_w))?;
         self.rec("moe.topk_gap", &[t], "t", B::E::stage(&gaps))?;
-        let tp = self.opts.tp;
         let sharder = self.sharder();
         // The expert `nan-expert` poisons: the first the first token chooses.
         let poisoned = self
@@ -121,11 +128,6 @@ impl<B: Backend> Layer<'_, B> {
             .enumerate()
             .map(|(rank, p)| be.on_rank(rank).rounded(p))
             .collect::<Result<_>>()?;
-        let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
-            self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
-        } else {
-            (Mat::zeros(t, h), vec![Mat::zeros(t, h); tp])
-        };
         let routed_whole = be.all_reduce(&routed)?;
         self.rec_parts("moe.routed", &routed_whole, &routed, &[], "t d partial(tp)")?;
         self.rec_parts("moe.shared", &shared_whole, &shared, &[], "t d partial(tp)")?;
