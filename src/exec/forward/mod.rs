@@ -113,25 +113,49 @@ impl Recorder for Discard {
 
 /// Records like another recorder and keeps nothing: the warm-up passes before a timed one. The
 /// stages are taken as that recorder takes them (statistics on the device, or values copied
-/// back) and dropped once the pass is done, so that the page-locked buffers and device memory
-/// their copies need are set aside before the timed pass, not inside it.
+/// back) and dropped once they land, so that the page-locked buffers and device memory their
+/// copies need are set aside before the timed pass, not inside it.
 pub struct Rehearsal<'a> {
     like: &'a dyn Recorder,
-    /// The pass's statistics and copies still on their way, waited for by [`Self::finish`].
-    pending: Vec<Box<dyn FnOnce() -> Result<()> + Send>>,
+    /// The statistics and copies still on their way, by layer, the current one last: as the
+    /// trace writer, it waits for a layer's once it is [`LAYERS_AHEAD`] layers behind.
+    pending: std::collections::VecDeque<Vec<Landing>>,
 }
+
+/// A stage's statistics or copy on its way: waits for it and drops it.
+type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// Layers a rehearsal's stages may be on their way for (the trace writer's groups ahead).
+const LAYERS_AHEAD: usize = 4;
 
 impl<'a> Rehearsal<'a> {
     pub fn like(like: &'a dyn Recorder) -> Self {
         Rehearsal {
             like,
-            pending: Vec::new(),
+            pending: [Vec::new()].into(),
         }
     }
 
-    /// Wait for every stage's statistics and copies, as the writer would, and drop them.
-    pub fn finish(self) -> Result<()> {
-        self.pending.into_iter().try_for_each(|landed| landed())
+    /// `landing` with the current layer's; the layers too far behind landed.
+    fn add(&mut self, landing: Landing) -> Result<()> {
+        if let Some(layer) = self.pending.back_mut() {
+            layer.push(landing);
+        }
+        self.land(LAYERS_AHEAD)
+    }
+
+    /// Wait for the stages of the layers before the last `layers`, and drop them.
+    fn land(&mut self, layers: usize) -> Result<()> {
+        while self.pending.len() > layers {
+            let oldest = self.pending.pop_front().unwrap_or_default();
+            oldest.into_iter().try_for_each(|landing| landing())?;
+        }
+        Ok(())
+    }
+
+    /// Wait for every stage's statistics and copies, and drop them.
+    pub fn finish(mut self) -> Result<()> {
+        self.land(0)
     }
 }
 
@@ -145,17 +169,22 @@ impl Recorder for Rehearsal<'_> {
     }
 
     fn record_stats(&mut self, _: StageKey<'_>, _len: usize, stats: StatsLater) -> Result<()> {
-        self.pending.push(Box::new(move || stats().map(drop)));
-        Ok(())
+        self.add(Box::new(move || stats().map(drop)))
     }
 
     fn record_later(&mut self, _: StageKey<'_>, _len: usize, values: StageLater) -> Result<()> {
-        self.pending.push(Box::new(move || values().map(drop)));
-        Ok(())
+        self.add(Box::new(move || values().map(drop)))
     }
 
     fn discards(&self) -> bool {
         self.like.discards()
+    }
+
+    /// A layer (not its FFN block alone) is done: its stages are a layer behind from now.
+    fn layer_seconds(&mut self, layer: &str, _seconds: f64) {
+        if !layer.contains('.') {
+            self.pending.push_back(Vec::new());
+        }
     }
 }
 
@@ -714,5 +743,74 @@ impl<B: Backend> Layer<'_, B> {
             self.rec_parts("attn.out", &a.out, &a.parts.out, &[], "t d partial(tp)")?;
         }
         Ok((a.out, a.selection))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::trace::stats::TensorStats;
+
+    /// A recorder that takes every stage by its statistics (as a trace writer does for the
+    /// stages it does not store whole).
+    struct ByStats;
+
+    impl Recorder for ByStats {
+        fn record(&mut self, _: StageKey<'_>, _: Stage<'_>) -> Result<()> {
+            Ok(())
+        }
+
+        fn takes_stats(&self, _: &str) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_rehearsal_waits_for_each_stage_a_few_layers_behind_and_for_all_at_the_end() {
+        let like = ByStats;
+        let mut rehearsal = Rehearsal::like(&like);
+        assert!(rehearsal.takes_stats("L0.attn_norm"));
+        assert!(!rehearsal.discards());
+        let landed = Arc::new(AtomicUsize::new(0));
+        let key = StageKey::new("L0.x", &[1], "d", None);
+        let layers = LAYERS_AHEAD + 2;
+        for layer in 0..layers {
+            for _ in 0..3 {
+                let landed = landed.clone();
+                let stats: StatsLater = Box::new(move || {
+                    landed.fetch_add(1, Ordering::Relaxed);
+                    Ok(TensorStats::of::<f32>(&[1.0]))
+                });
+                rehearsal.record_stats(key, 1, stats).unwrap();
+            }
+            let values: StageLater = {
+                let landed = landed.clone();
+                Box::new(move || {
+                    landed.fetch_add(1, Ordering::Relaxed);
+                    Ok(OwnedStage::F32(Arc::new(vec![1.0])))
+                })
+            };
+            rehearsal.record_later(key, 1, values).unwrap();
+            rehearsal.layer_seconds(&format!("L{layer}.ffn"), 0.0);
+            rehearsal.layer_seconds(&format!("L{layer}"), 0.0);
+        }
+        // Four stages a layer, the last `LAYERS_AHEAD` layers' still on their way.
+        assert_eq!(landed.load(Ordering::Relaxed), 4 * (layers - LAYERS_AHEAD));
+        rehearsal.finish().unwrap();
+        assert_eq!(landed.load(Ordering::Relaxed), 4 * layers);
+    }
+
+    #[test]
+    fn a_rehearsal_reports_a_stage_that_failed_to_land() {
+        let like = ByStats;
+        let mut rehearsal = Rehearsal::like(&like);
+        let key = StageKey::new("L0.x", &[1], "d", None);
+        let failed: StatsLater = Box::new(|| anyhow::bail!("the device was lost"));
+        rehearsal.record_stats(key, 1, failed).unwrap();
+        let err = rehearsal.finish().unwrap_err();
+        assert!(format!("{err:#}").contains("the device was lost"));
     }
 }
