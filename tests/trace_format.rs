@@ -670,6 +670,36 @@ fn a_crashed_run_leaves_its_finished_layers() {
     assert!(!dir.join("L1.safetensors").exists());
 }
 
+/// What a run learns about itself (each layer's seconds, added up; other producer entries)
+/// reaches the manifest with the next layer written, and at the end when nothing follows.
+#[test]
+fn producer_facts_travel_with_the_layers() {
+    let tmp = common::scratch();
+    let dir = tmp.path().join("facts.trace");
+    let mut w = TraceWriter::create(&dir, header(), FullSelector::default()).expect("create");
+    let v = [1f32; 8];
+    w.record("L0.out", &[2, 4], "t d", None, Stage::F32(&v))
+        .expect("record");
+    w.add_layer_seconds("L0", 0.25);
+    w.add_layer_seconds("L0", 0.5);
+    w.add_layer_seconds("L0.ffn", 0.125);
+    // The next layer's first stage hands L0 and its facts to the writing thread.
+    w.record("L1.out", &[2, 4], "t d", None, Stage::F32(&v))
+        .expect("record");
+    w.add_layer_seconds("L1", 1.0);
+    w.set_producer("gpu_peak_bytes", serde_json::json!([7]));
+    let manifest = w.finish().expect("finish");
+    let producer = &manifest.producer;
+    assert_eq!(producer["layer_seconds"]["L0"], 0.75);
+    assert_eq!(producer["layer_seconds"]["L0.ffn"], 0.125);
+    assert_eq!(producer["layer_seconds"]["L1"], 1.0);
+    assert_eq!(producer["gpu_peak_bytes"], serde_json::json!([7]));
+    // And on disk, as a reader sees it.
+    let trace = Trace::open(&dir).expect("open");
+    assert_eq!(trace.manifest().producer["layer_seconds"]["L1"], 1.0);
+    assert_eq!(trace.stage_names(), ["L0.out", "L1.out"]);
+}
+
 /// Groups are written on a thread of their own; an error there (the folder gone) still
 /// reaches the run, by the next record or at the end, naming the file.
 #[test]
