@@ -82,9 +82,11 @@ gpu-moe-bench out="target/gpu-moe":
     scripts/gpu-env scripts/gpu-moe-bench target/release/glmcheck {{out}}
 
 # On the GPU machine: glm5-dims' whole forward (4 layers) at 8/64/512 tokens, glmcheck's CUDA
-# backend against transformers' eager model on the same GPU (writes OUT/gpu-forward.md).
-gpu-forward-bench out="target/gpu-forward":
-    scripts/gpu-env scripts/gpu-forward-bench target/release/glmcheck {{out}}
+# backend against transformers' eager model on the same GPU (writes OUT/gpu-forward.md). Name
+# several builds (`just gpu-forward-bench target/gpu-forward before/glmcheck target/release/glmcheck`)
+# to compare them run by run, every stage checked equal to the first build's.
+gpu-forward-bench out="target/gpu-forward" +builds="target/release/glmcheck":
+    scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}}
 
 # Per-layer time, bytes and peak memory on glm5-dims at 8/64/512 tokens for the full-model
 # projection in BENCHMARKS.md: the CPU at 2 and all cores, and (on the GPU machine) the GPU.
