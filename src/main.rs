@@ -38,6 +38,9 @@ fn main() -> ExitCode {
     }
 }
 
+/// A main thread's usual stack on Linux, for the pool thread that runs the command.
+const COMMAND_STACK_BYTES: usize = 8 << 20;
+
 /// The command on one of the thread pool's threads rather than beside them, where the pool has
 /// two or more. A forward alternates serial steps with parallel ones (every linear): from outside
 /// the pool, each parallel step woke the pool and put the calling thread to sleep until it was
@@ -45,6 +48,11 @@ fn main() -> ExitCode {
 /// warm `small` forward, most of it showing as time in `record`. A pool of one thread stays free:
 /// the trace writer's statistics run there while the command may be waiting for the writer.
 fn run_on_the_pool(cli: Cli) -> anyhow::Result<cli::Outcome> {
+    // The pool's threads get the stack a main thread has (theirs is 2 MiB by default). Building
+    // the pool fails only where it exists already, which it does not before the command starts.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(COMMAND_STACK_BYTES)
+        .build_global();
     if rayon::current_num_threads() < 2 {
         return cli::run(cli);
     }
