@@ -23,9 +23,11 @@ import glob
 import json
 import multiprocessing
 import os
-import uuid
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
@@ -164,6 +166,11 @@ def main() -> None:
     # files removed when the ranks are gone, or a later run fails to create them (EEXIST).
     ident = f"glmcheck-{uuid.uuid4().hex[:16]}"
     os.environ["VLLM_DIST_IDENT"] = ident
+    # Its message queues' ZMQ sockets go to files under VLLM_RPC_BASE_PATH (the temp folder by
+    # default), named afresh each time and never removed: a folder of this run's own, removed
+    # with them.
+    sockets = tempfile.mkdtemp(prefix="glmcheck-vllm-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = sockets
     procs = []
     try:
         for r in range(args.tp):
@@ -180,6 +187,7 @@ def main() -> None:
             sys.exit(f"run_ranks: timed out after {args.timeout} s")
     finally:
         remove_shared_memory(ident)
+        shutil.rmtree(sockets, ignore_errors=True)
     if os.path.exists(args.rendezvous):
         os.remove(args.rendezvous)
     codes = [p.exitcode for p in procs]
