@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use glmcheck::synth::quantize::{has_quantizer, quantize, QuantizeError};
@@ -67,7 +67,17 @@ struct Inputs {
 
 struct Oracle {
     inputs: Inputs,
-    dir: tempfile::TempDir,
+    /// The scratch folder's files by name, read back before the folder is removed (a static
+    /// is never dropped, so a folder it held would outlive the run).
+    files: HashMap<String, Vec<u8>>,
+}
+
+impl Oracle {
+    fn file(&self, name: &str) -> &[u8] {
+        self.files
+            .get(name)
+            .unwrap_or_else(|| panic!("gguf-py wrote no {name}"))
+    }
 }
 
 /// Writes the inputs and our blocks, runs gguf-py once per test binary.
@@ -97,12 +107,17 @@ fn oracle() -> &'static Oracle {
                 &names(&mut ROUND_TRIP.iter().map(|&(t, _)| t)),
             ],
         );
-        Oracle { inputs, dir }
+        let files = std::fs::read_dir(dir.path())
+            .expect("list the scratch folder")
+            .map(|entry| {
+                let path = entry.expect("scratch entry").path();
+                let name = path.file_name().expect("a file name").to_string_lossy();
+                let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("read {name}: {e}"));
+                (name.into_owned(), bytes)
+            })
+            .collect();
+        Oracle { inputs, files }
     })
-}
-
-fn read(dir: &Path, name: &str) -> Vec<u8> {
-    std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("read {name}: {e}"))
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -249,7 +264,7 @@ fn gguf_py_quantized_types_match_bit_for_bit() {
     let o = oracle();
     for ty in EXACT {
         let ours = quantize(ty, &o.inputs.values, ROW).expect("quantize");
-        let want = read(o.dir.path(), &format!("{ty}.ref"));
+        let want = o.file(&format!("{ty}.ref"));
         assert_eq!(ours.len(), want.len(), "{ty}");
         let (bs, ts) = (ty.block_size(), ty.type_size());
         let differs = |k: usize| {
@@ -289,10 +304,10 @@ fn round_trip_error_is_bounded_and_gguf_py_reads_our_bytes_alike() {
     let n = o.inputs.values.len();
     let moderate = o.inputs.moderate * ROW;
     for (ty, bound) in ROUND_TRIP {
-        let ours = read(o.dir.path(), &format!("{ty}.ours"));
+        let ours = o.file(&format!("{ty}.ours"));
         let mut back = vec![0f32; n];
-        dequantize(ty, &ours, &mut back).expect("dequantize");
-        let theirs = f32s(&read(o.dir.path(), &format!("{ty}.deq")));
+        dequantize(ty, ours, &mut back).expect("dequantize");
+        let theirs = f32s(o.file(&format!("{ty}.deq")));
         if let Some(i) = (0..n).find(|&i| back[i].to_bits() != theirs[i].to_bits()) {
             panic!(
                 "{ty}: value {i} reads {} here, {} in gguf-py",
