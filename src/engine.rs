@@ -263,6 +263,10 @@ impl Backend for Engine {
         on_backend!(self, be => be.fuses_mlp())
     }
 
+    fn kept_experts_join_any_group(&self) -> bool {
+        on_backend!(self, be => be.kept_experts_join_any_group())
+    }
+
     fn on_rank(&self, rank: usize) -> Self {
         match self {
             Engine::Cpu(be) => Engine::Cpu(be.on_rank(rank)),

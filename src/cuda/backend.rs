@@ -39,8 +39,9 @@ use crate::model::kv_b::KvBDims;
 /// Values per parallel task of the host's rounding.
 const ROUND_CHUNK: usize = 1 << 14;
 
-/// Routed experts held and run in one GPU trip: their dequantized weights take 16 times an
-/// expert's (1.2 GB in bf16 at GLM-5's widths, 2.4 GB in f32), and 256 experts go in 16 trips.
+/// Routed experts dequantized and run in one GPU trip: their dequantized weights take 16 times
+/// an expert's (1.2 GB in bf16 at GLM-5's widths, 2.4 GB in f32), and 256 experts go in 16
+/// trips. Experts whose dequantized weights a run keeps do not count.
 const EXPERTS_PER_TRIP: usize = 16;
 
 /// `$body` with the type `$D` standing for the dtype of precision `$p`.
@@ -353,6 +354,12 @@ impl Backend for Cuda {
 
     fn experts_at_once(&self) -> usize {
         EXPERTS_PER_TRIP
+    }
+
+    /// Kept weights are dequantized already: a layer's experts kept from the warm-up pass go in
+    /// its first trip, however many.
+    fn kept_experts_join_any_group(&self) -> bool {
+        true
     }
 
     fn fuses_mlp(&self) -> bool {

@@ -184,6 +184,12 @@ pub trait Backend: Sync + Clone {
     fn experts_at_once(&self) -> usize {
         4
     }
+    /// Whether a routed expert whose weights a run keeps from an earlier pass joins a group
+    /// beyond [`Self::experts_at_once`]: where the kept weights are what the op multiplies by
+    /// (a GPU keeps them dequantized), running them with the group costs no memory, and fewer,
+    /// larger groups cost fewer launches. No default, so that a wrapper cannot leave it
+    /// undelegated.
+    fn kept_experts_join_any_group(&self) -> bool;
     /// The backend as tensor-parallel rank `rank` runs it: on its own GPU, where there is one
     /// per rank. Weights held through it live there.
     fn on_rank(&self, _rank: usize) -> Self {
@@ -626,6 +632,11 @@ impl<E: Real> Backend for Cpu<E> {
 
     fn reads_ahead(&self) -> bool {
         true
+    }
+
+    /// The CPU keeps a weight's blocks and decodes them for each use.
+    fn kept_experts_join_any_group(&self) -> bool {
+        false
     }
 
     fn claim_kept(&self, w: &HostWeight<E>) -> Result<Option<Claim>> {

@@ -37,6 +37,17 @@ struct Key {
     precision: Precision,
 }
 
+impl Key {
+    /// `part` as `be` holds it.
+    fn of<B: Backend>(be: &B, part: Part) -> Key {
+        Key {
+            part,
+            holder: TypeId::of::<B::Weight>(),
+            precision: be.precision(),
+        }
+    }
+}
+
 /// A kept weight and the claim on the memory that holds it (dropped after the weight).
 type Kept = (Arc<dyn Any + Send + Sync>, Claim);
 
@@ -56,11 +67,7 @@ impl KeptWeights {
         part: Part,
         hold: impl FnOnce() -> Result<B::Weight>,
     ) -> Result<Arc<B::Weight>> {
-        let key = Key {
-            part,
-            holder: TypeId::of::<B::Weight>(),
-            precision: be.precision(),
-        };
+        let key = Key::of(be, part);
         let found = lock(&self.held).get(&key).map(|(w, _)| w.clone());
         if let Some(w) = found.and_then(|w| w.downcast::<B::Weight>().ok()) {
             return Ok(w);
@@ -75,6 +82,11 @@ impl KeptWeights {
             }
         }
         Ok(w)
+    }
+
+    /// Whether `part` is kept as `be` holds it.
+    pub fn has<B: Backend>(&self, be: &B, part: Part) -> bool {
+        lock(&self.held).contains_key(&Key::of(be, part))
     }
 
     /// Bytes this run keeps.
@@ -107,6 +119,7 @@ mod tests {
     fn a_kept_weight_is_the_first_one_held() {
         let kept = KeptWeights::default();
         let be = Cpu::new(Precision::F32);
+        assert!(!kept.has(&be, part(0)));
         let first = kept
             .get_or_hold(&be, part(0), || be.hold(Mat::new(1, 2, vec![1.0, 2.0])))
             .unwrap();
@@ -117,8 +130,10 @@ mod tests {
             .unwrap();
         assert!(Arc::ptr_eq(&first, &again));
         assert_eq!(kept.bytes(), 8);
+        assert!(kept.has(&be, part(0)) && !kept.has(&be, part(1)));
         // Another precision is another weight.
         let bf16 = Cpu::new(Precision::Bf16);
+        assert!(!kept.has(&bf16, part(0)));
         let other = kept
             .get_or_hold(&bf16, part(0), || bf16.hold(Mat::new(1, 1, vec![3.0])))
             .unwrap();

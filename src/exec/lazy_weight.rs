@@ -67,6 +67,12 @@ impl<'a> LazyWeight<'a> {
         self.role
     }
 
+    /// Whether its source keeps the whole matrix as `be` holds it, from an earlier pass.
+    pub fn kept<B: Backend>(&self, be: &B) -> bool {
+        self.origin
+            .is_some_and(|(src, id)| src.keeps(be, Self::part(id, None)))
+    }
+
     /// The whole matrix as `be` holds it (kept for later passes where the source keeps
     /// weights).
     pub fn held<B: Backend>(self, be: &B) -> Result<Arc<B::Weight>> {

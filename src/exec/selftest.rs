@@ -949,6 +949,9 @@ mod tests {
             fn name(&self) -> &'static str {
                 "faulty"
             }
+            fn kept_experts_join_any_group(&self) -> bool {
+                false
+            }
             fn precision(&self) -> Precision {
                 Precision::Bf16
             }

@@ -70,6 +70,11 @@ impl WeightSource {
         }
     }
 
+    /// Whether this source keeps `part` as `be` holds it from an earlier pass.
+    pub fn keeps<B: Backend>(&self, be: &B, part: Part) -> bool {
+        self.kept.as_ref().is_some_and(|kept| kept.has(be, part))
+    }
+
     /// This source with every weight quantized to the type `other` stores it as, and back:
     /// a run of it carries the quantization noise of a correct conversion to `other`'s files,
     /// the envelope such a conversion is judged against.

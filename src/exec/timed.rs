@@ -163,6 +163,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.fuses_mlp()
     }
 
+    fn kept_experts_join_any_group(&self) -> bool {
+        self.inner.kept_experts_join_any_group()
+    }
+
     fn on_rank(&self, rank: usize) -> Self {
         Timed {
             inner: self.inner.on_rank(rank),

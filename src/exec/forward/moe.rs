@@ -86,13 +86,22 @@ impl<B: Backend> Layer<'_, B> {
         // their outputs are added in expert order, so the sum depends on neither the group size
         // nor the thread count. Ranks in processes of their own must issue their collectives in
         // one order: one expert at a time there.
-        let at_once = if be.collectives_across_processes() {
+        let across_processes = be.collectives_across_processes();
+        let at_once = if across_processes {
             1
         } else {
             be.experts_at_once()
         };
+        let (src, l) = (self.src, self.l);
+        let kept = |e: usize| {
+            [ExpertsGate, ExpertsUp, ExpertsDown]
+                .into_iter()
+                .all(|role| LazyWeight::expert(src, l, e as u64, role).kept(be))
+        };
+        let joins = be.kept_experts_join_any_group() && !across_processes;
+        let groups = groups_of(&used, at_once, |e| joins && kept(e));
         let by_expert = be.host(Op::ExpertInputs, || rows_by_expert(e, (&ids, &weights)));
-        for group in used.chunks(at_once) {
+        for group in &groups {
             let mut outputs = routed_experts(self.src, be, self.l, group, x, &by_expert, sharder)?;
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
                 outputs[i].parts[0].1.data_mut()[0] = <B::E as num_traits::Float>::nan();
@@ -172,6 +181,25 @@ fn rows_by_expert<E: Real>(
         }
     }
     rows
+}
+
+/// `used` experts in order, cut into groups of at most `at_once` experts that `free` does not
+/// name; those it names join whichever group is open.
+fn groups_of(used: &[usize], at_once: usize, free: impl Fn(usize) -> bool) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut counted = 0;
+    for &e in used {
+        let costs = !free(e);
+        match groups.last_mut() {
+            Some(group) if !(costs && counted == at_once.max(1)) => group.push(e),
+            _ => {
+                groups.push(vec![e]);
+                counted = 0;
+            }
+        }
+        counted += usize::from(costs);
+    }
+    groups
 }
 
 /// Routed experts `group` on the tokens that chose each. Under TP each is split along the
@@ -322,6 +350,24 @@ fn route<E: Real>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Groups hold `at_once` experts that cost memory, in order; free ones join the open
+    /// group, and a free first one opens it.
+    #[test]
+    fn free_experts_join_the_open_group() {
+        let used = [1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(
+            groups_of(&used, 2, |_| false),
+            vec![vec![1, 2], vec![3, 4], vec![5, 6], vec![7]]
+        );
+        assert_eq!(groups_of(&used, 2, |_| true), vec![used.to_vec()]);
+        assert_eq!(
+            groups_of(&used, 2, |e| e % 2 == 1),
+            vec![vec![1, 2, 3, 4, 5], vec![6, 7]]
+        );
+        assert_eq!(groups_of(&used, 0, |_| false).len(), 7);
+        assert!(groups_of(&[], 4, |_| false).is_empty());
+    }
 
     /// Tokens in order, each with the weight it gave the expert; an expert a token lists twice
     /// gets the token once, with its first weight; an id past the experts is nobody's.
