@@ -88,6 +88,11 @@ gpu-moe-bench out="target/gpu-moe":
 gpu-forward-bench out="target/gpu-forward" +builds="target/release/glmcheck":
     scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}}
 
+# On the GPU machine: each build's GPU time per kernel group (Nsight Compute) in a glm5-dims
+# forward of 2 layers at 512 tokens, per pass (writes OUT/kernel-times.md).
+gpu-kernel-times out="target/gpu-kernels" +builds="target/release/glmcheck":
+    scripts/gpu-env scripts/gpu-kernel-times {{builds}} {{out}}
+
 # Per-layer time, bytes and peak memory on glm5-dims at 8/64/512 tokens for the full-model
 # projection in BENCHMARKS.md: the CPU at 2 and all cores, and (on the GPU machine) the GPU.
 projection out="target/projection" sides="cpu:2:f32,cpu:all:f32,cpu:all:bf16":

@@ -253,3 +253,62 @@ fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
     assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(!trace.exists(), "no trace folder left behind");
 }
+
+/// `scripts/gpu-kernel-times --table` on an Nsight Compute per-kernel summary (its format: a
+/// header line per kernel with its launches, then the metric's minimum, maximum and average):
+/// milliseconds a pass per group, the warm-up's dequantization whole, the statistics apart from
+/// the forward's stream.
+#[test]
+fn the_kernel_times_script_groups_a_summary_by_pass() {
+    let metric = |unit: &str, average: &str| {
+        format!(
+            "    Section: Command line profiler metrics\n    Metric Name Metric Unit Minimum Maximum Average\n    gpu__time_duration.sum          {unit}  1.00  2.00  {average}\n"
+        )
+    };
+    let summary = [
+        "  void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_grouped_128x64_64x3_align8>(T1::Params) (264, 1, 1)x(128, 1, 1), Device 0, CC 9.0, Invocations 4\n".to_string(),
+        metric("us", "250.00"),
+        "  stage_sums_hash_bf16 (60, 1, 1)x(256, 1, 1), Device 0, CC 9.0, Invocations 2\n".into(),
+        metric("us", "150.00"),
+        "  dq_q4_k_bf16 (3072, 1, 1)x(256, 1, 1), Device 0, CC 9.0, Invocations 10\n".into(),
+        metric("us", "12.50"),
+        "  rms_norm_bf16 (512, 1, 1)x(256, 1, 1), Device 0, CC 9.0, Invocations 8\n".into(),
+        metric("ns", "5,000.00"),
+    ]
+    .concat();
+    let dir = common::scratch();
+    let path = dir.path().join("ncu.txt");
+    std::fs::write(&path, summary).unwrap();
+    let out = Command::new("python3")
+        .args(["scripts/gpu-kernel-times", "--table"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let table = String::from_utf8(out.stdout).unwrap();
+    let row = |group: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {group} |")))
+            .unwrap_or_else(|| panic!("no row {group} in\n{table}"))
+            .to_string()
+    };
+    // 4 launches of 0.25 ms over two passes: 0.5 ms a pass.
+    assert_eq!(
+        row("routed experts' grouped GEMMs"),
+        "| routed experts' grouped GEMMs | 0.50 (4) |"
+    );
+    assert_eq!(
+        row("statistics (side stream)"),
+        "| statistics (side stream) | 0.15 (2) |"
+    );
+    assert_eq!(
+        row("dequantization (warm-up pass)"),
+        "| dequantization (warm-up pass) | 0.12 (10) |"
+    );
+    assert_eq!(row("the rest"), "| the rest | 0.02 (8) |");
+    assert_eq!(
+        row("the forward's stream, a pass"),
+        "| the forward's stream, a pass | 0.52 |"
+    );
+}
