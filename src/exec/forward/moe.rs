@@ -99,8 +99,13 @@ impl<B: Backend> Layer<'_, B> {
                 .all(|role| LazyWeight::expert(src, l, e as u64, role).kept(be))
         };
         let joins = be.kept_experts_join_any_group() && !across_processes;
-        let groups = groups_of(&used, at_once, |e| joins && kept(e));
         let by_expert = be.host(Op::ExpertInputs, || rows_by_expert(e, (&ids, &weights)));
+        let groups = groups_of(
+            &used,
+            at_once,
+            |e| joins && kept(e),
+            |e| by_expert.get(e).map_or(0, Vec::len),
+        );
         for group in &groups {
             let mut outputs = routed_experts(self.src, be, self.l, group, x, &by_expert, sharder)?;
             if let Some(i) = group.iter().position(|&e| poisoned == Some(e)) {
@@ -183,21 +188,38 @@ fn rows_by_expert<E: Real>(
     rows
 }
 
-/// `used` experts in order, cut into groups of at most `at_once` experts that `free` does not
-/// name; those it names join whichever group is open.
-fn groups_of(used: &[usize], at_once: usize, free: impl Fn(usize) -> bool) -> Vec<Vec<usize>> {
+/// Routed rows a group's experts that cost no weights' memory may bring it to: a group's
+/// inputs, intermediates and outputs grow with its rows (about 300 MB for 8192 rows at GLM-5's
+/// widths in bf16), and a long prompt's layer routes tens of thousands.
+const GROUP_ROWS: usize = 8192;
+
+/// `used` experts in order, cut into groups: at most `at_once` experts that `free` does not
+/// name (each holds its dequantized weights while its group runs); those it names join the open
+/// group while its routed rows (`rows` of each expert) stay within [`GROUP_ROWS`].
+fn groups_of(
+    used: &[usize],
+    at_once: usize,
+    free: impl Fn(usize) -> bool,
+    rows: impl Fn(usize) -> usize,
+) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut counted = 0;
+    let (mut counted, mut held) = (0, 0);
     for &e in used {
-        let costs = !free(e);
+        let (costs, r) = (!free(e), rows(e));
+        let fits = if costs {
+            counted < at_once.max(1)
+        } else {
+            held + r <= GROUP_ROWS
+        };
         match groups.last_mut() {
-            Some(group) if !(costs && counted == at_once.max(1)) => group.push(e),
+            Some(group) if fits => group.push(e),
             _ => {
                 groups.push(vec![e]);
-                counted = 0;
+                (counted, held) = (0, 0);
             }
         }
         counted += usize::from(costs);
+        held += r;
     }
     groups
 }
@@ -351,22 +373,44 @@ fn route<E: Real>(
 mod tests {
     use super::*;
 
-    /// Groups hold `at_once` experts that cost memory, in order; free ones join the open
-    /// group, and a free first one opens it.
+    /// Groups hold `at_once` experts that cost weights' memory, in order; free ones join the
+    /// open group while its rows stay within `GROUP_ROWS`, and a free first one opens it.
     #[test]
-    fn free_experts_join_the_open_group() {
+    fn free_experts_join_the_open_group_within_its_rows() {
         let used = [1, 2, 3, 4, 5, 6, 7];
+        let few = |_| 10;
         assert_eq!(
-            groups_of(&used, 2, |_| false),
+            groups_of(&used, 2, |_| false, few),
             vec![vec![1, 2], vec![3, 4], vec![5, 6], vec![7]]
         );
-        assert_eq!(groups_of(&used, 2, |_| true), vec![used.to_vec()]);
+        assert_eq!(groups_of(&used, 2, |_| true, few), vec![used.to_vec()]);
         assert_eq!(
-            groups_of(&used, 2, |e| e % 2 == 1),
+            groups_of(&used, 2, |e| e % 2 == 1, few),
             vec![vec![1, 2, 3, 4, 5], vec![6, 7]]
         );
-        assert_eq!(groups_of(&used, 0, |_| false).len(), 7);
-        assert!(groups_of(&[], 4, |_| false).is_empty());
+        assert_eq!(groups_of(&used, 0, |_| false, few).len(), 7);
+        assert!(groups_of(&[], 4, |_| false, few).is_empty());
+        // Free experts of half the rows each: two a group; one past the rows alone.
+        let half = |_| GROUP_ROWS / 2;
+        assert_eq!(
+            groups_of(&used[..5], 2, |_| true, half),
+            vec![vec![1, 2], vec![3, 4], vec![5]]
+        );
+        assert_eq!(
+            groups_of(
+                &[1, 2, 3],
+                2,
+                |_| true,
+                |e| if e == 2 { GROUP_ROWS + 1 } else { 1 }
+            ),
+            vec![vec![1], vec![2], vec![3]]
+        );
+        // Experts that cost weights' memory are bounded by their count only.
+        assert_eq!(groups_of(&[1, 2], 2, |_| false, half), vec![vec![1, 2]]);
+        assert_eq!(
+            groups_of(&[1, 2, 3], 3, |_| false, |_| GROUP_ROWS),
+            vec![vec![1, 2, 3]]
+        );
     }
 
     /// Tokens in order, each with the weight it gave the expert; an expert a token lists twice
