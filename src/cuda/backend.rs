@@ -357,7 +357,7 @@ impl Backend for Cuda {
     }
 
     /// Kept weights are dequantized already: a layer's experts kept from the warm-up pass go in
-    /// its first trip, however many.
+    /// as few trips as their routed rows allow (one at 512 tokens).
     fn kept_experts_join_any_group(&self) -> bool {
         true
     }
