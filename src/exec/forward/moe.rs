@@ -405,8 +405,15 @@ mod tests {
             ),
             vec![vec![1], vec![2], vec![3]]
         );
-        // Experts that cost weights' memory are bounded by their count only.
-        assert_eq!(groups_of(&[1, 2], 2, |_| false, half), vec![vec![1, 2]]);
+        // Experts that cost weights' memory are bounded by their count only: `at_once` a
+        // group, whatever their rows.
+        for at_once in 1..5 {
+            for n in 0..12 {
+                let used: Vec<usize> = (0..n).map(|e| 3 * e).collect();
+                let chunks: Vec<Vec<usize>> = used.chunks(at_once).map(<[_]>::to_vec).collect();
+                assert_eq!(groups_of(&used, at_once, |_| false, half), chunks);
+            }
+        }
         assert_eq!(
             groups_of(&[1, 2, 3], 3, |_| false, |_| GROUP_ROWS),
             vec![vec![1, 2, 3]]
