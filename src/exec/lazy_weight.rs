@@ -67,12 +67,6 @@ impl<'a> LazyWeight<'a> {
         self.role
     }
 
-    /// Whether its source keeps the whole matrix as `be` holds it, from an earlier pass.
-    pub fn kept<B: Backend>(&self, be: &B) -> bool {
-        self.origin
-            .is_some_and(|(src, id)| src.keeps(be, Self::part(id, None)))
-    }
-
     /// The whole matrix as `be` holds it (kept for later passes where the source keeps
     /// weights).
     pub fn held<B: Backend>(self, be: &B) -> Result<Arc<B::Weight>> {
@@ -170,5 +164,45 @@ impl<'a> LazyWeight<'a> {
             Some((src, id)) => src.matrix(id),
             None => Err(anyhow!("{:?}: no values", self.role)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Precision;
+    use crate::exec::backend::Cpu;
+    use crate::pipeline::model::Model;
+    use crate::synth::{Preset, SynthSpec};
+
+    /// An expert's weight held through its lazy weight is kept under the id the MoE layer asks
+    /// about when it groups kept experts (`WeightSource::keeps`), and only where the source
+    /// keeps weights.
+    #[test]
+    fn an_expert_held_through_its_lazy_weight_is_kept_under_its_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        SynthSpec::new(Preset::Tiny.config(), 1)
+            .write_gguf(&path)
+            .unwrap();
+        let model = Model::open(&path).unwrap();
+        let be = Cpu::new(Precision::F32);
+        let id = |which| WeightId::Expert {
+            layer: 1,
+            expert: 3,
+            which,
+        };
+        let keeping = model.source().keeping_weights();
+        assert!(!keeping.keeps(&be, id(LayerWeight::ExpertsGate)));
+        LazyWeight::expert(&keeping, 1, 3, LayerWeight::ExpertsGate)
+            .held(&be)
+            .unwrap();
+        assert!(keeping.keeps(&be, id(LayerWeight::ExpertsGate)));
+        assert!(!keeping.keeps(&be, id(LayerWeight::ExpertsUp)));
+        let plain = model.source();
+        LazyWeight::expert(&plain, 1, 3, LayerWeight::ExpertsGate)
+            .held(&be)
+            .unwrap();
+        assert!(!plain.keeps(&be, id(LayerWeight::ExpertsGate)));
     }
 }

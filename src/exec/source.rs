@@ -70,9 +70,16 @@ impl WeightSource {
         }
     }
 
-    /// Whether this source keeps `part` as `be` holds it from an earlier pass.
-    pub fn keeps<B: Backend>(&self, be: &B, part: Part) -> bool {
-        self.kept.as_ref().is_some_and(|kept| kept.has(be, part))
+    /// Whether this source keeps weight `id` whole as `be` holds it, from an earlier pass: a
+    /// lookup, where making the weight's [`LazyWeight`](super::lazy_weight::LazyWeight) would
+    /// find its tensor in the files first (a MoE layer asks for hundreds of experts' weights).
+    pub fn keeps<B: Backend>(&self, be: &B, id: WeightId) -> bool {
+        let whole = Part {
+            id,
+            rows: None,
+            shard: None,
+        };
+        self.kept.as_ref().is_some_and(|kept| kept.has(be, whole))
     }
 
     /// This source with every weight quantized to the type `other` stores it as, and back:

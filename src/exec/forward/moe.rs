@@ -17,6 +17,7 @@ use crate::exec::real::Real;
 use crate::exec::sharder::Sharder;
 use crate::exec::source::WeightSource;
 use crate::model::names::LayerWeight::*;
+use crate::model::names::WeightId;
 use crate::shard::plan::expert_rank;
 use crate::trace::writer::OwnedStage;
 
@@ -96,7 +97,14 @@ impl<B: Backend> Layer<'_, B> {
         let kept = |e: usize| {
             [ExpertsGate, ExpertsUp, ExpertsDown]
                 .into_iter()
-                .all(|role| LazyWeight::expert(src, l, e as u64, role).kept(be))
+                .all(|which| {
+                    let id = WeightId::Expert {
+                        layer: l,
+                        expert: e as u64,
+                        which,
+                    };
+                    src.keeps(be, id)
+                })
         };
         let joins = be.kept_experts_join_any_group() && !across_processes;
         let by_expert = be.host(Op::ExpertInputs, || rows_by_expert(e, (&ids, &weights)));
