@@ -16,7 +16,7 @@ use super::memory::{Buffer, FreeList, Meter, Pinned, Staging};
 use super::resident::Resident;
 use super::stats::{copy_later, stage_stats, stage_stats_on_host, StatsOn};
 use super::Gpu;
-use crate::exec::mat::{FetchLater, Mat, Remote};
+use crate::exec::mat::{FetchLater, Mat, Queue, Remote};
 use crate::exec::passes::Passes;
 use crate::exec::stored::StoredBlock;
 use crate::trace::stats::StatsLater;
@@ -63,8 +63,15 @@ impl<D: Dtype> Remote for DeviceTwin<D> {
         stage_stats(on, buf, len, self.clone()).map(Some)
     }
 
-    fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
-        copy_later(self.stats_on(), &self.buf.slice, self.len, self.clone()).map(Some)
+    fn fetch_later(self: Arc<Self>, queue: Queue) -> Result<Option<FetchLater>> {
+        copy_later(
+            self.stats_on(),
+            &self.buf.slice,
+            self.len,
+            self.clone(),
+            queue,
+        )
+        .map(Some)
     }
 }
 

@@ -15,7 +15,7 @@ use cudarc::driver::{
 use super::dtype::Dtype;
 use super::memory::{FreeList, Meter, Pinned, Staging};
 use super::Gpu;
-use crate::exec::mat::FetchLater;
+use crate::exec::mat::{FetchLater, Queue};
 use crate::trace::stats::{
     content_hash_of_pieces, merge_lanes, moments_of_lanes, StatsLater, TensorStats, HASH_LANES,
     HASH_PIECE_BYTES, LANE_COUNTS, LANE_SUMS, MOMENT_LANES, TASK,
@@ -185,31 +185,39 @@ pub(super) fn stage_stats_on_host<D: Dtype, V: Send + 'static>(
     n: usize,
     values: V,
 ) -> Result<StatsLater> {
-    let later = copy_later(on, x, n, values)?;
+    let later = copy_later(on, x, n, values, Queue::Beside)?;
     Ok(Box::new(move || Ok(TensorStats::of(&later()?))))
 }
 
-/// The first `n` values of `x` as host f32, copied on the side stream behind everything queued
-/// on the forward's stream so far into page-locked memory, waited for and widened when called;
-/// `values` (what holds `x`) is kept until then.
+/// The first `n` values of `x` as host f32, copied into page-locked memory on the forward's
+/// stream or on the side stream behind everything queued on the forward's so far (`queue`),
+/// waited for and widened when called; `values` (what holds `x`) is kept until then.
 pub(super) fn copy_later<D: Dtype, V: Send + 'static>(
     on: StatsOn,
     x: &CudaSlice<D>,
     n: usize,
     values: V,
+    queue: Queue,
 ) -> Result<FetchLater> {
-    on.behind_the_forward()?;
-    let StatsOn {
-        gpu, side, staging, ..
-    } = on;
+    let stream = match queue {
+        Queue::Forward => {
+            on.gpu.stream.context().bind_to_thread()?;
+            on.gpu.stream.clone()
+        }
+        Queue::Beside => {
+            on.behind_the_forward()?;
+            on.side.clone()
+        }
+    };
+    let StatsOn { gpu, staging, .. } = on;
     let n = n.min(x.len());
     let bytes = n * size_of::<D>();
     let mut pinned = staging.take(bytes);
     if n > 0 {
         let host: &mut [D] = bytemuck::cast_slice_mut(pinned.bytes(&gpu, bytes)?);
-        copy_back(&side, &x.slice(..n), host)?;
+        copy_back(&stream, &x.slice(..n), host)?;
     }
-    let landing = Landing::new(side, (pinned, values))?;
+    let landing = Landing::new(stream, (pinned, values))?;
     Ok(Box::new(move || {
         // Called on any thread: the wait binds the GPU's context there.
         let (pinned, values) = landing.wait()?;
@@ -225,23 +233,23 @@ pub(super) fn copy_later<D: Dtype, V: Send + 'static>(
     }))
 }
 
-/// What work queued on the side stream uses (the page-locked memory it copies into, the device
+/// What work queued on a stream uses (the page-locked memory it copies into, the device
 /// buffers it reads or writes), held until that work has landed: when the closure that waits
 /// for it runs, and also where that closure is dropped uncalled (a writer that stopped), so
 /// that no buffer goes back to the free list, nor page-locked memory to the host, under a
 /// kernel or a copy.
 struct Landing<T> {
-    side: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
     landed: CudaEvent,
     held: Option<T>,
 }
 
 impl<T> Landing<T> {
-    /// `held` until the work queued on `side` so far has landed.
-    fn new(side: Arc<CudaStream>, held: T) -> Result<Self> {
-        let landed = side.record_event(None)?;
+    /// `held` until the work queued on `stream` so far has landed.
+    fn new(stream: Arc<CudaStream>, held: T) -> Result<Self> {
+        let landed = stream.record_event(None)?;
         Ok(Landing {
-            side,
+            stream,
             landed,
             held: Some(held),
         })
@@ -249,7 +257,7 @@ impl<T> Landing<T> {
 
     /// What it holds, once the work has landed.
     fn wait(mut self) -> Result<T> {
-        self.side.context().bind_to_thread()?;
+        self.stream.context().bind_to_thread()?;
         self.landed.synchronize()?;
         Ok(self.held.take().expect("held until waited for"))
     }
@@ -257,7 +265,7 @@ impl<T> Landing<T> {
 
 impl<T> Drop for Landing<T> {
     fn drop(&mut self) {
-        if self.held.is_some() && self.side.context().bind_to_thread().is_ok() {
+        if self.held.is_some() && self.stream.context().bind_to_thread().is_ok() {
             // Nothing to report to: the owner is gone, and a wait fails only on a lost device.
             let _ = self.landed.synchronize();
         }

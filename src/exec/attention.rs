@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Result};
 use super::attention_core::AttentionInputs;
 use super::backend::{Backend, HeadCut};
 use super::indexer_core::IndexerInputs;
-use super::mat::Mat;
+use super::mat::{Mat, Queue};
 use super::op_clock::Op;
 use super::ops::topk;
 use super::passes::Passes;
@@ -432,7 +432,7 @@ fn indexer<B: Backend>(
     let k_sel = (cfg.index_topk as usize).min(total);
     if k_sel == total && step.ties.is_none() && !scores.on_host() {
         // A thread of its own: it waits for the GPU, which no pool's worker should.
-        let scores = scores.values_later()?;
+        let scores = scores.values_later(Queue::Beside)?;
         let ranking = Ranking::on_thread(l, k_sel, move || {
             scores().map(|scores| rank(&scores, (start, total), k_sel, None, l))
         })?;

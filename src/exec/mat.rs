@@ -31,11 +31,24 @@ pub trait Remote: Any + Send + Sync {
     /// values are, finished when called for (the values held until then); `None` where
     /// fetching them and taking the statistics on the host costs less (a small matrix).
     fn stats(self: Arc<Self>) -> Result<Option<StatsLater>>;
-    /// The values as [`Self::fetch`] gives them, from a copy queued now and waited for when
-    /// called (the values held until then); `None` where the twin cannot queue one.
-    fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
+    /// The values as [`Self::fetch`] gives them, from a copy queued now (where `queue` says)
+    /// and waited for when called (the values held until then); `None` where the twin cannot
+    /// queue one.
+    fn fetch_later(self: Arc<Self>, _queue: Queue) -> Result<Option<FetchLater>> {
         Ok(None)
     }
+}
+
+/// Where a copy for later waits on a device that takes statistics beside the forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queue {
+    /// In the forward's own order, behind the op that made the values: a copy the forward
+    /// itself waits for (the router's logits), which must not wait for the statistics queued
+    /// beside it as well (at 512 tokens those held each MoE layer's routing for milliseconds).
+    Forward,
+    /// Beside the forward, behind the statistics queued there so far: a copy that only the
+    /// trace's writer or a helper thread waits for.
+    Beside,
 }
 
 /// Values on their way to the host: waited for when called.
@@ -159,12 +172,12 @@ impl<E: Real> Mat<E> {
         }
     }
 
-    /// The values, for work beside the forward: where only the twin holds them and can queue a
-    /// copy, it is queued now and waited for when called, so that neither the host nor the
-    /// twin's device waits now; else the host's (fetched now where needed).
-    pub fn values_later(&self) -> Result<ValuesLater<E>> {
+    /// The values, for work that can wait: where only the twin holds them and can queue a
+    /// copy, it is queued now (where `queue` says) and waited for when called, so that neither
+    /// the host nor the twin's device waits now; else the host's (fetched now where needed).
+    pub fn values_later(&self, queue: Queue) -> Result<ValuesLater<E>> {
         if let (Some(twin), false) = (&self.twin.0, self.on_host()) {
-            if let Some(later) = twin.clone().fetch_later()? {
+            if let Some(later) = twin.clone().fetch_later(queue)? {
                 let len = self.len();
                 return Ok(Box::new(move || {
                     let values = later()?;
@@ -290,7 +303,7 @@ mod tests {
             let stats = TensorStats::of(&self.0);
             Ok(Some(Box::new(move || Ok(stats))))
         }
-        fn fetch_later(self: Arc<Self>) -> Result<Option<FetchLater>> {
+        fn fetch_later(self: Arc<Self>, _: Queue) -> Result<Option<FetchLater>> {
             Ok(Some(Box::new(move || self.fetch())))
         }
     }
@@ -303,7 +316,7 @@ mod tests {
         let values = [0.5f32, -1.0, 2.0, 7.0];
         let (twin, fetches) = elsewhere(&values);
         let m = Mat::<f64>::remote(2, 2, twin);
-        let later = m.values_later().unwrap();
+        let later = m.values_later(Queue::Forward).unwrap();
         assert_eq!(fetches.load(Ordering::SeqCst), 0, "nothing fetched yet");
         assert_eq!(*later().unwrap(), vec![0.5f64, -1.0, 2.0, 7.0]);
         assert_eq!(fetches.load(Ordering::SeqCst), 1);
@@ -314,12 +327,14 @@ mod tests {
 
         let on_host = Mat::new(1, 2, vec![3.0f32, 4.0]).with_twin(elsewhere(&[3.0, 4.0]).0);
         assert_eq!(
-            *on_host.values_later().unwrap()().unwrap(),
+            *on_host.values_later(Queue::Beside).unwrap()().unwrap(),
             vec![3.0f32, 4.0]
         );
 
         let (short, _) = elsewhere(&values[..3]);
-        let wrong = Mat::<f32>::remote(2, 2, short).values_later().unwrap();
+        let wrong = Mat::<f32>::remote(2, 2, short)
+            .values_later(Queue::Beside)
+            .unwrap();
         let err = wrong().unwrap_err().to_string();
         assert!(err.contains("3 values fetched for 4"), "{err}");
     }

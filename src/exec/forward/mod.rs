@@ -20,7 +20,7 @@ mod residual_scale;
 use crate::exec::attention::{attention, Chosen, KvCache, LayerCache, Step};
 use crate::exec::backend::Backend;
 use crate::exec::lazy_weight::LazyWeight;
-use crate::exec::mat::Mat;
+use crate::exec::mat::{Mat, Queue};
 use crate::exec::ops::argmax;
 use crate::exec::real::Real;
 use crate::exec::sharder::Sharder;
@@ -228,7 +228,7 @@ fn record_mat<E: Real>(rec: &mut dyn Recorder, key: StageKey<'_>, m: &Mat<E>) ->
     if m.on_host() {
         return rec.record_owned(key, shared(m)?);
     }
-    let later = m.values_later()?;
+    let later = m.values_later(Queue::Beside)?;
     rec.record_later(
         key,
         m.len(),

@@ -10,7 +10,7 @@ use super::Layer;
 use crate::exec::attention::NO_BOUNDARY;
 use crate::exec::backend::{Backend, MlpJob, WeightedRows};
 use crate::exec::lazy_weight::LazyWeight;
-use crate::exec::mat::Mat;
+use crate::exec::mat::{Mat, Queue};
 use crate::exec::op_clock::Op;
 use crate::exec::ops::{sigmoid, softmax, topk};
 use crate::exec::real::Real;
@@ -36,7 +36,7 @@ impl<B: Backend> Layer<'_, B> {
         // The logits come back (once, where the backend left them on its device) while the
         // device runs the shared expert, which needs no routing: the host's routing overlaps
         // work queued there, where waiting for the logits alone would leave the device idle.
-        let scores = logits.values_later()?;
+        let scores = logits.values_later(Queue::Forward)?;
         let (shared_whole, shared) = if cfg.n_shared_experts > 0 {
             self.mlp_parts(x, SharedGate, SharedUp, SharedDown)?
         } else {
