@@ -124,7 +124,7 @@ pub enum Op {
 
 /// The cases: GLM-5's own widths (hidden 6144, q_lora 2048, kv_lora 512, expert 2048, 64
 /// experts' router) and odd sizes that leave partial blocks and warps.
-pub const CASES: [Op; 29] = [
+pub const CASES: [Op; 30] = [
     Op::Linear {
         t: 8,
         k: 6144,
@@ -164,6 +164,13 @@ pub const CASES: [Op; 29] = [
         k: 300,
         inner: 77,
         experts: 1,
+    },
+    // Experts of many tokens and of fewer side by side (a GPU runs the first a GEMM each).
+    Op::Mlp {
+        t: 130,
+        k: 256,
+        inner: 96,
+        experts: 4,
     },
     Op::ExpertSum {
         t: 9,
