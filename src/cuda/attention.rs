@@ -124,7 +124,7 @@ impl Device {
     }
 
     /// The context through cuBLAS, queries in chunks: per chunk every head's scores (the
-    /// no-RoPE products, then the RoPE products added), [`attention_softmax`] in place, and the
+    /// no-RoPE products, then the RoPE products added), `attention_softmax` in place, and the
     /// weights times the values into the chunk's rows of the context.
     fn attention_by_gemms(
         &self,

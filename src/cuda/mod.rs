@@ -243,8 +243,8 @@ impl Gpu {
 
     /// Whole blocks of `ty` in `src` to `n` values of `O` on the GPU, returned widened to f32,
     /// and the kernel's time in milliseconds (the copies to and from the GPU aside): the median
-    /// of [`TIMED_RUNS`] launches, each after an untimed warm-up launch and a write of
-    /// [`L2_FLUSH_BYTES`] that leaves neither the blocks nor the output in the L2 cache. The
+    /// of `TIMED_RUNS` launches, each after an untimed warm-up launch and a write of
+    /// `L2_FLUSH_BYTES` that leaves neither the blocks nor the output in the L2 cache. The
     /// output is poisoned (all bits set: a NaN in every dtype) before the first launch, so a
     /// value the kernel never writes shows up in the check.
     pub fn dequantize<O: DequantOutput>(

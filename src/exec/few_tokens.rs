@@ -57,8 +57,8 @@ impl<'a> Tokens<'a> {
         }
     }
 
-    /// Weight rows worth decoding at a time for the kernel: about [`PIECE_BYTES`] of f32, in
-    /// whole blocks of the rows its kernels take at a time ([`PIECE_ROWS_MULTIPLE`]).
+    /// Weight rows worth decoding at a time for the kernel: about `PIECE_BYTES` of f32, in
+    /// whole blocks of the rows its kernels take at a time (`PIECE_ROWS_MULTIPLE`).
     pub fn piece_rows(&self) -> usize {
         (PIECE_BYTES / 4 / self.k.max(1))
             .max(1)

@@ -1,8 +1,9 @@
 //! `kv_b_proj` and llama.cpp's split form.
 //!
-//! `kv_b_proj` is head-major: for head h, rows `h·(nope+v) .. +nope` are W_UK[h] (`[nope, kv_lora]`)
-//! and the next `v` rows are W_UV[h] (`[v, kv_lora]`). llama.cpp's converter stores
-//! `attn_k_b[h] = W_UK[h]ᵀ` (`[heads, kv_lora, nope]`) and `attn_v_b[h] = W_UV[h]` (`[heads, v, kv_lora]`).
+//! `kv_b_proj` is head-major: for head h, rows `h·(nope+v) .. +nope` are `W_UK[h]`
+//! (`[nope, kv_lora]`) and the next `v` rows are `W_UV[h]` (`[v, kv_lora]`). llama.cpp's
+//! converter stores `attn_k_b[h] = W_UK[h]ᵀ` (`[heads, kv_lora, nope]`) and
+//! `attn_v_b[h] = W_UV[h]` (`[heads, v, kv_lora]`).
 //! A 2-D "folded" split tensor holds the same bytes with the head dimension merged, so both
 //! forms are assembled by the same code.
 

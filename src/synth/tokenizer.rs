@@ -8,7 +8,7 @@
 //! needs no hand-written regex that could drift from ours.
 //!
 //! Vocabulary layout: ids 0–255 are the bytes (id = byte value), then merges learned from
-//! [`CORPUS`], then unused fillers up to the requested size, then GLM's special tokens at the end.
+//! `CORPUS`, then unused fillers up to the requested size, then GLM's special tokens at the end.
 
 use std::collections::HashMap;
 

@@ -455,7 +455,7 @@ fn moments<T: Element>(xs: &[T]) -> TensorStats {
     stats
 }
 
-/// [`moments`] of `count` values whose chunks of [`TASK`] values were summed lane by lane on
+/// `moments` of `count` values whose chunks of [`TASK`] values were summed lane by lane on
 /// another device (a GPU), in this module's order: per chunk, `counts` holds [`LANE_COUNTS`]
 /// rows of [`MOMENT_LANES`] values and `sums` [`LANE_SUMS`] rows; `deviations(mean)` gives per
 /// chunk its [`MOMENT_LANES`] lanes of squared deviations from the mean. The lanes and chunks

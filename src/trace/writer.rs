@@ -16,7 +16,7 @@
 //! never waits for a stage it stores. A finished group goes to a writing thread, which waits for
 //! its statistics and writes its file and the manifest while the forward runs the next layer
 //! (a manifest write took up to 20 ms on a GPU host, a 512-token layer's tensors 5 ms); the run
-//! is held back only when it gets [`JOBS_AHEAD`] jobs ahead of the disk.
+//! is held back only when it gets `JOBS_AHEAD` jobs ahead of the disk.
 
 use std::borrow::Cow;
 use std::collections::HashSet;

@@ -13,7 +13,7 @@
 //! unit's typical noise, the factor and exactness), on every segment whose departure is past
 //! what that typical noise lets through whatever its own noise is, and on every segment with
 //! `strict` (`--exact`) or in a small unit. A segment left out departs by at most
-//! [`BAND`] × [`NOISE_FLOOR_SHARE`] of the typical noise, which passes under the rule whatever
+//! [`BAND`] × `NOISE_FLOOR_SHARE` of the typical noise, which passes under the rule whatever
 //! its own re-quantization would show: the rule is the one re-quantizing everything applies,
 //! with the unit's typical noise measured on the sample.
 
