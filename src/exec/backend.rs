@@ -392,18 +392,18 @@ pub fn sum_in_rank_order<B: Backend>(be: &B, parts: &[Mat<B::E>]) -> Result<Mat<
         .try_fold(first.clone(), |sum, p| be.add(&sum, p))
 }
 
-/// `x · w[..rows]ᵀ` for the first `rows` rows of a row-major weight `w` with `k` features and
-/// the activations `x_cols` column-major (`[k, t]` row-major: a token's features at stride
-/// `t`), laid out column-major too: `[rows, t]`, a weight row's outputs for every token.
-fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) -> Vec<E> {
+/// `dst = x · w[..rows]ᵀ` for the first `rows` rows of a row-major weight `w` with `k`
+/// features and the activations `x_cols` column-major (`[k, t]` row-major: a token's features
+/// at stride `t`), `dst` laid out column-major too: `[rows, t]`, a weight row's outputs for
+/// every token.
+fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize, dst: &mut [E]) {
     let k = x_cols.len() / t.max(1);
-    let mut dst = vec![E::zero(); t * rows];
     if t == 0 || rows == 0 {
-        return dst;
+        return;
     }
     assert!(
-        w.len() >= rows * k && x_cols.len() == t * k,
-        "gemm operands too short"
+        w.len() >= rows * k && x_cols.len() == t * k && dst.len() == t * rows,
+        "gemm operands of the wrong size"
     );
     // SAFETY: every operand is column-major, the order gemm's kernel works in: given another,
     // gemm transposes the whole problem or copies the operand into that order on every call (a
@@ -412,10 +412,10 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
     // the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
     // weight is the large operand, and gemm reads a column-contiguous rhs without packing it
     // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
-    // read. f32 (the reference's type) goes through the per-call kernel choice.
+    // read and write; gemm overwrites dst without reading it. f32 (the reference's type) goes
+    // through the per-call kernel choice.
     unsafe {
-        if let (Some(x), Some(w), Some(out)) =
-            (E::as_f32(x_cols), E::as_f32(w), E::as_f32_mut(&mut dst))
+        if let (Some(x), Some(w), Some(out)) = (E::as_f32(x_cols), E::as_f32(w), E::as_f32_mut(dst))
         {
             if gemm_kernel::x_times_weight_rows_f32(
                 t,
@@ -425,7 +425,7 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
                 x.as_ptr(),
                 w.as_ptr(),
             ) {
-                return dst;
+                return;
             }
         }
         gemm::gemm(
@@ -450,17 +450,13 @@ fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize) ->
             gemm::Parallelism::None,
         );
     }
-    dst
 }
 
-/// `x`'s values column by column (`xᵀ` row-major).
+/// `x`'s values column by column (`xᵀ` row-major), in cache-sized tiles: element by element,
+/// a 64-token prompt's activations took half as long as a task's GEMM on them.
 fn column_major<E: Real>(x: &Mat<E>) -> Vec<E> {
     let mut out = vec![E::zero(); x.len()];
-    for (r, row) in x.data().chunks_exact(x.cols.max(1)).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            out[c * x.rows + r] = v;
-        }
-    }
+    transpose::transpose(x.data(), &mut out, x.cols, x.rows);
     out
 }
 
@@ -569,43 +565,34 @@ impl<E: Real> Backend for Cpu<E> {
         } else {
             column_major(x)
         };
-        let starts: Vec<usize> = (0..out).step_by(WEIGHT_ROWS_PER_TASK).collect();
-        let blocks: Vec<Vec<E>> = starts
-            .par_iter()
-            .map(|&start| {
-                let rows = start..(start + WEIGHT_ROWS_PER_TASK).min(out);
+        if t == 0 || out == 0 {
+            return Ok(Mat::zeros(t, out));
+        }
+        // Each task writes its weight rows' outputs, `[rows, t]`, into its own part of one
+        // buffer, which is then transposed back to row-major as a whole.
+        let mut by_weight_row = vec![E::zero(); out * t];
+        by_weight_row
+            .par_chunks_mut(WEIGHT_ROWS_PER_TASK * t)
+            .enumerate()
+            .try_for_each(|(task, dst)| {
+                let start = task * WEIGHT_ROWS_PER_TASK;
+                let rows = start..start + dst.len() / t;
                 let Some(tokens) = &few else {
                     let n = rows.len();
-                    return w.with_rows(rows, |w| x_times_weight_rows(&x_cols, t, w, n));
+                    return w.with_rows(rows, |w| x_times_weight_rows(&x_cols, t, w, n, dst));
                 };
+                let dst = E::as_f32_mut(dst).context("few-token GEMM: outputs not in f32")?;
                 // Each output is one row's sum, so the task's rows may go in pieces.
-                let mut y = Vec::with_capacity(rows.len() * t);
                 w.with_row_pieces(rows, tokens.piece_rows(), |piece, w| {
                     let w = E::as_f32(w).context("few-token GEMM: weights not in f32")?;
-                    y.extend(tokens.times_weight_rows(w, piece.len()));
+                    let first = (piece.start - start) * t;
+                    let dst = &mut dst[first..first + piece.len() * t];
+                    tokens.times_weight_rows(w, piece.len(), dst);
                     Ok(())
-                })?;
-                Ok(E::widen_all(y))
-            })
-            .collect::<Result<_>>()?;
-        // Back to row-major, a few token rows per task: each weight row's outputs for those
-        // tokens are one short contiguous read.
+                })
+            })?;
         let mut y = Mat::zeros(t, out);
-        if out > 0 {
-            y.data_mut()
-                .par_chunks_mut(out * TOKENS_PER_TRANSPOSE)
-                .enumerate()
-                .for_each(|(tile, rows)| {
-                    let (first, n) = (tile * TOKENS_PER_TRANSPOSE, rows.len() / out);
-                    for (&start, block) in starts.iter().zip(&blocks) {
-                        for (j, outputs) in block.chunks_exact(t).enumerate() {
-                            for (r, &v) in outputs[first..first + n].iter().enumerate() {
-                                rows[r * out + start + j] = v;
-                            }
-                        }
-                    }
-                });
-        }
+        transpose::transpose(&by_weight_row, y.data_mut(), t, out);
         Ok(y)
     }
 

@@ -65,33 +65,31 @@ impl<'a> Tokens<'a> {
             .next_multiple_of(PIECE_ROWS_MULTIPLE)
     }
 
-    /// `x · w[..rows]ᵀ`, `w` row-major with at least `rows` rows of `k`, laid out column-major:
-    /// `[rows, t]`, a weight row's outputs for every token. Each output is its row's sum alone,
-    /// so rows taken in pieces give the same outputs.
+    /// `dst = x · w[..rows]ᵀ`, `w` row-major with at least `rows` rows of `k`, `dst` laid out
+    /// column-major: `[rows, t]`, a weight row's outputs for every token. Each output is its
+    /// row's sum alone, so rows taken in pieces give the same outputs.
     ///
     /// # Panics
-    /// If `w` has fewer than `rows` rows.
-    pub fn times_weight_rows(&self, w: &[f32], rows: usize) -> Vec<f32> {
+    /// If `w` has fewer than `rows` rows or `dst` does not hold `rows · t` values.
+    pub fn times_weight_rows(&self, w: &[f32], rows: usize, dst: &mut [f32]) {
         let (x, t, k) = (self.x, self.t, self.k);
         assert!(
-            w.len() >= rows * k,
-            "few-token GEMM weights of the wrong size"
+            w.len() >= rows * k && dst.len() == rows * t,
+            "few-token GEMM operands of the wrong size"
         );
-        let mut dst = vec![0.0; rows * t];
         #[cfg(target_arch = "x86_64")]
         if let Some((simd, xp)) = &self.interleaved {
             // SAFETY: the CPU has what `simd` names; `new` bounds `x`, the assert above `w`,
             // and `dst` holds `rows * t`.
             unsafe {
                 match simd {
-                    Simd::Avx512 => avx512::rows(x, xp, t, w, rows, k, &mut dst),
-                    Simd::Avx2 => avx2::rows(x, xp, t, w, rows, k, &mut dst),
+                    Simd::Avx512 => avx512::rows(x, xp, t, w, rows, k, dst),
+                    Simd::Avx2 => avx2::rows(x, xp, t, w, rows, k, dst),
                 }
             }
-            return dst;
+            return;
         }
-        portable_rows(x, t, w, rows, k, &mut dst);
-        dst
+        portable_rows(x, t, w, rows, k, dst);
     }
 }
 
@@ -379,7 +377,8 @@ mod tests {
             let mut want = vec![0.0; rows * t];
             portable_rows(&x, t, &w, rows, k, &mut want);
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            let dispatched = Tokens::new(&x, t, k).times_weight_rows(&w, rows);
+            let mut dispatched = vec![0.0; rows * t];
+            Tokens::new(&x, t, k).times_weight_rows(&w, rows, &mut dispatched);
             let mut paths = vec![("dispatched", dispatched)];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")
