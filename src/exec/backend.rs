@@ -32,9 +32,6 @@ use crate::weights::{quant, GgmlType};
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
 
-/// Token rows per parallel task of a GEMM output's transpose back to row-major.
-const TOKENS_PER_TRANSPOSE: usize = 8;
-
 /// One gated MLP of [`Backend::mlps`]: the rows of the shared input it runs on (a routed
 /// expert's tokens) and its `[gate, up, down]` as backend weights `W`.
 pub type MlpJob<'a, W> = (&'a [usize], [&'a W; 3]);
@@ -555,6 +552,9 @@ impl<E: Real> Backend for Cpu<E> {
         if features != weight_features {
             bail!("linear: input has {features} features, weight expects {weight_features}");
         }
+        if t == 0 || out == 0 {
+            return Ok(Mat::zeros(t, out));
+        }
         // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
         // them column-major.
         let few = E::as_f32(x.data())
@@ -565,9 +565,6 @@ impl<E: Real> Backend for Cpu<E> {
         } else {
             column_major(x)
         };
-        if t == 0 || out == 0 {
-            return Ok(Mat::zeros(t, out));
-        }
         // Each task writes its weight rows' outputs, `[rows, t]`, into its own part of one
         // buffer, which is then transposed back to row-major as a whole.
         let mut by_weight_row = vec![E::zero(); out * t];
