@@ -88,6 +88,11 @@ gpu-moe-bench out="target/gpu-moe":
 gpu-forward-bench out="target/gpu-forward" +builds="target/release/glmcheck":
     scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}}
 
+# On a machine of several GPUs: the same forward at 512 tokens at TP 1, 2 and 4, each rank on a
+# GPU of its own (TP sizes past the machine's GPU count are left out and named in the report).
+gpu-forward-tp out="target/gpu-forward-tp" tp="1,2,4" +builds="target/release/glmcheck":
+    scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}} --tokens 512 --tp {{tp}}
+
 # On the GPU machine: each build's GPU time per kernel group (Nsight Compute) in a glm5-dims
 # forward of 2 layers at 512 tokens, per pass (writes OUT/kernel-times.md).
 gpu-kernel-times out="target/gpu-kernels" +builds="target/release/glmcheck":
