@@ -14,8 +14,7 @@ use rayon::prelude::*;
 
 use super::attention_core::{attention_core, AttentionInputs};
 use super::claim::{claim_host, Claim};
-use super::few_tokens;
-use super::gemm_kernel;
+use super::host_linear;
 use super::host_weight::{Blocks, HostWeight};
 use super::indexer_core::{indexer_scores_core, IndexerInputs};
 use super::mat::Mat;
@@ -28,9 +27,6 @@ use super::real::Real;
 use crate::dtype::Precision;
 use crate::model::kv_b::{assemble_kv_b_by_heads, KvBDims, KvBSizeError};
 use crate::weights::{quant, GgmlType};
-
-/// Weight rows per parallel GEMM task.
-const WEIGHT_ROWS_PER_TASK: usize = 256;
 
 /// One gated MLP of [`Backend::mlps`]: the rows of the shared input it runs on (a routed
 /// expert's tokens) and its `[gate, up, down]` as backend weights `W`.
@@ -389,74 +385,6 @@ pub fn sum_in_rank_order<B: Backend>(be: &B, parts: &[Mat<B::E>]) -> Result<Mat<
         .try_fold(first.clone(), |sum, p| be.add(&sum, p))
 }
 
-/// `dst = x · w[..rows]ᵀ` for the first `rows` rows of a row-major weight `w` with `k`
-/// features and the activations `x_cols` column-major (`[k, t]` row-major: a token's features
-/// at stride `t`), `dst` laid out column-major too: `[rows, t]`, a weight row's outputs for
-/// every token.
-fn x_times_weight_rows<E: Real>(x_cols: &[E], t: usize, w: &[E], rows: usize, dst: &mut [E]) {
-    let k = x_cols.len() / t.max(1);
-    if t == 0 || rows == 0 {
-        return;
-    }
-    assert!(
-        w.len() >= rows * k && x_cols.len() == t * k && dst.len() == t * rows,
-        "gemm operands of the wrong size"
-    );
-    // SAFETY: every operand is column-major, the order gemm's kernel works in: given another,
-    // gemm transposes the whole problem or copies the operand into that order on every call (a
-    // linear makes one call per block of weight rows), and that copying cost more than the
-    // arithmetic. dst is t × rows (column j: weight row j's outputs); lhs is x (t × k); rhs is
-    // the block's weight rows read as wᵀ (k × rows, column j is weight row j), in place: the
-    // weight is the large operand, and gemm reads a column-contiguous rhs without packing it
-    // (on x86, up to 128 × its kernel height of tokens: thousands). The assert bounds every
-    // read and write; gemm overwrites dst without reading it. f32 (the reference's type) goes
-    // through the per-call kernel choice.
-    unsafe {
-        if let (Some(x), Some(w), Some(out)) = (E::as_f32(x_cols), E::as_f32(w), E::as_f32_mut(dst))
-        {
-            if gemm_kernel::x_times_weight_rows_f32(
-                t,
-                rows,
-                k,
-                out.as_mut_ptr(),
-                x.as_ptr(),
-                w.as_ptr(),
-            ) {
-                return;
-            }
-        }
-        gemm::gemm(
-            t,
-            rows,
-            k,
-            dst.as_mut_ptr(),
-            t as isize,
-            1,
-            false,
-            x_cols.as_ptr(),
-            t as isize,
-            1,
-            w.as_ptr(),
-            k as isize,
-            1,
-            E::zero(),
-            E::one(),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
-/// `x`'s values column by column (`xᵀ` row-major), in cache-sized tiles: element by element,
-/// a 64-token prompt's activations took half as long as a task's GEMM on them.
-fn column_major<E: Real>(x: &Mat<E>) -> Vec<E> {
-    let mut out = vec![E::zero(); x.len()];
-    transpose::transpose(x.data(), &mut out, x.cols, x.rows);
-    out
-}
-
 /// The CPU backend: `gemm` and the loops of [`ops`], in `E` at a precision.
 #[derive(Clone, Copy, Debug)]
 pub struct Cpu<E> {
@@ -542,55 +470,10 @@ impl<E: Real> Backend for Cpu<E> {
         self.rounded(self.linear_exact(x, w)?)
     }
 
-    /// `w · xᵀ` in blocks of weight rows, the blocks in parallel, each through the `gemm`
-    /// crate (the kernel under candle's CPU matmul) on one thread: the blocks have a fixed
-    /// size, so every output is the same sum whatever the thread count (and whether the weight
-    /// is held as values or as blocks each task decodes). Accumulates in `E`.
+    /// [`host_linear::linear`]: `w · xᵀ` in parallel blocks of fixed size through the `gemm`
+    /// crate, or the few-token kernel. Accumulates in `E`.
     fn linear_exact(&self, x: &Mat<E>, w: &HostWeight<E>) -> Result<Mat<E>> {
-        let (out, weight_features) = w.shape();
-        let (t, features) = (x.rows, x.cols);
-        if features != weight_features {
-            bail!("linear: input has {features} features, weight expects {weight_features}");
-        }
-        if t == 0 || out == 0 {
-            return Ok(Mat::zeros(t, out));
-        }
-        // A few f32 tokens go to the kernel for them, which reads them row-major; gemm reads
-        // them column-major.
-        let few = E::as_f32(x.data())
-            .filter(|_| few_tokens::takes(t))
-            .map(|x| few_tokens::Tokens::new(x, t, features));
-        let x_cols = if few.is_some() {
-            Vec::new()
-        } else {
-            column_major(x)
-        };
-        // Each task writes its weight rows' outputs, `[rows, t]`, into its own part of one
-        // buffer, which is then transposed back to row-major as a whole.
-        let mut by_weight_row = vec![E::zero(); out * t];
-        by_weight_row
-            .par_chunks_mut(WEIGHT_ROWS_PER_TASK * t)
-            .enumerate()
-            .try_for_each(|(task, dst)| {
-                let start = task * WEIGHT_ROWS_PER_TASK;
-                let rows = start..start + dst.len() / t;
-                let Some(tokens) = &few else {
-                    let n = rows.len();
-                    return w.with_rows(rows, |w| x_times_weight_rows(&x_cols, t, w, n, dst));
-                };
-                let dst = E::as_f32_mut(dst).context("few-token GEMM: outputs not in f32")?;
-                // Each output is one row's sum, so the task's rows may go in pieces.
-                w.with_row_pieces(rows, tokens.piece_rows(), |piece, w| {
-                    let w = E::as_f32(w).context("few-token GEMM: weights not in f32")?;
-                    let first = (piece.start - start) * t;
-                    let dst = &mut dst[first..first + piece.len() * t];
-                    tokens.times_weight_rows(w, piece.len(), dst);
-                    Ok(())
-                })
-            })?;
-        let mut y = Mat::zeros(t, out);
-        transpose::transpose(&by_weight_row, y.data_mut(), t, out);
-        Ok(y)
+        host_linear::linear(x, w)
     }
 
     fn rms_norm(&self, x: &Mat<E>, w: &[E], eps: f64) -> Result<Mat<E>> {

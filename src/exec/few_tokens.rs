@@ -57,6 +57,11 @@ impl<'a> Tokens<'a> {
         }
     }
 
+    /// How many tokens.
+    pub fn count(&self) -> usize {
+        self.t
+    }
+
     /// Weight rows worth decoding at a time for the kernel: about `PIECE_BYTES` of f32, in
     /// whole blocks of the rows its kernels take at a time (`PIECE_ROWS_MULTIPLE`).
     pub fn piece_rows(&self) -> usize {

@@ -8,6 +8,7 @@ pub mod few_tokens;
 pub mod forward;
 pub mod gemm_kernel;
 pub mod hooks;
+pub mod host_linear;
 pub mod host_weight;
 pub mod indexer_core;
 pub mod inject;
