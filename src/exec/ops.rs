@@ -55,12 +55,18 @@ pub fn silu_mul<E: Real>(gate: &Mat<E>, up: &Mat<E>) -> Mat<E> {
     Mat::new(gate.rows, gate.cols, data)
 }
 
-/// Softmax of a row in place; entries at −∞ get 0.
+/// Softmax of a row in place; entries at −∞ get 0, without an `exp` each where the row has a
+/// finite maximum (`exp(−∞)` is 0 exactly): a causal row of attention is half masked.
 pub fn softmax<E: Real>(row: &mut [E]) {
     let max = row.iter().copied().fold(E::neg_infinity(), Float::max);
     let mut sum = E::zero();
+    let finite_max = max.is_finite();
     for v in row.iter_mut() {
-        *v = (*v - max).exp();
+        *v = if finite_max && *v == E::neg_infinity() {
+            E::zero()
+        } else {
+            (*v - max).exp()
+        };
         sum += *v;
     }
     row.iter_mut().for_each(|v| *v /= sum);
@@ -135,5 +141,17 @@ mod tests {
         let mut r = [0.0f64, f64::NEG_INFINITY, 0.0];
         softmax(&mut r);
         assert_eq!(r, [0.5, 0.0, 0.5]);
+        // Masked entries skip `exp`, and every value keeps the bits of taking it.
+        let row = [0.3f32, f32::NEG_INFINITY, -1.7, f32::NEG_INFINITY, 2.2];
+        let mut got = row;
+        softmax(&mut got);
+        let e: Vec<f32> = row.iter().map(|v| (v - 2.2f32).exp()).collect();
+        let sum = e.iter().fold(0f32, |s, v| s + v);
+        let want: Vec<u32> = e.iter().map(|v| (v / sum).to_bits()).collect();
+        assert_eq!(got.map(f32::to_bits).to_vec(), want);
+        // A row with nothing to attend to stays NaN, as `exp` of −∞ − −∞ makes it.
+        let mut none = [f32::NEG_INFINITY; 3];
+        softmax(&mut none);
+        assert!(none.iter().all(|v| v.is_nan()));
     }
 }
