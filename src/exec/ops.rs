@@ -1,9 +1,10 @@
 //! The element-wise and per-row operations of the GLM-5 forward, as transformers computes them
 //! (its `GlmMoeDsa*` modules are the reference), in the run's number type.
 
-use super::mat::Mat;
 use num_traits::Float;
+use rayon::prelude::*;
 
+use super::mat::Mat;
 use super::real::Real;
 
 /// RMSNorm: `w ⊙ x / sqrt(mean(x²) + eps)` per row.
@@ -44,12 +45,12 @@ pub fn sigmoid<E: Real>(x: E) -> E {
     E::one() / (E::one() + (-x).exp())
 }
 
-/// `silu(gate) ⊙ up`.
+/// `silu(gate) ⊙ up`, in parallel (an `exp` a value).
 pub fn silu_mul<E: Real>(gate: &Mat<E>, up: &Mat<E>) -> Mat<E> {
     let data = gate
         .data()
-        .iter()
-        .zip(up.data())
+        .par_iter()
+        .zip(up.data().par_iter())
         .map(|(&g, &u)| silu(g) * u)
         .collect();
     Mat::new(gate.rows, gate.cols, data)

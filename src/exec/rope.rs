@@ -1,6 +1,8 @@
 //! Rotary position embedding of the rope dims: the frequencies (plain, or YaRN-scaled as
 //! transformers computes them), the cos/sin scale, and the rotation in either pair layout.
 
+use rayon::prelude::*;
+
 use super::mat::Mat;
 use super::real::Real;
 use crate::model::config::{Glm5Config, Yarn};
@@ -35,20 +37,34 @@ impl<E: Real> Rope<E> {
     /// `(x₂ᵢ, x₂ᵢ₊₁)` (GLM-5, llama.cpp NORM, vLLM `is_neox_style=False`), or NeoX halves
     /// `(xᵢ, xᵢ₊d/2)`. Output stays in the input's pair layout.
     pub fn rotate(&self, x: &mut [E], pos: usize, interleaved: bool) {
-        let half = x.len() / 2;
-        for (i, &f) in self.inv_freq.iter().enumerate().take(half) {
-            let angle = E::lit(pos as f64) * f;
-            let (s, c) = angle.sin_cos();
-            let (s, c) = (s * self.scale, c * self.scale);
-            let (a, b) = if interleaved {
-                (2 * i, 2 * i + 1)
-            } else {
-                (i, i + half)
-            };
-            let (x0, x1) = (x[a], x[b]);
-            x[a] = x0 * c - x1 * s;
-            x[b] = x1 * c + x0 * s;
-        }
+        turn(x, &self.sin_cos(pos, x.len() / 2), interleaved);
+    }
+
+    /// The scaled sine and cosine of each of the first `pairs` pairs' angles at `pos`.
+    fn sin_cos(&self, pos: usize, pairs: usize) -> Vec<(E, E)> {
+        self.inv_freq
+            .iter()
+            .take(pairs)
+            .map(|&f| {
+                let (s, c) = (E::lit(pos as f64) * f).sin_cos();
+                (s * self.scale, c * self.scale)
+            })
+            .collect()
+    }
+}
+
+/// `x` rotated in place by the pairs' scaled `(sin, cos)`, in either pair layout.
+fn turn<E: Real>(x: &mut [E], sin_cos: &[(E, E)], interleaved: bool) {
+    let half = x.len() / 2;
+    for (i, &(s, c)) in sin_cos.iter().enumerate().take(half) {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * c - x1 * s;
+        x[b] = x1 * c + x0 * s;
     }
 }
 
@@ -82,15 +98,21 @@ impl<E: Real> Rope<E> {
         self.scale
     }
 
-    /// Every head of every row of `m` rotated as `spec` says (the CPU's loops).
+    /// Every head of every row of `m` rotated as `spec` says (the CPU's loops): rows in
+    /// parallel, each row's angles computed once for all its heads.
     pub fn rotate_rows(&self, m: &mut Mat<E>, spec: RotateSpec) {
-        let dims = 2 * self.inv_freq.len();
-        for i in 0..m.rows {
-            for head in m.row_mut(i).chunks_exact_mut(spec.width) {
-                let rot = &mut head[spec.offset..spec.offset + dims];
-                self.rotate(rot, spec.start + i, spec.interleaved);
-            }
-        }
+        let pairs = self.inv_freq.len();
+        let cols = m.cols.max(1);
+        m.data_mut()
+            .par_chunks_mut(cols)
+            .enumerate()
+            .for_each(|(i, row)| {
+                let sin_cos = self.sin_cos(spec.start + i, pairs);
+                for head in row.chunks_exact_mut(spec.width) {
+                    let rot = &mut head[spec.offset..spec.offset + 2 * pairs];
+                    turn(rot, &sin_cos, spec.interleaved);
+                }
+            });
     }
 }
 
