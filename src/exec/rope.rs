@@ -33,13 +33,6 @@ impl<E: Real> Rope<E> {
         }
     }
 
-    /// Rotate `x` (the rope slice of one head at position `pos`) in place: interleaved pairs
-    /// `(x₂ᵢ, x₂ᵢ₊₁)` (GLM-5, llama.cpp NORM, vLLM `is_neox_style=False`), or NeoX halves
-    /// `(xᵢ, xᵢ₊d/2)`. Output stays in the input's pair layout.
-    pub fn rotate(&self, x: &mut [E], pos: usize, interleaved: bool) {
-        turn(x, &self.sin_cos(pos, x.len() / 2), interleaved);
-    }
-
     /// The scaled sine and cosine of each of the first `pairs` pairs' angles at `pos`.
     fn sin_cos(&self, pos: usize, pairs: usize) -> Vec<(E, E)> {
         self.inv_freq
@@ -53,7 +46,9 @@ impl<E: Real> Rope<E> {
     }
 }
 
-/// `x` rotated in place by the pairs' scaled `(sin, cos)`, in either pair layout.
+/// `x` (the rope slice of one head) rotated in place by its pairs' scaled `(sin, cos)`:
+/// interleaved pairs `(x₂ᵢ, x₂ᵢ₊₁)` (GLM-5, llama.cpp NORM, vLLM `is_neox_style=False`), or NeoX
+/// halves `(xᵢ, xᵢ₊d/2)`. Output stays in the input's pair layout.
 fn turn<E: Real>(x: &mut [E], sin_cos: &[(E, E)], interleaved: bool) {
     let half = x.len() / 2;
     for (i, &(s, c)) in sin_cos.iter().enumerate().take(half) {
@@ -194,8 +189,17 @@ mod tests {
             scale: 1.0,
         };
         assert_eq!(rope.inv_freq[0], 1.0);
-        let mut x = [1.0, 0.0, 1.0, 0.0];
-        rope.rotate(&mut x, 2, true);
+        // One row of two heads at position 2, each head's 4 values all rope dims.
+        let mut m = Mat::new(1, 8, vec![1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]);
+        let spec = RotateSpec {
+            width: 4,
+            offset: 0,
+            start: 2,
+            interleaved: true,
+        };
+        rope.rotate_rows(&mut m, spec);
+        let (x, other) = m.data().split_at(4);
+        assert_eq!(x, other, "every head at a position turns alike");
         assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[1] - 2f32.sin()).abs() < 1e-6);
         let angle = 2.0 * rope.inv_freq[1];
         assert!((x[2] - angle.cos()).abs() < 1e-6 && (x[3] - angle.sin()).abs() < 1e-6);
