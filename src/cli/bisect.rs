@@ -129,13 +129,24 @@ pub fn print_bisect(out: &BisectReport) {
         let which = if w.checked == "all" {
             "every tensor"
         } else {
-            "the divergent stage's tensors"
+            "the tensors behind the divergent stage"
         };
         println!(
             "weight check ({which}): {} tensors, {} exact (ggml's bytes), {} within their type's \
              noise, {} failed",
             w.tensors, w.exact, w.within_noise, w.failed
         );
+    }
+    if let Some(p) = b.path.as_ref().filter(|p| !p.hidden.is_empty()) {
+        println!(
+            "behind {}: the engine's trace holds no {}",
+            p.divergent,
+            p.hidden.join(", ")
+        );
+        if !p.tensors.is_empty() || !p.keys.is_empty() {
+            let checked: Vec<&str> = p.tensors.iter().chain(&p.keys).map(String::as_str).collect();
+            println!("  checked for them: {}", checked.join(", "));
+        }
     }
     if b.ties_taken > 0 {
         println!(

@@ -333,7 +333,7 @@ fn residual_fault(
 pub const NEAR_TIE: f64 = 0.01;
 
 /// Another top-k choice: near ties broken differently at a lower precision, or a real change
-/// (router for MoE stages).
+/// (the router's for MoE stages, the DSA indexer's for `attn.index_topk`).
 fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str) -> Result<Fault> {
     let at = &s.stage;
     let gap_stage = Stage::parse(at)
@@ -349,25 +349,40 @@ fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str)
         None => None,
     };
     let mut near_ties_only = false;
-    if let ((Some((x, shape)), Some((y, _))), Some((gaps, _))) = (sides, gaps) {
-        let k = *shape.last().unwrap_or(&1) as usize;
+    let mut other_k = false;
+    if let ((Some((x, xs)), Some((y, ys))), Some((gaps, _))) = (sides, gaps) {
+        let k_of = |shape: &[u64]| (*shape.last().unwrap_or(&1)).max(1) as usize;
+        let (kx, ky) = (k_of(&xs), k_of(&ys));
+        if kx != ky {
+            other_k = true;
+            evidence.push(format!(
+                "the candidate chooses {ky} per position where the reference chooses {kx}"
+            ));
+        }
         let set = |v: &[f32]| {
-            let mut s: Vec<i64> = v.iter().map(|&i| i as i64).collect();
+            let mut s: Vec<i64> = v.iter().map(|&i| i as i64).filter(|&i| i >= 0).collect();
             s.sort_unstable();
             s
         };
         // A hostile trace may disagree on sizes: only positions all three hold are read.
-        let positions = gaps.len().min(x.len() / k.max(1)).min(y.len() / k.max(1));
+        let positions = gaps.len().min(x.len() / kx).min(y.len() / ky);
         let flipped: Vec<usize> = (0..positions)
-            .filter(|&p| set(&x[p * k..(p + 1) * k]) != set(&y[p * k..(p + 1) * k]))
+            .filter(|&p| set(&x[p * kx..(p + 1) * kx]) != set(&y[p * ky..(p + 1) * ky]))
             .collect();
         let largest = gaps.iter().copied().fold(0f32, f32::max);
-        let tie = |p: &usize| f64::from(gaps[*p]) <= NEAR_TIE * f64::from(largest);
-        near_ties_only = !flipped.is_empty() && flipped.iter().all(tie);
+        // A negative gap marks a position with no boundary (every candidate chosen): never a tie.
+        let tie = |p: &usize| gaps[*p] >= 0.0 && f64::from(gaps[*p]) <= NEAR_TIE * f64::from(largest);
+        near_ties_only = !other_k && !flipped.is_empty() && flipped.iter().all(tie);
         let listed: Vec<String> = flipped
             .iter()
             .take(8)
-            .map(|&p| format!("position {p} (reference gap {:.3e})", gaps[p]))
+            .map(|&p| match gaps[p] {
+                g if g < 0.0 => format!(
+                    "position {p} (the reference chooses all {} candidates: no boundary)",
+                    set(&x[p * kx..(p + 1) * kx]).len()
+                ),
+                g => format!("position {p} (reference gap {g:.3e})"),
+            })
             .collect();
         evidence.push(format!(
             "differing positions: {}; the layer's largest gap is {largest:.3e}",
@@ -381,14 +396,14 @@ fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str)
             evidence,
         ));
     }
-    let class = if at.contains("moe.") {
-        FaultClass::RouterMismatch
-    } else {
-        FaultClass::Unknown
+    let (class, chooser) = match Stage::parse(at).map(|s| s.kind().to_string()) {
+        Some(k) if k.starts_with("moe.") => (FaultClass::RouterMismatch, "the router"),
+        Some(k) if k == "attn.index_topk" => (FaultClass::IndexerMismatch, "the DSA indexer"),
+        _ => (FaultClass::Unknown, "a top-k"),
     };
-    Ok(fault(
-        class,
-        format!("{at}: another top-k choice"),
-        evidence,
-    ))
+    let summary = match other_k {
+        true => format!("{at}: {chooser} chooses another number of entries"),
+        false => format!("{at}: {chooser} makes another top-k choice"),
+    };
+    Ok(fault(class, summary, evidence))
 }

@@ -19,6 +19,9 @@ pub enum FaultClass {
     WeightLayout,
     RopeMismatch,
     RouterMismatch,
+    /// The DSA indexer chooses other keys than the reference beyond near ties (its `top_k`,
+    /// weights or rotary embedding).
+    IndexerMismatch,
     ScaleMismatch,
     /// An RMSNorm's epsilon differs (a GGUF's `layer_norm_rms_epsilon`).
     NormEpsMismatch,
@@ -41,6 +44,7 @@ impl FaultClass {
             FaultClass::WeightLayout => "weight_layout",
             FaultClass::RopeMismatch => "rope_mismatch",
             FaultClass::RouterMismatch => "router_mismatch",
+            FaultClass::IndexerMismatch => "indexer_mismatch",
             FaultClass::ScaleMismatch => "scale_mismatch",
             FaultClass::NormEpsMismatch => "norm_eps_mismatch",
             FaultClass::FlatLogits => "flat_logits",

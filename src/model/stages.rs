@@ -119,6 +119,84 @@ pub fn weights_up_to(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
     ids
 }
 
+/// The stages whose values stage `stage` computes from (its data flow, not its recording
+/// order): `attn.kv` feeds `attn.ctx` but not `attn.q_rope`, which is recorded between them.
+pub fn stage_inputs(cfg: &Glm5Config, stage: &str) -> Vec<String> {
+    let Some(parsed) = Stage::parse(stage) else {
+        return Vec::new();
+    };
+    let l = match parsed.place() {
+        Place::Embed => return Vec::new(),
+        Place::FinalNorm => {
+            let last = cfg.num_hidden_layers.max(1) - 1;
+            return vec![Stage::layer_stage(last, "out").to_string()];
+        }
+        Place::Logits => return vec!["final_norm".into()],
+        Place::Layer(l) => l,
+    };
+    let moe = cfg.is_moe_layer(l);
+    let kinds: &[&str] = match parsed.kind() {
+        "attn_norm" => return vec![Stage::layer_input(l).to_string()],
+        "attn.q_a" | "attn.kv_a" => &["attn_norm"],
+        "attn.q_a_norm" => &["attn.q_a"],
+        "attn.q" => &["attn.q_a_norm"],
+        "attn.kv_a_norm" => &["attn.kv_a"],
+        "attn.kv" => &["attn.kv_a_norm"],
+        "attn.q_rope" => &["attn.q"],
+        "attn.k_rope" => &["attn.kv_a"],
+        "attn.index_topk" => &["attn_norm", "attn.q_a_norm"],
+        "attn.ctx" if cfg.has_dsa() => &[
+            "attn.q",
+            "attn.q_rope",
+            "attn.kv",
+            "attn.k_rope",
+            "attn.index_topk",
+        ],
+        "attn.ctx" => &["attn.q", "attn.q_rope", "attn.kv", "attn.k_rope"],
+        "attn.out" => &["attn.ctx"],
+        "attn_resid" => {
+            return vec![
+                Stage::layer_input(l).to_string(),
+                Stage::layer_stage(l, "attn.out").to_string(),
+            ]
+        }
+        "ffn_norm" => &["attn_resid"],
+        "moe.router_logits" | "moe.shared" => &["ffn_norm"],
+        "moe.topk_ids" | "moe.topk_weights" => &["moe.router_logits"],
+        "moe.routed" => &["ffn_norm", "moe.topk_ids", "moe.topk_weights"],
+        "ffn.out" if moe => &["moe.routed", "moe.shared"],
+        "ffn.out" => &["ffn_norm"],
+        "out" => &["attn_resid", "ffn.out"],
+        _ => &[],
+    };
+    kinds
+        .iter()
+        .map(|k| Stage::layer_stage(l, k).to_string())
+        .collect()
+}
+
+/// The stages behind `stage` that a trace does not hold: walking `stage`'s inputs back, every
+/// input `recorded` says is absent, and its own inputs in turn, until recorded stages close
+/// every way back. A fault in one of them shows first at `stage`. In the forward's order.
+pub fn hidden_behind(
+    cfg: &Glm5Config,
+    stage: &str,
+    recorded: impl Fn(&str) -> bool,
+) -> Vec<String> {
+    let mut hidden: Vec<String> = Vec::new();
+    let mut todo = stage_inputs(cfg, stage);
+    while let Some(s) = todo.pop() {
+        if recorded(&s) || hidden.contains(&s) {
+            continue;
+        }
+        todo.extend(stage_inputs(cfg, &s));
+        hidden.push(s);
+    }
+    let order = stage_names(cfg);
+    hidden.sort_by_key(|s| order.iter().position(|o| o == s).unwrap_or(usize::MAX));
+    hidden
+}
+
 /// The stage a layer weight feeds first: where a fault in that weight shows.
 pub fn stage_of(cfg: &Glm5Config, l: u64, w: LayerWeight) -> Option<String> {
     stage_names(cfg)
@@ -150,5 +228,48 @@ mod tests {
             Some("L1.moe.shared")
         );
         assert_eq!(stage_weights(&cfg, "L1.ffn.out"), vec![]);
+    }
+
+    #[test]
+    fn every_input_comes_earlier_in_the_forward() {
+        let cfg = Glm5Config {
+            num_hidden_layers: 2,
+            first_k_dense_replace: 1,
+            ..Glm5Config::glm5()
+        };
+        let names = stage_names(&cfg);
+        for (i, s) in names.iter().enumerate() {
+            for input in stage_inputs(&cfg, s) {
+                let at = names.iter().position(|n| *n == input);
+                assert!(at.is_some_and(|a| a < i), "{s} reads {input}");
+            }
+            if i > 0 {
+                assert!(!stage_inputs(&cfg, s).is_empty(), "{s} reads nothing");
+            }
+        }
+    }
+
+    #[test]
+    fn hidden_stages_are_those_behind_the_divergence_up_to_recorded_ones() {
+        let cfg = Glm5Config {
+            num_hidden_layers: 2,
+            first_k_dense_replace: 1,
+            ..Glm5Config::glm5()
+        };
+        // llama.cpp's MLA never forms attn.kv; the stages recorded around it do not cover it.
+        let llama = |s: &str| s != "L1.attn.kv";
+        assert_eq!(hidden_behind(&cfg, "L1.attn.ctx", llama), ["L1.attn.kv"]);
+        assert!(hidden_behind(&cfg, "L1.attn.q_rope", llama).is_empty());
+        // A fused MoE: routing and experts unrecorded behind ffn.out.
+        let fused = |s: &str| !s.starts_with("L1.moe.") || s == "L1.moe.router_logits";
+        assert_eq!(
+            hidden_behind(&cfg, "L1.ffn.out", fused),
+            ["L1.moe.topk_ids", "L1.moe.topk_weights", "L1.moe.routed", "L1.moe.shared"]
+        );
+        // Only the layer outputs recorded: the whole layer is behind its output.
+        let outs = |s: &str| s == "embed" || s.ends_with(".out") && !s.contains("attn") && !s.contains("ffn");
+        let behind = hidden_behind(&cfg, "L1.out", outs);
+        assert!(behind.contains(&"L1.attn.kv".to_string()));
+        assert!(!behind.iter().any(|s| s.starts_with("L0.")), "{behind:?}");
     }
 }

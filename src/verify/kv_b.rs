@@ -73,6 +73,7 @@ pub fn regroup(
             )],
             factor: None,
             map: moved.iter().map(|&(r, o)| (r as u64, o as u64)).collect(),
+            with: None,
         };
         let at = findings
             .iter()

@@ -299,6 +299,7 @@ fn scaled_finding(p: &Plan, factor: f64, sums: &Sums, sample: &Sums) -> Finding 
         )],
         factor: Some(factor),
         map: Vec::new(),
+        with: None,
     }
 }
 
@@ -317,5 +318,6 @@ fn shape_finding(p: &Plan, want: &[u64]) -> Finding {
         )],
         factor: None,
         map: Vec::new(),
+        with: None,
     }
 }

@@ -12,7 +12,8 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::segments::{compare, restore, Sums, UnitStats, BAND, SEGMENT};
-use super::units::{both, candidate_bytes, reference_values, Plan, Unit};
+use super::units::{both, candidate_bytes, candidate_values, plan, reference_values, Plan, Unit};
+use crate::model::schema::role;
 use crate::compare::FaultClass;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, WeightId};
@@ -33,6 +34,9 @@ pub enum Relation {
     Transpose,
     SwappedHalves,
     OtherTensor,
+    /// The reference's values of another weight of the same shape in the same layer (two
+    /// siblings swapped: gate and up, K and V halves, the two latents).
+    OtherWeight,
     GarbageBlocks,
     Shape,
     /// `--exact`: within the type's noise, but not the bytes ggml's quantizer gives.
@@ -51,6 +55,7 @@ impl Relation {
             Relation::Transpose => "transpose",
             Relation::SwappedHalves => "swapped_halves",
             Relation::OtherTensor => "other_tensor",
+            Relation::OtherWeight => "other_weight",
             Relation::GarbageBlocks => "garbage_blocks",
             Relation::Shape => "shape",
             Relation::NotReproduced => "not_reproduced",
@@ -72,6 +77,10 @@ pub struct Finding {
     /// (candidate, reference) experts, heads or rows of a permutation.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub map: Vec<(u64, u64)>,
+    /// The other tensor of an `other_weight` relation: the one whose reference values this one
+    /// holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub with: Option<String>,
 }
 
 /// The class a relation gives a weight of role `id`.
@@ -80,9 +89,21 @@ pub fn class_of(relation: Relation, id: WeightId, whole: bool) -> FaultClass {
         id,
         WeightId::Layer(_, LayerWeight::Router | LayerWeight::RouterBias)
     );
+    let indexer = matches!(
+        id,
+        WeightId::Layer(
+            _,
+            LayerWeight::IndexerQB
+                | LayerWeight::IndexerK
+                | LayerWeight::IndexerKNorm
+                | LayerWeight::IndexerKNormBias
+                | LayerWeight::IndexerProj
+        )
+    );
     match relation {
         Relation::NanInf => FaultClass::NanOrigin,
         _ if router => FaultClass::RouterMismatch,
+        _ if indexer => FaultClass::IndexerMismatch,
         Relation::Zeros if id == WeightId::LmHead => FaultClass::FlatLogits,
         Relation::ScalarMultiple => FaultClass::ScaleMismatch,
         Relation::ExpertPermutation
@@ -90,6 +111,7 @@ pub fn class_of(relation: Relation, id: WeightId, whole: bool) -> FaultClass {
         | Relation::HeadPermutation
         | Relation::Transpose
         | Relation::SwappedHalves
+        | Relation::OtherWeight
         | Relation::Shape => FaultClass::WeightLayout,
         Relation::OtherTensor if whole => FaultClass::WeightLayout,
         Relation::OtherTensor
@@ -138,6 +160,7 @@ impl Departure<'_> {
             evidence,
             factor: None,
             map: Vec::new(),
+            with: None,
         }
     }
 
@@ -199,6 +222,9 @@ impl Departure<'_> {
             return Ok(f);
         }
         if let Some(f) = self.other_tensor()? {
+            return Ok(f);
+        }
+        if let Some(f) = self.other_weight()? {
             return Ok(f);
         }
         if let Some(f) = self.experts()? {
@@ -383,6 +409,84 @@ impl Departure<'_> {
         Ok(Some(f))
     }
 
+    /// The reference's values of a sibling: another tensor of the candidate with this one's
+    /// shape in the same layer, whose reference values the first departing units hold within
+    /// the band. Checked the other way too, to tell a swap from a copy.
+    fn other_weight(&self) -> Result<Option<Finding>> {
+        let t = self.t();
+        let layer = self.plan.id.layer();
+        let departing: Vec<&Unit> = self.departing().take(4).map(|(u, _)| u).collect();
+        if departing.is_empty() {
+            return Ok(None);
+        }
+        let family = self.cand.layout().family;
+        for other in self.cand.files.tensors() {
+            let sibling = other.name != t.name
+                && other.shape == t.shape
+                && role(family, &other.name).is_some_and(|id| id.layer() == layer);
+            if !sibling {
+                continue;
+            }
+            let Ok(theirs) = plan(self.reference, self.cand, other) else {
+                continue;
+            };
+            let same_rows = |u: &Unit| theirs.units.iter().find(|o| o.rows == u.rows);
+            let mut holds_theirs = true;
+            for u in &departing {
+                let Some(o) = same_rows(u) else {
+                    holds_theirs = false;
+                    break;
+                };
+                let x = reference_values(self.reference, o)?;
+                let c = candidate_values(self.cand, t, u)?;
+                if x.len() != c.len() || !self.holds(&x, &c, candidate_bytes(self.cand, t, u))? {
+                    holds_theirs = false;
+                    break;
+                }
+            }
+            if !holds_theirs {
+                continue;
+            }
+            // Whether the other tensor holds this one's reference values in turn.
+            let u = departing[0];
+            let swapped = match same_rows(u) {
+                Some(o) => {
+                    let x = reference_values(self.reference, u)?;
+                    let c = candidate_values(self.cand, other, o)?;
+                    let stored = candidate_bytes(self.cand, other, o);
+                    x.len() == c.len()
+                        && compare(self.ty(), self.row_len(), &x, &c, stored, false)
+                            .is_ok_and(|st| st.beyond == 0 && st.nonfinite == 0)
+                }
+                None => false,
+            };
+            let (summary, how) = match swapped {
+                true => (
+                    format!("{} and {}: swapped", t.name, other.name),
+                    format!("and {} holds the reference's {}", other.name, t.name),
+                ),
+                false => (
+                    format!("{} holds the reference's {}", t.name, other.name),
+                    format!("{} is not this tensor's values either", other.name),
+                ),
+            };
+            let mut f = self.finding(
+                Relation::OtherWeight,
+                summary,
+                vec![format!(
+                    "{}: {} hold the reference's {} within {}'s noise; {how}",
+                    t.name,
+                    self.share(),
+                    other.name,
+                    self.type_name()
+                )],
+            );
+            f.with = Some(other.name.clone());
+            return Ok(Some(f));
+        }
+        Ok(None)
+    }
+
     /// Rows (of the whole tensor) of the first departing segments, at most `most`.
     fn departing_rows(&self, most: usize) -> Vec<u64> {
         let row_len = self.row_len().max(1);
@@ -426,7 +530,7 @@ impl Departure<'_> {
         let mut map = Vec::new();
         for (u, _) in self.departing() {
             let e = u.expert.unwrap_or(0);
-            let c = super::units::candidate_values(self.cand, self.t(), u)?;
+            let c = candidate_values(self.cand, self.t(), u)?;
             let stored = candidate_bytes(self.cand, self.t(), u);
             let mut matched = None;
             for other in units.iter().filter(|o| o.expert != u.expert) {
@@ -472,7 +576,7 @@ impl Departure<'_> {
         let [u] = &self.plan.units[..] else {
             return Ok(None);
         };
-        let c = super::units::candidate_values(self.cand, self.t(), u)?;
+        let c = candidate_values(self.cand, self.t(), u)?;
         let stored = candidate_bytes(self.cand, self.t(), u);
         for other in (0..self.reference.cfg.n_routed_experts).filter(|&e| e != expert) {
             let x = self
@@ -807,6 +911,15 @@ mod tests {
         );
         assert_eq!(
             class_of(Relation::NanInf, bias, false),
+            FaultClass::NanOrigin
+        );
+        let indexer_k = WeightId::Layer(0, LayerWeight::IndexerK);
+        assert_eq!(
+            class_of(Relation::ScalarMultiple, indexer_k, true),
+            FaultClass::IndexerMismatch
+        );
+        assert_eq!(
+            class_of(Relation::NanInf, indexer_k, true),
             FaultClass::NanOrigin
         );
         assert_eq!(

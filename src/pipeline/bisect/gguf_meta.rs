@@ -24,8 +24,10 @@ pub struct Key {
 
 const ROPE: &[&str] = &["attn.q_rope", "attn.k_rope"];
 
-/// Every key compared with the reference's config (`bisect --list-faults` prints them).
-pub const KEYS: [Key; 6] = [
+/// Every key compared with the reference's config (`bisect --list-faults` prints them): those
+/// of llama.cpp's glm-dsa loader that change numbers without failing the load. The keys that
+/// fix a tensor's shape (widths, counts, ranks) are checked by the loader against the tensors.
+pub const KEYS: [Key; 10] = [
     Key {
         key: "rope.scaling.type",
         stages: ROPE,
@@ -55,6 +57,32 @@ pub const KEYS: [Key; 6] = [
         stages: &["moe.topk_weights"],
         class: FaultClass::RouterMismatch,
         does: "it decides whether the chosen experts' weights are divided by their sum",
+    },
+    Key {
+        key: "rope.scaling.attn_factor",
+        stages: ROPE,
+        class: FaultClass::RopeMismatch,
+        does: "it multiplies every rotary embedding's magnitude, and its square the attention's \
+               softmax scale",
+    },
+    Key {
+        key: "attention.indexer.top_k",
+        stages: &["attn.index_topk"],
+        class: FaultClass::IndexerMismatch,
+        does: "the DSA indexer keeps that many key positions for each query",
+    },
+    Key {
+        key: "expert_used_count",
+        stages: &["moe.topk_ids"],
+        class: FaultClass::RouterMismatch,
+        does: "the router chooses that many experts for each token",
+    },
+    Key {
+        key: "expert_group_count",
+        stages: &["moe.topk_ids"],
+        class: FaultClass::RouterMismatch,
+        does: "with more than one group (and `expert_group_used_count` fewer), the router \
+               chooses experts only from the best groups",
     },
     Key {
         key: "expert_gating_func",
@@ -165,6 +193,55 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
         );
         add("expert_weights_norm", found);
     }
+    // Absent: 1; it scales cos and sin and, squared, the softmax. YaRN's own factor is
+    // another matter (the reference's mscales), left to `rope.scaling.type`.
+    let attn_factor = num("rope.scaling.attn_factor").unwrap_or(1.0);
+    if cfg.yarn.is_none() && differs(attn_factor, 1.0) {
+        let found = format!("{attn_factor}, where the reference has no rope_scaling (1)");
+        add("rope.scaling.attn_factor", found);
+    }
+    // Required by llama.cpp's loader: a trace exists only where the file has them.
+    let count = |k: &str| get(k).and_then(Value::as_u64);
+    if let Some(k) = count("attention.indexer.top_k") {
+        if cfg.has_dsa() && k != cfg.index_topk {
+            let found = format!("{k}, where the reference's index_topk is {}", cfg.index_topk);
+            add("attention.indexer.top_k", found);
+        }
+    }
+    if let Some(k) = count("expert_used_count") {
+        if cfg.n_routed_experts > 0 && k != cfg.num_experts_per_tok {
+            let found = format!(
+                "{k}, where the reference's num_experts_per_tok is {}",
+                cfg.num_experts_per_tok
+            );
+            add("expert_used_count", found);
+        }
+    }
+    // Absent: 0. llama.cpp limits groups only with more than one; so does the reference, and
+    // choosing all groups limits nothing.
+    let limit = |groups: u64, used: u64| (groups > 1 && used < groups).then_some((groups, used));
+    let theirs = limit(
+        count("expert_group_count").unwrap_or(0),
+        count("expert_group_used_count").unwrap_or(0),
+    );
+    let ours = limit(cfg.n_group, cfg.topk_group);
+    if cfg.n_routed_experts > 0 && theirs != ours {
+        let said = |g: Option<(u64, u64)>| match g {
+            Some((g, u)) => format!("the best {u} of {g} groups"),
+            None => "no group limit".to_string(),
+        };
+        let found = format!(
+            "{} / expert_group_used_count {} ({}), where the reference's n_group / topk_group \
+             are {} / {} ({})",
+            count("expert_group_count").unwrap_or(0),
+            count("expert_group_used_count").unwrap_or(0),
+            said(theirs),
+            cfg.n_group,
+            cfg.topk_group,
+            said(ours)
+        );
+        add("expert_group_count", found);
+    }
     // glm-dsa: absent or 0 reads as sigmoid; 1 softmax, 2 sigmoid, 3 softmax over the chosen.
     let gating = match get("expert_gating_func").and_then(Value::as_u64) {
         None | Some(0) | Some(2) => "sigmoid",
@@ -187,17 +264,35 @@ fn kind(stage: &str) -> &str {
     kind_of(stage).unwrap_or(stage)
 }
 
-/// Name the metadata mismatch that changes the first divergent stage, if one does; every
-/// other mismatch is listed as evidence. Where every stage passed, a mismatch still fails the
-/// run, at the first stage it changes (as the weight check does). Returns whether the metadata
-/// decided the class.
-pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffReport) -> bool {
+/// The keys of [`KEYS`] (with the arch prefix) that change one of `stages`, for the report of
+/// what was compared on a divergence's path; none without metadata.
+pub fn keys_on(meta: Option<&Map<String, Value>>, stages: &[String]) -> Vec<String> {
+    let Some(arch) = meta.and_then(|m| m["general.architecture"].as_str()) else {
+        return Vec::new();
+    };
+    KEYS.iter()
+        .filter(|k| stages.iter().any(|s| k.stages.contains(&kind(s))))
+        .map(|k| format!("{arch}.{}", k.key))
+        .collect()
+}
+
+/// Name the metadata mismatch that changes the first divergent stage or a stage the trace does
+/// not hold behind it (`path`: those stages and the divergent one), if one does; every other
+/// mismatch is listed as evidence. Where every stage passed, a mismatch still fails the run, at
+/// the first stage it changes (as the weight check does). Returns whether the metadata decided
+/// the class.
+pub fn explain(
+    meta: &Map<String, Value>,
+    cfg: &Glm5Config,
+    report: &mut DiffReport,
+    path: &[String],
+) -> bool {
     let found = mismatches(meta, cfg);
     let inside = report.first_divergence.is_none();
     let (stage, cause) = match &report.first_divergence {
         Some(d) => match found
             .iter()
-            .find(|m| m.spec.stages.contains(&kind(&d.stage)))
+            .find(|m| path.iter().any(|s| m.spec.stages.contains(&kind(s))))
         {
             Some(m) => (d.stage.clone(), m),
             None => {
@@ -234,6 +329,21 @@ pub fn explain(meta: &Map<String, Value>, cfg: &Glm5Config, report: &mut DiffRep
         "{} is what llama.cpp read (absent keys as its loader defaults them)",
         cause.key
     )];
+    let changed_hidden: Vec<&String> = path
+        .iter()
+        .filter(|s| **s != stage && cause.spec.stages.contains(&kind(s)))
+        .collect();
+    if !changed_hidden.is_empty() {
+        evidence.push(format!(
+            "it changes {} first, which the trace does not hold; {stage} is the first recorded \
+             stage after it",
+            changed_hidden
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     if inside {
         if let Some(s) = report.stages.iter().find(|s| s.stage == stage) {
             evidence.push(format!(
@@ -278,6 +388,10 @@ mod tests {
             "glm-dsa.expert_weights_scale": 2.5,
             "glm-dsa.expert_weights_norm": true,
             "glm-dsa.expert_gating_func": 2,
+            "glm-dsa.attention.indexer.top_k": 2048,
+            "glm-dsa.expert_used_count": 8,
+            "glm-dsa.expert_group_count": 1,
+            "glm-dsa.expert_group_used_count": 1,
         }))
         .unwrap();
         for (k, v) in edit {
@@ -306,6 +420,49 @@ mod tests {
         );
         assert!(keys_found(&[("expert_gating_func", None)]).is_empty());
         assert_eq!(keys_found(&[("rope.freq_base", None)]), ["rope.freq_base"]);
+    }
+
+    #[test]
+    fn counts_and_group_limits_are_compared_as_llama_cpp_applies_them() {
+        let set = |k: &'static str, v: u64| (k, Some(Value::from(v)));
+        assert_eq!(
+            keys_found(&[set("attention.indexer.top_k", 1024)]),
+            ["attention.indexer.top_k"]
+        );
+        assert_eq!(
+            keys_found(&[set("expert_used_count", 7)]),
+            ["expert_used_count"]
+        );
+        // One group, or every group chosen, limits nothing; absent reads as 0.
+        assert!(keys_found(&[("expert_group_count", None), ("expert_group_used_count", None)])
+            .is_empty());
+        assert!(keys_found(&[set("expert_group_count", 4), set("expert_group_used_count", 4)])
+            .is_empty());
+        assert_eq!(
+            keys_found(&[set("expert_group_count", 4), set("expert_group_used_count", 2)]),
+            ["expert_group_count"]
+        );
+        let attn = ("rope.scaling.attn_factor", Some(Value::from(1.5)));
+        assert_eq!(keys_found(&[attn]), ["rope.scaling.attn_factor"]);
+    }
+
+    #[test]
+    fn a_key_is_named_for_a_hidden_stage_on_the_path() {
+        let meta: Map<String, Value> = serde_json::from_value(serde_json::json!({
+            "general.architecture": "glm-dsa",
+            "glm-dsa.expert_used_count": 3,
+        }))
+        .unwrap();
+        let path = ["L1.moe.topk_ids".to_string(), "L1.ffn.out".to_string()];
+        assert_eq!(
+            keys_on(Some(&meta), &path),
+            [
+                "glm-dsa.expert_used_count",
+                "glm-dsa.expert_group_count",
+                "glm-dsa.expert_gating_func"
+            ]
+        );
+        assert!(keys_on(None, &path).is_empty());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
+mod engine;
 pub mod gguf_meta;
 mod hybrid;
 mod weights;
@@ -31,6 +32,7 @@ use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::progress::progress;
 use crate::shard::manifest::ShardManifest;
 use crate::trace::{FullSelector, Trace};
+use engine::{engine_cause, PathInfo};
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
 pub use weights::{WeightCheck, WeightsInfo};
 
@@ -162,8 +164,12 @@ pub struct BisectInfo {
     /// weight check), `shard manifest`, `gguf metadata` (what an engine's trace says it read)
     /// or `traces`.
     pub classified_by: &'static str,
-    /// A conversion's weight check (`--weights`): what was checked and found.
+    /// A conversion's or an engine file's weight check (`--weights`): what was checked and
+    /// found.
     pub weights: Option<WeightsInfo>,
+    /// An engine trace's first divergence: the stages behind it the trace does not hold, and
+    /// the weights and metadata keys checked for them.
+    pub path: Option<PathInfo>,
     /// `--mode logits`: the hybrid runs of the search, in the order they ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hybrids: Vec<HybridRun>,
@@ -390,6 +396,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         candidate: &candidate,
     };
     let mut classified_by = cause.explain(&mut report)?;
+    let mut path = None;
     if cand_run.is_none() && args.mode == Mode::Stages {
         if let Some(by) = engine_cause(
             args,
@@ -398,6 +405,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
             &candidate,
             &mut report,
             &mut weight_check,
+            &mut path,
         )? {
             classified_by = by;
         }
@@ -463,6 +471,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
             ties_followed,
             classified_by,
             weights: weight_check,
+            path,
             hybrids,
             replay,
             reference_text: text(&ref_run.generated)?,
@@ -570,44 +579,6 @@ impl Cause<'_> {
         };
         drill_down(&own_bytes, &read_wrong, ids)
     }
-}
-
-/// An engine trace that records the GGUF it ran (the llama.cpp probe): the metadata llama.cpp
-/// read against the reference's config, then, where no key explains the first divergence, that
-/// file's tensors behind the divergent stage against the reference (`--weights`).
-fn engine_cause(
-    args: &BisectOptions,
-    model: &Model,
-    opened: Option<&Model>,
-    candidate: &Trace,
-    report: &mut DiffReport,
-    weight_check: &mut Option<WeightsInfo>,
-) -> anyhow::Result<Option<&'static str>> {
-    let info = &candidate.manifest().model;
-    let Some(meta) = gguf_meta::metadata(&info.config) else {
-        return Ok(None);
-    };
-    let cfg = &model.cfg;
-    if gguf_meta::explain(meta, cfg, report) {
-        return Ok(Some("gguf metadata"));
-    }
-    let gguf = PathBuf::from(&info.source);
-    let Some(d) = report.first_divergence.clone() else {
-        return Ok(None);
-    };
-    if args.weights == WeightCheck::Off || !gguf.is_file() {
-        return Ok(None);
-    }
-    // The engine's file, unless already opened as the envelope's storage.
-    let file = match opened.filter(|m| m.path() == gguf) {
-        Some(m) => m.clone(),
-        None => Model::open(&gguf)?,
-    };
-    let checked = weights::check_tensors_of(model, &file, &stage_weights(cfg, &d.stage))
-        .with_context(|| format!("{}: the weight check", gguf.display()))?;
-    let decided = weights::apply(report, &checked, model, &file, merge)?;
-    *weight_check = Some(checked);
-    Ok(decided.then_some("weights"))
 }
 
 /// The report as a candidate showing only its logits gives it: the logits stage alone.

@@ -1,0 +1,135 @@
+//! An engine's trace (`--candidate TRACE`): what stands behind its first divergence. Engines
+//! skip stages — llama.cpp's graph and vLLM's absorbed MLA never form `attn.kv`, a fused MoE
+//! never shows its routing — so a fault in a weight or a key that only such a hidden stage reads
+//! first shows one or more stages later. The way back from the divergent stage to the stages the
+//! trace holds (and that agree) is the path: every weight and metadata key on it is checked,
+//! and the report names the hidden stages and what was checked for them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use super::weights::{self, WeightCheck, WeightsInfo};
+use super::{gguf_meta, merge, BisectOptions};
+use crate::compare::DiffReport;
+use crate::model::names::WeightId;
+use crate::model::stages::{hidden_behind, stage_weights};
+use crate::pipeline::Model;
+use crate::trace::Trace;
+
+/// The way back from an engine trace's first divergence, in bisect's JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct PathInfo {
+    /// The first divergent stage.
+    pub divergent: String,
+    /// The stages behind it that the trace does not hold, in the forward's order.
+    pub hidden: Vec<String>,
+    /// The engine's weight file (the GGUF or checkpoint its trace names), where at hand.
+    pub file: Option<String>,
+    /// That file's tensors which the path's stages read.
+    pub tensors: Vec<String>,
+    /// The GGUF metadata keys whose stages lie on the path (all compared with the reference).
+    pub keys: Vec<String>,
+}
+
+/// The path's stages: the divergent one and those hidden behind it.
+fn path_stages(p: &PathInfo) -> Vec<String> {
+    let mut all = p.hidden.clone();
+    all.push(p.divergent.clone());
+    all
+}
+
+/// The weights the path's stages read, each once.
+fn path_weights(model: &Model, stages: &[String]) -> Vec<WeightId> {
+    let mut ids: Vec<WeightId> = Vec::new();
+    for id in stages.iter().flat_map(|s| stage_weights(&model.cfg, s)) {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// The weight file an engine trace ran, where it is at hand and is not the reference's own.
+fn engine_file(trace: &Trace, reference: &Path) -> Option<PathBuf> {
+    let source = PathBuf::from(&trace.manifest().model.source);
+    let here = source.is_file() || source.join("config.json").is_file();
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    (here && !same(&source, reference)).then_some(source)
+}
+
+/// What an engine trace's own evidence says: the GGUF metadata llama.cpp read against the
+/// reference's config for every stage on the path, then the engine's weight file against the
+/// reference (every tensor under `--weights all`, or `auto` up to 32 GiB; else the path's).
+/// Returns where the class came from, if these decided it.
+pub fn engine_cause(
+    args: &BisectOptions,
+    model: &Model,
+    opened: Option<&Model>,
+    candidate: &Trace,
+    report: &mut DiffReport,
+    weight_check: &mut Option<WeightsInfo>,
+    path: &mut Option<PathInfo>,
+) -> anyhow::Result<Option<&'static str>> {
+    let info = &candidate.manifest().model;
+    let meta = gguf_meta::metadata(&info.config);
+    let file = engine_file(candidate, model.path());
+    *path = report.first_divergence.as_ref().map(|d| {
+        let compared = |s: &str| report.stages.iter().any(|r| r.stage == s);
+        let hidden = hidden_behind(&model.cfg, &d.stage, compared);
+        let mut p = PathInfo {
+            divergent: d.stage.clone(),
+            hidden,
+            file: file.as_ref().map(|f| f.display().to_string()),
+            tensors: Vec::new(),
+            keys: Vec::new(),
+        };
+        p.keys = gguf_meta::keys_on(meta, &path_stages(&p));
+        p
+    });
+    let stages = path.as_ref().map(path_stages).unwrap_or_default();
+    if let Some(meta) = meta {
+        if gguf_meta::explain(meta, &model.cfg, report, &stages) {
+            return Ok(Some("gguf metadata"));
+        }
+    }
+    let Some(file) = file.filter(|_| args.weights != WeightCheck::Off) else {
+        return Ok(None);
+    };
+    // The engine's file, unless already opened as the envelope's storage.
+    let engine = match opened.filter(|m| m.path() == file) {
+        Some(m) => m.clone(),
+        None => Model::open(&file)?,
+    };
+    let checked = if weights::check_all(args.weights, &engine) {
+        weights::check_every_tensor(model, &engine)
+    } else if report.first_divergence.is_some() {
+        weights::check_tensors_of(model, &engine, &path_weights(model, &stages))
+    } else {
+        return Ok(None);
+    }
+    .with_context(|| format!("{}: the weight check", file.display()))?;
+    if let Some(p) = path.as_mut() {
+        let src = engine.source();
+        p.tensors = path_weights(model, &stages)
+            .into_iter()
+            .flat_map(|id| src.tensor_names(id))
+            .collect();
+    }
+    let decided = weights::apply(report, &checked, model, &engine, merge)?;
+    if let (Some(p), Some(f), true) = (path.as_ref(), report.fault.as_mut(), decided) {
+        if !p.hidden.is_empty() {
+            f.evidence.push(format!(
+                "the engine's trace holds no {}: the weights behind {} were checked in its file",
+                p.hidden.join(", "),
+                p.divergent
+            ));
+        }
+    }
+    *weight_check = Some(checked);
+    Ok(decided.then_some("weights"))
+}
