@@ -12,8 +12,10 @@ Writes into OUT_DIR, from the tiny GLM-5 of llamacpp_model.py:
   `$LLAMA_QUANTIZE`);
 * `meta-FAULT.gguf`: f32.gguf with its metadata rewritten by gguf-py (every tensor copied as it
   is), one fault each (METADATA_FAULTS);
-* `weight-garbage.gguf`: f32.gguf with random values in 8 blocks of row 0 of
-  `blk.0.attn_q_b.weight` (plant_gguf_fault.py `garbage`).
+* `NAME.gguf` for each of WEIGHT_FAULTS: one of the files above with a fault planted in its
+  stored bytes by plant_gguf_fault.py (random values in `attn_q_b`, heads of `attn_k_b` or
+  `attn_v_b` swapped, two sibling tensors exchanged, the router's bias zeroed, the indexer's
+  head weights negated).
 
 Prints one line of JSON: {"hf", "f32", "bf16", "q8_0", "q4_k_m", "faults": {name: {"gguf",
 "changed"}}}.
@@ -39,6 +41,25 @@ METADATA_FAULTS = {
     "expert-weights-norm": {"expert_weights_norm": None},
     # softmax gating (1) where the model scores with sigmoid.
     "gating-func": {"expert_gating_func": (1, "UINT32")},
+    # The DSA indexer keeping 3 keys where the model keeps 4.
+    "indexer-top-k": {"attention.indexer.top_k": (3, "UINT32")},
+    # One expert a token where the model routes to 2.
+    "expert-used-count": {"expert_used_count": (1, "UINT32")},
+    # Group-limited routing (the best 1 of 2 groups) on a one-group model.
+    "expert-groups": {"expert_group_count": (2, "UINT32"), "expert_group_used_count": (1, "UINT32")},
+}
+
+# name -> (the file the fault is planted in, plant_gguf_fault.py's FAULT TENSOR ARGS...): faults
+# in weights that only stages llama.cpp never records (attn.kv) or a later stage read.
+WEIGHT_FAULTS = {
+    "weight-garbage": ("f32", ["garbage", "blk.0.attn_q_b.weight", "0", "0", "8", "1"]),
+    "k-b-heads": ("f32", ["swap-heads", "blk.1.attn_k_b.weight", "0", "2"]),
+    "v-b-heads": ("q8_0", ["swap-heads", "blk.2.attn_v_b.weight", "1", "3"]),
+    "k-b-v-b-swapped": ("f32", ["swap-tensors", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"]),
+    "shexp-gate-up": ("q4_k_m", ["swap-tensors", "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_up_shexp.weight"]),
+    "exps-gate-up": ("q8_0", ["swap-tensors", "blk.2.ffn_gate_exps.weight", "blk.2.ffn_up_exps.weight"]),
+    "router-bias-zero": ("f32", ["zero", "blk.1.exp_probs_b.bias"]),
+    "indexer-proj-negated": ("q8_0", ["scale", "blk.0.indexer.proj.weight", "-1"]),
 }
 
 
@@ -105,14 +126,17 @@ def main() -> None:
         path = out / f"meta-{name}.gguf"
         rewrite_metadata(f32, path, changes)
         faults[name] = {"gguf": str(path), "changed": {f"{ARCH}.{k}": v and v[0] for k, v in changes.items()}}
-    garbage = out / "weight-garbage.gguf"
-    done = subprocess.run(
-        [sys.executable, str(here / "plant_gguf_fault.py"), str(f32), str(garbage), "garbage",
-         "blk.0.attn_q_b.weight", "0", "0", "8", "1"],
-        capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"plant_gguf_fault.py failed:\n{done.stderr}")
-    faults["weight-garbage"] = {"gguf": str(garbage), "changed": json.loads(done.stdout.splitlines()[-1])}
+    for name, (stem, plant) in WEIGHT_FAULTS.items():
+        path = out / f"{name}.gguf"
+        done = subprocess.run(
+            [sys.executable, str(here / "plant_gguf_fault.py"), str(out / f"{stem}.gguf"), str(path), *plant],
+            capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"plant_gguf_fault.py {name} failed:\n{done.stderr}")
+        changed = json.loads(done.stdout.splitlines()[-1])
+        if not changed["check"]["confirmed"]:
+            raise SystemExit(f"plant_gguf_fault.py {name}: not confirmed: {changed}")
+        faults[name] = {"gguf": str(path), "changed": changed}
     files = {name: str(out / f"{name}.gguf") for name in ("f32", "bf16", "q8_0", "q4_k_m")}
     print(json.dumps({"hf": str(hf), **files, "faults": faults}))
 

@@ -26,6 +26,8 @@ the tensor's GGML type:
   zero TENSOR                       every byte zero
   untranspose-heads TENSOR          F32/F16/BF16 [heads, a, b]: each head's a x b values written
                                     in b x a (transposed) order under the same shape
+  swap-tensors TENSOR OTHER         the stored bytes of two tensors of one type and shape
+                                    exchanged (a converter's gate/up or K/V order bug)
 
 A row is ne[0] values (a GGUF row, numpy's last axis); rows are counted over the whole tensor
 (row r of expert e of a [E, rows, cols] tensor is e * rows + r); COUNT blocks that do not fit in
@@ -377,6 +379,37 @@ def split_member(src: str, dst: str, name: str) -> tuple[str, str]:
     return holder
 
 
+def swap_tensors(src: str, dst: str, reader: GGUFReader, t: Tensor, args: list[str]) -> None:
+    """Exchange the stored bytes of `t` and the tensor `args[0]` in a copy of `src`."""
+    if len(args) != 1:
+        fail("swap-tensors takes TENSOR OTHER")
+    other = Tensor(reader, args[0])
+    if other.name == t.name:
+        fail(f"{t.name} is swapped with itself")
+    if other.type != t.type or other.ne != t.ne:
+        fail(f"{t.name} is {t.type.name} {t.ne}, {other.name} {other.type.name} {other.ne}")
+    with open(src, "rb") as f:
+        mine, theirs = t.read(f), other.read(f)
+    before_mine, before_theirs = t.values(mine), other.values(theirs)
+    del reader
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as f:
+        f.seek(t.offset)
+        f.write(theirs)
+        f.seek(other.offset)
+        f.write(mine)
+    with open(dst, "rb") as f:
+        after_mine, after_theirs = t.values(t.read(f)), other.values(other.read(f))
+    check = {
+        "holds_other": bool(np.array_equal(after_mine, before_theirs, equal_nan=True)),
+        "other_holds_it": bool(np.array_equal(after_theirs, before_mine, equal_nan=True)),
+        "differed_before": bool(not np.array_equal(before_mine, before_theirs, equal_nan=True)),
+    }
+    check["confirmed"] = all(check.values())
+    print(json.dumps({"fault": "swap-tensors", "args": args, "tensor": t.name, "type": t.type.name,
+                      "shape": t.ne, "bytes_changed": 2 * t.n_bytes, "check": check}))
+
+
 def main() -> None:
     if len(sys.argv) < 5:
         fail("usage: plant_gguf_fault.py IN.gguf OUT.gguf FAULT TENSOR [ARGS...]")
@@ -384,6 +417,9 @@ def main() -> None:
     src, dst = split_member(src, dst, name)
     reader = GGUFReader(src)
     t = Tensor(reader, name)
+    if fault == "swap-tensors":
+        swap_tensors(src, dst, reader, t, args)
+        return
     with open(src, "rb") as f:
         data = t.read(f)
         before = np.frombuffer(bytes(data), dtype=np.uint8)
