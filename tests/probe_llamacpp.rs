@@ -267,6 +267,180 @@ fn planted_faults_are_located_and_classified() {
     }
 }
 
+/// Faults planted in the bytes of llama.cpp's own files (converter and quantizer) that only a
+/// stage llama.cpp never records reads (`attn.kv` from `attn_k_b`/`attn_v_b`), or that stages
+/// kept as statistics let through, and metadata keys llama.cpp reads: each traced with the
+/// probe's default recording, bisected with the weight check on the path behind the first
+/// divergence only (`--weights divergent`), and named by weight and relation, or key and values.
+#[test]
+fn faults_behind_hidden_stages_are_named() {
+    let dir = common::scratch();
+    let m = models(dir.path());
+    let hf = PathBuf::from(m["hf"].as_str().unwrap());
+    // (fault, first divergence, class, tensor and relation or key, the other tensor of a swap)
+    let cases = [
+        (
+            "k-b-heads",
+            "L1.attn.ctx",
+            "weight_layout",
+            "blk.1.attn_k_b.weight head_permutation",
+            "",
+        ),
+        (
+            "v-b-heads",
+            "L2.attn.out",
+            "weight_layout",
+            "blk.2.attn_v_b.weight head_permutation",
+            "",
+        ),
+        (
+            "k-b-v-b-swapped",
+            "L1.attn.ctx",
+            "weight_layout",
+            "blk.1.attn_k_b.weight other_weight",
+            "blk.1.attn_v_b.weight",
+        ),
+        (
+            "exps-gate-up",
+            "L2.out",
+            "weight_layout",
+            "blk.2.ffn_gate_exps.weight other_weight",
+            "blk.2.ffn_up_exps.weight",
+        ),
+        (
+            "router-bias-zero",
+            "L1.moe.topk_ids",
+            "router_mismatch",
+            "blk.1.exp_probs_b.bias zeros",
+            "",
+        ),
+        (
+            "indexer-proj-negated",
+            "L0.attn.index_topk",
+            "indexer_mismatch",
+            "blk.0.indexer.proj.weight scalar_multiple",
+            "",
+        ),
+        (
+            "indexer-top-k",
+            "L0.attn.index_topk",
+            "indexer_mismatch",
+            "glm-dsa.attention.indexer.top_k",
+            "",
+        ),
+        (
+            "expert-used-count",
+            "L1.moe.topk_ids",
+            "router_mismatch",
+            "glm-dsa.expert_used_count",
+            "",
+        ),
+        (
+            "expert-groups",
+            "L1.moe.topk_ids",
+            "router_mismatch",
+            "glm-dsa.expert_group_count",
+            "",
+        ),
+    ];
+    for (fault, stage, class, named, with) in cases {
+        let gguf = m["faults"][fault]["gguf"].as_str().unwrap();
+        let path = dir.path().join(format!("{fault}.trace"));
+        probe_with(gguf, &path, TOKENS, &[]);
+        let j = common::bisect_candidate(&hf, &path, &["--weights", "divergent"], 1);
+        let f = &j["fault"];
+        assert_eq!(j["first_divergence"]["stage"], stage, "{fault}: {f:#}");
+        assert_eq!(f["class"], class, "{fault}: {f:#}");
+        let b = &j["bisect"];
+        let found = if named.starts_with("glm-dsa.") {
+            assert_eq!(b["classified_by"], "gguf metadata", "{fault}");
+            assert!(
+                f["summary"].as_str().unwrap().contains(named),
+                "{fault}: {f:#}"
+            );
+            named.to_string()
+        } else {
+            assert_eq!(b["classified_by"], "weights", "{fault}: {b:#}");
+            let first = &b["weights"]["findings"][0];
+            assert_eq!(f["weight"], first["tensor"], "{fault}");
+            format!(
+                "{} {}",
+                first["tensor"].as_str().unwrap(),
+                first["relation"].as_str().unwrap()
+            )
+        };
+        assert_eq!(found, named, "{fault}: {:#}", b["weights"]);
+        if !with.is_empty() {
+            assert_eq!(b["weights"]["findings"][0]["with"], with, "{fault}");
+            assert!(
+                f["summary"].as_str().unwrap().contains("swapped"),
+                "{fault}: {f:#}"
+            );
+        }
+        println!(
+            "{fault}: {stage}, {class}: {} (path {})",
+            f["summary"], b["path"]
+        );
+    }
+    // llama.cpp never forms attn.kv: the swapped heads behind L1.attn.ctx are found there.
+    let j = common::bisect_candidate(
+        &hf,
+        &dir.path().join("k-b-heads.trace"),
+        &["--weights", "divergent"],
+        1,
+    );
+    let hidden = &j["bisect"]["path"]["hidden"];
+    assert!(
+        hidden.as_array().unwrap().iter().any(|s| s == "L1.attn.kv"),
+        "{:#}",
+        j["bisect"]["path"]
+    );
+}
+
+/// A swap of the shared expert's gate and up in a file `llama-quantize` made (Q4_K_M) stays
+/// inside the Q4_K_M envelope at every stage: the default weight check (every tensor of a file
+/// under 32 GiB) names it, with the tensor it was swapped with.
+#[test]
+fn a_sibling_swap_inside_the_envelope_is_named_by_the_weight_check() {
+    let dir = common::scratch();
+    let m = models(dir.path());
+    let hf = PathBuf::from(m["hf"].as_str().unwrap());
+    let path = dir.path().join("shexp.trace");
+    probe_with(
+        m["faults"]["shexp-gate-up"]["gguf"].as_str().unwrap(),
+        &path,
+        TOKENS,
+        &[],
+    );
+    let j = common::bisect_candidate(&hf, &path, &[], 1);
+    assert_eq!(
+        j["first_divergence"]["stage"], "L1.moe.shared",
+        "{:#}",
+        j["fault"]
+    );
+    assert_eq!(j["fault"]["class"], "weight_layout");
+    let w = &j["bisect"]["weights"];
+    assert_eq!(w["checked"], "all");
+    let names: Vec<(&str, &str)> = w["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["tensor"].as_str().unwrap(),
+                f["with"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("blk.1.ffn_gate_shexp.weight", "blk.1.ffn_up_shexp.weight"),
+            ("blk.1.ffn_up_shexp.weight", "blk.1.ffn_gate_shexp.weight")
+        ]
+    );
+}
+
 #[test]
 fn bad_input_is_one_line_and_exit_code_2() {
     let dir = common::scratch();

@@ -10,7 +10,7 @@ use super::output::table;
 use super::Outcome;
 use crate::compare::Status;
 use crate::exec::inject::CATALOGUE;
-use crate::pipeline::bisect::{bisect, gguf_meta, BisectOptions, BisectReport};
+use crate::pipeline::bisect::{bisect, gguf_meta, BisectOptions, BisectReport, PathInfo};
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {
@@ -137,14 +137,30 @@ pub fn print_bisect(out: &BisectReport) {
             w.tensors, w.exact, w.within_noise, w.failed
         );
     }
-    if let Some(p) = b.path.as_ref().filter(|p| !p.hidden.is_empty()) {
-        println!(
-            "behind {}: the engine's trace holds no {}",
-            p.divergent,
-            p.hidden.join(", ")
-        );
+    let behind = |p: &&PathInfo| !p.hidden.is_empty() || !p.statistics_only.is_empty();
+    if let Some(p) = b.path.as_ref().filter(behind) {
+        if !p.hidden.is_empty() {
+            println!(
+                "behind {}: the engine's trace holds no {}",
+                p.divergent,
+                p.hidden.join(", ")
+            );
+        }
+        if !p.statistics_only.is_empty() {
+            println!(
+                "behind {}: kept as statistics only, which a permutation or a sign leaves as \
+                 they were: {}",
+                p.divergent,
+                p.statistics_only.join(", ")
+            );
+        }
         if !p.tensors.is_empty() || !p.keys.is_empty() {
-            let checked: Vec<&str> = p.tensors.iter().chain(&p.keys).map(String::as_str).collect();
+            let checked: Vec<&str> = p
+                .tensors
+                .iter()
+                .chain(&p.keys)
+                .map(String::as_str)
+                .collect();
             println!("  checked for them: {}", checked.join(", "));
         }
     }

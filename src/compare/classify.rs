@@ -371,7 +371,8 @@ fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str)
             .collect();
         let largest = gaps.iter().copied().fold(0f32, f32::max);
         // A negative gap marks a position with no boundary (every candidate chosen): never a tie.
-        let tie = |p: &usize| gaps[*p] >= 0.0 && f64::from(gaps[*p]) <= NEAR_TIE * f64::from(largest);
+        let tie =
+            |p: &usize| gaps[*p] >= 0.0 && f64::from(gaps[*p]) <= NEAR_TIE * f64::from(largest);
         near_ties_only = !other_k && !flipped.is_empty() && flipped.iter().all(tie);
         let listed: Vec<String> = flipped
             .iter()

@@ -175,18 +175,14 @@ pub fn stage_inputs(cfg: &Glm5Config, stage: &str) -> Vec<String> {
         .collect()
 }
 
-/// The stages behind `stage` that a trace does not hold: walking `stage`'s inputs back, every
-/// input `recorded` says is absent, and its own inputs in turn, until recorded stages close
+/// The stages behind `stage` that no recorded agreement covers: walking `stage`'s inputs back,
+/// every input `covered` says nothing of, and its own inputs in turn, until covered stages close
 /// every way back. A fault in one of them shows first at `stage`. In the forward's order.
-pub fn hidden_behind(
-    cfg: &Glm5Config,
-    stage: &str,
-    recorded: impl Fn(&str) -> bool,
-) -> Vec<String> {
+pub fn hidden_behind(cfg: &Glm5Config, stage: &str, covered: impl Fn(&str) -> bool) -> Vec<String> {
     let mut hidden: Vec<String> = Vec::new();
     let mut todo = stage_inputs(cfg, stage);
     while let Some(s) = todo.pop() {
-        if recorded(&s) || hidden.contains(&s) {
+        if covered(&s) || hidden.contains(&s) {
             continue;
         }
         todo.extend(stage_inputs(cfg, &s));
@@ -264,10 +260,17 @@ mod tests {
         let fused = |s: &str| !s.starts_with("L1.moe.") || s == "L1.moe.router_logits";
         assert_eq!(
             hidden_behind(&cfg, "L1.ffn.out", fused),
-            ["L1.moe.topk_ids", "L1.moe.topk_weights", "L1.moe.routed", "L1.moe.shared"]
+            [
+                "L1.moe.topk_ids",
+                "L1.moe.topk_weights",
+                "L1.moe.routed",
+                "L1.moe.shared"
+            ]
         );
         // Only the layer outputs recorded: the whole layer is behind its output.
-        let outs = |s: &str| s == "embed" || s.ends_with(".out") && !s.contains("attn") && !s.contains("ffn");
+        let outs = |s: &str| {
+            s == "embed" || s.ends_with(".out") && !s.contains("attn") && !s.contains("ffn")
+        };
         let behind = hidden_behind(&cfg, "L1.out", outs);
         assert!(behind.contains(&"L1.attn.kv".to_string()));
         assert!(!behind.iter().any(|s| s.starts_with("L0.")), "{behind:?}");

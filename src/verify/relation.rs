@@ -13,10 +13,10 @@ use serde::Serialize;
 
 use super::segments::{compare, restore, Sums, UnitStats, BAND, SEGMENT};
 use super::units::{both, candidate_bytes, candidate_values, plan, reference_values, Plan, Unit};
-use crate::model::schema::role;
 use crate::compare::FaultClass;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, WeightId};
+use crate::model::schema::role;
 use crate::synth::SplitMix;
 use crate::trace::stats::fnv1a_bytes;
 use crate::weights::{Encoding, GgmlType, TensorEntry};

@@ -12,7 +12,8 @@ use serde::Serialize;
 
 use super::weights::{self, WeightCheck, WeightsInfo};
 use super::{gguf_meta, merge, BisectOptions};
-use crate::compare::DiffReport;
+use crate::compare::stage_diff::Basis;
+use crate::compare::{DiffReport, Status};
 use crate::model::names::WeightId;
 use crate::model::stages::{hidden_behind, stage_weights};
 use crate::pipeline::Model;
@@ -25,6 +26,9 @@ pub struct PathInfo {
     pub divergent: String,
     /// The stages behind it that the trace does not hold, in the forward's order.
     pub hidden: Vec<String>,
+    /// The stages behind it that the trace keeps as statistics only, whose agreement proves
+    /// little (a permutation or a sign keeps every moment): the path goes on through them.
+    pub statistics_only: Vec<String>,
     /// The engine's weight file (the GGUF or checkpoint its trace names), where at hand.
     pub file: Option<String>,
     /// That file's tensors which the path's stages read.
@@ -33,9 +37,10 @@ pub struct PathInfo {
     pub keys: Vec<String>,
 }
 
-/// The path's stages: the divergent one and those hidden behind it.
+/// The path's stages: the divergent one and those behind it that no recorded value proves.
 fn path_stages(p: &PathInfo) -> Vec<String> {
     let mut all = p.hidden.clone();
+    all.extend(p.statistics_only.iter().cloned());
     all.push(p.divergent.clone());
     all
 }
@@ -79,11 +84,25 @@ pub fn engine_cause(
     let meta = gguf_meta::metadata(&info.config);
     let file = engine_file(candidate, model.path());
     *path = report.first_divergence.as_ref().map(|d| {
-        let compared = |s: &str| report.stages.iter().any(|r| r.stage == s);
-        let hidden = hidden_behind(&model.cfg, &d.stage, compared);
+        let before = report
+            .stages
+            .iter()
+            .take_while(|r| r.status == Status::Pass);
+        // A stage closes the way back where its agreement was seen in its values (or ids), or
+        // its content hash equals the reference's.
+        let proven: Vec<&str> = before
+            .filter(|r| r.rank.is_none())
+            .filter(|r| r.basis != Basis::Stats || r.rel_diff == 0.0)
+            .map(|r| r.stage.as_str())
+            .collect();
+        let behind = hidden_behind(&model.cfg, &d.stage, |s| proven.contains(&s));
+        let (statistics_only, hidden) = behind
+            .into_iter()
+            .partition(|s| candidate.stages().iter().any(|r| r.name == *s));
         let mut p = PathInfo {
             divergent: d.stage.clone(),
             hidden,
+            statistics_only,
             file: file.as_ref().map(|f| f.display().to_string()),
             tensors: Vec::new(),
             keys: Vec::new(),
@@ -126,6 +145,14 @@ pub fn engine_cause(
             f.evidence.push(format!(
                 "the engine's trace holds no {}: the weights behind {} were checked in its file",
                 p.hidden.join(", "),
+                p.divergent
+            ));
+        }
+        if !p.statistics_only.is_empty() {
+            f.evidence.push(format!(
+                "the engine's trace keeps {} as statistics only: their agreement did not close \
+                 the way back from {}",
+                p.statistics_only.join(", "),
                 p.divergent
             ));
         }

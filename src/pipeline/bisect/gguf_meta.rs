@@ -204,7 +204,10 @@ fn mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Vec<Mismatch> {
     let count = |k: &str| get(k).and_then(Value::as_u64);
     if let Some(k) = count("attention.indexer.top_k") {
         if cfg.has_dsa() && k != cfg.index_topk {
-            let found = format!("{k}, where the reference's index_topk is {}", cfg.index_topk);
+            let found = format!(
+                "{k}, where the reference's index_topk is {}",
+                cfg.index_topk
+            );
             add("attention.indexer.top_k", found);
         }
     }
@@ -434,12 +437,21 @@ mod tests {
             ["expert_used_count"]
         );
         // One group, or every group chosen, limits nothing; absent reads as 0.
-        assert!(keys_found(&[("expert_group_count", None), ("expert_group_used_count", None)])
-            .is_empty());
-        assert!(keys_found(&[set("expert_group_count", 4), set("expert_group_used_count", 4)])
-            .is_empty());
+        assert!(keys_found(&[
+            ("expert_group_count", None),
+            ("expert_group_used_count", None)
+        ])
+        .is_empty());
+        assert!(keys_found(&[
+            set("expert_group_count", 4),
+            set("expert_group_used_count", 4)
+        ])
+        .is_empty());
         assert_eq!(
-            keys_found(&[set("expert_group_count", 4), set("expert_group_used_count", 2)]),
+            keys_found(&[
+                set("expert_group_count", 4),
+                set("expert_group_used_count", 2)
+            ]),
             ["expert_group_count"]
         );
         let attn = ("rope.scaling.attn_factor", Some(Value::from(1.5)));

@@ -32,7 +32,8 @@ use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::progress::progress;
 use crate::shard::manifest::ShardManifest;
 use crate::trace::{FullSelector, Trace};
-use engine::{engine_cause, PathInfo};
+use engine::engine_cause;
+pub use engine::PathInfo;
 use hybrid::{logits_of, HybridRun, Hybrids, Replay};
 pub use weights::{WeightCheck, WeightsInfo};
 
