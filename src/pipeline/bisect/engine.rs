@@ -5,7 +5,7 @@
 //! trace holds (and that agree) is the path: every weight and metadata key on it is checked,
 //! and the report names the hidden stages and what was checked for them.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use serde::Serialize;
@@ -15,6 +15,7 @@ use super::{gguf_meta, merge, BisectOptions};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
 use crate::model::names::WeightId;
+use crate::model::schema::Family;
 use crate::model::stages::{hidden_behind, stage_weights};
 use crate::pipeline::Model;
 use crate::trace::Trace;
@@ -56,15 +57,19 @@ fn path_weights(model: &Model, stages: &[String]) -> Vec<WeightId> {
     ids
 }
 
-/// The weight file an engine trace ran, where it is at hand and is not the reference's own.
-fn engine_file(trace: &Trace, reference: &Path) -> Option<PathBuf> {
+/// The weight file an engine trace ran, where it is at hand, is not the reference's own, and
+/// can be judged against it: a GGUF against any reference, a checkpoint against a checkpoint
+/// (against a GGUF reference a checkpoint's full-precision values would depart by the
+/// reference's own quantization noise).
+fn engine_file(trace: &Trace, reference: &Model) -> Option<PathBuf> {
     let source = PathBuf::from(&trace.manifest().model.source);
-    let here = source.is_file() || source.join("config.json").is_file();
-    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+    let gguf = source.is_file() && source.extension().is_some_and(|e| e == "gguf");
+    let checkpoint = source.join("config.json").is_file() && reference.family == Family::Hf;
+    let same = match (source.canonicalize(), reference.path().canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     };
-    (here && !same(&source, reference)).then_some(source)
+    ((gguf || checkpoint) && !same).then_some(source)
 }
 
 /// What an engine trace's own evidence says: the GGUF metadata llama.cpp read against the
@@ -82,7 +87,7 @@ pub fn engine_cause(
 ) -> anyhow::Result<Option<&'static str>> {
     let info = &candidate.manifest().model;
     let meta = gguf_meta::metadata(&info.config);
-    let file = engine_file(candidate, model.path());
+    let file = engine_file(candidate, model);
     *path = report.first_divergence.as_ref().map(|d| {
         let before = report
             .stages
