@@ -421,9 +421,15 @@ impl Departure<'_> {
         }
         let family = self.cand.layout().family;
         for other in self.cand.files.tensors() {
+            // Another expert of the same role is an expert permutation, tried next.
+            let same_role_expert = |id: WeightId| match (id, self.plan.id) {
+                (WeightId::Expert { which: a, .. }, WeightId::Expert { which: b, .. }) => a == b,
+                _ => false,
+            };
             let sibling = other.name != t.name
                 && other.shape == t.shape
-                && role(family, &other.name).is_some_and(|id| id.layer() == layer);
+                && role(family, &other.name)
+                    .is_some_and(|id| id.layer() == layer && !same_role_expert(id));
             if !sibling {
                 continue;
             }
