@@ -101,11 +101,46 @@ def _sequential_sum(xs: np.ndarray) -> float:
 
 
 def tensor_stats(x: np.ndarray) -> dict:
-    """The stats record of `x` (f32 or i32): moments over the finite values, and the hash."""
+    """The stats record of `x` (f32 or i32): moments over the finite values, the hash, and the
+    sketch."""
     flat = np.ascontiguousarray(x).reshape(-1)
     stats = moments(flat)
     stats["hash"] = f"{content_hash(flat.astype(flat.dtype.newbyteorder('<'), copy=False).tobytes()):016x}"
+    if flat.size:
+        stats["sketch"] = sketch(flat)
     return stats
+
+
+# src/trace/stats.rs `SKETCH_BUCKETS`.
+SKETCH_BUCKETS = 32
+
+
+def sketch_slots(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bucket and sign (+1/-1) of elements start..start+count: SplitMix64 of each index, its
+    low bits the bucket, its top bit the sign (`sketch_slot` in src/trace/stats.rs)."""
+    z = np.arange(start + 1, start + count + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = z * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    buckets = (z % np.uint64(SKETCH_BUCKETS)).astype(np.intp)
+    signs = np.where((z >> np.uint64(63)) == 1, -1.0, 1.0)
+    return buckets, signs
+
+
+def sketch(flat: np.ndarray) -> list[float]:
+    """The finite values of `flat`, each with its sign into its bucket: `bincount` adds in
+    index order within a chunk of CHUNK, and the chunks' buckets are added in chunk order, as
+    `TensorStats::of` adds them, so the sketch is glmcheck's bit for bit."""
+    v = flat.astype(np.float64)
+    v[~np.isfinite(v)] = 0.0  # adds +0, which changes no bucket's sum
+    total = np.zeros(SKETCH_BUCKETS)
+    for start in range(0, v.size, CHUNK):
+        part = v[start:start + CHUNK]
+        buckets, signs = sketch_slots(start, part.size)
+        total = total + np.bincount(buckets, weights=signs * part, minlength=SKETCH_BUCKETS)
+    return [float(t) for t in total]
 
 
 def _lane_sum(terms: np.ndarray) -> float:

@@ -49,6 +49,40 @@ uint64_t lane_hash(const unsigned char *b, size_t n) {
     return h ^ (h >> 32);
 }
 
+// src/trace/stats.rs `sketch_slot`: SplitMix64 of the element's index; its low bits pick the
+// bucket, its top bit the sign.
+constexpr size_t kSketchBuckets = 32;
+
+void sketch_slot(uint64_t i, size_t &bucket, bool &minus) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    bucket = size_t(z % kSketchBuckets);
+    minus = (z >> 63) == 1;
+}
+
+// src/trace/stats.rs `sketch`: per chunk, each finite value into its bucket in index order;
+// the chunks' buckets added in chunk order.
+template <typename T>
+std::vector<double> sketch(const T *xs, size_t n) {
+    if (n == 0) return {};
+    std::vector<double> out(kSketchBuckets, 0.0);
+    for (size_t at = 0; at < n; at += kChunk) {
+        double part[kSketchBuckets] = {};
+        for (size_t i = at; i < std::min(n, at + kChunk); ++i) {
+            const double v = double(xs[i]);
+            if (!std::isfinite(v)) continue;
+            size_t bucket;
+            bool minus;
+            sketch_slot(uint64_t(i), bucket, minus);
+            part[bucket] += minus ? -v : v;
+        }
+        for (size_t b = 0; b < kSketchBuckets; ++b) out[b] += part[b];
+    }
+    return out;
+}
+
 struct Sums {
     uint64_t finite = 0, nan = 0, inf = 0, zeros = 0;
     double sum = 0.0, sum_sq = 0.0;
@@ -94,6 +128,7 @@ Stats moments(const T *xs, size_t n) {
     Stats st;
     st.count = n;
     st.hash = content_hash(xs, n * sizeof(T));  // the host's bytes: little-endian
+    st.sketch = sketch(xs, n);
     if (n == 0) return st;
     Sums s;
     for (size_t at = 0; at < n; at += kChunk) {
@@ -148,7 +183,13 @@ std::string stats_json(const Stats &s) {
     o << "{\"count\": " << s.count << ", \"mean\": " << number(s.mean) << ", \"std\": " << number(s.std)
       << ", \"min\": " << number(s.min) << ", \"max\": " << number(s.max) << ", \"absmax\": " << number(s.absmax)
       << ", \"l2\": " << number(s.l2) << ", \"nan\": " << s.nan << ", \"inf\": " << s.inf
-      << ", \"zeros\": " << s.zeros << ", \"hash\": \"" << hash << "\"}";
+      << ", \"zeros\": " << s.zeros << ", \"hash\": \"" << hash << "\"";
+    if (!s.sketch.empty()) {
+        o << ", \"sketch\": [";
+        for (size_t b = 0; b < s.sketch.size(); ++b) o << (b ? ", " : "") << number(s.sketch[b]);
+        o << "]";
+    }
+    o << "}";
     return o.str();
 }
 

@@ -13,6 +13,9 @@ namespace glmcheck {
 struct Stats {
     uint64_t count = 0, nan = 0, inf = 0, zeros = 0, hash = 0;
     double mean = 0, std = 0, min = 0, max = 0, absmax = 0, l2 = 0;
+    // src/trace/stats.rs `sketch`: the finite values added with random signs into 32 buckets,
+    // which a permutation or a sign flip moves while the moments stay; empty for no values.
+    std::vector<double> sketch;
 };
 
 Stats stats_of(const float *xs, size_t n);

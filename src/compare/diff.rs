@@ -10,6 +10,7 @@ use super::classify::classify;
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::stage_diff::{whole_values, Basis, Side, StageDiff, Status};
+use super::unshard::{Block, Sharding};
 use crate::model::stage::layer_of;
 use crate::model::stage::{is_gaps, Stage};
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
@@ -123,8 +124,19 @@ struct Measured {
 
 /// A side's values of `name` at `rank` (None: the whole tensor) with their shape; routing
 /// weights in the order of their expert ids, as the ids are compared as sets (engines list the
-/// chosen experts in score order, which a near tie may swap).
-fn side_values(t: &Trace, name: &str, rank: Option<u32>) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
+/// chosen experts in score order, which a near tie may swap). A side holding the stage whole
+/// gives a rank's `block` of it.
+fn side_values(
+    t: &Trace,
+    name: &str,
+    rank: Option<u32>,
+    block: Option<&Block>,
+) -> Result<Option<(Vec<f32>, Vec<u64>)>> {
+    if let (Some(b), Some(_)) = (block, rank) {
+        if t.stage(name, rank).is_none() {
+            return Ok(whole_values(t, name)?.and_then(|(v, shape)| b.take(&v, &shape)));
+        }
+    }
     match (rank, routing_ids_beside(name)) {
         (None, Some(ids_name)) => {
             let ids = match t.stage(&ids_name, None) {
@@ -170,19 +182,31 @@ fn in_id_order(weights: &[f32], ids: &[f32], k: usize) -> Vec<f32> {
 }
 
 /// Compare stage `name` at `rank`; `r` and `c` are the records standing for each side (the
-/// whole record, or a rank part when the side only holds parts).
+/// whole record, or a rank part when the side only holds parts); `block`: the rank's part of a
+/// whole record, where one side holds only the rank's part.
 fn measure(
     reference: &Trace,
     candidate: &Trace,
     name: &str,
     rank: Option<u32>,
-    r: &StageRecord,
-    c: &StageRecord,
+    (r, c): (&StageRecord, &StageRecord),
+    block: Option<&Block>,
 ) -> Result<Measured> {
     let (rv, cv) = (
-        side_values(reference, name, rank)?,
-        side_values(candidate, name, rank)?,
+        side_values(reference, name, rank, block)?,
+        side_values(candidate, name, rank, block)?,
     );
+    // A whole record stands for its block: the statistics of the block's values.
+    let part_stats = |side: &Option<(Vec<f32>, Vec<u64>)>, rec: &StageRecord| match side {
+        Some((v, shape)) if block.is_some() && rec.rank != rank => StageRecord {
+            shape: shape.clone(),
+            rank,
+            stats: TensorStats::of(v),
+            ..rec.clone()
+        },
+        _ => rec.clone(),
+    };
+    let (r, c) = (&part_stats(&rv, r), &part_stats(&cv, c));
     if let (Some((x, xs)), Some((y, ys))) = (&rv, &cv) {
         if xs == ys {
             let (reference, candidate) = (Side::of_values(x), Side::of_values(y));
@@ -211,7 +235,8 @@ fn measure(
             });
         }
     }
-    // Statistics: equal hashes are equal tensors; otherwise the norms bound rel_diff from below.
+    // Statistics: equal hashes are equal tensors; otherwise the norms' bound or the sketches'
+    // estimate, whichever is larger.
     let same = r.shape == c.shape && r.rank == c.rank;
     let rel_diff = if !same {
         1.0
@@ -226,12 +251,20 @@ fn measure(
             1.0
         }
     } else {
+        // The norms bound rel_diff from below; the sketches estimate it, and see a permutation
+        // or a sign flip that leaves every moment as it was.
         let (a, b) = (r.stats.l2, c.stats.l2);
-        if a * a + b * b > 0.0 {
+        let bound = if a * a + b * b > 0.0 {
             (a - b).powi(2) / (a * a + b * b)
         } else {
             0.0
-        }
+        };
+        let reference_stats = match (&rv, r.stats.sketch.is_empty()) {
+            // A record without a sketch (an older writer) gets one from the values held.
+            (Some((x, xs)), true) if *xs == r.shape => TensorStats::of(x),
+            _ => r.stats.clone(),
+        };
+        bound.max(reference_stats.sketch_rel_diff(&c.stats).unwrap_or(0.0))
     };
     Ok(Measured {
         rel_diff,
@@ -250,10 +283,7 @@ fn measure(
 /// What to compare, in the reference's recording order: each stage whole (rank parts
 /// unsharded), then rank by rank where both sides recorded the same ranks. With the records
 /// that stand for each side.
-fn pairs<'t>(
-    reference: &'t Trace,
-    candidate: &'t Trace,
-) -> Vec<(String, Option<u32>, &'t StageRecord, &'t StageRecord)> {
+fn pairs<'t>(reference: &'t Trace, candidate: &'t Trace) -> Vec<Pair<'t>> {
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for r in reference.stages() {
@@ -276,7 +306,7 @@ fn pairs<'t>(
         };
         if let (Some(rw), Some(cw)) = (stands_for(reference), stands_for(candidate)) {
             if whole_known(reference) && whole_known(candidate) {
-                out.push((r.name.clone(), None, rw, cw));
+                out.push((r.name.clone(), None, (rw, cw), None));
             }
         }
         for rr in reference
@@ -285,12 +315,47 @@ fn pairs<'t>(
             .filter(|s| s.name == r.name && s.rank.is_some())
         {
             if let Some(cr) = candidate.stage(&r.name, rr.rank) {
-                out.push((r.name.clone(), rr.rank, rr, cr));
+                out.push((r.name.clone(), rr.rank, (rr, cr), None));
+            }
+        }
+        // Rank parts the candidate keeps as statistics only, against the reference's whole
+        // stage: each part against its block of the reference.
+        let ranked = |t: &'t Trace| -> Vec<&'t StageRecord> {
+            let mut parts: Vec<&StageRecord> = t
+                .stages()
+                .iter()
+                .filter(|s| s.name == r.name && s.rank.is_some())
+                .collect();
+            parts.sort_by_key(|s| s.rank);
+            parts
+        };
+        let (theirs, whole) = (ranked(candidate), reference.stage(&r.name, None));
+        if let (Some(rw), false, true) = (whole, theirs.is_empty(), ranked(reference).is_empty()) {
+            if whole_known(candidate) {
+                continue;
+            }
+            let shapes: Vec<Vec<u64>> = theirs.iter().map(|s| s.shape.clone()).collect();
+            let Ok(sharding) = Sharding::of(&theirs[0].dims) else {
+                continue;
+            };
+            for (i, cr) in theirs.iter().enumerate() {
+                if let Some(block) = Block::of_rank(&sharding, &shapes, i) {
+                    out.push((r.name.clone(), cr.rank, (rw, *cr), Some(block)));
+                }
             }
         }
     }
     out
 }
+
+/// One comparison: the stage, the rank (None: whole), the records standing for each side, and
+/// the rank's block of the whole where only the candidate holds rank parts.
+type Pair<'t> = (
+    String,
+    Option<u32>,
+    (&'t StageRecord, &'t StageRecord),
+    Option<Block>,
+);
 
 /// Compare `candidate` against `reference`.
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport> {
@@ -301,10 +366,12 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     let lower_precision = !matches!(cand_dtype.as_str(), "f32" | "f64");
     let mut stages = Vec::new();
     let mut prev_rel: Option<f64> = None;
-    for (name, rank, r, c) in pairs(reference, candidate) {
-        let m = measure(reference, candidate, &name, rank, r, c)?;
+    for (name, rank, (r, c), block) in pairs(reference, candidate) {
+        let m = measure(reference, candidate, &name, rank, (r, c), block.as_ref())?;
         let tolerance = match (opts.envelope, opts.tolerance) {
-            (Some(env), None) => envelope_tolerance(reference, env, &name, rank, r)?,
+            (Some(env), None) => {
+                envelope_tolerance(reference, env, (&name, rank), r, block.as_ref())?
+            }
             _ => default,
         };
         let new_non_finite = m.candidate.non_finite() > m.reference.non_finite();
@@ -385,9 +452,9 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
 fn envelope_tolerance(
     reference: &Trace,
     envelope: &Trace,
-    name: &str,
-    rank: Option<u32>,
+    (name, rank): (&str, Option<u32>),
     r: &StageRecord,
+    block: Option<&Block>,
 ) -> Result<f64> {
     let Some(e) = envelope
         .stage(name, rank)
@@ -395,7 +462,7 @@ fn envelope_tolerance(
     else {
         return Ok(default_tolerance(&envelope.manifest().dtype));
     };
-    let m = measure(reference, envelope, name, rank, r, e)?;
+    let m = measure(reference, envelope, name, rank, (r, e), block)?;
     Ok((ENVELOPE_FACTOR * m.rel_diff).max(rounding_floor(&envelope.manifest().dtype)))
 }
 

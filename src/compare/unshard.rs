@@ -99,9 +99,81 @@ pub fn unshard(
     }
 }
 
+/// One rank's block of a stage split along `axis`: `start..start + len` of that axis.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub axis: usize,
+    pub start: u64,
+    pub len: u64,
+}
+
+impl Block {
+    /// Rank `rank`'s block among parts of `shapes` (rank order) split by `sharding`; `None`
+    /// where a part is no block of the whole (partial sums) or the shapes do not fit together.
+    pub fn of_rank(sharding: &Sharding, shapes: &[Vec<u64>], rank: usize) -> Option<Block> {
+        let mine = shapes.get(rank)?;
+        match sharding {
+            Sharding::Replicated => Some(Block {
+                axis: 0,
+                start: 0,
+                len: *mine.first()?,
+            }),
+            Sharding::Split(axis) if same_off_axis(shapes, *axis) && *axis < mine.len() => {
+                Some(Block {
+                    axis: *axis,
+                    start: shapes[..rank].iter().map(|s| s[*axis]).sum(),
+                    len: mine[*axis],
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The block's values out of `whole` of shape `shape`, with their shape; `None` where the
+    /// block lies outside it.
+    pub fn take(&self, whole: &[f32], shape: &[u64]) -> Option<(Vec<f32>, Vec<u64>)> {
+        let along = *shape.get(self.axis)?;
+        if self.start + self.len > along || whole.len() as u64 != shape.iter().product::<u64>() {
+            return None;
+        }
+        let outer: u64 = shape[..self.axis].iter().product();
+        let inner: u64 = shape[self.axis + 1..].iter().product();
+        let mut out = Vec::with_capacity((outer * self.len * inner) as usize);
+        for o in 0..outer {
+            let at = ((o * along + self.start) * inner) as usize;
+            out.extend_from_slice(&whole[at..at + (self.len * inner) as usize]);
+        }
+        let mut part = shape.to_vec();
+        part[self.axis] = self.len;
+        Some((out, part))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ranks_block_is_its_part_of_the_whole() {
+        // Two tokens, heads split 1 + 1, head dim 2: the inverse of unshard.
+        let parts = vec![vec![1., 2., 5., 6.], vec![3., 4., 7., 8.]];
+        let shapes = vec![vec![2, 1, 2], vec![2, 1, 2]];
+        let (whole, shape) = unshard(&Sharding::Split(1), &parts, &shapes).unwrap();
+        for (rank, part) in parts.iter().enumerate() {
+            let block = Block::of_rank(&Sharding::Split(1), &shapes, rank).unwrap();
+            assert_eq!(
+                block.take(&whole, &shape).unwrap(),
+                (part.clone(), shapes[rank].clone())
+            );
+        }
+        assert_eq!(Block::of_rank(&Sharding::Partial, &shapes, 0), None);
+        let past = Block {
+            axis: 1,
+            start: 2,
+            len: 1,
+        };
+        assert_eq!(past.take(&whole, &shape), None);
+    }
 
     #[test]
     fn dims_specs_name_the_sharding() {

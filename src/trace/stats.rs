@@ -47,6 +47,11 @@ pub struct TensorStats {
     /// or i32), written as 16 hex digits: JSON readers keep only 53 bits of a number.
     #[serde(with = "hex64")]
     pub hash: u64,
+    /// [`sketch`]: the finite values projected onto [`SKETCH_BUCKETS`] fixed random sign
+    /// patterns, which a permutation, a rotation or a sign flip moves while every moment above
+    /// stays. Absent from older traces and GPU-side statistics.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sketch: Vec<f64>,
 }
 
 /// An element type the stats are taken over.
@@ -91,8 +96,28 @@ impl Element for i32 {
 impl TensorStats {
     /// The statistics and hash of `xs` (f32 values or i32 ids).
     pub fn of<T: Element>(xs: &[T]) -> TensorStats {
-        let (stats, hash) = rayon::join(|| moments(xs), || content_hash(xs));
-        TensorStats { hash, ..stats }
+        let ((stats, hash), sketch) = rayon::join(
+            || rayon::join(|| moments(xs), || content_hash(xs)),
+            || sketch(xs),
+        );
+        TensorStats {
+            hash,
+            sketch,
+            ..stats
+        }
+    }
+
+    /// `rel_diff` of two stages' sketches, which estimates the values' own `rel_diff`
+    /// (Σ(x−y)² / Σ(x²+y²)): each bucket sums its values with random signs, so a bucket's
+    /// square is on average its values' sum of squares; `None` unless both have one.
+    pub fn sketch_rel_diff(&self, other: &TensorStats) -> Option<f64> {
+        let (a, b) = (&self.sketch, &other.sketch);
+        if a.is_empty() || a.len() != b.len() {
+            return None;
+        }
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f64 = a.iter().zip(b).map(|(x, y)| x * x + y * y).sum();
+        Some(if den > 0.0 { num / den } else { 0.0 })
     }
 
     /// `count` elements none of which is finite: all moments 0.
@@ -109,8 +134,54 @@ impl TensorStats {
             inf: 0,
             zeros: 0,
             hash: 0,
+            sketch: Vec::new(),
         }
     }
+}
+
+/// Buckets of a stage's [`sketch`].
+pub const SKETCH_BUCKETS: usize = 32;
+
+/// Element `i`'s bucket and sign in a [`sketch`]: SplitMix64's output for `i`, its low bits the
+/// bucket, its top bit the sign (1: minus). Every writer computes the same from the index alone.
+pub fn sketch_slot(i: u64) -> (usize, bool) {
+    let mut z = i.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z % SKETCH_BUCKETS as u64) as usize, z >> 63 == 1)
+}
+
+/// The finite values of `xs` (as f64), each added with its sign to its bucket
+/// ([`sketch_slot`]), in index order within chunks of [`TASK`] values whose buckets are then
+/// added in chunk order: the order every writer (numpy's `bincount`, the C++ probe) keeps, so
+/// sketches agree bit for bit. Empty for no values.
+pub fn sketch<T: Element>(xs: &[T]) -> Vec<f64> {
+    if xs.is_empty() {
+        return Vec::new();
+    }
+    let parts: Vec<[f64; SKETCH_BUCKETS]> = xs
+        .par_chunks(TASK)
+        .enumerate()
+        .map(|(c, chunk)| {
+            let mut buckets = [0f64; SKETCH_BUCKETS];
+            for (i, x) in chunk.iter().enumerate() {
+                let v = x.value();
+                if v.is_finite() {
+                    let (b, minus) = sketch_slot((c * TASK + i) as u64);
+                    buckets[b] += if minus { -v } else { v };
+                }
+            }
+            buckets
+        })
+        .collect();
+    let mut out = [0f64; SKETCH_BUCKETS];
+    for part in parts {
+        for (o, p) in out.iter_mut().zip(part) {
+            *o += p;
+        }
+    }
+    out.to_vec()
 }
 
 /// A stage's content hash: [`lane_hash`] of the values' little-endian bytes when they fit in one
@@ -516,6 +587,7 @@ fn moments_of_parts<Err>(
         inf: s.inf,
         zeros: s.zeros,
         hash: 0,
+        sketch: Vec::new(),
     })
 }
 
@@ -557,6 +629,51 @@ mod tests {
             .collect();
         assert_eq!(content_hash(&xs), lane_hash(&pieces));
         assert_ne!(content_hash(&xs), lane_hash(bytes));
+    }
+
+    #[test]
+    fn the_sketch_sees_what_the_moments_cannot() {
+        let x: Vec<f32> = (0..3000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut permuted = x.clone();
+        permuted.swap(10, 2000);
+        permuted.swap(11, 1500);
+        let negated: Vec<f32> = x.iter().map(|v| -v).collect();
+        let (a, p, n) = (
+            TensorStats::of(&x),
+            TensorStats::of(&permuted),
+            TensorStats::of(&negated),
+        );
+        assert_eq!((a.l2, a.count), (p.l2, p.count));
+        assert_eq!(a.sketch_rel_diff(&a), Some(0.0));
+        assert!(a.sketch_rel_diff(&p).unwrap() > 1e-4);
+        // A sign flip is the largest departure there is (rel_diff 2).
+        assert!((a.sketch_rel_diff(&n).unwrap() - 2.0).abs() < 1e-12);
+        // Over many values the estimate follows the true rel_diff.
+        let y: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + 0.01 * ((i % 7) as f32 - 3.0))
+            .collect();
+        let est = a.sketch_rel_diff(&TensorStats::of(&y)).unwrap();
+        let truth = crate::compare::metrics::Metrics::of(&x, &y).rel_diff;
+        assert!(
+            est > truth / 4.0 && est < truth * 4.0,
+            "{est} against {truth}"
+        );
+        // Chunks of TASK values add in chunk order: a long tensor is summed as documented.
+        let long: Vec<f32> = (0..(TASK + 5)).map(|i| (i % 13) as f32).collect();
+        let mut buckets = [0f64; SKETCH_BUCKETS];
+        let mut tail = [0f64; SKETCH_BUCKETS];
+        for (i, v) in long.iter().enumerate() {
+            let (b, minus) = sketch_slot(i as u64);
+            let target = if i < TASK { &mut buckets } else { &mut tail };
+            target[b] += if minus { -f64::from(*v) } else { f64::from(*v) };
+        }
+        let want: Vec<f64> = buckets.iter().zip(tail).map(|(a, b)| a + b).collect();
+        assert_eq!(sketch(&long), want);
+        assert!(sketch::<f32>(&[]).is_empty());
     }
 
     /// The statistics from lanes summed elsewhere, one lane at a time as a GPU thread sums it
@@ -643,7 +760,16 @@ mod tests {
             .collect();
         let hash = content_hash_of_pieces(&pieces, bytes.len());
         let host = TensorStats::of(&xs);
-        assert_eq!(TensorStats { hash, ..elsewhere }, host);
+        // The sketch is the host's alone (GPU statistics carry none).
+        let sketch = host.sketch.clone();
+        assert_eq!(
+            TensorStats {
+                hash,
+                sketch,
+                ..elsewhere
+            },
+            host
+        );
         assert!(host.nan > 0 && host.inf > 0 && host.zeros > 0);
     }
 
