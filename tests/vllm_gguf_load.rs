@@ -325,6 +325,27 @@ fn fault(v: &Value) -> (String, String, Vec<String>) {
     )
 }
 
+/// vLLM's rotary embeddings built with 10× `rope_theta`, at TP 4 in bf16 with the probe's
+/// default recording: the rotated stages are kept only as statistics of each rank's heads, and
+/// a rotation leaves every moment as it was. Each rank's part is compared with its block of the
+/// reference through the sketch, so the run fails at the first rotated stage.
+#[test]
+fn vllm_forward_with_rope_theta_times_10_fails_at_the_rotated_stage() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let v = forward_bisect(&gguf, &hf, 4, "bfloat16", &["--fault", "rope-theta-10x"]);
+    let (class, stage, evidence) = fault(&v);
+    assert!(
+        matches!(stage.as_str(), "L0.attn.q_rope" | "L0.attn.k_rope"),
+        "{stage} {class}: {evidence:#?}"
+    );
+    assert_eq!(class, "rope_mismatch", "{evidence:#?}");
+    println!(
+        "rope-theta-10x: {stage} rank {}, {class}",
+        v["first_divergence"]["rank"]
+    );
+}
+
 #[test]
 fn vllm_forward_with_kv_b_whole_on_every_rank_is_an_unsharded_weight() {
     let dir = common::scratch();
@@ -333,7 +354,13 @@ fn vllm_forward_with_kv_b_whole_on_every_rank_is_an_unsharded_weight() {
         let v = forward_bisect(&gguf, &hf, tp, "float32", &["--fault", "unsharded-kv-b"]);
         let (class, stage, evidence) = fault(&v);
         assert_eq!(class, "unsharded_weight", "{v:#}");
-        assert_eq!(stage, "L0.attn.out", "{v:#}");
+        // The heads' context is kept as each rank's statistics: compared with its block of the
+        // reference, the rank holding rank 0's kv_b rows departs there.
+        assert_eq!(stage, "L0.attn.ctx", "{v:#}");
+        assert!(
+            v["first_divergence"]["rank"].as_u64().unwrap() >= 1,
+            "{v:#}"
+        );
         let kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
         assert_eq!(v["fault"]["weight"], kv_b);
         for rank in 1..tp {

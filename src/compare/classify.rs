@@ -202,9 +202,14 @@ fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageD
 fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
     let s = &stages[i];
     let stage = Stage::parse(&s.stage)?;
+    // The input whole, or the same rank's part where the stage diverged in one rank's part.
     let agrees = |kind: &str| {
         let name = stage.sibling(kind)?.to_string();
-        input(stages, i, &name).filter(|p| p.status == Status::Pass)
+        stages[..i]
+            .iter()
+            .rev()
+            .find(|p| p.stage == name && (p.rank.is_none() || p.rank == s.rank))
+            .filter(|p| p.status == Status::Pass)
     };
     let rope_input = match stage.kind() {
         "attn.q_rope" => agrees("attn.q"),

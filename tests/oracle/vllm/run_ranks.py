@@ -15,7 +15,8 @@ wall seconds. Runs on vLLM's CPU build (`scripts/setup-vllm`); see `cpu_shims.py
 platform decisions it changes and `gpu_stand_ins.py` for the GPU kernels the forward needs.
 
 Faults: `unsharded-kv-b` (the loader patch, `glm_dsa_load.py`), `q4k-high-scales` and
-`fp16-no-residual-rescale` (`gpu_stand_ins.py`).
+`fp16-no-residual-rescale` (`gpu_stand_ins.py`), `rope-theta-10x` (every rotary embedding of
+the model rebuilt with 10 times its base, as a config read wrongly would build it).
 """
 
 import argparse
@@ -82,6 +83,8 @@ def rank_main(args) -> None:
             glm_dsa_load.load(model, weights,
                               args.fault if args.fault in glm_dsa_load.FAULTS else None)
             process_weights_after_loading(model, model_config, torch.device("cpu"))
+        if args.fault == "rope-theta-10x":
+            rope_base_times(model, 10.0)
         rename(model, args.rename_class, args.rename_module)
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
@@ -127,6 +130,20 @@ def rename(model, classes, modules) -> None:
                 m._modules[new] = m._modules.pop(old)
 
 
+def rope_base_times(model, factor: float) -> None:
+    """Every rotary embedding of `model` (each shared instance once) with its base times
+    `factor` and its cos/sin cache computed again from it."""
+    seen = set()
+    for module in model.modules():
+        if hasattr(module, "base") and hasattr(module, "_compute_cos_sin_cache") and id(module) not in seen:
+            seen.add(id(module))
+            module.base = module.base * factor
+            cache = module._compute_cos_sin_cache()
+            module.cos_sin_cache = cache.to(module.cos_sin_cache.device, dtype=module.cos_sin_cache.dtype)
+    if not seen:
+        raise SystemExit("run_ranks.py: rope-theta-10x: the model has no rotary embedding")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gguf")
@@ -134,7 +151,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", choices=["unsharded-kv-b", "q4k-high-scales",
-                                        "fp16-no-residual-rescale"])
+                                        "fp16-no-residual-rescale", "rope-theta-10x"])
     ap.add_argument("--tokens", type=lambda t: [int(x) for x in t.split(",")])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--full", action="append", help="stages kept whole (default: the probe's)")
