@@ -116,9 +116,26 @@ fn header_like(reference: &Trace, backend: &str, tp: u32) -> TraceHeader {
 /// A copy of `reference` with `stage` perturbed, written to `out` through the trace writer (so
 /// its statistics and hashes are the candidate's own).
 fn perturbed(reference: &Trace, stage: &str, p: Perturbation, out: &Path) -> Trace {
+    perturbed_as(reference, stage, p, out, &["**"], None)
+}
+
+/// [`perturbed`], keeping whole only the stages of `full` (the rest as statistics), and with
+/// `producer` extra fields in its manifest (a merged engine trace's `disagree`).
+fn perturbed_as(
+    reference: &Trace,
+    stage: &str,
+    p: Perturbation,
+    out: &Path,
+    full: &[&str],
+    producer: Option<serde_json::Value>,
+) -> Trace {
     let m = reference.manifest();
-    let header = header_like(reference, "perturbed", reference.manifest().tp);
-    let mut w = TraceWriter::create(out, header, FullSelector::new(&["**"]).unwrap()).unwrap();
+    let mut header = header_like(reference, "perturbed", reference.manifest().tp);
+    if let Some(serde_json::Value::Object(extra)) = producer {
+        header.producer.extend(extra);
+    }
+    let full: Vec<String> = full.iter().map(|g| g.to_string()).collect();
+    let mut w = TraceWriter::create(out, header, FullSelector::new(&full).unwrap()).unwrap();
     for s in reference.stages() {
         if s.dtype == ElemType::I32 {
             let mut ids = reference.tensor_i32(&s.name, s.rank).unwrap().unwrap();
@@ -143,6 +160,67 @@ fn perturbed(reference: &Trace, stage: &str, p: Perturbation, out: &Path) -> Tra
     }
     w.finish().unwrap();
     Trace::open(out).unwrap()
+}
+
+/// A stage kept only as statistics, its values in another order: every moment stays, the
+/// sketch does not, and the comparison fails there.
+#[test]
+fn a_permutation_kept_as_statistics_is_seen_by_the_sketch() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let out = dir.path().join("reversed.trace");
+    let cand = perturbed_as(
+        &reference,
+        "L1.attn.out",
+        Perturbation::Permute,
+        &out,
+        &["logits"],
+        None,
+    );
+    let record = cand.stage("L1.attn.out", None).unwrap();
+    assert!(record.file.is_none(), "kept as statistics only");
+    let ours = reference.stage("L1.attn.out", None).unwrap();
+    // The same values summed in another order: the norms agree to the last bits.
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(b.abs());
+    assert!(close(record.stats.l2, ours.stats.l2) && close(record.stats.std, ours.stats.std));
+    let report = diff(&reference, &cand, &DiffOptions::default()).unwrap();
+    assert_eq!(report.verdict, Status::Fail);
+    let d = report.first_divergence.unwrap();
+    assert_eq!(d.stage, "L1.attn.out");
+    let s = report
+        .stages
+        .iter()
+        .find(|s| s.stage == "L1.attn.out")
+        .unwrap();
+    assert!(s.rel_diff > 0.1, "the sketch's estimate: {}", s.rel_diff);
+}
+
+/// A replicated stage whose ranks held other values than rank 0's (a merged engine trace's
+/// `producer.disagree`) at a reduced output: the reduction was left out.
+#[test]
+fn ranks_disagreeing_on_a_reduced_output_are_a_missing_all_reduce() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let out = dir.path().join("unreduced.trace");
+    let disagree = serde_json::json!({"disagree": [
+        {"stage": "L1.attn.out", "rank": 1},
+        {"stage": "L1.attn.out", "rank": 3}
+    ]});
+    let cand = perturbed_as(
+        &reference,
+        "L1.attn.out",
+        Perturbation::Noise,
+        &out,
+        &["**"],
+        Some(disagree),
+    );
+    let report = diff(&reference, &cand, &DiffOptions::default()).unwrap();
+    assert_eq!(report.first_divergence.unwrap().stage, "L1.attn.out");
+    let f = report.fault.unwrap();
+    assert_eq!(f.class, FaultClass::MissingAllReduce, "{f:#?}");
+    assert!(f.evidence[0].contains("rank 1, 3"), "{f:#?}");
 }
 
 #[test]

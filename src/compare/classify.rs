@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
-use super::parts::from_parts;
+use super::parts::{from_disagreement, from_parts};
 use super::stage_diff::{whole_values, Basis, StageDiff, Status};
 use crate::model::Stage;
 use crate::trace::Trace;
@@ -82,6 +82,9 @@ pub fn classify(
         return top_k_fault(reference, candidate, s, dtype);
     }
     if let Some(f) = from_parts(reference, candidate, s)? {
+        return Ok(f);
+    }
+    if let Some(f) = from_disagreement(candidate, s) {
         return Ok(f);
     }
     if let Some(f) = op_fault(stages, i) {

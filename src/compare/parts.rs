@@ -8,6 +8,7 @@ use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::stage_diff::{whole_values, StageDiff};
 use super::unshard::{same_off_axis, Sharding};
+use crate::model::stage::Stage;
 use crate::trace::Trace;
 
 /// Two tensors this close (`rel_diff`) are the same data at some precision; different data
@@ -61,6 +62,66 @@ fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Option<Fa
         evidence,
         weight: None,
     })
+}
+
+/// The ranks on which the candidate's replicated stage `name` held other values than rank 0's
+/// (`producer.disagree` of a merged engine trace: `[{"stage", "rank"}]`).
+fn disagreeing_ranks(candidate: &Trace, name: &str) -> Vec<u64> {
+    let Some(list) = candidate.manifest().producer.get("disagree") else {
+        return Vec::new();
+    };
+    let mut ranks: Vec<u64> = list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|d| d.get("stage").and_then(|s| s.as_str()) == Some(name))
+        .filter_map(|d| d.get("rank").and_then(|r| r.as_u64()))
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// A replicated stage whose ranks disagree (the merged trace's `producer.disagree`): where it is
+/// the output of a tensor-parallel reduction (o_proj's, the experts'), each rank went on with
+/// its own partial sum — the reduction was left out there.
+pub fn from_disagreement(candidate: &Trace, s: &StageDiff) -> Option<Fault> {
+    let ranks = disagreeing_ranks(candidate, &s.stage);
+    if ranks.is_empty() || s.rank.is_some() {
+        return None;
+    }
+    let kind = Stage::parse(&s.stage)?.kind().to_string();
+    let reduced = matches!(
+        kind.as_str(),
+        "attn.out" | "moe.routed" | "moe.shared" | "ffn.out"
+    );
+    let listed = ranks
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let evidence = vec![
+        format!(
+            "{}: replicated (every rank should hold the same values), yet rank {listed} held \
+             other values than rank 0 (the merged trace's producer.disagree)",
+            s.stage
+        ),
+        format!(
+            "{}: rank 0's values depart from the reference by rel_diff {:.3e}",
+            s.stage, s.rel_diff
+        ),
+    ];
+    let (class, summary) = match reduced {
+        true => (
+            FaultClass::MissingAllReduce,
+            format!("{}: the ranks hold different values of a reduced output: each went on with its own partial sum", s.stage),
+        ),
+        false => (
+            FaultClass::Unknown,
+            format!("{}: the ranks hold different values of a replicated stage", s.stage),
+        ),
+    };
+    fault(class, summary, evidence)
 }
 
 /// A fault the rank parts of the divergent stage `s` show, if any.
