@@ -6,6 +6,7 @@ use anyhow::Result;
 
 use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
+use super::metrics::Metrics;
 use super::parts::{from_disagreement, from_parts};
 use super::stage_diff::{whole_values, Basis, StageDiff, Status};
 use crate::model::Stage;
@@ -113,6 +114,27 @@ pub fn classify(
             (whole_values(reference, at)?, whole_values(candidate, at)?)
         {
             let vocab = *shape.last().unwrap_or(&1) as usize;
+            let tp = candidate.manifest().tp as usize;
+            if let Some(map) = vocab_blocks_moved(&x, &y, vocab, tp) {
+                let moved: Vec<String> = map
+                    .iter()
+                    .enumerate()
+                    .filter(|(b, q)| b != *q)
+                    .map(|(b, q)| format!("block {b} holds the reference's block {q}"))
+                    .collect();
+                return Ok(fault(
+                    FaultClass::WrongShardLayout,
+                    "the logits are the reference's with their vocabulary blocks in another \
+                     order: the ranks' parts gathered in the wrong order"
+                        .into(),
+                    vec![format!(
+                        "the vocabulary in {tp} blocks of {} (one per rank): {}; every block \
+                         within rel_diff {VOCAB_BLOCK_SAME:e} of the block it holds",
+                        vocab / tp,
+                        moved.join(", ")
+                    )],
+                ));
+            }
             let (hr, hc) = (LogitsHealth::of(&x, vocab), LogitsHealth::of(&y, vocab));
             if hc.flat && !hr.flat {
                 return Ok(fault(
@@ -190,6 +212,31 @@ pub fn classify(
             format!("tolerance {:e}", s.tolerance),
         ],
     ))
+}
+
+/// Two vocabulary blocks this close (`rel_diff`) hold the same logits.
+const VOCAB_BLOCK_SAME: f64 = 1e-3;
+
+/// Where the candidate's logits `y` hold the reference's `x` with the vocabulary's `tp` blocks
+/// (rows of `vocab`) in another order: per candidate block, the reference block it holds; `None`
+/// unless every block holds one and some block moved.
+fn vocab_blocks_moved(x: &[f32], y: &[f32], vocab: usize, tp: usize) -> Option<Vec<usize>> {
+    if tp < 2 || vocab == 0 || !vocab.is_multiple_of(tp) || x.len() != y.len() {
+        return None;
+    }
+    let width = vocab / tp;
+    let block = |v: &[f32], b: usize| -> Vec<f32> {
+        v.chunks(vocab)
+            .flat_map(|row| row[b * width..(b + 1) * width].iter().copied())
+            .collect()
+    };
+    let map: Vec<usize> = (0..tp)
+        .map(|b| {
+            let mine = block(y, b);
+            (0..tp).find(|&q| Metrics::of(&block(x, q), &mine).rel_diff <= VOCAB_BLOCK_SAME)
+        })
+        .collect::<Option<_>>()?;
+    map.iter().enumerate().any(|(b, q)| b != *q).then_some(map)
 }
 
 /// The stage right before `stages[i]` named `name` (whole tensors only).
@@ -415,4 +462,22 @@ fn top_k_fault(reference: &Trace, candidate: &Trace, s: &StageDiff, dtype: &str)
         false => format!("{at}: {chooser} makes another top-k choice"),
     };
     Ok(fault(class, summary, evidence))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_with_vocabulary_blocks_rotated_are_a_block_map() {
+        // Two positions, vocabulary 6 in 3 blocks of 2; the candidate holds blocks 1, 2, 0.
+        let x: Vec<f32> = (0..12).map(|i| (i * 7 % 11) as f32 - 5.0).collect();
+        let y: Vec<f32> = x
+            .chunks(6)
+            .flat_map(|r| [&r[2..4], &r[4..6], &r[0..2]].concat())
+            .collect();
+        assert_eq!(vocab_blocks_moved(&x, &y, 6, 3), Some(vec![1, 2, 0]));
+        assert_eq!(vocab_blocks_moved(&x, &x, 6, 3), None);
+        assert_eq!(vocab_blocks_moved(&x, &y, 6, 1), None);
+    }
 }
