@@ -505,7 +505,19 @@ impl<'a> Reference<'a> {
                     format!(" viewed as {:?}", shard.shape)
                 };
                 let holds = self.extent(f);
-                if Some(f) == expected.as_ref() {
+                let hash_missed = shard.hash.is_some() && matches!(basis, Basis::Stats { .. });
+                if Some(f) == expected.as_ref() && hash_missed {
+                    // Equal statistics prove only the same values; the hash, which matched no
+                    // slice, says their order or their rounding is another.
+                    let e = format!(
+                        "{who}: its statistics are those of {holds}, the planned slice, but its {} \
+                         hash matches no slice of the weight: the planned values in another order \
+                         (rows or heads moved, a reshape where a transpose belongs) or rounded \
+                         otherwise",
+                        shard.dtype.name()
+                    );
+                    (Some(FaultClass::WeightLayout), e)
+                } else if Some(f) == expected.as_ref() {
                     if shaped.is_empty() {
                         (None, format!("{who} holds {holds} as planned"))
                     } else {
