@@ -149,6 +149,33 @@ fn planted_faults_are_named_with_class_weight_rank_and_rows() {
         )
     );
 
+    // Rank 1's kv_b block with its rows in reverse order (a reshape where the per-head
+    // transpose belongs scrambles the same way): every statistic is the planned block's, the
+    // hash is no slice's.
+    let mut m = plan.clone();
+    let kv = ws.matrix(WeightId::Layer(0, LayerWeight::KvB)).unwrap();
+    let reversed: Vec<f32> = kv.data()[128 * 64..256 * 64]
+        .chunks(64)
+        .rev()
+        .flatten()
+        .copied()
+        .collect();
+    *entry(&mut m, 1, kv_b) = ShardEntry::of(kv_b, vec![128, 64], &reversed, Dtype::Bf16);
+    let bad = one(&m, "scrambled.json");
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert_eq!(
+        (bad[0]["rank"].as_u64(), bad[0]["class"].as_str()),
+        (Some(1), Some("weight_layout"))
+    );
+    assert!(
+        bad[0]["evidence"]
+            .as_str()
+            .unwrap()
+            .contains("hash matches no slice"),
+        "{:#}",
+        bad[0]
+    );
+
     // Ranks reversed for q_b.
     let mut m = plan.clone();
     let blocks: Vec<ShardEntry> = (0..4).map(|r| entry(&mut m, r, q_b).clone()).collect();
