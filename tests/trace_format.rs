@@ -601,6 +601,11 @@ fn broken_manifests_are_refused_naming_the_field() {
     assert!(err.contains("rank: 2 is not below tp = 2"), "{err}");
     let err = open_edited(|m| m["stages"][3]["rank"] = json!(0));
     assert!(err.contains("recorded twice"), "{err}");
+    let err = open_edited(|m| m["stages"][L0_OUT]["stats"]["sketch"] = json!([1.0, 2.0]));
+    assert!(
+        err.contains("\"L0.out\" stats.sketch") && err.contains("2 buckets, not 32"),
+        "{err}"
+    );
     let err = open_edited(|m| m["stages"][L0_OUT]["stats"]["hash"] = json!(12));
     assert!(err.contains("stages[6]") && err.contains("string"), "{err}");
     let err = open_edited(|m| {

@@ -13,6 +13,7 @@ use super::stage_diff::{whole_values, Basis, Side, StageDiff, Status};
 use super::unshard::{Block, Sharding};
 use crate::model::stage::layer_of;
 use crate::model::stage::{is_gaps, Stage};
+use crate::trace::stats::sketch;
 use crate::trace::{ElemType, StageRecord, TensorStats, Trace};
 
 /// `rel_diff` two f32 computations of one forward stay under (different summation orders give
@@ -259,9 +260,12 @@ fn measure(
         } else {
             0.0
         };
+        // A record without a sketch (an older writer, a GPU) gets one from the values held.
         let reference_stats = match (&rv, r.stats.sketch.is_empty()) {
-            // A record without a sketch (an older writer) gets one from the values held.
-            (Some((x, xs)), true) if *xs == r.shape => TensorStats::of(x),
+            (Some((x, xs)), true) if *xs == r.shape => TensorStats {
+                sketch: sketch(x),
+                ..r.stats.clone()
+            },
             _ => r.stats.clone(),
         };
         bound.max(reference_stats.sketch_rel_diff(&c.stats).unwrap_or(0.0))

@@ -90,12 +90,21 @@ pub fn stage_weights(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
 
 /// The weights every stage of layer `l` reads.
 pub fn layer_weights(cfg: &Glm5Config, l: u64) -> Vec<WeightId> {
-    let mut ids: Vec<WeightId> = stage_names(cfg)
-        .iter()
+    let in_layer: Vec<String> = stage_names(cfg)
+        .into_iter()
         .filter(|s| layer_of(s) == Some(l))
-        .flat_map(|s| stage_weights(cfg, s))
         .collect();
-    ids.dedup();
+    weights_of(cfg, &in_layer)
+}
+
+/// The weights `stages` read, each once, in the order first read.
+pub fn weights_of(cfg: &Glm5Config, stages: &[String]) -> Vec<WeightId> {
+    let mut ids: Vec<WeightId> = Vec::new();
+    for id in stages.iter().flat_map(|s| stage_weights(cfg, s)) {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
     ids
 }
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::error::{Result, TraceError};
-use super::stats::TensorStats;
+use super::stats::{TensorStats, SKETCH_BUCKETS};
 
 /// The `format` of every trace manifest.
 pub const FORMAT: &str = "glmcheck-trace";
@@ -193,6 +193,11 @@ impl Manifest {
                     s.shape, s.stats.count
                 );
                 return Err(bad("shape", why));
+            }
+            let buckets = s.stats.sketch.len();
+            if buckets != 0 && buckets != SKETCH_BUCKETS {
+                let why = format!("{buckets} buckets, not {SKETCH_BUCKETS}");
+                return Err(bad("stats.sketch", why));
             }
             if let Some(r) = s.rank.filter(|&r| r >= self.tp) {
                 return Err(bad("rank", format!("{r} is not below tp = {}", self.tp)));

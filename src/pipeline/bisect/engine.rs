@@ -14,9 +14,8 @@ use super::weights::{self, WeightCheck, WeightsInfo};
 use super::{gguf_meta, merge, BisectOptions};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
-use crate::model::names::WeightId;
 use crate::model::schema::Family;
-use crate::model::stages::{hidden_behind, stage_weights};
+use crate::model::stages::{hidden_behind, weights_of};
 use crate::pipeline::Model;
 use crate::trace::Trace;
 
@@ -44,17 +43,6 @@ fn path_stages(p: &PathInfo) -> Vec<String> {
     all.extend(p.statistics_only.iter().cloned());
     all.push(p.divergent.clone());
     all
-}
-
-/// The weights the path's stages read, each once.
-fn path_weights(model: &Model, stages: &[String]) -> Vec<WeightId> {
-    let mut ids: Vec<WeightId> = Vec::new();
-    for id in stages.iter().flat_map(|s| stage_weights(&model.cfg, s)) {
-        if !ids.contains(&id) {
-            ids.push(id);
-        }
-    }
-    ids
 }
 
 /// The weight file an engine trace ran, where it is at hand, is not the reference's own, and
@@ -116,6 +104,7 @@ pub fn engine_cause(
         p
     });
     let stages = path.as_ref().map(path_stages).unwrap_or_default();
+    let ids = weights_of(&model.cfg, &stages);
     if let Some(meta) = meta {
         if gguf_meta::explain(meta, &model.cfg, report, &stages) {
             return Ok(Some("gguf metadata"));
@@ -132,17 +121,14 @@ pub fn engine_cause(
     let checked = if weights::check_all(args.weights, &engine) {
         weights::check_every_tensor(model, &engine)
     } else if report.first_divergence.is_some() {
-        weights::check_tensors_of(model, &engine, &path_weights(model, &stages))
+        weights::check_tensors_of(model, &engine, &ids)
     } else {
         return Ok(None);
     }
     .with_context(|| format!("{}: the weight check", file.display()))?;
     if let Some(p) = path.as_mut() {
         let src = engine.source();
-        p.tensors = path_weights(model, &stages)
-            .into_iter()
-            .flat_map(|id| src.tensor_names(id))
-            .collect();
+        p.tensors = ids.iter().flat_map(|&id| src.tensor_names(id)).collect();
     }
     let decided = weights::apply(report, &checked, model, &engine, merge)?;
     if let (Some(p), Some(f), true) = (path.as_ref(), report.fault.as_mut(), decided) {

@@ -270,7 +270,7 @@ fn kind(stage: &str) -> &str {
 /// The keys of [`KEYS`] (with the arch prefix) that change one of `stages`, for the report of
 /// what was compared on a divergence's path; none without metadata.
 pub fn keys_on(meta: Option<&Map<String, Value>>, stages: &[String]) -> Vec<String> {
-    let Some(arch) = meta.and_then(|m| m["general.architecture"].as_str()) else {
+    let Some(arch) = meta.and_then(|m| m.get("general.architecture")?.as_str()) else {
         return Vec::new();
     };
     KEYS.iter()
