@@ -399,43 +399,85 @@ __device__ __forceinline__ float host_f32(f16 x) {
 #define POS_INF_D __longlong_as_double(0x7ff0000000000000ll)
 #define NEG_INF_D __longlong_as_double(0xfff0000000000000ll)
 
-// Every value of chunk `chunk` handed to `add` on its lane's thread, each lane's values in
-// order: the whole block widens a tile of the chunk into shared memory (coalesced loads), then
-// the first STATS_LANES threads add their values of it.
-template <typename T, typename Add>
-__device__ void each_lane_value(const T* x, u64 n, u64 chunk, Add add) {
+// Each tile of chunk `chunk` widened into shared memory (coalesced loads by the whole block)
+// and handed to `use(tile, count, at)` on every thread, `at` the index of its first value.
+template <typename T, typename Use>
+__device__ void each_tile(const T* x, u64 n, u64 chunk, Use use) {
     __shared__ float tile[STATS_TILE];
     u64 begin = chunk * STATS_CHUNK, end = min(begin + STATS_CHUNK, n);
     for (u64 at = begin; at < end; at += STATS_TILE) {
         u32 count = (u32)min((u64)STATS_TILE, end - at);
         for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) tile[i] = host_f32(x[at + i]);
         __syncthreads();
-        if (threadIdx.x < STATS_LANES) {
-            for (u32 i = threadIdx.x; i < count; i += STATS_LANES) add((double)tile[i]);
-        }
+        use(tile, count, at);
         __syncthreads();
     }
 }
 
-// Chunk `chunk`'s lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min, max],
-// each a row of STATS_LANES per chunk.
-template <typename T>
-__device__ void stage_sums(const T* x, u64 n, u64 chunk, u64* counts, double* sums) {
-    u64 finite = 0, nan = 0, zeros = 0;
-    double sum = 0.0, sq = 0.0, lo = POS_INF_D, hi = NEG_INF_D;
-    each_lane_value(x, n, chunk, [&](double v) {
-        bool fin = isfinite(v);
-        double f = fin ? v : 0.0;
-        sum = __dadd_rn(sum, f);
-        sq = __dadd_rn(sq, __dmul_rn(f, f));
-        if (fin) {
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
+// Every value of chunk `chunk` handed to `add` on its lane's thread (the first STATS_LANES
+// threads), each lane's values in order.
+template <typename T, typename Add>
+__device__ void each_lane_value(const T* x, u64 n, u64 chunk, Add add) {
+    each_tile(x, n, chunk, [&](const float* tile, u32 count, u64) {
+        if (threadIdx.x < STATS_LANES) {
+            for (u32 i = threadIdx.x; i < count; i += STATS_LANES) add((double)tile[i]);
         }
-        finite += fin;
-        nan += isnan(v);
-        zeros += v == 0.0;
     });
+}
+
+// The sketch (`trace::stats::sketch` of the host): each finite value added with its sign to its
+// bucket, both from SplitMix64 of the value's index, each bucket's values in index order within
+// a chunk. The block computes a tile's slots (bucket, sign in the top bit) into shared memory;
+// the second warp, a thread per bucket, adds the tile's values of its bucket in order while the
+// first adds the moments' lanes.
+#define SKETCH_BUCKETS 32
+#define SKETCH_WARP_FIRST 32
+
+__device__ __forceinline__ u8 sketch_slot(u64 i) {
+    u64 z = (i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (u8)((z % SKETCH_BUCKETS) | ((z >> 63) << 7));
+}
+
+// Chunk `chunk`'s lanes: counts [finite, nan, zeros] and sums [sum, sum of squares, min, max],
+// each a row of STATS_LANES per chunk; and its sketch's SKETCH_BUCKETS sums.
+template <typename T>
+__device__ void stage_sums(const T* x, u64 n, u64 chunk, u64* counts, double* sums,
+                           double* sketch) {
+    __shared__ u8 slots[STATS_TILE];
+    u64 finite = 0, nan = 0, zeros = 0;
+    double sum = 0.0, sq = 0.0, lo = POS_INF_D, hi = NEG_INF_D, bucket = 0.0;
+    u32 mine = threadIdx.x - SKETCH_WARP_FIRST;
+    bool sketching = threadIdx.x >= SKETCH_WARP_FIRST && mine < SKETCH_BUCKETS;
+    each_tile(x, n, chunk, [&](const float* tile, u32 count, u64 at) {
+        for (u32 i = threadIdx.x; i < count; i += STATS_THREADS) slots[i] = sketch_slot(at + i);
+        __syncthreads();
+        if (threadIdx.x < STATS_LANES) {
+            for (u32 i = threadIdx.x; i < count; i += STATS_LANES) {
+                double v = (double)tile[i];
+                bool fin = isfinite(v);
+                double f = fin ? v : 0.0;
+                sum = __dadd_rn(sum, f);
+                sq = __dadd_rn(sq, __dmul_rn(f, f));
+                if (fin) {
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                }
+                finite += fin;
+                nan += isnan(v);
+                zeros += v == 0.0;
+            }
+        } else if (sketching) {
+            for (u32 i = 0; i < count; i++) {
+                u8 s = slots[i];
+                double v = (double)tile[i];
+                if ((s & 0x7f) == mine && isfinite(v)) bucket = __dadd_rn(bucket, s >> 7 ? -v : v);
+            }
+        }
+    });
+    if (sketching) sketch[chunk * SKETCH_BUCKETS + mine] = bucket;
     u32 lane = threadIdx.x;
     if (lane >= STATS_LANES) return;
     u64* c = counts + chunk * 3 * STATS_LANES + lane;
@@ -543,9 +585,9 @@ __device__ void stage_hash_lanes(const T* x, u64 n, u64 piece, u64* lanes) {
 // the host's check) before its deviations.
 #define STAGE_STATS(T)                                                                         \
     extern "C" __global__ void stage_sums_hash_##T(const T* x, u64 n, u64 chunks, u64* counts, \
-                                                   double* sums, u64* lanes) {                 \
+                                                   double* sums, double* sketch, u64* lanes) { \
         if (blockIdx.x < chunks) {                                                             \
-            stage_sums(x, n, blockIdx.x, counts, sums);                                        \
+            stage_sums(x, n, blockIdx.x, counts, sums, sketch);                                \
         } else {                                                                               \
             stage_hash_lanes(x, n, blockIdx.x - chunks, lanes);                                \
         }                                                                                      \

@@ -350,6 +350,14 @@ fn faults_behind_hidden_stages_are_named() {
             "glm-dsa.expert_group_count",
             "",
         ),
+        // A per-layer array key: layer 2 reuses layer 1's top-k.
+        (
+            "indexer-types",
+            "L2.attn.index_topk",
+            "indexer_mismatch",
+            "glm-dsa.attention.indexer.types",
+            "",
+        ),
     ];
     for (fault, stage, class, named, with) in cases {
         let gguf = m["faults"][fault]["gguf"].as_str().unwrap();

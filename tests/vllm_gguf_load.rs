@@ -346,6 +346,43 @@ fn vllm_forward_with_rope_theta_times_10_fails_at_the_rotated_stage() {
     );
 }
 
+/// vLLM run with a config.json whose `routed_scaling_factor` is not the model's (1.0 where the
+/// GGUF's `expert_weights_scale` is 2.5: a `--hf-config-path` from another checkpoint). vLLM's
+/// fused MoE never shows the routing weights it scales; the probe records the config vLLM's
+/// model took, and bisect names the field and both values at the first stage it changes.
+#[test]
+fn vllm_forward_with_another_routed_scaling_factor_names_the_config_field() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let other = dir.path().join("hf-other-scale");
+    std::fs::create_dir(&other).unwrap();
+    for entry in std::fs::read_dir(&hf).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, other.join(from.file_name().unwrap())).unwrap();
+    }
+    let config = other.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    assert_eq!(c["routed_scaling_factor"], 2.5);
+    c["routed_scaling_factor"] = Value::from(1.0);
+    std::fs::write(&config, c.to_string()).unwrap();
+    let v = forward_bisect(&gguf, &other, 2, "float32", &[]);
+    let (class, stage, evidence) = fault(&v);
+    assert_eq!(class, "scale_mismatch", "{stage}: {evidence:#?}");
+    assert_eq!(v["bisect"]["classified_by"], "engine config", "{evidence:#?}");
+    assert!(stage.starts_with("L1."), "{stage}: the first MoE layer");
+    let summary = v["fault"]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("routed_scaling_factor = 1.0, where the reference's is 2.5"),
+        "{summary}"
+    );
+    let path = &v["bisect"]["path"];
+    assert!(
+        path["keys"].as_array().unwrap().iter().any(|k| k == "routed_scaling_factor"),
+        "{path:#}"
+    );
+    println!("routed_scaling_factor 1.0: {stage}, {class}: {summary} (path {path})");
+}
+
 #[test]
 fn vllm_forward_with_kv_b_whole_on_every_rank_is_an_unsharded_weight() {
     let dir = common::scratch();

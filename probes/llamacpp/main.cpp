@@ -158,7 +158,41 @@ bool on_node(ggml_tensor *t, bool ask, void *user) {
     return true;
 }
 
-// The GGUF's scalar metadata (tokenizer tables left out) as a JSON object, typed as stored.
+// One stored number or bool at `p`, of GGUF type `type`, as JSON; empty for another type.
+std::string number_json(gguf_type type, const void *p) {
+    char buf[64];
+    switch (type) {
+        case GGUF_TYPE_UINT8: return std::to_string(*static_cast<const uint8_t *>(p));
+        case GGUF_TYPE_INT8: return std::to_string(*static_cast<const int8_t *>(p));
+        case GGUF_TYPE_UINT16: return std::to_string(*static_cast<const uint16_t *>(p));
+        case GGUF_TYPE_INT16: return std::to_string(*static_cast<const int16_t *>(p));
+        case GGUF_TYPE_UINT32: return std::to_string(*static_cast<const uint32_t *>(p));
+        case GGUF_TYPE_INT32: return std::to_string(*static_cast<const int32_t *>(p));
+        case GGUF_TYPE_UINT64: return std::to_string(*static_cast<const uint64_t *>(p));
+        case GGUF_TYPE_INT64: return std::to_string(*static_cast<const int64_t *>(p));
+        case GGUF_TYPE_FLOAT32: std::snprintf(buf, sizeof buf, "%.9g", *static_cast<const float *>(p)); return buf;
+        case GGUF_TYPE_FLOAT64: std::snprintf(buf, sizeof buf, "%.17g", *static_cast<const double *>(p)); return buf;
+        case GGUF_TYPE_BOOL: return *static_cast<const int8_t *>(p) ? "true" : "false";
+        default: return "";
+    }
+}
+
+// The bytes of one stored number or bool of GGUF type `type`; 0 for another type.
+size_t number_size(gguf_type type) {
+    switch (type) {
+        case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_BOOL: return 1;
+        case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
+        case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_FLOAT32: return 4;
+        case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: case GGUF_TYPE_FLOAT64: return 8;
+        default: return 0;
+    }
+}
+
+// Arrays of numbers longer than this (none a loader reads per layer) are left out.
+constexpr size_t METADATA_ARRAY_LIMIT = 4096;
+
+// The GGUF's metadata as a JSON object, typed as stored: scalars, and arrays of numbers (a
+// per-layer key such as the indexer types); tokenizer tables and string arrays left out.
 std::string metadata_json(const char *path) {
     gguf_init_params params = {true, nullptr};
     gguf_context *g = gguf_init_from_file(path, params);
@@ -167,22 +201,21 @@ std::string metadata_json(const char *path) {
     for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
         const std::string key = gguf_get_key(g, i);
         if (key.rfind("tokenizer.", 0) == 0) continue;
+        const gguf_type type = gguf_get_kv_type(g, i);
         std::string value;
-        char buf[64];
-        switch (gguf_get_kv_type(g, i)) {
-            case GGUF_TYPE_UINT8: value = std::to_string(gguf_get_val_u8(g, i)); break;
-            case GGUF_TYPE_INT8: value = std::to_string(gguf_get_val_i8(g, i)); break;
-            case GGUF_TYPE_UINT16: value = std::to_string(gguf_get_val_u16(g, i)); break;
-            case GGUF_TYPE_INT16: value = std::to_string(gguf_get_val_i16(g, i)); break;
-            case GGUF_TYPE_UINT32: value = std::to_string(gguf_get_val_u32(g, i)); break;
-            case GGUF_TYPE_INT32: value = std::to_string(gguf_get_val_i32(g, i)); break;
-            case GGUF_TYPE_UINT64: value = std::to_string(gguf_get_val_u64(g, i)); break;
-            case GGUF_TYPE_INT64: value = std::to_string(gguf_get_val_i64(g, i)); break;
-            case GGUF_TYPE_FLOAT32: std::snprintf(buf, sizeof buf, "%.9g", gguf_get_val_f32(g, i)); value = buf; break;
-            case GGUF_TYPE_FLOAT64: std::snprintf(buf, sizeof buf, "%.17g", gguf_get_val_f64(g, i)); value = buf; break;
-            case GGUF_TYPE_BOOL: value = gguf_get_val_bool(g, i) ? "true" : "false"; break;
-            case GGUF_TYPE_STRING: value = glmcheck::json_string(gguf_get_val_str(g, i)); break;
-            default: continue;  // arrays
+        if (type == GGUF_TYPE_STRING) {
+            value = glmcheck::json_string(gguf_get_val_str(g, i));
+        } else if (type == GGUF_TYPE_ARRAY) {
+            const gguf_type item = gguf_get_arr_type(g, i);
+            const size_t n = gguf_get_arr_n(g, i), size = number_size(item);
+            if (n > METADATA_ARRAY_LIMIT || size == 0) continue;
+            const char *data = static_cast<const char *>(gguf_get_arr_data(g, i));
+            value = "[";
+            for (size_t k = 0; k < n; ++k) value += (k ? ", " : "") + number_json(item, data + k * size);
+            value += "]";
+        } else {
+            value = number_json(type, gguf_get_val_data(g, i));
+            if (value.empty()) continue;
         }
         out += (out.size() > 1 ? ", " : "") + glmcheck::json_string(key) + ": " + value;
     }

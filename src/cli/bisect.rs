@@ -10,7 +10,7 @@ use super::output::table;
 use super::Outcome;
 use crate::compare::Status;
 use crate::exec::inject::CATALOGUE;
-use crate::pipeline::bisect::{bisect, gguf_meta, BisectOptions, BisectReport, PathInfo};
+use crate::pipeline::bisect::{bisect, settings, BisectOptions, BisectReport, PathInfo};
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {
@@ -62,12 +62,14 @@ fn list_faults(json: bool) -> anyhow::Result<Outcome> {
     }
     println!("{t}");
     println!(
-        "\nnamed from the GGUF metadata an engine trace records (llama.cpp probe), not planted:"
+        "\nnamed from the settings an engine trace records (the GGUF metadata llama.cpp read, \
+         the config.json vLLM or transformers took), not planted:"
     );
-    let mut t = table(&["GGUF key", "class", "first divergence", "what"]);
-    for k in &gguf_meta::KEYS {
+    let mut t = table(&["GGUF key", "config field", "class", "first divergence", "what"]);
+    for k in &settings::KEYS {
         t.add_row(vec![
-            format!("<arch>.{}", k.key),
+            k.key.map_or("-".to_string(), |k| format!("<arch>.{k}")),
+            settings::config_name(k.field).to_string(),
             k.class.name().to_string(),
             k.stages.join(" or "),
             k.does.to_string(),
@@ -186,6 +188,7 @@ pub fn print_bisect(out: &BisectReport) {
                 "weights" => "from the check of the candidate's weights against the reference",
                 "shard manifest" => "from the engine's shard manifest",
                 "gguf metadata" => "from the GGUF metadata the engine read",
+                "engine config" => "from the config.json the engine took",
                 _ => "from the traces",
             };
             println!(

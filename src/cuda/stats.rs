@@ -17,8 +17,8 @@ use super::memory::{FreeList, Meter, Pinned, Staging};
 use super::Gpu;
 use crate::exec::mat::{FetchLater, Queue};
 use crate::trace::stats::{
-    content_hash_of_pieces, merge_lanes, moments_of_lanes, StatsLater, TensorStats, HASH_LANES,
-    HASH_PIECE_BYTES, LANE_COUNTS, LANE_SUMS, MOMENT_LANES, TASK,
+    content_hash_of_pieces, merge_lanes, merge_sketches, moments_of_lanes, StatsLater, TensorStats,
+    HASH_LANES, HASH_PIECE_BYTES, LANE_COUNTS, LANE_SUMS, MOMENT_LANES, SKETCH_BUCKETS, TASK,
 };
 
 /// Threads per block of the statistics kernels: a hash piece's lanes (`HASH_LANES`).
@@ -31,8 +31,9 @@ struct Layout {
     /// Chunks of `TASK` values (a block each) and hash pieces (a block each).
     chunks: usize,
     pieces: usize,
-    /// Words of the counts, the sums, the hash lanes, the deviations and the one mean.
-    words: [usize; 5],
+    /// Words of the counts, the sums, the hash lanes, the deviations, the one mean and the
+    /// chunks' sketches.
+    words: [usize; 6],
 }
 
 impl Layout {
@@ -41,6 +42,7 @@ impl Layout {
     const HASH_LANES: usize = 2;
     const DEVIATIONS: usize = 3;
     const MEAN: usize = 4;
+    const SKETCH: usize = 5;
 
     fn of(n: usize) -> Layout {
         let chunks = n.div_ceil(TASK);
@@ -55,6 +57,7 @@ impl Layout {
                 pieces * HASH_LANES,
                 lanes,
                 1,
+                chunks * SKETCH_BUCKETS,
             ],
         }
     }
@@ -130,6 +133,7 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
         let (counts, sums, hash_lanes) =
             (at(Layout::COUNTS), at(Layout::SUMS), at(Layout::HASH_LANES));
         let (deviations, mean) = (at(Layout::DEVIATIONS), at(Layout::MEAN));
+        let sketch = at(Layout::SKETCH);
         let kernel = |name: &str| gpu.ops_kernel(&format!("{name}_{}", D::SUFFIX));
         let f = kernel("stage_sums_hash")?;
         let mut launch = side.launch_builder(&f);
@@ -139,6 +143,7 @@ pub(super) fn stage_stats<D: Dtype, V: Send + 'static>(
             .arg(&chunks)
             .arg(&counts)
             .arg(&sums)
+            .arg(&sketch)
             .arg(&hash_lanes);
         // SAFETY: a block per chunk, its lanes writing their own slots of parts sized for
         // every lane, then a block per piece, a thread per lane writing its own slot; `x` holds
@@ -296,8 +301,10 @@ fn finish(pinned: &Pinned, layout: &Layout, n: usize) -> Result<TensorStats> {
             merge_lanes(lanes.try_into().expect("a piece's lanes"), len)
         })
         .collect();
+    let chunk_sketches: &[f64] = bytemuck::cast_slice(layout.part(host, Layout::SKETCH));
     Ok(TensorStats {
         hash: content_hash_of_pieces(&piece_hashes, bytes),
+        sketch: merge_sketches(chunk_sketches.chunks_exact(SKETCH_BUCKETS)),
         ..stats
     })
 }

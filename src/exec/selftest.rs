@@ -303,7 +303,7 @@ impl Op {
             | Op::SiluMul { t, d }
             | Op::Add { t, d } => format!("[{t},{d}]"),
             Op::Chain { t, d } => format!("[{t},{d}] through 10 ops"),
-            Op::Stats { t, d } => format!("[{t},{d}], 11 fields"),
+            Op::Stats { t, d } => format!("[{t},{d}], 12 fields"),
             Op::Round { n } => format!("[{n}]"),
             Op::Mlp {
                 t,
@@ -821,6 +821,8 @@ fn stats_case<B: Backend<E = f32>>(
         device.inf == host.inf,
         device.zeros == host.zeros,
         device.hash == host.hash,
+        device.sketch.len() == host.sketch.len()
+            && device.sketch.iter().zip(&host.sketch).all(|(a, b)| same(*a, *b)),
     ];
     let out = fields.map(|ok| if ok { 1.0 } else { f32::NAN });
     Ok(Some((out.to_vec(), vec![1.0; fields.len()])))

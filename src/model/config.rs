@@ -18,6 +18,18 @@ pub enum IndexerKind {
 /// transformers classes exercise its NeoX RoPE, YaRN and dense-attention paths.
 pub const HF_MODEL_TYPES: [&str; 3] = ["glm_moe_dsa", "deepseek_v3", "deepseek_v32"];
 
+/// GLM-5.2's indexer types (llama.cpp's default for a glm-dsa GGUF whose context is 1048576 or
+/// more and which has no `attention.indexer.types`): layers 0 and 1 full, then one full layer
+/// in every four, through layer 77.
+pub fn glm_5_2_indexer_types(layers: usize) -> Vec<IndexerKind> {
+    (0..layers)
+        .map(|l| match l < 2 || (l < 78 && (l - 2) % 4 == 0) {
+            true => IndexerKind::Full,
+            false => IndexerKind::Shared,
+        })
+        .collect()
+}
+
 /// YaRN rope scaling, when a checkpoint asks for it (GLM-5 does not; DeepSeek-V3 does), with
 /// transformers' meaning of each field.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -351,7 +363,12 @@ impl Glm5Config {
                     },
                 )
                 .collect::<Result<Vec<_>, _>>()?,
-            None => vec![IndexerKind::Full; layers as usize],
+            // GLM-5 and 5.1 (a context below 1048576) run every indexer; past it llama.cpp
+            // takes GLM-5.2's pattern.
+            None => match u("context_length")?.unwrap_or(0) < 1 << 20 {
+                true => vec![IndexerKind::Full; layers as usize],
+                false => glm_5_2_indexer_types(layers as usize),
+            },
         };
         let cfg = Glm5Config {
             vocab_size: vocab,

@@ -175,13 +175,19 @@ pub fn sketch<T: Element>(xs: &[T]) -> Vec<f64> {
             buckets
         })
         .collect();
-    let mut out = [0f64; SKETCH_BUCKETS];
-    for part in parts {
+    merge_sketches(parts.iter().map(|p| p.as_slice()))
+}
+
+/// The chunks' bucket sums of a [`sketch`] added bucket by bucket in chunk order (from +0), as
+/// every writer merges them.
+pub fn merge_sketches<'a>(chunks: impl Iterator<Item = &'a [f64]>) -> Vec<f64> {
+    let mut out = vec![0f64; SKETCH_BUCKETS];
+    for part in chunks {
         for (o, p) in out.iter_mut().zip(part) {
             *o += p;
         }
     }
-    out.to_vec()
+    out
 }
 
 /// A stage's content hash: [`lane_hash`] of the values' little-endian bytes when they fit in one

@@ -11,7 +11,7 @@ Writes into OUT_DIR, from the tiny GLM-5 of llamacpp_model.py:
 * `q8_0.gguf`, `q4_k_m.gguf`: `llama-quantize f32.gguf OUT TYPE` (the oracle build's, or
   `$LLAMA_QUANTIZE`);
 * `meta-FAULT.gguf`: f32.gguf with its metadata rewritten by gguf-py (every tensor copied as it
-  is), one fault each (METADATA_FAULTS);
+  is), one fault each (METADATA_FAULTS; a list value is written as an array);
 * `NAME.gguf` for each of WEIGHT_FAULTS: one of the files above with a fault planted in its
   stored bytes by plant_gguf_fault.py (random values in `attn_q_b`, heads of `attn_k_b` or
   `attn_v_b` swapped, two sibling tensors exchanged, the router's bias zeroed, the indexer's
@@ -47,6 +47,9 @@ METADATA_FAULTS = {
     "expert-used-count": {"expert_used_count": (1, "UINT32")},
     # Group-limited routing (the best 1 of 2 groups) on a one-group model.
     "expert-groups": {"expert_group_count": (2, "UINT32"), "expert_group_used_count": (1, "UINT32")},
+    # Layer 2 told to reuse layer 1's top-k (GLM-5.2's shared indexers) on a model whose every
+    # layer runs its own.
+    "indexer-types": {"attention.indexer.types": ([1, 1, 0], "UINT32")},
 }
 
 # name -> (the file the fault is planted in, plant_gguf_fault.py's FAULT TENSOR ARGS...): faults
@@ -80,7 +83,10 @@ def rewrite_metadata(src: Path, dst: Path, changes: dict) -> None:
     for key, change in keys.items():
         if change is not None:
             value, vtype = change
-            writer.add_key_value(key, value, GGUFValueType[vtype])
+            if isinstance(value, list):  # an array of `vtype`
+                writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType[vtype])
+            else:
+                writer.add_key_value(key, value, GGUFValueType[vtype])
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
     writer.write_header_to_file()

@@ -11,7 +11,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use super::weights::{self, WeightCheck, WeightsInfo};
-use super::{gguf_meta, merge, BisectOptions};
+use super::{settings, merge, BisectOptions};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
 use crate::model::schema::Family;
@@ -33,7 +33,8 @@ pub struct PathInfo {
     pub file: Option<String>,
     /// That file's tensors which the path's stages read.
     pub tensors: Vec<String>,
-    /// The GGUF metadata keys whose stages lie on the path (all compared with the reference).
+    /// The GGUF metadata keys or engine config fields whose stages lie on the path (all
+    /// compared with the reference).
     pub keys: Vec<String>,
 }
 
@@ -60,8 +61,9 @@ fn engine_file(trace: &Trace, reference: &Model) -> Option<PathBuf> {
     ((gguf || checkpoint) && !same).then_some(source)
 }
 
-/// What an engine trace's own evidence says: the GGUF metadata llama.cpp read against the
-/// reference's config for every stage on the path, then the engine's weight file against the
+/// What an engine trace's own evidence says: the GGUF metadata llama.cpp read (or the
+/// config.json vLLM or transformers took) against the reference's config for every stage on
+/// the path, then the engine's weight file against the
 /// reference (every tensor under `--weights all`, or `auto` up to 32 GiB; else the path's).
 /// Returns where the class came from, if these decided it.
 pub fn engine_cause(
@@ -74,7 +76,8 @@ pub fn engine_cause(
     path: &mut Option<PathInfo>,
 ) -> anyhow::Result<Option<&'static str>> {
     let info = &candidate.manifest().model;
-    let meta = gguf_meta::metadata(&info.config);
+    let settings = settings::Settings::of(info)
+        .with_context(|| format!("{}", candidate.dir().display()))?;
     let file = engine_file(candidate, model);
     *path = report.first_divergence.as_ref().map(|d| {
         let before = report
@@ -100,14 +103,17 @@ pub fn engine_cause(
             tensors: Vec::new(),
             keys: Vec::new(),
         };
-        p.keys = gguf_meta::keys_on(meta, &path_stages(&p));
+        p.keys = settings::keys_on(settings.as_ref(), &path_stages(&p));
         p
     });
     let stages = path.as_ref().map(path_stages).unwrap_or_default();
     let ids = weights_of(&model.cfg, &stages);
-    if let Some(meta) = meta {
-        if gguf_meta::explain(meta, &model.cfg, report, &stages) {
-            return Ok(Some("gguf metadata"));
+    if let Some(settings) = &settings {
+        if settings::explain(settings, &model.cfg, report, &stages) {
+            return Ok(Some(match settings {
+                settings::Settings::Gguf(_) => "gguf metadata",
+                settings::Settings::Config(_) => "engine config",
+            }));
         }
     }
     let Some(file) = file.filter(|_| args.weights != WeightCheck::Off) else {

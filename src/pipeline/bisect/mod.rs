@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 mod engine;
-pub mod gguf_meta;
+pub mod settings;
 mod hybrid;
 mod weights;
 
@@ -162,8 +162,8 @@ pub struct BisectInfo {
     /// reference and envelope were run again taking the engine's choice there.
     pub ties_followed: usize,
     /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
-    /// weight check), `shard manifest`, `gguf metadata` (what an engine's trace says it read)
-    /// or `traces`.
+    /// weight check), `shard manifest`, `gguf metadata` or `engine config` (the settings an
+    /// engine's trace says it ran with) or `traces`.
     pub classified_by: &'static str,
     /// A conversion's or an engine file's weight check (`--weights`): what was checked and
     /// found.
@@ -227,7 +227,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     // An engine's trace of a quantized GGUF is judged the same way, against that file's types.
     let engine_gguf = engine
         .as_ref()
-        .and_then(|t| gguf_meta::quantized_source(&t.manifest().model));
+        .and_then(|t| settings::quantized_source(&t.manifest().model));
     // Each model is opened once, here, and shared by every run and check below.
     let cand = match (engine.is_some(), conversion) {
         (false, true) => Some(Model::open(&cand_model)?),
