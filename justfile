@@ -25,7 +25,8 @@ llamacpp-oracle:
 # few-token GEMM kernel against gemm's (bench-results/gemm.md); then the
 # reference executor against transformers on `small`, and its peak memory on glm5-dims with 2 and 6
 # layers (bench-results/reference.md); `verify` GB/s and peak RSS on glm5-dims with 2 and 4 layers
-# (bench-results/verify.md). Writes and deletes multi-GB files in the temp dir.
+# (bench-results/verify.md); bisect's check of an engine's file, on the path or whole, on glm5-dims
+# (bench-results/path-check.md). Writes and deletes multi-GB files in the temp dir.
 bench:
     scripts/setup-venv
     cargo bench --bench dequant
@@ -33,6 +34,7 @@ bench:
     cargo build --release
     .venv/bin/python benches/reference.py
     .venv/bin/python benches/verify.py
+    .venv/bin/python benches/path_check.py
 
 # The demo: a tiny synthetic GLM-5 GGUF inspected, then a TP=4 candidate with a planted fault bisected.
 demo:

@@ -135,8 +135,13 @@ pub fn print_bisect(out: &BisectReport) {
         };
         println!(
             "weight check ({which}): {} tensors, {} exact (ggml's bytes), {} within their type's \
-             noise, {} failed",
-            w.tensors, w.exact, w.within_noise, w.failed
+             noise, {} failed; {:.1} MiB of the file read in {:.1} s",
+            w.tensors,
+            w.exact,
+            w.within_noise,
+            w.failed,
+            w.bytes_read as f64 / (1u64 << 20) as f64,
+            w.seconds
         );
     }
     let behind = |p: &&PathInfo| !p.hidden.is_empty() || !p.statistics_only.is_empty();

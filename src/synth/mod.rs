@@ -143,6 +143,7 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
             Value::String(format!("glmcheck synthetic GLM-5 (seed {})", spec.seed)),
         ),
         ("general.quantization_version".to_string(), u(2)),
+        ("general.file_type".to_string(), u(spec.mix.file_type() as u64)),
     ];
     let fields = [
         (
@@ -186,7 +187,8 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
         ("vocab_size", u(cfg.vocab_size)),
     ];
     md.extend(fields.into_iter().map(|(k, v)| (format!("glm-dsa.{k}"), v)));
-    if cfg.indexer_types.contains(&IndexerKind::Shared) {
+    // llama.cpp reads a file of a 1M context without the key as GLM-5.2's pattern.
+    if cfg.indexer_types.contains(&IndexerKind::Shared) || cfg.max_position_embeddings >= 1 << 20 {
         let types = cfg
             .indexer_types
             .iter()

@@ -4,6 +4,8 @@
 //! built from that can swallow a doubled weight). A file too large to read whole in reasonable
 //! time is checked where the traces diverge instead; the report says which.
 
+use std::time::Instant;
+
 use anyhow::Result;
 use globset::{Glob, GlobSetBuilder};
 use serde::Serialize;
@@ -43,17 +45,23 @@ pub struct WeightsInfo {
     pub exact: usize,
     pub within_noise: usize,
     pub failed: usize,
+    /// The candidate's stored bytes the check read (the reference's of the same tensors are
+    /// read beside them), and its wall time: what the check of a large file costs.
+    pub bytes_read: u64,
+    pub seconds: f64,
     pub findings: Vec<Finding>,
 }
 
 impl WeightsInfo {
-    fn of(checked: &'static str, r: VerifyReport) -> Self {
+    fn of(checked: &'static str, r: VerifyReport, started: Instant) -> Self {
         WeightsInfo {
             checked,
             tensors: r.summary.tensors,
             exact: r.summary.exact,
             within_noise: r.summary.within_noise,
             failed: r.summary.failed,
+            bytes_read: r.tensors.iter().map(|t| t.bytes).sum(),
+            seconds: started.elapsed().as_secs_f64(),
             findings: r.findings,
         }
     }
@@ -71,6 +79,7 @@ pub fn check_all(mode: WeightCheck, cand: &Model) -> bool {
 
 /// Every tensor of the candidate against the reference.
 pub fn check_every_tensor(model: &Model, cand_model: &Model) -> Result<WeightsInfo> {
+    let started = Instant::now();
     let (reference, cand) = (model.source(), cand_model.source());
     let report = verify(
         &reference,
@@ -81,7 +90,7 @@ pub fn check_every_tensor(model: &Model, cand_model: &Model) -> Result<WeightsIn
             progress: &|_, _| {},
         },
     )?;
-    Ok(WeightsInfo::of("all", report))
+    Ok(WeightsInfo::of("all", report, started))
 }
 
 /// The candidate's tensors behind `ids` against the reference.
@@ -90,6 +99,7 @@ pub fn check_tensors_of(
     cand_model: &Model,
     ids: &[WeightId],
 ) -> Result<WeightsInfo> {
+    let started = Instant::now();
     let (reference, cand) = (model.source(), cand_model.source());
     let mut globs = GlobSetBuilder::new();
     for name in tensor_names(&cand, ids) {
@@ -105,7 +115,7 @@ pub fn check_tensors_of(
             progress: &|_, _| {},
         },
     )?;
-    Ok(WeightsInfo::of("divergent", report))
+    Ok(WeightsInfo::of("divergent", report, started))
 }
 
 /// The stored tensors of `src` behind `ids` (stacked experts under their layer's roles).

@@ -36,6 +36,20 @@ impl Mix {
     ];
 }
 
+impl Mix {
+    /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) of a file of this mix, as its
+    /// converter and quantizer record it.
+    pub fn file_type(self) -> u32 {
+        match self {
+            Mix::F32 => 0,
+            Mix::Q8_0 => 7,
+            Mix::Q4KM => 15,
+            Mix::UdIq => 30,
+            Mix::Bf16 => 32,
+        }
+    }
+}
+
 impl std::fmt::Display for Mix {
     /// The `--quant` name.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
