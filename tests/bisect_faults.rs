@@ -273,6 +273,7 @@ fn the_catalogue_lists_every_fault_with_class_and_stage() {
         "dequant-q4k-scales",
         "fp16-overflow",
         "rope-neox",
+        "indexer-rope-neox",
         "router-softmax",
         "routed-scale-twice",
         "kv-b-split-order",

@@ -25,6 +25,11 @@ impl Hooks {
         configured != (self.0 == Some(RopeNeox))
     }
 
+    /// The DSA indexer's RoPE pairing: the config's (`indexer-rope-neox` takes the other one).
+    pub fn indexer_rope_interleave(self, configured: bool) -> bool {
+        configured != (self.0 == Some(IndexerRopeNeox))
+    }
+
     /// Whether an f16 run rescales the residual stream as vLLM does (`fp16-overflow` does not).
     pub fn fp16_residual_rescale(self) -> bool {
         self.0 != Some(Fp16Overflow)
@@ -125,6 +130,7 @@ mod tests {
     fn without_a_fault_every_hook_is_the_model() {
         let none = Hooks::default();
         assert!(none.rope_interleave(true) && !none.rope_interleave(false));
+        assert!(none.indexer_rope_interleave(true) && !none.indexer_rope_interleave(false));
         assert!(none.fp16_residual_rescale());
         assert!(!none.router_softmax("sigmoid") && none.router_softmax("softmax"));
         assert!(!none.routed_scale_again() && !none.misreads_q4k());
@@ -138,6 +144,9 @@ mod tests {
     fn a_planted_fault_changes_its_own_hook_only() {
         let neox = Hooks::new(Some(RopeNeox));
         assert!(!neox.rope_interleave(true) && neox.router_softmax("softmax"));
+        assert!(neox.indexer_rope_interleave(true));
+        let indexer = Hooks::new(Some(IndexerRopeNeox));
+        assert!(!indexer.indexer_rope_interleave(true) && indexer.rope_interleave(true));
         let unsharded = Hooks::new(Some(UnshardedColumn(KvB)));
         assert_eq!(unsharded.slice_of(KvB, 3, 4), Some(0));
         assert_eq!(unsharded.slice_of(QB, 3, 4), Some(3));

@@ -31,6 +31,9 @@ pub enum Injection {
     Fp16Overflow,
     /// The MLA rotary embedding in the other pair order (NeoX halves on GLM-5).
     RopeNeox,
+    /// The DSA indexer's rotary embedding in the other pair order (DeepSeek-V3.2's NeoX halves
+    /// on GLM-5's interleaved indexer, or the reverse).
+    IndexerRopeNeox,
     /// Routing scores by softmax instead of the configured sigmoid.
     RouterSoftmax,
     /// `routed_scaling_factor` applied to the routed output a second time.
@@ -150,6 +153,15 @@ pub const CATALOGUE: &[Entry] = &[
         "NeoX (halves) instead of interleaved pairs in MLA's rotary embedding",
     ),
     entry(
+        "indexer-rope-neox",
+        "none",
+        FaultClass::IndexerMismatch,
+        "L0.attn.index_topk (attn.ctx where the dtype's own noise flips the same choices)",
+        false,
+        "the DSA indexer's rotary embedding in the other pair order (DeepSeek-V3.2's halves on \
+         GLM-5's adjacent pairs), so it keeps other key positions",
+    ),
+    entry(
         "router-softmax",
         "none",
         FaultClass::RouterMismatch,
@@ -252,6 +264,7 @@ impl Injection {
             "dequant-q4k-scales" => no_arg(Injection::DequantQ4kScales),
             "fp16-overflow" => no_arg(Injection::Fp16Overflow),
             "rope-neox" => no_arg(Injection::RopeNeox),
+            "indexer-rope-neox" => no_arg(Injection::IndexerRopeNeox),
             "router-softmax" => no_arg(Injection::RouterSoftmax),
             "routed-scale-twice" => no_arg(Injection::RoutedScaleTwice),
             "kv-b-split-order" => no_arg(Injection::KvBSplitOrder),
@@ -277,6 +290,7 @@ impl Injection {
             Injection::DequantQ4kScales => "dequant-q4k-scales",
             Injection::Fp16Overflow => "fp16-overflow",
             Injection::RopeNeox => "rope-neox",
+            Injection::IndexerRopeNeox => "indexer-rope-neox",
             Injection::RouterSoftmax => "router-softmax",
             Injection::RoutedScaleTwice => "routed-scale-twice",
             Injection::KvBSplitOrder => "kv-b-split-order",
@@ -337,6 +351,9 @@ impl Injection {
             {
                 bail!("--inject {}: the model has no MoE layer", e.name)
             }
+            Injection::IndexerRopeNeox if !cfg.has_indexer(0) => {
+                bail!("--inject {}: the model has no DSA indexer in layer 0", e.name)
+            }
             _ => Ok(()),
         }
     }
@@ -379,6 +396,9 @@ impl Injection {
             // Where the residual stream first leaves the range depends on the model.
             Injection::Fp16Overflow => Vec::new(),
             Injection::RopeNeox => at(0, "attn.q_rope"),
+            // In bf16 the few choices it changes on a small model can be ones the dtype's own
+            // rounding flips too (near ties, taken): the attention they feed is where it shows.
+            Injection::IndexerRopeNeox => [at(0, "attn.index_topk"), at(0, "attn.ctx")].concat(),
             Injection::RouterSoftmax => {
                 [at(moe, "moe.topk_ids"), at(moe, "moe.topk_weights")].concat()
             }
