@@ -22,39 +22,20 @@ Markdown table goes to bench-results/path-check.md and to stdout.
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from verify import run, warm
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(cmd: list) -> dict:
-    """`cmd` to completion: wall seconds, peak RSS (MiB) of the child, exit code, stdout."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, text=True)
-    with proc.stdout:
-        out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    return {"wall": time.perf_counter() - start, "rss": usage.ru_maxrss / 1024,
-            "code": os.waitstatus_to_exitcode(status), "out": out}
-
-
 def must(cmd: list) -> dict:
-    r = run(cmd)
+    r = run([str(c) for c in cmd])
     if r["code"] != 0:
         raise SystemExit(f"exit {r['code']}: {' '.join(map(str, cmd))}")
     return r
-
-
-def warm(*paths: Path) -> None:
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(1 << 24):
-                pass
 
 
 def main() -> None:
@@ -82,7 +63,8 @@ def main() -> None:
             must([g, "run", cand, "--tokens", tokens, "--out", trace])
             warm(ref, cand)
             for mode in ("off", "divergent", "all"):
-                r = run([g, "bisect", ref, "--candidate", trace, "--weights", mode, "--json"])
+                r = run([str(c) for c in (g, "bisect", ref, "--candidate", trace, "--weights",
+                                          mode, "--json")])
                 if r["code"] not in (0, 1):
                     raise SystemExit(f"bisect --weights {mode}: exit {r['code']}")
                 j = json.loads(r["out"])

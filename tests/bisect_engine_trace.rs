@@ -191,3 +191,46 @@ fn an_engine_trace_with_its_shard_manifest_names_the_unsharded_weight() {
         "{evidence}"
     );
 }
+
+/// A run of a Q4_K_M GGUF recorded with the default recording (ids and most stages as
+/// statistics) against the f32 reference of the same weights: judged against the reference with
+/// every weight stored as the run's file stores it, and a top-k choice that a near tie flips,
+/// seen only as another hash, is judged by the stages it feeds — an honest run passes. The same
+/// run with softmax routing planted still fails, at the first MoE layer.
+#[test]
+fn a_quantized_run_kept_as_statistics_passes_against_the_f32_reference() {
+    let dir = common::scratch();
+    let (f32_model, q4) = (dir.path().join("f32.gguf"), dir.path().join("q4.gguf"));
+    common::synth_tiny(&f32_model, &[]);
+    common::synth_tiny(&q4, &["--quant", "q4_k_m"]);
+    let run = |fault: Option<&str>, out: &Path| {
+        let mut args = vec![
+            "run",
+            q4.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(f) = fault {
+            args.extend(["--inject", f]);
+        }
+        common::glmcheck_json(args, 0);
+    };
+    let honest = dir.path().join("honest.trace");
+    run(None, &honest);
+    let j = common::bisect_candidate(&f32_model, &honest, &[], 0);
+    assert_eq!(j["verdict"], "pass", "{:#}", j["fault"]);
+    assert_eq!(j["bisect"]["conversion"], true, "judged as the file stores it");
+    let stages = j["stages"].as_array().unwrap();
+    let ids = stages.iter().find(|s| s["stage"] == "L1.moe.topk_ids").unwrap();
+    assert_eq!(ids["basis"], "ids", "{ids:#}");
+
+    let faulty = dir.path().join("softmax.trace");
+    run(Some("router-softmax"), &faulty);
+    let j = common::bisect_candidate(&f32_model, &faulty, &[], 1);
+    let stage = j["first_divergence"]["stage"].as_str().unwrap();
+    assert!(stage.starts_with("L1.moe."), "{stage}: {:#}", j["fault"]);
+    assert_eq!(j["fault"]["class"], "router_mismatch", "{:#}", j["fault"]);
+}

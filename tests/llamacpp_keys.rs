@@ -72,13 +72,20 @@ fn every_key_llama_cpp_reads_for_glm_dsa_is_compared_or_accounted_for() {
     let model = read(src.join("llama-model.cpp"));
     let glm_dsa = read(src.join("models/glm-dsa.cpp"));
     let table = key_strings(&read(src.join("llama-arch.cpp")));
-    assert!(table.len() > 100, "llama-arch.cpp's key table: {}", table.len());
+    assert!(
+        table.len() > 100,
+        "llama-arch.cpp's key table: {}",
+        table.len()
+    );
 
     let mut read_names = kv_names(body(
         &model,
         "void llama_model_base::load_hparams(llama_model_loader & ml)",
     ));
-    read_names.extend(kv_names(body(&glm_dsa, "void llama_model_glm_dsa::load_arch_hparams(")));
+    read_names.extend(kv_names(body(
+        &glm_dsa,
+        "void llama_model_glm_dsa::load_arch_hparams(",
+    )));
     let read_keys: BTreeSet<String> = read_names
         .iter()
         .map(|name| {
@@ -113,5 +120,9 @@ fn every_key_llama_cpp_reads_for_glm_dsa_is_compared_or_accounted_for() {
     // Each key has one place.
     let compared: BTreeSet<&str> = KEYS.iter().filter_map(|k| k.key).collect();
     let other: BTreeSet<&str> = OTHER_KEYS.iter().map(|(k, _)| *k).collect();
-    assert!(compared.is_disjoint(&other), "{:?}", compared.intersection(&other));
+    assert!(
+        compared.is_disjoint(&other),
+        "{:?}",
+        compared.intersection(&other)
+    );
 }

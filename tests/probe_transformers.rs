@@ -250,3 +250,42 @@ fn probe_keeps_logits_and_layer_outputs_in_full_by_default() {
         assert_eq!(s.file.is_some(), want_full, "{}", s.name);
     }
 }
+
+/// A one-tensor-per-expert checkpoint (the published form) whose expert 2 gate holds expert 5's
+/// rows, run by transformers with the probe's default recording: the routing and the experts'
+/// sum are kept as statistics, so the path back from `L1.moe.routed` covers every expert's
+/// tensors of the layer, and the path check (`--weights divergent`) names the
+/// tensor and the one its rows came from.
+#[test]
+fn an_expert_copied_in_a_per_expert_checkpoint_is_named_on_the_path() {
+    let dir = common::scratch();
+    let (reference, _) = synth(dir.path());
+    let cand = dir.path().join("cand");
+    std::fs::create_dir(&cand).unwrap();
+    for entry in std::fs::read_dir(&reference).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, cand.join(from.file_name().unwrap())).unwrap();
+    }
+    let (target, source) = (
+        "model.layers.1.mlp.experts.2.gate_proj.weight",
+        "model.layers.1.mlp.experts.5.gate_proj.weight",
+    );
+    common::run_oracle(
+        "copy_hf_tensor.py",
+        &[cand.to_str().unwrap(), target, source],
+    );
+    let trace = probe(&cand, dir.path(), &[]);
+    let j = common::bisect_candidate(&reference, trace.dir(), &["--weights", "divergent"], 1);
+    assert_eq!(j["first_divergence"]["stage"], "L1.moe.routed", "{:#}", j["fault"]);
+    assert_eq!(j["fault"]["class"], "weight_layout", "{:#}", j["fault"]);
+    let b = &j["bisect"];
+    assert_eq!(b["classified_by"], "weights", "{b:#}");
+    let path_tensors = b["path"]["tensors"].as_array().unwrap();
+    assert!(path_tensors.iter().any(|t| t == target), "{:#}", b["path"]);
+    let found = &b["weights"]["findings"][0];
+    assert_eq!(found["tensor"], target, "{found:#}");
+    assert!(
+        found["summary"].as_str().unwrap().contains(source),
+        "{found:#}"
+    );
+}

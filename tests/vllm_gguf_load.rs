@@ -368,7 +368,10 @@ fn vllm_forward_with_another_routed_scaling_factor_names_the_config_field() {
     let v = forward_bisect(&gguf, &other, 2, "float32", &[]);
     let (class, stage, evidence) = fault(&v);
     assert_eq!(class, "scale_mismatch", "{stage}: {evidence:#?}");
-    assert_eq!(v["bisect"]["classified_by"], "engine config", "{evidence:#?}");
+    assert_eq!(
+        v["bisect"]["classified_by"], "engine config",
+        "{evidence:#?}"
+    );
     assert!(stage.starts_with("L1."), "{stage}: the first MoE layer");
     let summary = v["fault"]["summary"].as_str().unwrap();
     assert!(
@@ -377,7 +380,11 @@ fn vllm_forward_with_another_routed_scaling_factor_names_the_config_field() {
     );
     let path = &v["bisect"]["path"];
     assert!(
-        path["keys"].as_array().unwrap().iter().any(|k| k == "routed_scaling_factor"),
+        path["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k == "routed_scaling_factor"),
         "{path:#}"
     );
     println!("routed_scaling_factor 1.0: {stage}, {class}: {summary} (path {path})");

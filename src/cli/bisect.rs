@@ -65,7 +65,13 @@ fn list_faults(json: bool) -> anyhow::Result<Outcome> {
         "\nnamed from the settings an engine trace records (the GGUF metadata llama.cpp read, \
          the config.json vLLM or transformers took), not planted:"
     );
-    let mut t = table(&["GGUF key", "config field", "class", "first divergence", "what"]);
+    let mut t = table(&[
+        "GGUF key",
+        "config field",
+        "class",
+        "first divergence",
+        "what",
+    ]);
     for k in &settings::KEYS {
         t.add_row(vec![
             k.key.map_or("-".to_string(), |k| format!("<arch>.{k}")),

@@ -117,6 +117,9 @@ fn id_sets(values: &[f32], shape: &[u64]) -> Vec<Vec<i64>> {
 struct Measured {
     rel_diff: f64,
     basis: Basis,
+    /// Top-k ids kept as statistics only, of one shape on both sides, whose hashes differ:
+    /// another choice somewhere, but not how many positions changed.
+    ids_uncounted: bool,
     metrics: Option<Metrics>,
     shape: Vec<u64>,
     reference: Side,
@@ -219,6 +222,7 @@ fn measure(
                 return Ok(Measured {
                     rel_diff,
                     basis,
+                    ids_uncounted: false,
                     metrics,
                     shape,
                     reference,
@@ -229,6 +233,7 @@ fn measure(
             return Ok(Measured {
                 rel_diff: m.rel_diff,
                 basis: Basis::Values,
+                ids_uncounted: false,
                 metrics: Some(m),
                 shape: xs.clone(),
                 reference,
@@ -270,13 +275,11 @@ fn measure(
         };
         bound.max(reference_stats.sketch_rel_diff(&c.stats).unwrap_or(0.0))
     };
+    let ids = r.dtype == ElemType::I32;
     Ok(Measured {
         rel_diff,
-        basis: if r.dtype == ElemType::I32 {
-            Basis::Ids
-        } else {
-            Basis::Stats
-        },
+        basis: if ids { Basis::Ids } else { Basis::Stats },
+        ids_uncounted: ids && same && rel_diff > 0.0,
         metrics: None,
         shape: r.shape.clone(),
         reference: Side::of_stats(&r.stats),
@@ -380,8 +383,10 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         };
         let new_non_finite = m.candidate.non_finite() > m.reference.non_finite();
         // At a lower precision, near ties at a top-k boundary may break the other way: another
-        // choice is judged by what it does to the stages after it, not by itself.
-        let judged = m.basis != Basis::Ids || !lower_precision;
+        // choice is judged by what it does to the stages after it, not by itself. So are ids
+        // kept as statistics only, which say that some choice changed but not whether it was
+        // a near tie (the stages they feed are compared by their sketches).
+        let judged = m.basis != Basis::Ids || !(lower_precision || m.ids_uncounted);
         let status = if judged && m.rel_diff > tolerance || new_non_finite {
             Status::Fail
         } else {

@@ -412,7 +412,9 @@ fn indexer<B: Backend>(
         width: ihd,
         offset: 0,
         start,
-        interleaved: src.hooks().indexer_rope_interleave(cfg.indexer_rope_interleave),
+        interleaved: src
+            .hooks()
+            .indexer_rope_interleave(cfg.indexer_rope_interleave),
     };
     let k = be.rounded(be.rope(&k, rope, spec)?)?;
     let q = be.rounded(be.rope(&q, rope, spec)?)?;

@@ -352,7 +352,10 @@ impl Injection {
                 bail!("--inject {}: the model has no MoE layer", e.name)
             }
             Injection::IndexerRopeNeox if !cfg.has_indexer(0) => {
-                bail!("--inject {}: the model has no DSA indexer in layer 0", e.name)
+                bail!(
+                    "--inject {}: the model has no DSA indexer in layer 0",
+                    e.name
+                )
             }
             _ => Ok(()),
         }

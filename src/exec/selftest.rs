@@ -822,7 +822,11 @@ fn stats_case<B: Backend<E = f32>>(
         device.zeros == host.zeros,
         device.hash == host.hash,
         device.sketch.len() == host.sketch.len()
-            && device.sketch.iter().zip(&host.sketch).all(|(a, b)| same(*a, *b)),
+            && device
+                .sketch
+                .iter()
+                .zip(&host.sketch)
+                .all(|(a, b)| same(*a, *b)),
     ];
     let out = fields.map(|ok| if ok { 1.0 } else { f32::NAN });
     Ok(Some((out.to_vec(), vec![1.0; fields.len()])))

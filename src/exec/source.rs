@@ -157,7 +157,8 @@ impl WeightSource {
         Hooks::new(self.fault)
     }
 
-    /// The stored tensors behind `id` (kv_b's split parts where the file splits it).
+    /// The stored tensors behind `id` (kv_b's split parts where the file splits it, each
+    /// expert's tensor of a one-tensor-per-expert checkpoint).
     pub fn tensor_names(&self, id: WeightId) -> Vec<String> {
         match (id, self.layout.kv_b, self.layout.experts) {
             (WeightId::Layer(l, LayerWeight::KvB), KvBForm::Split | KvBForm::SplitFolded, _) => {
@@ -171,6 +172,24 @@ impl WeightSource {
                 _,
                 ExpertForm::FusedGateUp,
             ) => vec![self.name(WeightId::Layer(l, LayerWeight::ExpertsGateUp))],
+            (
+                WeightId::Layer(
+                    l,
+                    which @ (LayerWeight::ExpertsGate
+                    | LayerWeight::ExpertsUp
+                    | LayerWeight::ExpertsDown),
+                ),
+                _,
+                ExpertForm::PerExpert,
+            ) => (0..self.cfg.n_routed_experts)
+                .map(|expert| {
+                    self.name(WeightId::Expert {
+                        layer: l,
+                        expert,
+                        which,
+                    })
+                })
+                .collect(),
             _ => vec![self.name(id)],
         }
         .into_iter()

@@ -143,7 +143,10 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
             Value::String(format!("glmcheck synthetic GLM-5 (seed {})", spec.seed)),
         ),
         ("general.quantization_version".to_string(), u(2)),
-        ("general.file_type".to_string(), u(spec.mix.file_type() as u64)),
+        (
+            "general.file_type".to_string(),
+            u(spec.mix.file_type() as u64),
+        ),
     ];
     let fields = [
         (

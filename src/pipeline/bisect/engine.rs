@@ -11,13 +11,14 @@ use anyhow::Context;
 use serde::Serialize;
 
 use super::weights::{self, WeightCheck, WeightsInfo};
-use super::{settings, merge, BisectOptions};
+use super::{merge, settings, BisectOptions};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
 use crate::model::schema::Family;
 use crate::model::stages::{hidden_behind, weights_of};
 use crate::pipeline::Model;
 use crate::trace::Trace;
+use crate::weights::{Encoding, GgmlType};
 
 /// The way back from an engine trace's first divergence, in bisect's JSON.
 #[derive(Clone, Debug, Serialize)]
@@ -61,6 +62,21 @@ fn engine_file(trace: &Trace, reference: &Model) -> Option<PathBuf> {
     ((gguf || checkpoint) && !same).then_some(source)
 }
 
+/// The engine's GGUF, opened, where it stores weights quantized (a type other than F32, F16 or
+/// BF16): the engine's trace is judged against the reference with every weight stored as that
+/// file stores it, whoever ran it (llama.cpp, vLLM's GGUF loader, glmcheck itself).
+pub fn quantized_engine_file(trace: &Trace, reference: &Model) -> anyhow::Result<Option<Model>> {
+    let Some(path) = engine_file(trace, reference).filter(|p| p.is_file()) else {
+        return Ok(None);
+    };
+    let file = Model::open(&path)?;
+    let quantized = file.files.tensors().iter().any(|t| {
+        matches!(t.encoding, Encoding::Ggml(ty)
+            if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+    });
+    Ok(quantized.then_some(file))
+}
+
 /// What an engine trace's own evidence says: the GGUF metadata llama.cpp read (or the
 /// config.json vLLM or transformers took) against the reference's config for every stage on
 /// the path, then the engine's weight file against the
@@ -76,8 +92,8 @@ pub fn engine_cause(
     path: &mut Option<PathInfo>,
 ) -> anyhow::Result<Option<&'static str>> {
     let info = &candidate.manifest().model;
-    let settings = settings::Settings::of(info)
-        .with_context(|| format!("{}", candidate.dir().display()))?;
+    let settings =
+        settings::Settings::of(info).with_context(|| format!("{}", candidate.dir().display()))?;
     let file = engine_file(candidate, model);
     *path = report.first_divergence.as_ref().map(|d| {
         let before = report

@@ -11,8 +11,8 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 mod engine;
-pub mod settings;
 mod hybrid;
+pub mod settings;
 mod weights;
 
 use super::record::{prompt_tokens, record, RunSpec};
@@ -225,16 +225,16 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     // stored as the candidate stores it: its quantization noise is not a fault.
     let conversion = engine.is_none() && cand_model != model;
     // An engine's trace of a quantized GGUF is judged the same way, against that file's types.
-    let engine_gguf = engine
-        .as_ref()
-        .and_then(|t| settings::quantized_source(&t.manifest().model));
+    let engine_gguf = match &engine {
+        Some(t) => engine::quantized_engine_file(t, &reference_model)?,
+        None => None,
+    };
     // Each model is opened once, here, and shared by every run and check below.
     let cand = match (engine.is_some(), conversion) {
         (false, true) => Some(Model::open(&cand_model)?),
         (false, false) => Some(reference_model.clone()),
         (true, _) => None,
     };
-    let engine_gguf = engine_gguf.as_deref().map(Model::open).transpose()?;
     let stored_as = match conversion {
         true => cand.as_ref(),
         false => engine_gguf.as_ref(),

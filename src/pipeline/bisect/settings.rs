@@ -5,8 +5,6 @@
 //! there). A mismatch that changes the first divergent stage, or a stage hidden behind it, is
 //! the cause, classified by what the setting does.
 
-use std::path::PathBuf;
-
 use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
@@ -41,7 +39,8 @@ pub const KEYS: [Key; 13] = [
         field: "yarn",
         stages: ROPE,
         class: FaultClass::RopeMismatch,
-        does: "the scaling (with `rope.scaling.factor` and `rope.scaling.original_context_length`) \
+        does:
+            "the scaling (with `rope.scaling.factor` and `rope.scaling.original_context_length`) \
                rescales every rotary position or frequency",
     },
     Key {
@@ -141,49 +140,130 @@ pub const KEYS: [Key; 13] = [
 /// another architecture. A test holds this list and [`KEYS`] to llama.cpp's own source.
 pub const OTHER_KEYS: [(&str, &str); 41] = [
     ("general.name", "informational"),
-    ("context_length", "no effect on a prompt's logits; it picks the indexer types' default"),
-    ("embedding_length", "shapes every tensor: the load checks it"),
+    (
+        "context_length",
+        "no effect on a prompt's logits; it picks the indexer types' default",
+    ),
+    (
+        "embedding_length",
+        "shapes every tensor: the load checks it",
+    ),
     ("embedding_length_out", "embedding output only"),
-    ("attention.causal", "not compared: false would make attention bidirectional, and no \
-      fault class names an attention mask yet"),
+    (
+        "attention.causal",
+        "not compared: false would make attention bidirectional, and no \
+      fault class names an attention mask yet",
+    ),
     ("pooling_type", "embedding output only"),
     ("classifier.pooling_type", "embedding output only"),
     ("classifier.output_labels", "classifier output only"),
-    ("block_count", "the tensors' names and count: the load checks it"),
-    ("nextn_predict_layers", "the MTP tensors' names: the load checks it"),
-    ("expert_count", "the experts' tensors' shapes: the load checks it"),
-    ("expert_group_used_count", "compared with `expert_group_count`"),
-    ("feed_forward_length", "the dense layers' tensors' shapes: the load checks it"),
-    ("attention.head_count", "the attention tensors' shapes: the load checks it"),
-    ("attention.head_count_kv", "MLA's cache rows: a wrong value fails the first graph"),
+    (
+        "block_count",
+        "the tensors' names and count: the load checks it",
+    ),
+    (
+        "nextn_predict_layers",
+        "the MTP tensors' names: the load checks it",
+    ),
+    (
+        "expert_count",
+        "the experts' tensors' shapes: the load checks it",
+    ),
+    (
+        "expert_group_used_count",
+        "compared with `expert_group_count`",
+    ),
+    (
+        "feed_forward_length",
+        "the dense layers' tensors' shapes: the load checks it",
+    ),
+    (
+        "attention.head_count",
+        "the attention tensors' shapes: the load checks it",
+    ),
+    (
+        "attention.head_count_kv",
+        "MLA's cache rows: a wrong value fails the first graph",
+    ),
     ("rope.scaling.finetuned", "read, never used"),
-    ("rope.scaling.original_context_length", "compared with `rope.scaling.type` under YaRN, \
-      without effect otherwise"),
+    (
+        "rope.scaling.original_context_length",
+        "compared with `rope.scaling.type` under YaRN, \
+      without effect otherwise",
+    ),
     ("rope.scaling.factor", "compared with `rope.scaling.type`"),
-    ("rope.scale_linear", "compared with `rope.scaling.type` (the factor's older name)"),
+    (
+        "rope.scale_linear",
+        "compared with `rope.scaling.type` (the factor's older name)",
+    ),
     ("rope.scaling.alpha", "read, unused by glm-dsa"),
-    ("attention.key_length", "MLA's cache rows and the rope width's default: the tensors' \
-      shapes check it"),
+    (
+        "attention.key_length",
+        "MLA's cache rows and the rope width's default: the tensors' \
+      shapes check it",
+    ),
     ("attention.value_length", "unused by MLA"),
-    ("rope.dimension_count", "the rope width: the tensors' shapes check it"),
-    ("attention.key_length_swa", "unused: glm-dsa has no sliding-window layers"),
-    ("attention.value_length_swa", "unused: glm-dsa has no sliding-window layers"),
-    ("rope.dimension_count_swa", "unused: glm-dsa has no sliding-window layers"),
+    (
+        "rope.dimension_count",
+        "the rope width: the tensors' shapes check it",
+    ),
+    (
+        "attention.key_length_swa",
+        "unused: glm-dsa has no sliding-window layers",
+    ),
+    (
+        "attention.value_length_swa",
+        "unused: glm-dsa has no sliding-window layers",
+    ),
+    (
+        "rope.dimension_count_swa",
+        "unused: glm-dsa has no sliding-window layers",
+    ),
     ("features_length", "read only for WavTokenizer"),
     ("posnet.embedding_length", "read only for WavTokenizer"),
     ("posnet.block_count", "read only for WavTokenizer"),
     ("convnext.embedding_length", "read only for WavTokenizer"),
     ("convnext.block_count", "read only for WavTokenizer"),
-    ("expert_feed_forward_length", "the experts' tensors' shapes: the load checks it"),
-    ("rope.dimension_sections", "unused: glm-dsa's rotary style is fixed"),
-    ("expert_shared_count", "the shared expert's tensors' shapes: the load checks it"),
-    ("leading_dense_block_count", "which layers hold dense or expert tensors: the load checks it"),
-    ("attention.q_lora_rank", "the q latent's tensors' shapes: the load checks it"),
-    ("attention.kv_lora_rank", "the kv latent's tensors' shapes: the load checks it"),
-    ("attention.key_length_mla", "the per-head key width: the tensors' shapes check it"),
-    ("attention.value_length_mla", "the per-head value width: the tensors' shapes check it"),
-    ("attention.indexer.head_count", "the indexer's tensors' shapes: the load checks it"),
-    ("attention.indexer.key_length", "the indexer's tensors' shapes: the load checks it"),
+    (
+        "expert_feed_forward_length",
+        "the experts' tensors' shapes: the load checks it",
+    ),
+    (
+        "rope.dimension_sections",
+        "unused: glm-dsa's rotary style is fixed",
+    ),
+    (
+        "expert_shared_count",
+        "the shared expert's tensors' shapes: the load checks it",
+    ),
+    (
+        "leading_dense_block_count",
+        "which layers hold dense or expert tensors: the load checks it",
+    ),
+    (
+        "attention.q_lora_rank",
+        "the q latent's tensors' shapes: the load checks it",
+    ),
+    (
+        "attention.kv_lora_rank",
+        "the kv latent's tensors' shapes: the load checks it",
+    ),
+    (
+        "attention.key_length_mla",
+        "the per-head key width: the tensors' shapes check it",
+    ),
+    (
+        "attention.value_length_mla",
+        "the per-head value width: the tensors' shapes check it",
+    ),
+    (
+        "attention.indexer.head_count",
+        "the indexer's tensors' shapes: the load checks it",
+    ),
+    (
+        "attention.indexer.key_length",
+        "the indexer's tensors' shapes: the load checks it",
+    ),
 ];
 
 /// One setting whose value the engine runs with differs from the reference's.
@@ -311,13 +391,6 @@ fn metadata(config: &Value) -> Option<&Map<String, Value>> {
         .filter(|m| m.get("general.architecture").is_some_and(Value::is_string))
 }
 
-/// The GGUF an engine trace ran, when the trace records its metadata and the file is at hand
-/// and quantized (`general.file_type` other than all-F32, F16 or BF16).
-pub fn quantized_source(info: &ModelInfo) -> Option<PathBuf> {
-    let file_type = metadata(&info.config)?.get("general.file_type")?.as_u64()?;
-    let path = PathBuf::from(&info.source);
-    (!matches!(file_type, 0 | 1 | 32) && path.is_file()).then_some(path)
-}
 
 /// f32 metadata against an f64 config value: equal up to f32 rounding.
 fn differs(a: f64, b: f64) -> bool {
@@ -813,7 +886,10 @@ mod tests {
         assert!(rope(&meta(40.0, 4096)).is_empty());
         let found = rope(&meta(4.0, 4096));
         assert_eq!(found.len(), 1);
-        assert!(found[0].contains("factor 4 over an original context of 4096"), "{found:?}");
+        assert!(
+            found[0].contains("factor 4 over an original context of 4096"),
+            "{found:?}"
+        );
         assert_eq!(rope(&meta(40.0, 8192)).len(), 1);
     }
 
