@@ -11,8 +11,9 @@ every tensor (what `auto` does up to 32 GiB). On a 402 GB model only the first i
 its cost must not grow with the layers.
 
 For each layer count: `glmcheck synth --preset glm5-dims` writes the f32 GGUF (the reference)
-and the q4_k_m GGUF of the same weights; heads 0 and 2 of `blk.1.attn_k_b` are swapped in the
-q4_k_m file's bytes (tests/oracle/plant_gguf_fault.py), and `glmcheck run` on it records the
+and the q4_k_m GGUF of the same weights; every block scale of `blk.1.attn_k_b` is multiplied by
+4 in the q4_k_m file's bytes (tests/oracle/plant_gguf_fault.py; two heads swapped stay inside
+Q4_K_M's envelope at these widths, and a run that passes has no path to check), and `glmcheck run` on it records the
 candidate trace with its default recording (most stages as statistics; the trace names the
 file). Then `glmcheck bisect REF --candidate TRACE --json` with `--weights off`, `divergent`
 and `all`, page cache warm: wall seconds and peak RSS of the whole bisect, and from its JSON
@@ -58,7 +59,7 @@ def main() -> None:
             must(base + ["--quant", "f32", "--out", ref])
             must(base + ["--quant", "q4_k_m", "--out", clean])
             must([sys.executable, ROOT / "tests/oracle/plant_gguf_fault.py", clean, cand,
-                  "swap-heads", "blk.1.attn_k_b.weight", "0", "2"])
+                  "scale", "blk.1.attn_k_b.weight", "4"])
             clean.unlink()
             must([g, "run", cand, "--tokens", tokens, "--out", trace])
             warm(ref, cand)
