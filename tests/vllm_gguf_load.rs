@@ -390,6 +390,41 @@ fn vllm_forward_with_another_routed_scaling_factor_names_the_config_field() {
     println!("routed_scaling_factor 1.0: {stage}, {class}: {summary} (path {path})");
 }
 
+/// Layer 1's o_proj leaving out the all-reduce its RowParallelLinear promises, at TP 4 with the
+/// probe's default recording: the merged trace's rank 0 holds its partial sum as the whole
+/// stage and lists the ranks whose copy differs (`producer.disagree`), which names the class.
+#[test]
+fn vllm_forward_with_an_all_reduce_left_out_is_a_missing_all_reduce() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let v = forward_bisect(&gguf, &hf, 4, "float32", &["--fault", "skip-o-proj-all-reduce"]);
+    let (class, stage, evidence) = fault(&v);
+    assert_eq!(stage, "L1.attn.out", "{class}: {evidence:#?}");
+    assert_eq!(class, "missing_all_reduce", "{evidence:#?}");
+    assert!(
+        evidence.iter().any(|e| e.contains("rank")),
+        "the ranks that disagree: {evidence:#?}"
+    );
+    println!("skip-o-proj-all-reduce: {stage}, {class}: {evidence:?}");
+}
+
+/// The logits gather handing back the ranks' vocabulary blocks rotated by one, at TP 4: the
+/// logits are the reference's blocks in another order, a wrong shard layout with the block map.
+#[test]
+fn vllm_forward_with_the_vocabulary_blocks_rotated_is_a_wrong_shard_layout() {
+    let dir = common::scratch();
+    let (gguf, hf) = model(dir.path(), true);
+    let v = forward_bisect(&gguf, &hf, 4, "float32", &["--fault", "logits-vocab-rotated"]);
+    let (class, stage, evidence) = fault(&v);
+    assert_eq!(stage, "logits", "{class}: {evidence:#?}");
+    assert_eq!(class, "wrong_shard_layout", "{evidence:#?}");
+    assert!(
+        evidence.iter().any(|e| e.contains("block")),
+        "the block map: {evidence:#?}"
+    );
+    println!("logits-vocab-rotated: {stage}, {class}: {evidence:?}");
+}
+
 #[test]
 fn vllm_forward_with_kv_b_whole_on_every_rank_is_an_unsharded_weight() {
     let dir = common::scratch();

@@ -16,7 +16,9 @@ platform decisions it changes and `gpu_stand_ins.py` for the GPU kernels the for
 
 Faults: `unsharded-kv-b` (the loader patch, `glm_dsa_load.py`), `q4k-high-scales` and
 `fp16-no-residual-rescale` (`gpu_stand_ins.py`), `rope-theta-10x` (every rotary embedding of
-the model rebuilt with 10 times its base, as a config read wrongly would build it).
+the model rebuilt with 10 times its base, as a config read wrongly would build it),
+`skip-o-proj-all-reduce` (layer 1's o_proj leaving out its all-reduce), `logits-vocab-rotated`
+(the logits gather returning the ranks' vocabulary blocks in rotated order).
 """
 
 import argparse
@@ -85,6 +87,10 @@ def rank_main(args) -> None:
             process_weights_after_loading(model, model_config, torch.device("cpu"))
         if args.fault == "rope-theta-10x":
             rope_base_times(model, 10.0)
+        elif args.fault == "skip-o-proj-all-reduce":
+            skip_o_proj_all_reduce(model, layer=1)
+        elif args.fault == "logits-vocab-rotated":
+            rotate_vocab_blocks(args.tp)
         rename(model, args.rename_class, args.rename_module)
         loaded = time.time()
         path = os.path.join(args.out, f"shards.rank{args.rank}.json")
@@ -144,6 +150,46 @@ def rope_base_times(model, factor: float) -> None:
         raise SystemExit("run_ranks.py: rope-theta-10x: the model has no rotary embedding")
 
 
+def skip_o_proj_all_reduce(model, layer: int) -> None:
+    """Layer `layer`'s o_proj (RowParallelLinear, `reduce_results` still true) leaving out the
+    all-reduce `linear.py`'s forward promises: each rank goes on with its partial sum, as a
+    collective dropped by a bug would leave it."""
+    import vllm.model_executor.layers.linear as linear
+
+    o_proj = model.model.layers[layer].self_attn.o_proj
+    real, skipping = linear.tensor_model_parallel_all_reduce, []
+    linear.tensor_model_parallel_all_reduce = lambda x: x if skipping else real(x)
+    forward = o_proj.forward
+
+    def skipped(*args, **kwargs):
+        skipping.append(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            skipping.clear()
+
+    o_proj.forward = skipped
+
+
+def rotate_vocab_blocks(tp: int) -> None:
+    """The logits gather of `logits_processor.py` handing back the ranks' vocabulary blocks in
+    rotated order (rank 1's block first, rank 0's last): a gather that orders its parts wrongly."""
+    import torch
+    import vllm.model_executor.layers.logits_processor as lp
+
+    for name in ("tensor_model_parallel_all_gather", "tensor_model_parallel_gather"):
+        real = getattr(lp, name)
+
+        def rotated(x, *args, real=real, **kwargs):
+            out = real(x, *args, **kwargs)
+            if out is None:
+                return out
+            blocks = list(out.chunk(tp, dim=-1))
+            return torch.cat(blocks[1:] + blocks[:1], dim=-1)
+
+        setattr(lp, name, rotated)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gguf")
@@ -151,7 +197,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", choices=["unsharded-kv-b", "q4k-high-scales",
-                                        "fp16-no-residual-rescale", "rope-theta-10x"])
+                                        "fp16-no-residual-rescale", "rope-theta-10x",
+                                        "skip-o-proj-all-reduce", "logits-vocab-rotated"])
     ap.add_argument("--tokens", type=lambda t: [int(x) for x in t.split(",")])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--full", action="append", help="stages kept whole (default: the probe's)")
