@@ -227,6 +227,23 @@ fn a_quantized_run_kept_as_statistics_passes_against_the_f32_reference() {
     let ids = stages.iter().find(|s| s["stage"] == "L1.moe.topk_ids").unwrap();
     assert_eq!(ids["basis"], "ids", "{ids:#}");
 
+    // An engine's recorded config.json that does not parse is bad input: one line naming the
+    // trace and the field, exit 2.
+    let manifest = honest.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    m["model"]["config"] = serde_json::json!({"model_type": "glm_moe_dsa", "rms_norm_eps": "x"});
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let out = Command::new(common::glmcheck_bin())
+        .args(["bisect", f32_model.to_str().unwrap(), "--candidate"])
+        .arg(&honest)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("honest.trace") && err.contains("`rms_norm_eps`"), "{err}");
+
     let faulty = dir.path().join("softmax.trace");
     run(Some("router-softmax"), &faulty);
     let j = common::bisect_candidate(&f32_model, &faulty, &[], 1);

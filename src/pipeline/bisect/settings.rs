@@ -32,7 +32,7 @@ const ROPE: &[&str] = &["attn.q_rope", "attn.k_rope"];
 /// keys of llama.cpp's glm-dsa loader that change numbers without failing the load, and the
 /// config fields of the same roles (two, the rotary styles, llama.cpp fixes by architecture).
 /// The keys that fix a tensor's shape (widths, counts, ranks) are checked by the loader against
-/// the tensors; [`UNCOMPARED`] says why each other key read for glm-dsa is not compared.
+/// the tensors; [`OTHER_KEYS`] says what becomes of every other key read for glm-dsa.
 pub const KEYS: [Key; 13] = [
     Key {
         key: Some("rope.scaling.type"),
