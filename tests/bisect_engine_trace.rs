@@ -222,9 +222,15 @@ fn a_quantized_run_kept_as_statistics_passes_against_the_f32_reference() {
     run(None, &honest);
     let j = common::bisect_candidate(&f32_model, &honest, &[], 0);
     assert_eq!(j["verdict"], "pass", "{:#}", j["fault"]);
-    assert_eq!(j["bisect"]["conversion"], true, "judged as the file stores it");
+    assert_eq!(
+        j["bisect"]["conversion"], true,
+        "judged as the file stores it"
+    );
     let stages = j["stages"].as_array().unwrap();
-    let ids = stages.iter().find(|s| s["stage"] == "L1.moe.topk_ids").unwrap();
+    let ids = stages
+        .iter()
+        .find(|s| s["stage"] == "L1.moe.topk_ids")
+        .unwrap();
     assert_eq!(ids["basis"], "ids", "{ids:#}");
 
     // An engine's recorded config.json that does not parse is bad input: one line naming the
@@ -242,7 +248,10 @@ fn a_quantized_run_kept_as_statistics_passes_against_the_f32_reference() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("honest.trace") && err.contains("`rms_norm_eps`"), "{err}");
+    assert!(
+        err.contains("honest.trace") && err.contains("`rms_norm_eps`"),
+        "{err}"
+    );
 
     let faulty = dir.path().join("softmax.trace");
     run(Some("router-softmax"), &faulty);

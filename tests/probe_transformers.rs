@@ -276,7 +276,11 @@ fn an_expert_copied_in_a_per_expert_checkpoint_is_named_on_the_path() {
     );
     let trace = probe(&cand, dir.path(), &[]);
     let j = common::bisect_candidate(&reference, trace.dir(), &["--weights", "divergent"], 1);
-    assert_eq!(j["first_divergence"]["stage"], "L1.moe.routed", "{:#}", j["fault"]);
+    assert_eq!(
+        j["first_divergence"]["stage"], "L1.moe.routed",
+        "{:#}",
+        j["fault"]
+    );
     assert_eq!(j["fault"]["class"], "weight_layout", "{:#}", j["fault"]);
     let b = &j["bisect"];
     assert_eq!(b["classified_by"], "weights", "{b:#}");

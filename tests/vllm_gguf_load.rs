@@ -390,39 +390,41 @@ fn vllm_forward_with_another_routed_scaling_factor_names_the_config_field() {
     println!("routed_scaling_factor 1.0: {stage}, {class}: {summary} (path {path})");
 }
 
-/// Layer 1's o_proj leaving out the all-reduce its RowParallelLinear promises, at TP 4 with the
-/// probe's default recording: the merged trace's rank 0 holds its partial sum as the whole
-/// stage and lists the ranks whose copy differs (`producer.disagree`), which names the class.
+/// Faults in vLLM's collectives at TP 4 with the probe's default recording, each named from the
+/// evidence the merged trace carries: layer 1's o_proj leaving out the all-reduce its
+/// RowParallelLinear promises (rank 0's partial sum stands as the whole stage, and the ranks
+/// whose copy differs are listed in `producer.disagree`); the logits gather handing back the
+/// ranks' vocabulary blocks rotated by one (the reference's blocks in another order, with the
+/// block map).
 #[test]
-fn vllm_forward_with_an_all_reduce_left_out_is_a_missing_all_reduce() {
+fn vllm_forward_with_a_collective_broken_is_named_from_the_trace() {
     let dir = common::scratch();
     let (gguf, hf) = model(dir.path(), true);
-    let v = forward_bisect(&gguf, &hf, 4, "float32", &["--fault", "skip-o-proj-all-reduce"]);
-    let (class, stage, evidence) = fault(&v);
-    assert_eq!(stage, "L1.attn.out", "{class}: {evidence:#?}");
-    assert_eq!(class, "missing_all_reduce", "{evidence:#?}");
-    assert!(
-        evidence.iter().any(|e| e.contains("rank")),
-        "the ranks that disagree: {evidence:#?}"
-    );
-    println!("skip-o-proj-all-reduce: {stage}, {class}: {evidence:?}");
-}
-
-/// The logits gather handing back the ranks' vocabulary blocks rotated by one, at TP 4: the
-/// logits are the reference's blocks in another order, a wrong shard layout with the block map.
-#[test]
-fn vllm_forward_with_the_vocabulary_blocks_rotated_is_a_wrong_shard_layout() {
-    let dir = common::scratch();
-    let (gguf, hf) = model(dir.path(), true);
-    let v = forward_bisect(&gguf, &hf, 4, "float32", &["--fault", "logits-vocab-rotated"]);
-    let (class, stage, evidence) = fault(&v);
-    assert_eq!(stage, "logits", "{class}: {evidence:#?}");
-    assert_eq!(class, "wrong_shard_layout", "{evidence:#?}");
-    assert!(
-        evidence.iter().any(|e| e.contains("block")),
-        "the block map: {evidence:#?}"
-    );
-    println!("logits-vocab-rotated: {stage}, {class}: {evidence:?}");
+    let cases = [
+        (
+            "skip-o-proj-all-reduce",
+            "L1.attn.out",
+            "missing_all_reduce",
+            "rank 1, 2, 3",
+        ),
+        (
+            "logits-vocab-rotated",
+            "logits",
+            "wrong_shard_layout",
+            "block 3 holds the reference's block 0",
+        ),
+    ];
+    for (planted, want_stage, want_class, said) in cases {
+        let v = forward_bisect(&gguf, &hf, 4, "float32", &["--fault", planted]);
+        let (class, stage, evidence) = fault(&v);
+        assert_eq!(stage, want_stage, "{planted}: {class}: {evidence:#?}");
+        assert_eq!(class, want_class, "{planted}: {evidence:#?}");
+        assert!(
+            evidence.iter().any(|e| e.contains(said)),
+            "{planted}: {evidence:#?}"
+        );
+        println!("{planted}: {stage}, {class}: {evidence:?}");
+    }
 }
 
 #[test]

@@ -391,7 +391,6 @@ fn metadata(config: &Value) -> Option<&Map<String, Value>> {
         .filter(|m| m.get("general.architecture").is_some_and(Value::is_string))
 }
 
-
 /// f32 metadata against an f64 config value: equal up to f32 rounding.
 fn differs(a: f64, b: f64) -> bool {
     (a - b).abs() > 1e-6 * a.abs().max(b.abs())
