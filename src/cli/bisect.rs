@@ -75,7 +75,11 @@ fn list_faults(json: bool) -> anyhow::Result<Outcome> {
     for k in &settings::KEYS {
         t.add_row(vec![
             k.key.map_or("-".to_string(), |k| format!("<arch>.{k}")),
-            settings::config_name(k.field).to_string(),
+            k.fields
+                .iter()
+                .map(|f| settings::config_name(f))
+                .collect::<Vec<_>>()
+                .join(" / "),
             k.class.name().to_string(),
             k.stages.join(" or "),
             k.does.to_string(),

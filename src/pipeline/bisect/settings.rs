@@ -15,12 +15,12 @@ use crate::model::Glm5Config;
 use crate::trace::ModelInfo;
 
 /// A setting bisect compares: its GGUF key (without the arch prefix) where llama.cpp has one,
-/// the reference config's field of the same role, the stages (without `L{n}.`) it changes
+/// the reference config's fields of the same role, the stages (without `L{n}.`) it changes
 /// first, any of which may be the first divergence, the class of what it does, and what it
 /// does.
 pub struct Key {
     pub key: Option<&'static str>,
-    pub field: &'static str,
+    pub fields: &'static [&'static str],
     pub stages: &'static [&'static str],
     pub class: FaultClass,
     pub does: &'static str,
@@ -36,7 +36,7 @@ const ROPE: &[&str] = &["attn.q_rope", "attn.k_rope"];
 pub const KEYS: [Key; 13] = [
     Key {
         key: Some("rope.scaling.type"),
-        field: "yarn",
+        fields: &["yarn"],
         stages: ROPE,
         class: FaultClass::RopeMismatch,
         does:
@@ -45,35 +45,35 @@ pub const KEYS: [Key; 13] = [
     },
     Key {
         key: Some("rope.freq_base"),
-        field: "rope_theta",
+        fields: &["rope_theta"],
         stages: ROPE,
         class: FaultClass::RopeMismatch,
         does: "the rotary frequencies follow the base",
     },
     Key {
         key: Some("attention.layer_norm_rms_epsilon"),
-        field: "rms_norm_eps",
+        fields: &["rms_norm_eps"],
         stages: &["attn_norm"],
         class: FaultClass::NormEpsMismatch,
         does: "every RMSNorm divides by sqrt(mean(x²) + eps)",
     },
     Key {
         key: Some("expert_weights_scale"),
-        field: "routed_scaling_factor",
+        fields: &["routed_scaling_factor"],
         stages: &["moe.topk_weights"],
         class: FaultClass::ScaleMismatch,
         does: "the routing weights are multiplied by it",
     },
     Key {
         key: Some("expert_weights_norm"),
-        field: "norm_topk_prob",
+        fields: &["norm_topk_prob"],
         stages: &["moe.topk_weights"],
         class: FaultClass::RouterMismatch,
         does: "it decides whether the chosen experts' weights are divided by their sum",
     },
     Key {
         key: Some("rope.scaling.attn_factor"),
-        field: "yarn",
+        fields: &["yarn"],
         stages: ROPE,
         class: FaultClass::RopeMismatch,
         does: "it multiplies every rotary embedding's magnitude, and its square the attention's \
@@ -81,14 +81,14 @@ pub const KEYS: [Key; 13] = [
     },
     Key {
         key: Some("attention.indexer.top_k"),
-        field: "index_topk",
+        fields: &["index_topk"],
         stages: &["attn.index_topk"],
         class: FaultClass::IndexerMismatch,
         does: "the DSA indexer keeps that many key positions for each query",
     },
     Key {
         key: Some("attention.indexer.types"),
-        field: "indexer_types",
+        fields: &["indexer_types"],
         stages: &["attn.index_topk"],
         class: FaultClass::IndexerMismatch,
         does: "a layer marked 0 reuses the previous full layer's top-k instead of its own \
@@ -97,14 +97,14 @@ pub const KEYS: [Key; 13] = [
     },
     Key {
         key: Some("expert_used_count"),
-        field: "num_experts_per_tok",
+        fields: &["num_experts_per_tok"],
         stages: &["moe.topk_ids"],
         class: FaultClass::RouterMismatch,
         does: "the router chooses that many experts for each token",
     },
     Key {
         key: Some("expert_group_count"),
-        field: "n_group",
+        fields: &["n_group", "topk_group"],
         stages: &["moe.topk_ids"],
         class: FaultClass::RouterMismatch,
         does: "with more than one group (and `expert_group_used_count` fewer), the router \
@@ -112,21 +112,21 @@ pub const KEYS: [Key; 13] = [
     },
     Key {
         key: Some("expert_gating_func"),
-        field: "scoring_func",
+        fields: &["scoring_func"],
         stages: &["moe.topk_ids", "moe.topk_weights"],
         class: FaultClass::RouterMismatch,
         does: "the router's scores, and so the experts chosen and their weights, come from it",
     },
     Key {
         key: None,
-        field: "rope_interleave",
+        fields: &["rope_interleave"],
         stages: ROPE,
         class: FaultClass::RopeMismatch,
         does: "MLA's rotary embedding turns adjacent pairs (true) or the two halves (false)",
     },
     Key {
         key: None,
-        field: "indexer_rope_interleave",
+        fields: &["indexer_rope_interleave"],
         stages: &["attn.index_topk"],
         class: FaultClass::IndexerMismatch,
         does: "the indexer's rotary embedding turns adjacent pairs (true) or the two halves \
@@ -323,7 +323,13 @@ impl<'a> Settings<'a> {
                 let arch = meta.get("general.architecture")?.as_str()?;
                 Some(format!("{arch}.{}", key.key?))
             }
-            Settings::Config(_) => Some(config_name(key.field).to_string()),
+            Settings::Config(_) => Some(
+                key.fields
+                    .iter()
+                    .map(|f| config_name(f))
+                    .collect::<Vec<_>>()
+                    .join("/"),
+            ),
         }
     }
 
@@ -353,24 +359,24 @@ fn config_mismatches(theirs: &Glm5Config, ours: &Glm5Config) -> Vec<Mismatch> {
     };
     let mut out: Vec<Mismatch> = Vec::new();
     for spec in &KEYS {
-        if out.iter().any(|m| m.spec.field == spec.field) {
-            continue;
-        }
-        let (a, b) = (&t[spec.field], &o[spec.field]);
-        let same = match (a.as_f64(), b.as_f64()) {
-            (Some(x), Some(y)) => !differs(x, y),
-            _ => a == b,
-        };
-        if !same {
-            out.push(Mismatch {
-                key: config_name(spec.field).to_string(),
-                found: format!(
+        for &field in spec.fields {
+            let key = config_name(field).to_string();
+            if out.iter().any(|m| m.key == key) {
+                continue;
+            }
+            let (a, b) = (&t[field], &o[field]);
+            let same = match (a.as_f64(), b.as_f64()) {
+                (Some(x), Some(y)) => !differs(x, y),
+                _ => a == b,
+            };
+            if !same {
+                let found = format!(
                     "{}, where the reference's is {}",
-                    shown(a, spec.field),
-                    shown(b, spec.field)
-                ),
-                spec,
-            });
+                    shown(a, field),
+                    shown(b, field)
+                );
+                out.push(Mismatch { key, found, spec });
+            }
         }
     }
     out
@@ -914,6 +920,13 @@ mod tests {
             ]
         );
         assert_eq!(found[0].spec.class, FaultClass::ScaleMismatch);
+        // Both fields of the group limit are compared.
+        theirs = ours.clone();
+        theirs.topk_group += 1;
+        let found = config_mismatches(&theirs, &ours);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].key, "topk_group");
+        assert_eq!(found[0].spec.class, FaultClass::RouterMismatch);
         theirs = ours.clone();
         theirs.yarn = Some(crate::model::config::Yarn {
             factor: 4.0,
