@@ -129,7 +129,7 @@ fn yarn_mscale(scale: f64, m: f64) -> f64 {
 }
 
 /// The cos/sin scale: explicit, else the ratio of the two mscales, else from the factor alone.
-fn yarn_attention_factor(y: &Yarn) -> f64 {
+pub fn yarn_attention_factor(y: &Yarn) -> f64 {
     match (y.attention_factor, y.mscale, y.mscale_all_dim) {
         (Some(a), _, _) => a,
         (None, Some(m), Some(all)) => yarn_mscale(y.factor, m) / yarn_mscale(y.factor, all),

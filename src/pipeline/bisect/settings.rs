@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, FaultClass, Status};
+use crate::exec::rope::{yarn_attention_factor, yarn_softmax_factor};
 use crate::model::config::{glm_5_2_indexer_types, IndexerKind, HF_MODEL_TYPES};
 use crate::model::stage::kind_of;
 use crate::model::Glm5Config;
@@ -349,14 +350,45 @@ pub fn config_name(field: &str) -> &str {
     }
 }
 
-/// The fields of [`KEYS`], once each, where the engine's config differs from the reference's:
-/// numbers up to f32 rounding, everything else exactly.
-fn config_mismatches(theirs: &Glm5Config, ours: &Glm5Config) -> Vec<Mismatch> {
-    let (Ok(Value::Object(t)), Ok(Value::Object(o))) =
-        (serde_json::to_value(theirs), serde_json::to_value(ours))
-    else {
-        return Vec::new();
+/// A config as compared: its fields, YaRN as what the forward takes from it (one config may
+/// spell the same scaling with `attention_factor`, another with equal mscales).
+fn compared_fields(cfg: &Glm5Config) -> Map<String, Value> {
+    let Ok(Value::Object(mut fields)) = serde_json::to_value(cfg) else {
+        return Map::new();
     };
+    let yarn = cfg.yarn.as_ref().map(|y| {
+        serde_json::json!({
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "cos_sin_scale": yarn_attention_factor(y),
+            "softmax_scale": yarn_softmax_factor(cfg),
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "truncate": y.truncate,
+        })
+    });
+    fields.insert("yarn".into(), yarn.unwrap_or(Value::Null));
+    fields
+}
+
+/// Two compared values the same: numbers up to f32 rounding, objects field by field.
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
+        }
+        _ => match (a.as_f64(), b.as_f64()) {
+            (Some(x), Some(y)) => !differs(x, y),
+            _ => a == b,
+        },
+    }
+}
+
+/// The fields of [`KEYS`], once each, where the engine's config differs from the reference's.
+fn config_mismatches(theirs: &Glm5Config, ours: &Glm5Config) -> Vec<Mismatch> {
+    let (t, o) = (compared_fields(theirs), compared_fields(ours));
     let mut out: Vec<Mismatch> = Vec::new();
     for spec in &KEYS {
         for &field in spec.fields {
@@ -364,12 +396,11 @@ fn config_mismatches(theirs: &Glm5Config, ours: &Glm5Config) -> Vec<Mismatch> {
             if out.iter().any(|m| m.key == key) {
                 continue;
             }
-            let (a, b) = (&t[field], &o[field]);
-            let same = match (a.as_f64(), b.as_f64()) {
-                (Some(x), Some(y)) => !differs(x, y),
-                _ => a == b,
-            };
-            if !same {
+            let (a, b) = (
+                t.get(field).unwrap_or(&Value::Null),
+                o.get(field).unwrap_or(&Value::Null),
+            );
+            if !same_value(a, b) {
                 let found = format!(
                     "{}, where the reference's is {}",
                     shown(a, field),
@@ -942,6 +973,27 @@ mod tests {
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].key, "rope_scaling");
         assert!(found[0].found.ends_with("where the reference's is none"));
+        // One YaRN spelled two ways (equal mscales, or the cos/sin scale they give written out)
+        // is the same scaling; another factor is not.
+        let yarn = |attention_factor, mscale| crate::model::config::Yarn {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            attention_factor,
+            mscale,
+            mscale_all_dim: Some(1.0),
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+        };
+        let (mut a, mut b) = (ours.clone(), ours.clone());
+        a.yarn = Some(yarn(None, Some(1.0)));
+        b.yarn = Some(yarn(Some(1.0), None));
+        assert!(config_mismatches(&a, &b).is_empty());
+        b.yarn = Some(crate::model::config::Yarn {
+            factor: 4.0,
+            ..yarn(None, Some(1.0))
+        });
+        assert_eq!(config_mismatches(&a, &b)[0].key, "rope_scaling");
     }
 
     #[test]
