@@ -70,6 +70,13 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
         .map(|t| serde_json::json!([t["name"], t["shape"]]))
         .collect();
     assert_eq!(theirs["tensors"].as_array().unwrap(), &ours);
+    // The file type llama.cpp's converter and quantizer record, by gguf-py's own names.
+    assert_eq!(theirs["file_type"], "ALL_F32");
+    let q4 = dir.path().join("q4.gguf");
+    common::synth_tiny(&q4, &["--quant", "q4_k_m"]);
+    let listing = common::run_oracle("list_gguf.py", &[q4.to_str().unwrap()]);
+    let theirs: Json = serde_json::from_str(&listing).unwrap();
+    assert_eq!(theirs["file_type"], "MOSTLY_Q4_K_M");
 }
 
 #[test]

@@ -34,9 +34,7 @@ impl Mix {
         (Mix::Q4KM, "q4_k_m"),
         (Mix::UdIq, "ud-iq"),
     ];
-}
 
-impl Mix {
     /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) of a file of this mix, as its
     /// converter and quantizer record it.
     pub fn file_type(self) -> u32 {
