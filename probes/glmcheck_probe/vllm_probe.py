@@ -52,7 +52,11 @@ REPLICATED = {"ReplicatedLinear"}
 GATE = {"GateLinear", "ReplicatedLinear"}
 RMS_NORM = {"RMSNorm"}
 LAYER_NORM = {"LayerNorm"}
-FUSED_MOE = {"FusedMoE", "SharedFusedMoE"}
+# vLLM 0.32 splits the fused MoE: `MoERunner` (router and shared experts) holds the experts'
+# weights in `RoutedExperts`.
+FUSED_MOE = {"FusedMoE", "SharedFusedMoE", "MoERunner"}
+ROUTED_EXPERTS = {"RoutedExperts"}
+MLA_OP = {"MLAAttention"}
 INDEXER = {"Indexer"}
 LAYER = {"DeepseekV2DecoderLayer"}
 ATTENTION = {"DeepseekV2MLAAttention", "DeepseekV2Attention"}
@@ -81,6 +85,8 @@ LAYER_PARAMS = [
     (r"mlp\.gate\.e_score_correction_bias", GATE),
     (r"mlp\.experts\.w13_weight", FUSED_MOE),
     (r"mlp\.experts\.w2_weight", FUSED_MOE),
+    (r"mlp\.experts\.routed_experts\.w13_weight", ROUTED_EXPERTS),
+    (r"mlp\.experts\.routed_experts\.w2_weight", ROUTED_EXPERTS),
     (r"mlp\.shared_experts\.gate_up_proj\.weight", MERGED),
     (r"mlp\.shared_experts\.down_proj\.weight", ROW),
     (r"mlp\.gate_up_proj\.weight", MERGED),
@@ -90,6 +96,12 @@ TOP_PARAMS = [
     (r"model\.embed_tokens\.weight", EMBED),
     (r"model\.norm\.weight", RMS_NORM),
     (r"lm_head\.weight", LM_HEAD),
+]
+# Parameters vLLM derives from a loaded weight after loading: listed as skipped, the weight
+# they come from being checked.
+DERIVED = [
+    (r"self_attn\.mla_attn\.mla_attn\.(W_UV|W_UK_T)", MLA_OP,
+     "MLA's absorbed up-projection, made from kv_b_proj after loading"),
 ]
 # Quantization companions of a known weight (FP8 block scales, activation scales): listed in
 # the manifest's producer as skipped, since glmcheck checks the dequantized weight.
@@ -152,6 +164,9 @@ def _param_rule(name: str, num_layers: int):
     for pattern, classes in rules:
         if re.fullmatch(pattern, tail):
             return classes, stem, "quantization scale" if quant else None
+    for pattern, classes, why in DERIVED if rules is LAYER_PARAMS else ():
+        if re.fullmatch(pattern, tail):
+            return classes, stem, why
     return None, stem, None
 
 
@@ -239,7 +254,8 @@ def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool 
 def _entries(name: str, module, leaf: str, param, hash_limit: int, dequant=None) -> list:
     """The manifest entries of one parameter (`name` as vLLM names it): one float entry, or
     one entry per part of a GGUF `qweight`."""
-    weight = GGUF_WEIGHT.sub(r"\1weight", name)
+    # vLLM 0.32's `experts.routed_experts.w13_weight` is 0.23's `experts.w13_weight`.
+    weight = GGUF_WEIGHT.sub(r"\1weight", name).replace(".experts.routed_experts.", ".experts.")
     cls = _class(module)
     vocab = cls in EMBED | LM_HEAD
     if not vllm_gguf.is_gguf(param):
@@ -307,6 +323,7 @@ class Probe:
         self.writer, self.tokens, self.done = None, None, False
         self.layer, self.in_indexer, self.hooks = None, False, []
         self.notes, self._ropes, self.expected = [], [], ["embed", "final_norm", "logits"]
+        self._last_logits = None
         self.dtype = DTYPES[_model_dtype(model)]
 
     # -- recording ----------------------------------------------------------------------------
@@ -366,7 +383,8 @@ class Probe:
         missing = [name for name in self.expected if name not in recorded]
         if missing:
             note = ("not recorded (the forward did not run these modules, or computed logits at "
-                    f"fewer positions): {', '.join(missing)}")
+                    "the sampled position only: ask for prompt log-probabilities): "
+                    f"{', '.join(missing)}")
             self.notes.append(note)
             print(f"glmcheck_probe: rank {self.rank}: {note}", file=sys.stderr)
         manifest = self.writer.finish()
@@ -413,15 +431,24 @@ class Probe:
         return self
 
     def _logits(self, out) -> None:
+        """vLLM computes logits at the sampled position (the prompt's last) and, when the
+        request asks for prompt log-probabilities, at every earlier position in a second call
+        (`gpu_model_runner.py` `_get_prompt_logprobs_dict`): the two are put together into the
+        prompt's logits. A call with a row per token is recorded as it is."""
         if not self.active or out is None:
             return
+        t = len(self.tokens)
         rows = out.shape[0] if out.dim() == 2 else -1
-        if rows != len(self.tokens):
-            self.notes.append(f"logits: {rows} rows for {len(self.tokens)} tokens (vLLM computes "
-                              "them at the sampled positions only); not recorded")
-        else:
+        if rows == t:
             self.take("logits", out, "t v(tp)", -1)
-        self.finish()
+            self.finish()
+        elif rows == 1 and self._last_logits is None:
+            self._last_logits = out.detach().clone()
+        elif rows == t - 1 and self._last_logits is not None:
+            self.take("logits", torch.cat([out, self._last_logits.to(out.dtype)]), "t v(tp)", -1)
+            self.finish()
+        else:
+            self.notes.append(f"logits: {rows} rows for {t} tokens; not recorded")
 
     def _layer(self, n: int, layer) -> None:
         at, cfg = f"model.layers.{n}", self.cfg

@@ -1,0 +1,189 @@
+"""glmcheck's vLLM plugin (entry point group `vllm.general_plugins`, name `glmcheck`): on vLLM's
+CPU build, torch stand-ins for the GPU-only pieces of GLM-5's forward, so that vLLM's own model
+code, loaders, sharding and collectives run a GLM-5 / DeepSeek-V3.2 checkpoint on a CPU.
+
+On any other platform the plugin does nothing: a GPU user's vLLM runs its own kernels, and the
+probe (`vllm_probe`, installed through `vllm_worker`) only watches. `GLMCHECK_VLLM_STAND_INS=0`
+turns the stand-ins off on the CPU too.
+
+Each stand-in replaces one decision or kernel and nothing around it, following the arithmetic of
+the vLLM code it replaces:
+
+* `vllm/platforms/cpu.py` `CpuPlatform.get_attn_backend_cls` raises "Sparse Attention is not
+  supported on CPU." for DSA models: answered with vLLM's CPU MLA backend (`CPU_MLA`), whose
+  metadata and latent KV cache the sparse layers below then use; and the DSA indexer's cache
+  (`vllm/v1/attention/backends/mla/indexer.py` `DeepseekV32IndexerBackend`, 64-token blocks
+  except on ROCm) takes the CPU MLA backend's 16-token blocks, as it does ROCm's, and its
+  metadata builder (Triton kernels) hands on the batch's common metadata (where each sequence
+  starts, its length): the stand-in indexer below reads that, never the indexer's cache;
+* `vllm/model_executor/layers/linear.py` (`UnquantizedLinearMethod.process_weights_after_loading`)
+  on the CPU prepacks each float weight for oneDNN and leaves `weight` empty; a GPU build keeps
+  it, and so does this plugin, for the shard manifest lists every weight as loaded (the CPU
+  GEMM still runs on the prepacked copy);
+* `SparseAttnIndexer` (`vllm/model_executor/layers/sparse_attn_indexer.py`, DeepGEMM's FP8 MQA
+  logits and top-k on CUDA): the DSA scores Σ_h w·relu(q·k) over each sequence's causal keys and
+  their top-k, written into vLLM's `topk_indices_buffer`; `per_token_group_quant_fp8` in
+  `deepseek_v2.py` leaves the indexer's q unquantized (scale 1), so the FP8 rounding of q and k
+  is not reproduced;
+* the sparse MLA kernel (FlashMLA's sparse prefill, behind `MLAAttention.forward` in
+  `vllm/model_executor/layers/attention/mla_attention.py`) for layers with an indexer: attention
+  in the latent space at the indexer's keys, q's nope part absorbed through vLLM's own `W_UK_T`,
+  the output through its own `_v_up_proj`, both made by vLLM's `process_weights_after_loading`
+  from the rank's `kv_b_proj`; the CPU MLA impl is given the sparse impls'
+  `record_logical_topk_ready` (`sparse_mla_attention.py`, a signal between layers that share
+  one indexer's top-k) as the no-op it is without such sharing. Prefill of whole prompts only (what a capture runs): a decode
+  step, which would read the KV cache, raises.
+"""
+
+import os
+
+import torch
+
+_installed = False
+
+
+def register() -> None:
+    """vLLM calls this in every process it starts (engine, workers, API server)."""
+    global _installed
+    if _installed or os.environ.get("GLMCHECK_VLLM_STAND_INS", "1") == "0":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    _sparse_attention_backend()
+    _keep_float_weights()
+    _indexer()
+    _sparse_mla()
+    _installed = True
+
+
+def _sparse_attention_backend() -> None:
+    from vllm.platforms import cpu
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.mla import indexer
+
+    original = cpu.CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse:
+            attn_selector_config = _replace(attn_selector_config, use_sparse=False)
+        return original(cls, selected_backend, attn_selector_config, num_heads)
+
+    cpu.CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    indexer.DeepseekV32IndexerBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda kv_cache_spec=None: [MultipleOf(16)])
+    indexer.DeepseekV32IndexerMetadataBuilder.build = (
+        lambda self, common_prefix_len, common_attn_metadata, fast_build=False:
+        common_attn_metadata)
+
+
+def _keep_float_weights() -> None:
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    # linear.py imports it from utils at each call, so utils' name is the one to replace.
+    utils.dispatch_cpu_unquantized_gemm = (
+        lambda layer, remove_weight: dispatch(layer, remove_weight=False))
+
+
+def _replace(config, **fields):
+    import dataclasses
+
+    if dataclasses.is_dataclass(config):
+        return dataclasses.replace(config, **fields)
+    return config._replace(**fields)
+
+
+def _sequences(t: int) -> list:
+    """(start, end) of each sequence among the forward's `t` tokens, from the attention
+    metadata of vLLM's forward context; one sequence where there is none (a profiling run)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return [(0, t)]
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):
+        meta = meta[0]
+    if isinstance(meta, dict):
+        meta = next(iter(meta.values()), None)
+    starts = getattr(meta, "query_start_loc", None)
+    if starts is None:
+        return [(0, t)]
+    seq_lens = getattr(meta, "seq_lens", None)
+    bounds = starts.tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    if seq_lens is not None:
+        for (a, b), n in zip(spans, seq_lens.tolist()):
+            if n != b - a:
+                raise NotImplementedError(
+                    "glmcheck's CPU stand-in for sparse MLA runs whole-prompt prefills only "
+                    f"(a sequence of {n} tokens has {b - a} in this step)")
+    return [(a, b) for a, b in spans if b > a]
+
+
+def _indexer() -> None:
+    from vllm.model_executor.layers import sparse_attn_indexer
+    from vllm.model_executor.models import deepseek_v2
+
+    def topk(self, hidden_states, q, k, weights):
+        """DSA top-k over each sequence's causal keys: scores Σ_h weights·relu(q·k) (the scales
+        of q and of the head count are already in `weights`), as key positions within the
+        sequence, -1 where a query has fewer keys than top-k."""
+        t = hidden_states.shape[0]
+        q = q.reshape(t, -1, self.head_dim).to(torch.float32)
+        k, weights = k.to(torch.float32), weights.to(torch.float32)
+        buf = self.topk_indices_buffer
+        buf[:t] = -1
+        for a, b in _sequences(t):
+            n = b - a
+            scores = torch.einsum("thd,sd->tsh", q[a:b], k[a:b]).relu()
+            scores = (scores * weights[a:b].unsqueeze(1)).sum(-1)
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+            width = min(self.topk_tokens, n)
+            values, ids = scores.topk(width, dim=-1)
+            buf[a:b, :width] = torch.where(torch.isinf(values), -1, ids).to(buf.dtype)
+        return buf
+
+    indexer = sparse_attn_indexer.SparseAttnIndexer
+    indexer.forward_native = indexer.forward_cpu = topk
+    deepseek_v2.per_token_group_quant_fp8 = (
+        lambda x, group, **kw: (x, torch.ones(x.shape[0], 1, dtype=torch.float32)))
+
+
+def _sparse_mla() -> None:
+    from vllm.model_executor.layers.attention import mla_attention
+
+    dense = mla_attention.MLAAttention.forward
+
+    def forward(self, q, kv_c_normed, k_pe, output_shape=None, **kwargs):
+        indexer = getattr(self, "indexer", None)
+        if indexer is None:
+            return dense(self, q, kv_c_normed, k_pe, output_shape, **kwargs)
+        t = q.shape[0]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
+        k_pe = k_pe.reshape(t, -1)
+        chosen = indexer.topk_indices_buffer[:t].long()
+        latent = torch.zeros(t, self.num_heads, self.kv_lora_rank, dtype=torch.float32)
+        for a, b in _sequences(t):
+            n = b - a
+            scores = (torch.einsum("thl,sl->ths", ql_nope[a:b].float(), kv_c_normed[a:b].float())
+                      + torch.einsum("thr,sr->ths", q_pe[a:b].float(), k_pe[a:b].float()))
+            scores = scores * self.scale
+            ids = chosen[a:b]
+            allowed = torch.zeros(n, n, dtype=torch.bool)
+            valid = ids >= 0
+            rows = torch.arange(n).unsqueeze(1).expand_as(ids)
+            allowed[rows[valid], ids[valid]] = True
+            probs = scores.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(dim=-1)
+            latent[a:b] = torch.einsum("ths,sl->thl", probs, kv_c_normed[a:b].float())
+        out = torch.empty(output_shape, dtype=q.dtype)
+        self._v_up_proj(latent.to(q.dtype).contiguous(), out=out)
+        return out
+
+    mla_attention.MLAAttention.forward = forward
+    from vllm.v1.attention.backends.mla import cpu_mla
+
+    cpu_mla.CPUMLAImpl.record_logical_topk_ready = lambda self: None

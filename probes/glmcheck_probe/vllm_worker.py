@@ -1,0 +1,51 @@
+"""A vLLM worker extension (`LLM(..., worker_extension_cls="glmcheck_probe.vllm_worker.ProbeWorker")`)
+that puts the probe in each tensor-parallel worker through vLLM's public `collective_rpc`:
+
+    llm.collective_rpc("glmcheck_install", args=(out_dir, source))
+    llm.generate(...)                       # the first forward is recorded
+    llm.collective_rpc("glmcheck_finish")
+
+Each worker writes `out_dir/rank{r}.trace` and `out_dir/shards.rank{r}.json`; `vllm_capture`
+merges them.
+"""
+
+import os
+
+from . import vllm_probe
+
+
+class ProbeWorker:
+    """Mixed into vLLM's worker class by vLLM itself; methods prefixed `glmcheck_` so that none
+    shadows a worker's own."""
+
+    def _glmcheck_model(self):
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return getattr(model, "module", model)
+
+    def _glmcheck_rank(self):
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def glmcheck_install(self, out_dir: str, source: str = None, full=None,
+                         hash_limit: int = vllm_probe.HASH_LIMIT) -> dict:
+        """Write this rank's shard manifest and hook the model for the next forward."""
+        model = self._glmcheck_model()
+        rank, tp = self._glmcheck_rank()
+        os.makedirs(out_dir, exist_ok=True)
+        shards = os.path.join(out_dir, f"shards.rank{rank}.json")
+        vllm_probe.write_shard_manifest(model, shards, rank, tp, source=source,
+                                        hash_limit=hash_limit)
+        self._glmcheck_probe = vllm_probe.install(
+            model, out_dir, rank, tp, full=tuple(full or vllm_probe.ENGINE_FULL), source=source)
+        return {"rank": rank, "tp": tp, "shards": shards}
+
+    def glmcheck_finish(self) -> dict:
+        """Write the recorded trace; its folder and stage count."""
+        probe = getattr(self, "_glmcheck_probe", None)
+        if probe is None:
+            raise RuntimeError("glmcheck_finish: glmcheck_install was not called on this worker")
+        manifest = probe.finish()
+        return {"rank": probe.rank, "trace": probe.dir, "stages": len(manifest["stages"])}
