@@ -1,10 +1,14 @@
-"""glmcheck's vLLM plugin (entry point group `vllm.general_plugins`, name `glmcheck`): on vLLM's
-CPU build, torch stand-ins for the GPU-only pieces of GLM-5's forward, so that vLLM's own model
-code, loaders, sharding and collectives run a GLM-5 / DeepSeek-V3.2 checkpoint on a CPU.
+"""glmcheck's vLLM plugin (entry point group `vllm.general_plugins`, name `glmcheck`). Two jobs:
 
-On any other platform the plugin does nothing: a GPU user's vLLM runs its own kernels, and the
-probe (`vllm_probe`, installed through `vllm_worker`) only watches. `GLMCHECK_VLLM_STAND_INS=0`
-turns the stand-ins off on the CPU too.
+* With `GLMCHECK_SHARDS_DIR` set (`vllm_capture` sets it), each worker writes its shard
+  manifest to `GLMCHECK_SHARDS_DIR/shards.rank{r}.json` when vLLM's loader has loaded the
+  weights and before `process_weights_after_loading` repacks them into kernel layouts (the CPU
+  MoE's blocked experts, FlashInfer's swapped w13 halves, oneDNN's prepacked linears): the
+  manifest shows the shards as the loader cut them, which is what the sharding plan speaks of.
+* On vLLM's CPU build, torch stand-ins for the GPU-only pieces of GLM-5's forward, so that
+  vLLM's own model code, loaders, sharding and collectives run a GLM-5 / DeepSeek-V3.2
+  checkpoint on a CPU. On any other platform there are none: a GPU user's vLLM runs its own
+  kernels. `GLMCHECK_VLLM_STAND_INS=0` turns them off on the CPU too.
 
 Each stand-in replaces one decision or kernel and nothing around it, following the arithmetic of
 the vLLM code it replaces:
@@ -16,10 +20,6 @@ the vLLM code it replaces:
   except on ROCm) takes the CPU MLA backend's 16-token blocks, as it does ROCm's, and its
   metadata builder (Triton kernels) hands on the batch's common metadata (where each sequence
   starts, its length): the stand-in indexer below reads that, never the indexer's cache;
-* `vllm/model_executor/layers/linear.py` (`UnquantizedLinearMethod.process_weights_after_loading`)
-  on the CPU prepacks each float weight for oneDNN and leaves `weight` empty; a GPU build keeps
-  it, and so does this plugin, for the shard manifest lists every weight as loaded (the CPU
-  GEMM still runs on the prepacked copy);
 * `SparseAttnIndexer` (`vllm/model_executor/layers/sparse_attn_indexer.py`, DeepGEMM's FP8 MQA
   logits and top-k on CUDA): the DSA scores Σ_h w·relu(q·k) over each sequence's causal keys and
   their top-k, written into vLLM's `topk_indices_buffer`; `per_token_group_quant_fp8` in
@@ -39,23 +39,47 @@ import os
 
 import torch
 
+SHARDS_ENV = "GLMCHECK_SHARDS_DIR"
 _installed = False
 
 
 def register() -> None:
     """vLLM calls this in every process it starts (engine, workers, API server)."""
     global _installed
-    if _installed or os.environ.get("GLMCHECK_VLLM_STAND_INS", "1") == "0":
+    if _installed:
         return
+    _installed = True
+    if os.environ.get(SHARDS_ENV):
+        _shards_when_loaded(os.environ[SHARDS_ENV])
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
-    _sparse_attention_backend()
-    _keep_float_weights()
-    _indexer()
-    _sparse_mla()
-    _installed = True
+    if current_platform.is_cpu() and os.environ.get("GLMCHECK_VLLM_STAND_INS", "1") != "0":
+        _sparse_attention_backend()
+        _indexer()
+        _sparse_mla()
+
+
+def _shards_when_loaded(out_dir: str) -> None:
+    """`base_loader.py`'s `load_model` loads the weights, then calls
+    `process_weights_after_loading`: the manifest is written in between."""
+    from vllm.model_executor.model_loader import base_loader
+
+    from . import vllm_probe
+
+    process = base_loader.process_weights_after_loading
+
+    def write_then_process(model, model_config, target_device):
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+
+        rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        os.makedirs(out_dir, exist_ok=True)
+        vllm_probe.write_shard_manifest(
+            model, os.path.join(out_dir, f"shards.rank{rank}.json"), rank, tp,
+            source=model_config.model, loaded=True)
+        return process(model, model_config, target_device)
+
+    base_loader.process_weights_after_loading = write_then_process
 
 
 def _sparse_attention_backend() -> None:
@@ -76,15 +100,6 @@ def _sparse_attention_backend() -> None:
     indexer.DeepseekV32IndexerMetadataBuilder.build = (
         lambda self, common_prefix_len, common_attn_metadata, fast_build=False:
         common_attn_metadata)
-
-
-def _keep_float_weights() -> None:
-    from vllm.model_executor.layers import utils
-
-    dispatch = utils.dispatch_cpu_unquantized_gemm
-    # linear.py imports it from utils at each call, so utils' name is the one to replace.
-    utils.dispatch_cpu_unquantized_gemm = (
-        lambda layer, remove_weight: dispatch(layer, remove_weight=False))
 
 
 def _replace(config, **fields):

@@ -225,11 +225,13 @@ def shard_entry(name: str, tensor: torch.Tensor, hash_limit: int = HASH_LIMIT) -
 
 def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool = False,
                          hash_limit: int = HASH_LIMIT, source: str = None,
-                         check_dequant: bool = False) -> dict:
+                         check_dequant: bool = False, loaded: bool = False) -> dict:
     """Write this worker's shard manifest (one rank) to `path`; the manifest. Merge the ranks'
     files with `merge_shard_manifests`. `source`: the model path, recorded in the producer.
     `check_dequant`: also run the engine's GGUF dequantization on every quantized shard, in the
-    model's dtype, and record its output's hash and block sums (or that the op is absent)."""
+    model's dtype, and record its output's hash and block sums (or that the op is absent).
+    `loaded`: written between vLLM's loading and its `process_weights_after_loading` (the
+    producer says so), so that kernel repacking does not hide the layout the loader made."""
     listed, skipped = check_parameters(model)
     modules = dict(model.named_modules())
     dequant = _model_dtype(model) if check_dequant else None
@@ -243,6 +245,7 @@ def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool 
         "version": SHARDS_VERSION_QUANT if quantized else SHARDS_VERSION,
         "producer": {"name": "glmcheck_probe", "engine": "vllm", "vllm": _vllm_version(),
                      "torch": torch.__version__, "model": source,
+                     "when": "as loaded" if loaded else "after loading",
                      "skipped": [{"name": n, "why": w} for n, w in skipped]},
         "tp": int(world_size), "ep": bool(ep),
         "ranks": [{"rank": int(rank), "weights": weights}],
@@ -402,6 +405,17 @@ class Probe:
     def _pre(self, module, fn):
         self.hooks.append(module.register_forward_pre_hook(lambda _m, args: fn(args)))
 
+    def _wrap(self, owner, method: str, fn):
+        """`fn(result)` after each call of `owner.method` (an object that is not a module)."""
+        self.hooks.append(_Wrapped(owner, method, fn))
+
+    def _routes(self, L: str, out, scale: float) -> None:
+        """The router's (topk_weights, topk_ids), the weights times `scale` where vLLM applies
+        routed_scaling_factor to the output instead: the reference's weights include it."""
+        weights, ids = out
+        self.take(L + "moe.topk_ids", ids, "t k", -1)
+        self.take(L + "moe.topk_weights", weights, "t k", -1, held=scale)
+
     def install(self) -> "Probe":
         cfg, model = self.cfg, self.model
         _require("model", getattr(model, "model", None), {"DeepseekV2Model", "GlmMoeDsaModel"})
@@ -462,7 +476,7 @@ class Probe:
         held = float(getattr(cfg, "routed_scaling_factor", 1.0)) if self.dtype == "f16" else 1.0
         self.expected += [L + s for s in (
             "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
-            "attn.kv", "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
+            "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
             "ffn_norm", "ffn.out", "out")]
         heads = cfg.num_attention_heads // self.tp
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -486,6 +500,8 @@ class Probe:
                 mod = getattr(attn, name, None)
                 _require(f"{at}.self_attn.{name}", mod, REPLICATED)
                 self._out(mod, lambda o, s=stage: self.take(L + s, _first(o), "t d", -1))
+        # kv_b_proj is hooked but not expected: vLLM's MLA absorbs it into W_UK_T and W_UV after
+        # loading and does not call it in a forward.
         for name, classes, stage, dims, tail, split in (
             ("q_a_layernorm", RMS_NORM, "attn.q_a_norm", "t d", (-1,), False),
             ("q_b_proj", COLUMN, "attn.q", "t h(tp) d", (heads, qk), True),
@@ -541,6 +557,15 @@ class Probe:
             _require(f"{at}.mlp.experts", experts, FUSED_MOE)
             self._out(gate, lambda o: self.take(L + "moe.router_logits", _first(o), "t e", -1))
             self.expected.append(L + "moe.router_logits")
+            router = getattr(experts, "router", None)
+            if router is not None:  # vLLM 0.32's MoERunner; 0.23's FusedMoE routes inside
+                # The factor is in the weights (the router's own) or applied to the experts'
+                # output by the runner (`apply_routed_scale_to_output`, the router's is 1).
+                scale = 1.0 if getattr(router, "routed_scaling_factor", 1.0) != 1.0 else float(
+                    getattr(experts, "routed_scaling_factor", 1.0))
+                self._wrap(router, "select_experts",
+                           lambda out, s=scale: self._routes(L, out, s))
+                self.expected += [L + "moe.topk_ids", L + "moe.topk_weights"]
             shared = getattr(mlp, "shared_experts", None)
             if shared is not None:
                 _require(f"{at}.mlp.shared_experts", shared, MLP)
@@ -575,6 +600,25 @@ class Probe:
         heads = cfg.num_attention_heads // self.tp
         self.take(L + "attn.q_rope", q[..., -rope:], "t h(tp) d", heads, rope, split=True)
         self.take(L + "attn.k_rope", k[..., -rope:], "t d", rope)
+
+
+class _Wrapped:
+    """A method of one object wrapped to call `fn` on its result; `remove()` undoes it, as a
+    module hook's handle does."""
+
+    def __init__(self, owner, method: str, fn):
+        self.owner, self.method = owner, method
+        real = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            out = real(*args, **kwargs)
+            fn(out)
+            return out
+
+        setattr(owner, method, wrapped)
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.method, None)
 
 
 def _config_dict(cfg) -> dict:

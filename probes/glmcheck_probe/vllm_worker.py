@@ -5,8 +5,8 @@ that puts the probe in each tensor-parallel worker through vLLM's public `collec
     llm.generate(...)                       # the first forward is recorded
     llm.collective_rpc("glmcheck_finish")
 
-Each worker writes `out_dir/rank{r}.trace` and `out_dir/shards.rank{r}.json`; `vllm_capture`
-merges them.
+Each worker writes `out_dir/rank{r}.trace`; `vllm_capture` merges them. The shard manifests are
+written earlier, as the weights are loaded, by glmcheck's vLLM plugin (`vllm_plugin`).
 """
 
 import os
@@ -29,18 +29,14 @@ class ProbeWorker:
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
-    def glmcheck_install(self, out_dir: str, source: str = None, full=None,
-                         hash_limit: int = vllm_probe.HASH_LIMIT) -> dict:
-        """Write this rank's shard manifest and hook the model for the next forward."""
+    def glmcheck_install(self, out_dir: str, source: str = None, full=None) -> dict:
+        """Hook the model for the next forward."""
         model = self._glmcheck_model()
         rank, tp = self._glmcheck_rank()
         os.makedirs(out_dir, exist_ok=True)
-        shards = os.path.join(out_dir, f"shards.rank{rank}.json")
-        vllm_probe.write_shard_manifest(model, shards, rank, tp, source=source,
-                                        hash_limit=hash_limit)
         self._glmcheck_probe = vllm_probe.install(
             model, out_dir, rank, tp, full=tuple(full or vllm_probe.ENGINE_FULL), source=source)
-        return {"rank": rank, "tp": tp, "shards": shards}
+        return {"rank": rank, "tp": tp}
 
     def glmcheck_finish(self) -> dict:
         """Write the recorded trace; its folder and stage count."""
