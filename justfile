@@ -109,6 +109,7 @@ projection out="target/projection" sides="cpu:2:f32,cpu:all:f32,cpu:all:bf16":
 gpu-dequant-bench:
     scripts/gpu-dequant-bench target/release/glmcheck
 
-# .venv-vllm: vLLM 0.23.0's CPU build with pinned requirements, for tests/vllm_gguf_load.rs (~6 min once).
-setup-vllm:
-    scripts/setup-vllm
+# .venv-vllm: vLLM 0.23.0's CPU build (tests/vllm_gguf_load.rs, ~6 min once); `just setup-vllm 0.32`:
+# .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm_today.rs, ~2 min more).
+setup-vllm release="0.23":
+    scripts/setup-vllm {{release}}

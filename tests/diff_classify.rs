@@ -223,6 +223,54 @@ fn ranks_disagreeing_on_a_reduced_output_are_a_missing_all_reduce() {
     assert!(f.evidence[0].contains("rank 1, 3"), "{f:#?}");
 }
 
+/// `producer.disagree` entries carrying each rank's statistics (vLLM's probe writes them): a rank
+/// a rounding away from rank 0 (an all-reduce summed in another order) is no evidence, a rank as
+/// far from it as the reference (a partial sum) is.
+#[test]
+fn ranks_a_rounding_apart_are_not_a_missing_all_reduce() {
+    let dir = common::scratch();
+    let runs = reference_runs(dir.path(), &["f32"]);
+    let reference = Trace::open(&runs[0]).unwrap();
+    let stage = "L1.attn.out";
+    let first = perturbed_as(
+        &reference,
+        stage,
+        Perturbation::Noise,
+        &dir.path().join("first.trace"),
+        &["**"],
+        None,
+    );
+    let stats = |t: &Trace| serde_json::to_value(&t.stage(stage, None).unwrap().stats).unwrap();
+    let (rank0, reference_copy) = (stats(&first), stats(&reference));
+    let case = |name: &str, disagree: serde_json::Value| {
+        let cand = perturbed_as(
+            &reference,
+            stage,
+            Perturbation::Noise,
+            &dir.path().join(name),
+            &["**"],
+            Some(serde_json::json!({ "disagree": disagree })),
+        );
+        let report = diff(&reference, &cand, &DiffOptions::default()).unwrap();
+        assert_eq!(report.first_divergence.unwrap().stage, stage);
+        report.fault.unwrap()
+    };
+    let f = case(
+        "rounding.trace",
+        serde_json::json!([{"stage": stage, "rank": 1, "stats": rank0}]),
+    );
+    assert_ne!(f.class, FaultClass::MissingAllReduce, "{f:#?}");
+    let f = case(
+        "partial.trace",
+        serde_json::json!([
+            {"stage": stage, "rank": 1, "stats": rank0},
+            {"stage": stage, "rank": 3, "stats": reference_copy}
+        ]),
+    );
+    assert_eq!(f.class, FaultClass::MissingAllReduce, "{f:#?}");
+    assert!(f.evidence[0].contains("yet rank 3 held"), "{f:#?}");
+}
+
 #[test]
 fn a_trace_against_itself_passes_with_every_error_zero() {
     let dir = common::scratch();

@@ -20,6 +20,7 @@ stands in for the GPU-only sparse attention.
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -102,11 +103,17 @@ def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), fu
     llm = LLM(**engine_kwargs(model, tp, list(rest), tokens is not None))
     ready = time.time()
     source = os.path.abspath(model) if os.path.exists(model) else model
-    llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full))
+    installed = llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full))
+    for rank in installed:
+        if "refused" in rank:
+            raise vllm_probe.UnknownModel(f"rank {rank['rank']}: {rank['refused']}")
     request = {"prompt_token_ids": tokens} if tokens is not None else prompt
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     result = llm.generate([request], params, use_tqdm=False)[0]
     finished = llm.collective_rpc("glmcheck_finish")
+    refused = sorted(glob.glob(os.path.join(ranks_dir, "shards.rank*.json.error")))
+    if refused:
+        raise vllm_probe.UnknownModel(f"{refused[0]}: " + open(refused[0]).read().strip())
     ranks = sorted(f["rank"] for f in finished)
     trace = os.path.join(out, "run.trace")
     shards = os.path.join(out, "shards.json")
@@ -130,7 +137,11 @@ def main(argv=None) -> None:
             sys.exit(f"vllm_capture: --tokens {ours.tokens!r}: not comma-separated integers")
         if not tokens:
             sys.exit("vllm_capture: --tokens: no token ids")
-    summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest, ours.full)
+    try:
+        summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest, ours.full)
+    except (vllm_probe.UnknownModel, FileExistsError) as e:
+        print(f"vllm_capture: {e}", file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(summary))
     print(f"glmcheck bisect {ours.model} --candidate {summary['trace']} "
           f"--actual {summary['shards']}", file=sys.stderr)

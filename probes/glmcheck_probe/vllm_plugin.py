@@ -74,9 +74,14 @@ def _shards_when_loaded(out_dir: str) -> None:
 
         rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         os.makedirs(out_dir, exist_ok=True)
-        vllm_probe.write_shard_manifest(
-            model, os.path.join(out_dir, f"shards.rank{rank}.json"), rank, tp,
-            source=model_config.model, loaded=True)
+        path = os.path.join(out_dir, f"shards.rank{rank}.json")
+        try:
+            vllm_probe.write_shard_manifest(model, path, rank, tp, source=model_config.model,
+                                            loaded=True)
+        except vllm_probe.UnknownModel as e:
+            # vLLM goes on serving; the capture reports why there is no manifest.
+            with open(path + ".error", "w") as f:
+                f.write(f"{e}\n")
         return process(model, model_config, target_device)
 
     base_loader.process_weights_after_loading = write_then_process

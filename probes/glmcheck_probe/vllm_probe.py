@@ -641,7 +641,8 @@ def install(model, out_dir: str, rank: int, world_size: int, full=ENGINE_FULL,
 
 def merge_traces(out: str, paths: list) -> dict:
     """One trace from the ranks' traces of one forward: whole stages from the first rank (a
-    replicated stage whose hash differs on another rank is listed in `producer.disagree`),
+    replicated stage whose hash differs on another rank is listed in `producer.disagree`, with
+    that rank's statistics),
     every rank's part of the split stages; tensor files copied as `rank{r}.FILE`."""
     parts = []
     for p in paths:
@@ -683,7 +684,9 @@ def merge_traces(out: str, paths: list) -> dict:
                 if other is None:
                     raise ValueError(f"{ranks[r][0]}: no stage {name}")
                 if other["stats"]["hash"] != first["stats"]["hash"]:
-                    disagree.append({"stage": name, "rank": r})
+                    # The rank's statistics say by how much: a reduction summed in another
+                    # order on each rank differs by rounding, a missing one by the sum.
+                    disagree.append({"stage": name, "rank": r, "stats": other["stats"]})
         else:
             for r in range(head["tp"]):
                 s = by_rank[r].get((name, r))

@@ -30,12 +30,17 @@ class ProbeWorker:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     def glmcheck_install(self, out_dir: str, source: str = None, full=None) -> dict:
-        """Hook the model for the next forward."""
+        """Hook the model for the next forward; `refused` says why not (a module or parameter
+        the probe does not know), for the worker must go on serving."""
         model = self._glmcheck_model()
         rank, tp = self._glmcheck_rank()
         os.makedirs(out_dir, exist_ok=True)
-        self._glmcheck_probe = vllm_probe.install(
-            model, out_dir, rank, tp, full=tuple(full or vllm_probe.ENGINE_FULL), source=source)
+        try:
+            self._glmcheck_probe = vllm_probe.install(
+                model, out_dir, rank, tp, full=tuple(full or vllm_probe.ENGINE_FULL),
+                source=source)
+        except vllm_probe.UnknownModel as e:
+            return {"rank": rank, "tp": tp, "refused": str(e)}
         return {"rank": rank, "tp": tp}
 
     def glmcheck_finish(self) -> dict:

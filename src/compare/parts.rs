@@ -9,6 +9,7 @@ use super::metrics::Metrics;
 use super::stage_diff::{whole_values, StageDiff};
 use super::unshard::{same_off_axis, Sharding};
 use crate::model::stage::Stage;
+use crate::trace::stats::TensorStats;
 use crate::trace::Trace;
 
 /// Two tensors this close (`rel_diff`) are the same data at some precision; different data
@@ -64,17 +65,36 @@ fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Option<Fa
     })
 }
 
-/// The ranks on which the candidate's replicated stage `name` held other values than rank 0's
-/// (`producer.disagree` of a merged engine trace: `[{"stage", "rank"}]`).
-fn disagreeing_ranks(candidate: &Trace, name: &str) -> Vec<u64> {
+/// The ranks on which the candidate's replicated stage `s` held other values than rank 0's by
+/// enough to explain its divergence (`producer.disagree` of a merged engine trace:
+/// `[{"stage", "rank", "stats"?}]`). An entry with the rank's statistics counts only where they
+/// depart from rank 0's by at least a tenth of the stage's divergence from the reference: an
+/// all-reduce that sums in another order on each rank (vLLM's CPU communicator at TP 4) leaves
+/// the ranks a rounding apart, a missing one a partial sum apart.
+fn disagreeing_ranks(candidate: &Trace, s: &StageDiff) -> Vec<u64> {
     let Some(list) = candidate.manifest().producer.get("disagree") else {
         return Vec::new();
     };
+    let rank0 = candidate
+        .manifest()
+        .stages
+        .iter()
+        .find(|r| r.name == s.stage && r.rank.is_none())
+        .map(|r| &r.stats);
     let mut ranks: Vec<u64> = list
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|d| d.get("stage").and_then(|s| s.as_str()) == Some(name))
+        .filter(|d| d.get("stage").and_then(|v| v.as_str()) == Some(s.stage.as_str()))
+        .filter(|d| {
+            let other = d
+                .get("stats")
+                .and_then(|v| serde_json::from_value::<TensorStats>(v.clone()).ok());
+            match (rank0, other) {
+                (Some(a), Some(b)) => rank_spread(a, &b) >= s.rel_diff / 10.0,
+                _ => true,
+            }
+        })
         .filter_map(|d| d.get("rank").and_then(|r| r.as_u64()))
         .collect();
     ranks.sort_unstable();
@@ -82,11 +102,36 @@ fn disagreeing_ranks(candidate: &Trace, name: &str) -> Vec<u64> {
     ranks
 }
 
+/// How far another rank's copy of a stage lies from rank 0's, relative to rank 0's size: the
+/// distance of their sketches (random projections, whose distance estimates that of the
+/// values) where both have one, else of their Euclidean norms.
+fn rank_spread(rank0: &TensorStats, other: &TensorStats) -> f64 {
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let (apart, size) = if !rank0.sketch.is_empty() && rank0.sketch.len() == other.sketch.len() {
+        let diff: Vec<f64> = rank0
+            .sketch
+            .iter()
+            .zip(&other.sketch)
+            .map(|(a, b)| a - b)
+            .collect();
+        (norm(&diff), norm(&rank0.sketch))
+    } else {
+        ((rank0.l2 - other.l2).abs(), rank0.l2)
+    };
+    if size > 0.0 {
+        apart / size
+    } else if apart > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    }
+}
+
 /// A replicated stage whose ranks disagree (the merged trace's `producer.disagree`): where it is
 /// the output of a tensor-parallel reduction (o_proj's, the experts'), each rank went on with
 /// its own partial sum — the reduction was left out there.
 pub fn from_disagreement(candidate: &Trace, s: &StageDiff) -> Option<Fault> {
-    let ranks = disagreeing_ranks(candidate, &s.stage);
+    let ranks = disagreeing_ranks(candidate, s);
     if ranks.is_empty() || s.rank.is_some() {
         return None;
     }

@@ -1,0 +1,287 @@
+//! vLLM 0.32, run as its users run it: `python -m glmcheck_probe.vllm_capture` starts vLLM's CPU
+//! build through its public `LLM` class at tensor parallelism 1, 2 and 4 (one worker process per
+//! rank, gloo), on a `glmcheck synth --format hf` checkpoint loaded by vLLM's own safetensors
+//! loader into its CPU tree (`deepseek_v2.py` `GlmMoeDsaForCausalLM`). glmcheck's vLLM plugin
+//! (`probes/glmcheck_probe/vllm_plugin.py`) stands in for the sparse MLA attention and DSA
+//! indexer that vLLM's CPU build lacks, and writes each rank's shard manifest as loaded; the
+//! probe, installed in every worker through `collective_rpc`, records the forward.
+//!
+//! Clean runs pass `glmcheck bisect MODEL --candidate TRACE --actual SHARDS` in f32 and bf16 at
+//! TP 1, 2 and 4. Bugs planted inside vLLM's own code by the tests' plugin
+//! (`tests/oracle/vllm32/`, `GLMCHECK_VLLM_FAULT`) are each located at their first divergent
+//! stage and classed at TP 2 and 4: its loader cutting `kv_b_proj` at rank 0's offset on every
+//! rank (the story's fault), its router ignoring the correction bias, an o_proj all-reduce left
+//! out, RoPE positions off by one, and the experts' loader swapping gate and up.
+//!
+//! The model has GLM-5's MLA widths (kv_lora_rank 512, qk_rope_head_dim 64): vLLM's MLA metadata
+//! accepts no other head size. The interpreter is `$GLMCHECK_VLLM32_PYTHON`, else
+//! `.venv-vllm32/bin/python` (`scripts/setup-vllm 0.32`); missing, the tests fail.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+const TOKENS: &str = "1,5,9,33,70,100,200,300";
+
+/// The interpreter with vLLM 0.32 and glmcheck's plugins.
+fn vllm_python() -> PathBuf {
+    let python = std::env::var_os("GLMCHECK_VLLM32_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| common::root().join(".venv-vllm32/bin/python"));
+    assert!(
+        python.exists(),
+        "{}: no vLLM 0.32 interpreter; run scripts/setup-vllm 0.32 or set GLMCHECK_VLLM32_PYTHON",
+        python.display()
+    );
+    python
+}
+
+/// The tiny preset as a Hugging Face folder with GLM-5's MLA widths.
+fn model(dir: &Path) -> PathBuf {
+    let hf = dir.join("hf");
+    common::synth_tiny(
+        &hf,
+        &[
+            "--format",
+            "hf",
+            "--set",
+            "kv_lora_rank=512",
+            "--set",
+            "qk_rope_head_dim=64",
+        ],
+    );
+    hf
+}
+
+/// `vllm_capture` of `model` at `tp` in `dtype`, with the tests' `fault` planted in vLLM; the
+/// capture folder and the capture's summary line.
+fn capture(model: &Path, tp: u64, dtype: &str, fault: Option<&str>) -> (PathBuf, Value) {
+    let out = model.with_file_name(format!("tp{tp}-{dtype}-{}", fault.unwrap_or("clean")));
+    let mut cmd = Command::new(vllm_python());
+    cmd.args(["-m", "glmcheck_probe.vllm_capture"])
+        .arg(model)
+        .args([
+            "--tp",
+            &tp.to_string(),
+            "--tokens",
+            TOKENS,
+            "--dtype",
+            dtype,
+        ])
+        .arg("--out")
+        .arg(&out);
+    match fault {
+        Some(f) => cmd.env("GLMCHECK_VLLM_FAULT", f),
+        None => cmd.env_remove("GLMCHECK_VLLM_FAULT"),
+    };
+    let run = cmd.output().expect("start the vLLM 0.32 interpreter");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "vllm_capture at TP {tp}, {dtype}, {fault:?} failed:\n{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let summary = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<Value>(l).ok())
+        .unwrap_or_else(|| panic!("no summary line in vllm_capture's output:\n{stdout}"));
+    (out, summary)
+}
+
+/// `glmcheck bisect MODEL --candidate run.trace --actual shards.json --json` on a capture.
+fn bisect(model: &Path, out: &Path) -> Value {
+    let shards = out.join("shards.json");
+    let code = |v: &Value| if v["verdict"] == "pass" { 0 } else { 1 };
+    let report = common::glmcheck_output(&[
+        "bisect",
+        model.to_str().unwrap(),
+        "--candidate",
+        out.join("run.trace").to_str().unwrap(),
+        "--actual",
+        shards.to_str().unwrap(),
+        "--json",
+    ]);
+    let v: Value = serde_json::from_slice(&report.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&report.stderr)));
+    assert_eq!(report.status.code(), Some(code(&v)), "{v:#}");
+    v
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Clean captures at `tp` in f32 and bf16: each passes, from a trace of vLLM 0.32 that holds
+/// the router's choices and the DSA top-k, with a manifest written as loaded.
+fn clean(tp: u64) {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    for dtype in ["float32", "bfloat16"] {
+        let (out, summary) = capture(&hf, tp, dtype, None);
+        assert_eq!(summary["tp"], tp);
+        assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
+        let v = bisect(&hf, &out);
+        assert_eq!(v["verdict"], "pass", "TP {tp} {dtype}: {v:#}");
+        let trace = json(&out.join("run.trace/manifest.json"));
+        assert_eq!(trace["producer"]["vllm"], "0.32.0");
+        assert_eq!(trace["tp"], tp);
+        let stages: Vec<&str> = trace["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap())
+            .collect();
+        for stage in [
+            "embed",
+            "L0.attn.index_topk",
+            "L1.moe.topk_ids",
+            "L1.moe.topk_weights",
+            "L2.moe.shared",
+            "logits",
+        ] {
+            assert!(stages.contains(&stage), "{stage} not recorded: {stages:?}");
+        }
+        let shards = json(&out.join("shards.json"));
+        assert_eq!(shards["tp"], tp);
+        assert_eq!(shards["producer"]["when"], "as loaded");
+        let names: Vec<&str> = shards["ranks"][0]["weights"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["name"].as_str().unwrap())
+            .collect();
+        for name in [
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            "model.layers.1.mlp.experts.w13_weight",
+            "model.layers.1.mlp.shared_experts.gate_up_proj.weight",
+            "lm_head.weight",
+        ] {
+            assert!(names.contains(&name), "{name} not in the manifest");
+        }
+    }
+}
+
+#[test]
+fn clean_captures_pass_at_tp1() {
+    clean(1);
+}
+
+#[test]
+fn clean_captures_pass_at_tp2() {
+    clean(2);
+}
+
+#[test]
+fn clean_captures_pass_at_tp4() {
+    clean(4);
+}
+
+/// `fault` planted in vLLM at TP 2 and 4: the diagnosis at each.
+fn faulty(fault: &str) -> Vec<(u64, Value)> {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    [2, 4]
+        .into_iter()
+        .map(|tp| {
+            let (out, _) = capture(&hf, tp, "float32", Some(fault));
+            let v = bisect(&hf, &out);
+            assert_eq!(v["verdict"], "fail", "{fault} at TP {tp}: {v:#}");
+            (tp, v)
+        })
+        .collect()
+}
+
+fn evidence(v: &Value) -> String {
+    v["fault"]["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn kv_b_proj_cut_at_rank_0_on_every_rank_is_an_unsharded_weight_naming_ranks_and_rows() {
+    for (tp, v) in faulty("unsharded-kv-b") {
+        let fault = &v["fault"];
+        assert_eq!(fault["class"], "unsharded_weight", "TP {tp}: {v:#}");
+        assert_eq!(
+            fault["weight"], "model.layers.0.self_attn.kv_b_proj.weight",
+            "{v:#}"
+        );
+        assert_eq!(v["first_divergence"]["layer"], 0, "{v:#}");
+        let summary = fault["summary"].as_str().unwrap();
+        assert!(
+            summary.contains(&format!("{} of {tp} ranks", tp - 1)),
+            "{summary}"
+        );
+        // 8 heads of 32 + 32 rows: every rank holds rank 0's rows.
+        let rows = 512 / tp;
+        let text = evidence(&v);
+        for rank in 1..tp {
+            assert!(
+                text.contains(&format!(
+                    "on rank {rank} holds rows 0..{rows} of 512, the same block as every rank; \
+                     the plan gives rows {}..{}",
+                    rank * rows,
+                    (rank + 1) * rows
+                )),
+                "TP {tp} rank {rank}: {text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_router_that_ignores_the_correction_bias_is_a_router_mismatch_at_the_first_moe_layer() {
+    for (tp, v) in faulty("router-bias-ignored") {
+        assert_eq!(v["fault"]["class"], "router_mismatch", "TP {tp}: {v:#}");
+        let stage = v["first_divergence"]["stage"].as_str().unwrap();
+        assert!(
+            stage == "L1.moe.topk_ids" || stage == "L1.moe.topk_weights",
+            "TP {tp}: {stage}"
+        );
+    }
+}
+
+#[test]
+fn an_o_proj_all_reduce_left_out_is_a_missing_all_reduce_where_the_ranks_disagree() {
+    for (tp, v) in faulty("skip-o-proj-all-reduce") {
+        assert_eq!(v["fault"]["class"], "missing_all_reduce", "TP {tp}: {v:#}");
+        assert_eq!(v["first_divergence"]["stage"], "L1.attn.out", "{v:#}");
+        assert!(evidence(&v).contains("producer.disagree"), "{v:#}");
+    }
+}
+
+#[test]
+fn rope_positions_off_by_one_are_a_rope_mismatch_at_the_first_rotation() {
+    for (tp, v) in faulty("rope-positions-shifted") {
+        assert_eq!(v["fault"]["class"], "rope_mismatch", "TP {tp}: {v:#}");
+        let stage = v["first_divergence"]["stage"].as_str().unwrap();
+        assert!(
+            stage == "L0.attn.q_rope" || stage == "L0.attn.k_rope",
+            "TP {tp}: {stage}"
+        );
+        assert!(evidence(&v).contains("positions"), "{v:#}");
+    }
+}
+
+#[test]
+fn experts_loaded_with_gate_and_up_swapped_are_a_weight_layout_of_w13_on_every_rank() {
+    for (tp, v) in faulty("w13-halves-swapped") {
+        let fault = &v["fault"];
+        assert_eq!(fault["class"], "weight_layout", "TP {tp}: {v:#}");
+        assert_eq!(fault["weight"], "model.layers.1.mlp.experts.w13_weight");
+        assert_eq!(v["first_divergence"]["layer"], 1, "{v:#}");
+        let summary = fault["summary"].as_str().unwrap();
+        assert!(
+            summary.contains(&format!("{tp} of {tp} ranks")),
+            "{summary}"
+        );
+    }
+}
