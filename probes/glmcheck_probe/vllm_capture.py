@@ -16,11 +16,22 @@ The forward runs eagerly (`enforce_eager`), for hooks do not see inside CUDA gra
 graphs. On vLLM's CPU build the defaults below make a small model run (they are vLLM's own
 settings; any given on the command line wins), and glmcheck's vLLM plugin (`vllm_plugin`)
 stands in for the GPU-only sparse attention.
+
+A server already running is captured from the outside, through vLLM's own HTTP API:
+
+    VLLM_SERVER_DEV_MODE=1 GLMCHECK_SHARDS_DIR=/tmp/shards vllm serve MODEL --enforce-eager \
+        --worker-extension-cls glmcheck_probe.vllm_worker.ProbeWorker [its other arguments]
+    python -m glmcheck_probe.vllm_capture --server http://HOST:PORT (--tokens … | --prompt …) \
+        --out DIR
+
+installs the probe through vLLM's `/collective_rpc` (opened by dev mode), sends the prompt to
+`/v1/completions` with `prompt_logprobs`, and merges what the workers wrote (on this machine's
+filesystem: the server must run here). The shard manifests are those the plugin wrote as the
+server loaded the weights, into `GLMCHECK_SHARDS_DIR`; without it the capture has a trace only.
 """
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -47,7 +58,11 @@ def parse(argv):
         description="Run one prompt through vLLM with glmcheck's probe in every worker; write "
                     "the merged trace and shard manifest. Other arguments go to vLLM's engine "
                     "(as for `vllm serve`).")
-    ap.add_argument("model", help="what vLLM serves: a Hugging Face folder or name, a GGUF")
+    ap.add_argument("model", nargs="?",
+                    help="what vLLM serves: a Hugging Face folder or name (not with --server)")
+    ap.add_argument("--server", metavar="URL",
+                    help="capture from a running `vllm serve` at URL instead of starting vLLM "
+                         "(see the module's doc for how to start it)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     prompt = ap.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="the prompt as token ids, comma-separated")
@@ -91,40 +106,108 @@ def engine_kwargs(model: str, tp: int, rest: list, tokens: bool) -> dict:
 
 
 def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), full=None) -> dict:
-    """Run the capture; a summary of what was written."""
+    """Start vLLM with `LLM`, run the capture; a summary of what was written."""
     from vllm import LLM, SamplingParams
 
-    if os.path.isdir(out) and os.listdir(out):
-        raise FileExistsError(f"{out}: already holds files; give the capture a new folder")
-    ranks_dir = os.path.join(out, "ranks")
+    ranks_dir = _fresh(out)
     started = time.time()
     # Read by glmcheck's plugin in each worker, which writes the shard manifests there.
     os.environ[vllm_plugin.SHARDS_ENV] = os.path.abspath(ranks_dir)
     llm = LLM(**engine_kwargs(model, tp, list(rest), tokens is not None))
     ready = time.time()
     source = os.path.abspath(model) if os.path.exists(model) else model
-    installed = llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full))
-    for rank in installed:
-        if "refused" in rank:
-            raise vllm_probe.UnknownModel(f"rank {rank['rank']}: {rank['refused']}")
+    installed = _installed(llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full)))
     request = {"prompt_token_ids": tokens} if tokens is not None else prompt
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     result = llm.generate([request], params, use_tqdm=False)[0]
     finished = llm.collective_rpc("glmcheck_finish")
-    refused = sorted(glob.glob(os.path.join(ranks_dir, "shards.rank*.json.error")))
-    if refused:
-        raise vllm_probe.UnknownModel(f"{refused[0]}: " + open(refused[0]).read().strip())
-    ranks = sorted(f["rank"] for f in finished)
-    trace = os.path.join(out, "run.trace")
-    shards = os.path.join(out, "shards.json")
-    merged = vllm_probe.merge_traces(trace, [os.path.join(ranks_dir, f"rank{r}.trace")
-                                             for r in ranks])
-    vllm_probe.merge_shard_manifests(shards, [os.path.join(ranks_dir, f"shards.rank{r}.json")
-                                              for r in ranks])
-    return {"trace": trace, "shards": shards, "tp": tp, "tokens": merged["tokens"],
-            "stages": len(merged["stages"]), "notes": merged["producer"].get("notes", []),
-            "next_token": list(result.outputs[0].token_ids),
+    summary = _merge(out, installed, finished)
+    return {**summary, "next_token": list(result.outputs[0].token_ids),
             "start_s": round(ready - started, 2), "run_s": round(time.time() - ready, 2)}
+
+
+def capture_server(url: str, out: str, tokens=None, prompt=None, full=None) -> dict:
+    """Run the capture on a running `vllm serve` (started with the probe's worker extension and
+    `VLLM_SERVER_DEV_MODE=1`, which opens vLLM's `/collective_rpc`); a summary."""
+    ranks_dir = os.path.abspath(_fresh(out))
+    served = _http(url, "/v1/models")["data"][0]
+    source = served.get("root") or served["id"]
+    installed = _installed(_rpc(url, "glmcheck_install",
+                                [ranks_dir, source, json.dumps(full) if full else ""]))
+    body = {"model": served["id"], "prompt": tokens if tokens is not None else prompt,
+            "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1}
+    completion = _http(url, "/v1/completions", body)
+    finished = _rpc(url, "glmcheck_finish", [])
+    summary = _merge(out, installed, finished)
+    return {**summary, "model": source, "next_text": completion["choices"][0].get("text")}
+
+
+def _fresh(out: str) -> str:
+    """The capture's folder, which must be new or empty; its `ranks` folder."""
+    if os.path.isdir(out) and os.listdir(out):
+        raise CaptureError(f"{out}: already holds files; give the capture a new folder")
+    return os.path.join(out, "ranks")
+
+
+def _installed(ranks: list) -> list:
+    for rank in ranks:
+        if "refused" in rank:
+            raise CaptureError(f"rank {rank['rank']}: {rank['refused']}")
+    return ranks
+
+
+def _merge(out: str, installed: list, finished: list) -> dict:
+    """The ranks' traces and shard manifests merged into `out`; what was written."""
+    for rank in installed:
+        error = (rank.get("shards") or "") + ".error"
+        if os.path.exists(error):
+            raise CaptureError(f"{error}: " + open(error).read().strip())
+    traces = [f["trace"] for f in sorted(finished, key=lambda f: f["rank"])]
+    trace = os.path.join(out, "run.trace")
+    merged = vllm_probe.merge_traces(trace, traces)
+    summary = {"trace": trace, "tp": merged["tp"], "tokens": merged["tokens"],
+               "stages": len(merged["stages"]), "notes": merged["producer"].get("notes", [])}
+    manifests = [r["shards"] for r in sorted(installed, key=lambda r: r["rank"])]
+    if all(m and os.path.exists(m) for m in manifests):
+        summary["shards"] = os.path.join(out, "shards.json")
+        vllm_probe.merge_shard_manifests(summary["shards"], manifests)
+    else:
+        summary["notes"] = summary["notes"] + [
+            f"no shard manifest: vLLM was started without {vllm_plugin.SHARDS_ENV} (or without "
+            "glmcheck's plugin installed), so the weights as loaded were not written"]
+    return summary
+
+
+class CaptureError(Exception):
+    """Why a capture cannot be made: printed as one line, exit code 2."""
+
+
+def _http(url: str, path: str, body=None) -> dict:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip()
+        hint = (" (start the server with VLLM_SERVER_DEV_MODE=1 for /collective_rpc)"
+                if path == "/collective_rpc" and e.code == 404 else "")
+        raise CaptureError(f"{url}{path}: HTTP {e.code}{hint}: {detail[:300]}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise CaptureError(f"{url}{path}: {e}") from None
+
+
+def _rpc(url: str, method: str, args: list) -> list:
+    """vLLM's `/collective_rpc` (dev mode): the workers' results."""
+    results = _http(url, "/collective_rpc", {"method": method, "args": args})["results"]
+    if any(not isinstance(r, dict) for r in results):
+        raise CaptureError(f"{url}/collective_rpc {method}: {results[0]!r} (start the server "
+                           "with --worker-extension-cls glmcheck_probe.vllm_worker.ProbeWorker)")
+    return results
 
 
 def main(argv=None) -> None:
@@ -137,14 +220,24 @@ def main(argv=None) -> None:
             sys.exit(f"vllm_capture: --tokens {ours.tokens!r}: not comma-separated integers")
         if not tokens:
             sys.exit("vllm_capture: --tokens: no token ids")
+    if ours.server and rest:
+        sys.exit(f"vllm_capture: --server: engine arguments {' '.join(rest)} belong to the "
+                 "server's own command line")
+    if not ours.server and not ours.model:
+        sys.exit("vllm_capture: give MODEL, or --server URL of a running vLLM")
     try:
-        summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest, ours.full)
-    except (vllm_probe.UnknownModel, FileExistsError) as e:
+        if ours.server:
+            summary = capture_server(ours.server, ours.out, tokens, ours.prompt, ours.full)
+        else:
+            summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest,
+                              ours.full)
+    except (vllm_probe.UnknownModel, CaptureError) as e:
         print(f"vllm_capture: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary))
-    print(f"glmcheck bisect {ours.model} --candidate {summary['trace']} "
-          f"--actual {summary['shards']}", file=sys.stderr)
+    actual = f" --actual {summary['shards']}" if "shards" in summary else ""
+    print(f"glmcheck bisect {summary.get('model', ours.model)} --candidate {summary['trace']}"
+          f"{actual}", file=sys.stderr)
 
 
 if __name__ == "__main__":

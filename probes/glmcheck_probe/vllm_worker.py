@@ -9,9 +9,10 @@ Each worker writes `out_dir/rank{r}.trace`; `vllm_capture` merges them. The shar
 written earlier, as the weights are loaded, by glmcheck's vLLM plugin (`vllm_plugin`).
 """
 
+import json
 import os
 
-from . import vllm_probe
+from . import vllm_plugin, vllm_probe
 
 
 class ProbeWorker:
@@ -31,17 +32,23 @@ class ProbeWorker:
 
     def glmcheck_install(self, out_dir: str, source: str = None, full=None) -> dict:
         """Hook the model for the next forward; `refused` says why not (a module or parameter
-        the probe does not know), for the worker must go on serving."""
+        the probe does not know), for the worker must go on serving. `full`: globs of stages
+        kept whole, a list or (through vLLM's HTTP `/collective_rpc`, which passes strings)
+        its JSON; `shards`: where glmcheck's plugin wrote this rank's manifest, if it did."""
         model = self._glmcheck_model()
         rank, tp = self._glmcheck_rank()
         os.makedirs(out_dir, exist_ok=True)
+        if isinstance(full, str):
+            full = json.loads(full) if full else None
+        shards_dir = os.environ.get(vllm_plugin.SHARDS_ENV)
+        shards = os.path.join(shards_dir, f"shards.rank{rank}.json") if shards_dir else None
         try:
             self._glmcheck_probe = vllm_probe.install(
                 model, out_dir, rank, tp, full=tuple(full or vllm_probe.ENGINE_FULL),
-                source=source)
+                source=source or None)
         except vllm_probe.UnknownModel as e:
-            return {"rank": rank, "tp": tp, "refused": str(e)}
-        return {"rank": rank, "tp": tp}
+            return {"rank": rank, "tp": tp, "refused": str(e), "shards": shards}
+        return {"rank": rank, "tp": tp, "shards": shards}
 
     def glmcheck_finish(self) -> dict:
         """Write the recorded trace; its folder and stage count."""
