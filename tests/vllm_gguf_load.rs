@@ -35,15 +35,7 @@ use serde_json::Value;
 
 /// The interpreter with vLLM 0.23.
 fn vllm_python() -> PathBuf {
-    let python = std::env::var_os("GLMCHECK_VLLM_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::root().join(".venv-vllm/bin/python"));
-    assert!(
-        python.exists(),
-        "{}: no vLLM interpreter; run scripts/setup-vllm or set GLMCHECK_VLLM_PYTHON",
-        python.display()
-    );
-    python
+    common::vllm_python("GLMCHECK_VLLM_PYTHON", ".venv-vllm", "0.23")
 }
 
 /// A tiny model as a GGUF and its config folder; `aligned` widens o_proj's and the dense

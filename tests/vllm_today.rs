@@ -28,15 +28,7 @@ const TOKENS: &str = "1,5,9,33,70,100,200,300";
 
 /// The interpreter with vLLM 0.32 and glmcheck's plugins.
 fn vllm_python() -> PathBuf {
-    let python = std::env::var_os("GLMCHECK_VLLM32_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::root().join(".venv-vllm32/bin/python"));
-    assert!(
-        python.exists(),
-        "{}: no vLLM 0.32 interpreter; run scripts/setup-vllm 0.32 or set GLMCHECK_VLLM32_PYTHON",
-        python.display()
-    );
-    python
+    common::vllm_python("GLMCHECK_VLLM32_PYTHON", ".venv-vllm32", "0.32")
 }
 
 /// The tiny preset as a Hugging Face folder with GLM-5's MLA widths.
@@ -417,26 +409,56 @@ fn a_running_vllm_server_is_captured_from_outside_and_the_unsharded_kv_b_found()
     );
 }
 
+/// What a capture cannot be made from: one line naming it, exit code 2, before or instead of
+/// starting vLLM.
 #[test]
-fn a_capture_from_a_server_that_is_not_there_is_one_line_and_exit_2() {
+fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
     let dir = common::scratch();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let run = Command::new(vllm_python())
-        .args(["-m", "glmcheck_probe.vllm_capture", "--server"])
-        .arg(format!("http://127.0.0.1:{port}"))
-        .args(["--tokens", TOKENS, "--out"])
-        .arg(dir.path().join("none"))
-        .output()
-        .expect("start vllm_capture");
-    assert_eq!(run.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.starts_with(&format!("vllm_capture: http://127.0.0.1:{port}/v1/models:")),
-        "{stderr}"
-    );
+    let server = format!("http://127.0.0.1:{port}");
+    let taken = dir.path().join("taken");
+    std::fs::create_dir_all(taken.join("ranks")).unwrap();
+    let cases: [(Vec<&str>, String); 5] = [
+        (
+            vec!["--server", &server, "--tokens", TOKENS],
+            format!("vllm_capture: {server}/v1/models: "),
+        ),
+        (
+            vec!["model", "--tokens", "1,x"],
+            "vllm_capture: --tokens '1,x': not comma-separated integers".into(),
+        ),
+        (
+            vec!["--tokens", TOKENS],
+            "vllm_capture: give MODEL, or --server URL of a running vLLM".into(),
+        ),
+        (
+            vec!["model", "--server", &server, "--tokens", TOKENS],
+            "vllm_capture: --server: model: the model and engine arguments".into(),
+        ),
+        (
+            vec!["--server", &server, "--tokens", TOKENS, "--out", taken.to_str().unwrap()],
+            format!("vllm_capture: {}: already holds files", taken.display()),
+        ),
+    ];
+    for (args, expected) in cases {
+        let run = Command::new(vllm_python())
+            .args(["-m", "glmcheck_probe.vllm_capture"])
+            .args(&args)
+            .args(
+                (!args.contains(&"--out"))
+                    .then_some(["--out", dir.path().join("none").to_str().unwrap()])
+                    .into_iter()
+                    .flatten(),
+            )
+            .output()
+            .expect("start vllm_capture");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with(&expected), "{args:?}: {stderr}");
+    }
 }

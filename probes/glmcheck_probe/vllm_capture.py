@@ -210,6 +210,11 @@ def _rpc(url: str, method: str, args: list) -> list:
     return results
 
 
+def _fail(message: str) -> None:
+    print(f"vllm_capture: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None) -> None:
     ours, rest = parse(sys.argv[1:] if argv is None else argv)
     tokens = None
@@ -217,14 +222,14 @@ def main(argv=None) -> None:
         try:
             tokens = [int(t) for t in ours.tokens.split(",") if t.strip()]
         except ValueError:
-            sys.exit(f"vllm_capture: --tokens {ours.tokens!r}: not comma-separated integers")
+            _fail(f"--tokens {ours.tokens!r}: not comma-separated integers")
         if not tokens:
-            sys.exit("vllm_capture: --tokens: no token ids")
-    if ours.server and rest:
-        sys.exit(f"vllm_capture: --server: engine arguments {' '.join(rest)} belong to the "
-                 "server's own command line")
+            _fail("--tokens: no token ids")
+    if ours.server and (rest or ours.model):
+        _fail(f"--server: {' '.join([ours.model or ''] + rest).strip()}: the model and engine "
+              "arguments belong to the server's own command line")
     if not ours.server and not ours.model:
-        sys.exit("vllm_capture: give MODEL, or --server URL of a running vLLM")
+        _fail("give MODEL, or --server URL of a running vLLM")
     try:
         if ours.server:
             summary = capture_server(ours.server, ours.out, tokens, ours.prompt, ours.full)
@@ -232,8 +237,7 @@ def main(argv=None) -> None:
             summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest,
                               ours.full)
     except (vllm_probe.UnknownModel, CaptureError) as e:
-        print(f"vllm_capture: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(e))
     print(json.dumps(summary))
     actual = f" --actual {summary['shards']}" if "shards" in summary else ""
     print(f"glmcheck bisect {summary.get('model', ours.model)} --candidate {summary['trace']}"

@@ -23,6 +23,20 @@ pub fn python() -> PathBuf {
     venv
 }
 
+/// The interpreter of a vLLM venv: `$VAR`, else `venv/bin/python` made by `scripts/setup-vllm
+/// RELEASE`; missing, the test fails saying so.
+pub fn vllm_python(var: &str, venv: &str, release: &str) -> PathBuf {
+    let python = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(venv).join("bin/python"));
+    assert!(
+        python.exists(),
+        "{}: no vLLM {release} interpreter; run scripts/setup-vllm {release} or set {var}",
+        python.display()
+    );
+    python
+}
+
 /// Run a Python script from `tests/oracle/` with arguments; panics with its stderr on failure.
 pub fn run_oracle(script: &str, args: &[&str]) -> String {
     let out = Command::new(python())
