@@ -440,7 +440,14 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
             "vllm_capture: --server: model: the model and engine arguments".into(),
         ),
         (
-            vec!["--server", &server, "--tokens", TOKENS, "--out", taken.to_str().unwrap()],
+            vec![
+                "--server",
+                &server,
+                "--tokens",
+                TOKENS,
+                "--out",
+                taken.to_str().unwrap(),
+            ],
             format!("vllm_capture: {}: already holds files", taken.display()),
         ),
     ];

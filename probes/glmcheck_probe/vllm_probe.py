@@ -557,12 +557,15 @@ class Probe:
             _require(f"{at}.mlp.experts", experts, FUSED_MOE)
             self._out(gate, lambda o: self.take(L + "moe.router_logits", _first(o), "t e", -1))
             self.expected.append(L + "moe.router_logits")
-            router = getattr(experts, "router", None)
-            if router is not None:  # vLLM 0.32's MoERunner; 0.23's FusedMoE routes inside
+            # The MoE runner routes through a router object: vLLM 0.32's `mlp.experts` is the
+            # runner, 0.23's FusedMoE holds one (`runner`).
+            runner = getattr(experts, "runner", experts)
+            router = getattr(runner, "router", None)
+            if router is not None:
                 # The factor is in the weights (the router's own) or applied to the experts'
                 # output by the runner (`apply_routed_scale_to_output`, the router's is 1).
                 scale = 1.0 if getattr(router, "routed_scaling_factor", 1.0) != 1.0 else float(
-                    getattr(experts, "routed_scaling_factor", 1.0))
+                    getattr(runner, "routed_scaling_factor", 1.0))
                 self._wrap(router, "select_experts",
                            lambda out, s=scale: self._routes(L, out, s))
                 self.expected += [L + "moe.topk_ids", L + "moe.topk_weights"]
