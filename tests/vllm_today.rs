@@ -1,17 +1,20 @@
 //! vLLM 0.32, run as its users run it: `python -m glmcheck_probe.vllm_capture` starts vLLM's CPU
 //! build through its public `LLM` class at tensor parallelism 1, 2 and 4 (one worker process per
 //! rank, gloo), on a `glmcheck synth --format hf` checkpoint loaded by vLLM's own safetensors
-//! loader into its CPU tree (`deepseek_v2.py` `GlmMoeDsaForCausalLM`). glmcheck's vLLM plugin
-//! (`probes/glmcheck_probe/vllm_plugin.py`) stands in for the sparse MLA attention and DSA
-//! indexer that vLLM's CPU build lacks, and writes each rank's shard manifest as loaded; the
-//! probe, installed in every worker through `collective_rpc`, records the forward.
+//! loader into each of vLLM's two GLM-5 model trees: the CPU tree (`deepseek_v2.py`
+//! `GlmMoeDsaForCausalLM`) that vLLM builds on a CPU, and the CUDA tree
+//! (`vllm/models/deepseek_v32/nvidia/`) that a GPU runs, built on the CPU with `--tree cuda`.
+//! glmcheck's vLLM plugin (`probes/glmcheck_probe/vllm_plugin.py`, `vllm_cuda_tree.py`) stands
+//! in for the GPU kernels (sparse MLA attention, the DSA indexer, the CUDA tree's fused norms
+//! and rotations) and writes each rank's shard manifest as loaded; the probe, installed in every
+//! worker through `collective_rpc`, records the forward.
 //!
-//! Clean runs pass `glmcheck bisect MODEL --candidate TRACE --actual SHARDS` in f32 and bf16 at
-//! TP 1, 2 and 4. Bugs planted inside vLLM's own code by the tests' plugin
+//! Clean runs of both trees pass `glmcheck bisect MODEL --candidate TRACE --actual SHARDS` in f32
+//! and bf16 at TP 1, 2 and 4. Bugs planted inside vLLM's own code by the tests' plugin
 //! (`tests/oracle/vllm32/`, `GLMCHECK_VLLM_FAULT`) are each located at their first divergent
-//! stage and classed at TP 2 and 4: its loader cutting `kv_b_proj` at rank 0's offset on every
-//! rank (the story's fault), its router ignoring the correction bias, an o_proj all-reduce left
-//! out, RoPE positions off by one, and the experts' loader swapping gate and up.
+//! stage and classed in both trees at TP 2 and 4: its loader cutting `kv_b_proj` at rank 0's
+//! offset on every rank (the story's fault), its router ignoring the correction bias, an o_proj
+//! all-reduce left out, RoPE positions off by one, and the experts' loader swapping gate and up.
 //!
 //! The model has GLM-5's MLA widths (kv_lora_rank 512, qk_rope_head_dim 64): vLLM's MLA metadata
 //! accepts no other head size. The interpreter is `$GLMCHECK_VLLM32_PYTHON`, else
@@ -48,14 +51,29 @@ fn model(dir: &Path) -> PathBuf {
     hf
 }
 
-/// `vllm_capture` of `model` at `tp` in `dtype`, with the tests' `fault` planted in vLLM; the
-/// capture folder and the capture's summary line.
-fn capture(model: &Path, tp: u64, dtype: &str, fault: Option<&str>) -> (PathBuf, Value) {
-    let out = model.with_file_name(format!("tp{tp}-{dtype}-{}", fault.unwrap_or("clean")));
+/// vLLM's two GLM-5 model trees: the CPU tree it builds on a CPU, and the CUDA tree a GPU
+/// runs, built here with glmcheck's stand-ins for its kernels (`vllm_capture --tree`).
+const TREES: [&str; 2] = ["cpu", "cuda"];
+
+/// `vllm_capture` of `model` with vLLM's `tree` at `tp` in `dtype`, with the tests' `fault`
+/// planted in vLLM; the capture folder and the capture's summary line.
+fn capture(
+    model: &Path,
+    tree: &str,
+    tp: u64,
+    dtype: &str,
+    fault: Option<&str>,
+) -> (PathBuf, Value) {
+    let out = model.with_file_name(format!(
+        "{tree}-tp{tp}-{dtype}-{}",
+        fault.unwrap_or("clean")
+    ));
     let mut cmd = Command::new(vllm_python());
     cmd.args(["-m", "glmcheck_probe.vllm_capture"])
         .arg(model)
         .args([
+            "--tree",
+            tree,
             "--tp",
             &tp.to_string(),
             "--tokens",
@@ -73,7 +91,7 @@ fn capture(model: &Path, tp: u64, dtype: &str, fault: Option<&str>) -> (PathBuf,
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(
         run.status.success(),
-        "vllm_capture at TP {tp}, {dtype}, {fault:?} failed:\n{stderr}"
+        "vllm_capture of the {tree} tree at TP {tp}, {dtype}, {fault:?} failed:\n{stderr}"
     );
     let stdout = String::from_utf8_lossy(&run.stdout);
     let summary = stdout
@@ -107,17 +125,21 @@ fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// Clean captures at `tp` in f32 and bf16: each passes, from a trace of vLLM 0.32 that holds
-/// the router's choices and the DSA top-k, with a manifest written as loaded.
+/// Clean captures of both trees at `tp` in f32 and bf16: each passes, from a trace of vLLM
+/// 0.32 that holds every stage the probe expects (the router's choices and the DSA top-k
+/// among them), with a manifest written as loaded.
 fn clean(tp: u64) {
     let dir = common::scratch();
     let hf = model(dir.path());
-    for dtype in ["float32", "bfloat16"] {
-        let (out, summary) = capture(&hf, tp, dtype, None);
+    for (tree, dtype) in TREES
+        .into_iter()
+        .flat_map(|t| ["float32", "bfloat16"].map(|d| (t, d)))
+    {
+        let (out, summary) = capture(&hf, tree, tp, dtype, None);
         assert_eq!(summary["tp"], tp);
         assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
         let v = bisect(&hf, &out);
-        assert_eq!(v["verdict"], "pass", "TP {tp} {dtype}: {v:#}");
+        assert_eq!(v["verdict"], "pass", "{tree} tree, TP {tp} {dtype}: {v:#}");
         let trace = json(&out.join("run.trace/manifest.json"));
         assert_eq!(trace["producer"]["vllm"], "0.32.0");
         assert_eq!(trace["tp"], tp);
@@ -172,17 +194,18 @@ fn clean_captures_pass_at_tp4() {
     clean(4);
 }
 
-/// `fault` planted in vLLM at TP 2 and 4: the diagnosis at each.
-fn faulty(fault: &str) -> Vec<(u64, Value)> {
+/// `fault` planted in vLLM, run by both trees at TP 2 and 4: the diagnosis of each run.
+fn faulty(fault: &str) -> Vec<(&'static str, u64, Value)> {
     let dir = common::scratch();
     let hf = model(dir.path());
-    [2, 4]
+    TREES
         .into_iter()
-        .map(|tp| {
-            let (out, _) = capture(&hf, tp, "float32", Some(fault));
+        .flat_map(|tree| [2, 4].map(|tp| (tree, tp)))
+        .map(|(tree, tp)| {
+            let (out, _) = capture(&hf, tree, tp, "float32", Some(fault));
             let v = bisect(&hf, &out);
-            assert_eq!(v["verdict"], "fail", "{fault} at TP {tp}: {v:#}");
-            (tp, v)
+            assert_eq!(v["verdict"], "fail", "{fault}, {tree} tree, TP {tp}: {v:#}");
+            (tree, tp, v)
         })
         .collect()
 }
@@ -199,9 +222,12 @@ fn evidence(v: &Value) -> String {
 
 #[test]
 fn kv_b_proj_cut_at_rank_0_on_every_rank_is_an_unsharded_weight_naming_ranks_and_rows() {
-    for (tp, v) in faulty("unsharded-kv-b") {
+    for (tree, tp, v) in faulty("unsharded-kv-b") {
         let fault = &v["fault"];
-        assert_eq!(fault["class"], "unsharded_weight", "TP {tp}: {v:#}");
+        assert_eq!(
+            fault["class"], "unsharded_weight",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
         assert_eq!(
             fault["weight"], "model.layers.0.self_attn.kv_b_proj.weight",
             "{v:#}"
@@ -231,33 +257,52 @@ fn kv_b_proj_cut_at_rank_0_on_every_rank_is_an_unsharded_weight_naming_ranks_and
 
 #[test]
 fn a_router_that_ignores_the_correction_bias_is_a_router_mismatch_at_the_first_moe_layer() {
-    for (tp, v) in faulty("router-bias-ignored") {
-        assert_eq!(v["fault"]["class"], "router_mismatch", "TP {tp}: {v:#}");
+    for (tree, tp, v) in faulty("router-bias-ignored") {
+        assert_eq!(
+            v["fault"]["class"], "router_mismatch",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
         let stage = v["first_divergence"]["stage"].as_str().unwrap();
         assert!(
             stage == "L1.moe.topk_ids" || stage == "L1.moe.topk_weights",
-            "TP {tp}: {stage}"
+            "{tree} tree, TP {tp}: {stage}"
         );
     }
 }
 
 #[test]
 fn an_o_proj_all_reduce_left_out_is_a_missing_all_reduce_where_the_ranks_disagree() {
-    for (tp, v) in faulty("skip-o-proj-all-reduce") {
-        assert_eq!(v["fault"]["class"], "missing_all_reduce", "TP {tp}: {v:#}");
-        assert_eq!(v["first_divergence"]["stage"], "L1.attn.out", "{v:#}");
+    for (tree, tp, v) in faulty("skip-o-proj-all-reduce") {
+        assert_eq!(
+            v["fault"]["class"], "missing_all_reduce",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
         assert!(evidence(&v).contains("producer.disagree"), "{v:#}");
+        // The CPU tree's o_proj all-reduces its output; the CUDA tree's leaves it as partial
+        // sums, all-reduced where the residual is added before the post-attention norm.
+        if tree == "cpu" {
+            assert_eq!(v["first_divergence"]["stage"], "L1.attn.out", "{v:#}");
+        } else {
+            assert_eq!(v["first_divergence"]["stage"], "L1.attn_resid", "{v:#}");
+            assert!(
+                evidence(&v).contains("L1.attn.out is recorded as the ranks' partial sums"),
+                "{v:#}"
+            );
+        }
     }
 }
 
 #[test]
 fn rope_positions_off_by_one_are_a_rope_mismatch_at_the_first_rotation() {
-    for (tp, v) in faulty("rope-positions-shifted") {
-        assert_eq!(v["fault"]["class"], "rope_mismatch", "TP {tp}: {v:#}");
+    for (tree, tp, v) in faulty("rope-positions-shifted") {
+        assert_eq!(
+            v["fault"]["class"], "rope_mismatch",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
         let stage = v["first_divergence"]["stage"].as_str().unwrap();
         assert!(
             stage == "L0.attn.q_rope" || stage == "L0.attn.k_rope",
-            "TP {tp}: {stage}"
+            "{tree} tree, TP {tp}: {stage}"
         );
         assert!(evidence(&v).contains("positions"), "{v:#}");
     }
@@ -265,9 +310,12 @@ fn rope_positions_off_by_one_are_a_rope_mismatch_at_the_first_rotation() {
 
 #[test]
 fn experts_loaded_with_gate_and_up_swapped_are_a_weight_layout_of_w13_on_every_rank() {
-    for (tp, v) in faulty("w13-halves-swapped") {
+    for (tree, tp, v) in faulty("w13-halves-swapped") {
         let fault = &v["fault"];
-        assert_eq!(fault["class"], "weight_layout", "TP {tp}: {v:#}");
+        assert_eq!(
+            fault["class"], "weight_layout",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
         assert_eq!(fault["weight"], "model.layers.1.mlp.experts.w13_weight");
         assert_eq!(v["first_divergence"]["layer"], 1, "{v:#}");
         let summary = fault["summary"].as_str().unwrap();
@@ -422,7 +470,7 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
     let server = format!("http://127.0.0.1:{port}");
     let taken = dir.path().join("taken");
     std::fs::create_dir_all(taken.join("ranks")).unwrap();
-    let cases: [(Vec<&str>, String); 5] = [
+    let cases: [(Vec<&str>, String); 7] = [
         (
             vec!["--server", &server, "--tokens", TOKENS],
             format!("vllm_capture: {server}/v1/models: "),
@@ -449,6 +497,22 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
                 taken.to_str().unwrap(),
             ],
             format!("vllm_capture: {}: already holds files", taken.display()),
+        ),
+        (
+            vec!["--server", &server, "--tree", "cuda", "--tokens", TOKENS],
+            "vllm_capture: --server: --tree cuda: the model and engine arguments".into(),
+        ),
+        (
+            vec![
+                "model",
+                "--tp",
+                "2",
+                "--tensor-parallel-size",
+                "4",
+                "--tokens",
+                TOKENS,
+            ],
+            "vllm_capture: --tp 2 and --tensor-parallel-size 4 disagree; give one".into(),
         ),
     ];
     for (args, expected) in cases {

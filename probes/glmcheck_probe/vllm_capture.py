@@ -37,7 +37,7 @@ import os
 import sys
 import time
 
-from . import vllm_plugin, vllm_probe
+from . import vllm_cuda_tree, vllm_plugin, vllm_probe
 
 # vLLM's CPU build: the reference MLA backend (AMX_MLA takes bf16 only), vLLM's PyTorch RoPE
 # (its CPU rotary kernel rotates a 3-D query with more than one head wrongly), a KV cache of
@@ -63,7 +63,14 @@ def parse(argv):
     ap.add_argument("--server", metavar="URL",
                     help="capture from a running `vllm serve` at URL instead of starting vLLM "
                          "(see the module's doc for how to start it)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, dest="engine_tp",
+                    help="vLLM's spelling of --tp")
+    ap.add_argument("--tree", choices=("cpu", "cuda"),
+                    help="on vLLM's CPU build, the GLM-5 / DeepSeek-V3.2 model tree to run: "
+                         "the CPU tree vLLM picks there (default), or the CUDA tree a GPU runs "
+                         "(vllm/models/deepseek_v32/nvidia), built with glmcheck's stand-ins "
+                         "for its kernels")
     prompt = ap.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="the prompt as token ids, comma-separated")
     prompt.add_argument("--prompt", help="the prompt as text (needs the model's tokenizer)")
@@ -105,7 +112,8 @@ def engine_kwargs(model: str, tp: int, rest: list, tokens: bool) -> dict:
     return kwargs
 
 
-def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), full=None) -> dict:
+def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), full=None,
+            tree=None) -> dict:
     """Start vLLM with `LLM`, run the capture; a summary of what was written."""
     from vllm import LLM, SamplingParams
 
@@ -113,6 +121,8 @@ def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), fu
     started = time.time()
     # Read by glmcheck's plugin in each worker, which writes the shard manifests there.
     os.environ[vllm_plugin.SHARDS_ENV] = os.path.abspath(ranks_dir)
+    if tree:
+        os.environ[vllm_cuda_tree.TREE_ENV] = tree
     llm = LLM(**engine_kwargs(model, tp, list(rest), tokens is not None))
     ready = time.time()
     source = os.path.abspath(model) if os.path.exists(model) else model
@@ -225,17 +235,23 @@ def main(argv=None) -> None:
             _fail(f"--tokens {ours.tokens!r}: not comma-separated integers")
         if not tokens:
             _fail("--tokens: no token ids")
-    if ours.server and (rest or ours.model):
-        _fail(f"--server: {' '.join([ours.model or ''] + rest).strip()}: the model and engine "
-              "arguments belong to the server's own command line")
+    if ours.tp and ours.engine_tp and ours.tp != ours.engine_tp:
+        _fail(f"--tp {ours.tp} and --tensor-parallel-size {ours.engine_tp} disagree; give one")
+    ours.tp = ours.tp or ours.engine_tp
+    if ours.server:
+        extra = ([ours.model] if ours.model else []) + rest + [
+            f"--{k} {v}" for k, v in (("tp", ours.tp), ("tree", ours.tree)) if v]
+        if extra:
+            _fail(f"--server: {' '.join(extra)}: the model and engine arguments belong to the "
+                  "server's own command line")
     if not ours.server and not ours.model:
         _fail("give MODEL, or --server URL of a running vLLM")
     try:
         if ours.server:
             summary = capture_server(ours.server, ours.out, tokens, ours.prompt, ours.full)
         else:
-            summary = capture(ours.model, ours.tp, ours.out, tokens, ours.prompt, rest,
-                              ours.full)
+            summary = capture(ours.model, ours.tp or 1, ours.out, tokens, ours.prompt, rest,
+                              ours.full, ours.tree)
     except (vllm_probe.UnknownModel, CaptureError) as e:
         _fail(str(e))
     print(json.dumps(summary))

@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from . import dsa_ops
+
 SHARDS_ENV = "GLMCHECK_SHARDS_DIR"
 _installed = False
 
@@ -57,6 +59,11 @@ def register() -> None:
         _sparse_attention_backend()
         _indexer()
         _sparse_mla()
+        from . import vllm_cuda_tree, vllm_fp8
+
+        vllm_fp8.install()
+        if vllm_cuda_tree.wanted():
+            vllm_cuda_tree.install()
 
 
 def _shards_when_loaded(out_dir: str) -> None:
@@ -115,7 +122,7 @@ def _replace(config, **fields):
     return config._replace(**fields)
 
 
-def _sequences(t: int) -> list:
+def sequences(t: int) -> list:
     """(start, end) of each sequence among the forward's `t` tokens, from the attention
     metadata of vLLM's forward context; one sequence where there is none (a profiling run)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -147,24 +154,10 @@ def _indexer() -> None:
     from vllm.model_executor.models import deepseek_v2
 
     def topk(self, hidden_states, q, k, weights):
-        """DSA top-k over each sequence's causal keys: scores Σ_h weights·relu(q·k) (the scales
-        of q and of the head count are already in `weights`), as key positions within the
-        sequence, -1 where a query has fewer keys than top-k."""
         t = hidden_states.shape[0]
-        q = q.reshape(t, -1, self.head_dim).to(torch.float32)
-        k, weights = k.to(torch.float32), weights.to(torch.float32)
-        buf = self.topk_indices_buffer
-        buf[:t] = -1
-        for a, b in _sequences(t):
-            n = b - a
-            scores = torch.einsum("thd,sd->tsh", q[a:b], k[a:b]).relu()
-            scores = (scores * weights[a:b].unsqueeze(1)).sum(-1)
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            width = min(self.topk_tokens, n)
-            values, ids = scores.topk(width, dim=-1)
-            buf[a:b, :width] = torch.where(torch.isinf(values), -1, ids).to(buf.dtype)
-        return buf
+        q = q.reshape(t, -1, self.head_dim)
+        return dsa_ops.dsa_topk(q, k, weights, self.topk_tokens, sequences(t),
+                                self.topk_indices_buffer)
 
     indexer = sparse_attn_indexer.SparseAttnIndexer
     indexer.forward_native = indexer.forward_cpu = topk
@@ -184,21 +177,9 @@ def _sparse_mla() -> None:
         t = q.shape[0]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
-        k_pe = k_pe.reshape(t, -1)
-        chosen = indexer.topk_indices_buffer[:t].long()
-        latent = torch.zeros(t, self.num_heads, self.kv_lora_rank, dtype=torch.float32)
-        for a, b in _sequences(t):
-            n = b - a
-            scores = (torch.einsum("thl,sl->ths", ql_nope[a:b].float(), kv_c_normed[a:b].float())
-                      + torch.einsum("thr,sr->ths", q_pe[a:b].float(), k_pe[a:b].float()))
-            scores = scores * self.scale
-            ids = chosen[a:b]
-            allowed = torch.zeros(n, n, dtype=torch.bool)
-            valid = ids >= 0
-            rows = torch.arange(n).unsqueeze(1).expand_as(ids)
-            allowed[rows[valid], ids[valid]] = True
-            probs = scores.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(dim=-1)
-            latent[a:b] = torch.einsum("ths,sl->thl", probs, kv_c_normed[a:b].float())
+        latent = dsa_ops.sparse_latent_attention(
+            ql_nope, q_pe, kv_c_normed, k_pe.reshape(t, -1), indexer.topk_indices_buffer,
+            self.scale, sequences(t))
         out = torch.empty(output_shape, dtype=q.dtype)
         self._v_up_proj(latent.to(q.dtype).contiguous(), out=out)
         return out

@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import torch
 
-from . import vllm_gguf
+from . import vllm_fp8, vllm_gguf
 from .trace import DEFAULT_FULL, MANIFEST, TraceWriter, fingerprint, fnv1a, moments
 
 SHARDS_FORMAT = "glmcheck-shards"
@@ -57,9 +57,14 @@ LAYER_NORM = {"LayerNorm"}
 FUSED_MOE = {"FusedMoE", "SharedFusedMoE", "MoERunner"}
 ROUTED_EXPERTS = {"RoutedExperts"}
 MLA_OP = {"MLAAttention"}
-INDEXER = {"Indexer"}
+INDEXER = {"Indexer", "DeepseekV32Indexer"}
 LAYER = {"DeepseekV2DecoderLayer"}
 ATTENTION = {"DeepseekV2MLAAttention", "DeepseekV2Attention"}
+# vLLM 0.32's CUDA tree (`vllm/models/deepseek_v32/`): the attention is itself the MLA op, and
+# its norms, RoPE and DSA top-k run in module-level functions the probe wraps.
+CUDA_MODEL = {"DeepseekV32Model"}
+CUDA_LAYER = {"DeepseekV32DecoderLayer"}
+CUDA_ATTENTION = {"DeepseekV32Attention"}
 MOE = {"DeepseekV2MoE"}
 MLP = {"DeepseekV2MLP"}
 ROPE = {"RotaryEmbedding", "DeepseekScalingRotaryEmbedding"}
@@ -99,13 +104,17 @@ TOP_PARAMS = [
 ]
 # Parameters vLLM derives from a loaded weight after loading: listed as skipped, the weight
 # they come from being checked.
+ABSORBED = "MLA's absorbed up-projection, made from kv_b_proj after loading"
 DERIVED = [
-    (r"self_attn\.mla_attn\.mla_attn\.(W_UV|W_UK_T)", MLA_OP,
-     "MLA's absorbed up-projection, made from kv_b_proj after loading"),
+    (r"self_attn\.mla_attn\.mla_attn\.(W_UV|W_UK_T)", MLA_OP, ABSORBED),
+    (r"self_attn\.(W_UV|W_UK_T)", CUDA_ATTENTION, ABSORBED),
 ]
-# Quantization companions of a known weight (FP8 block scales, activation scales): listed in
-# the manifest's producer as skipped, since glmcheck checks the dequantized weight.
-QUANT_SUFFIX = re.compile(r"_?(weight_scale_inv|weight_scale|input_scale|scale_inv)$")
+# Quantization companions of a known weight: FP8 block scales (`weight_scale_inv`, one float
+# per block) are listed, their shards checked against the plan like the weight's; per-tensor
+# and activation scales are listed in the producer as skipped.
+QUANT_SUFFIX = re.compile(r"(weight_scale_inv|weight_scale|input_scale|scale_inv)$")
+BLOCK_SCALE = "weight_scale_inv"
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 LAYER_NAME = re.compile(r"^model\.layers\.([0-9]+)\.(.+)$")
 # vLLM's GGUF parameters (GGUFConfig): the raw blocks under the weight's place, and the type
 # beside them, which becomes a field of the weight's entry.
@@ -148,12 +157,10 @@ def _require(path: str, module, classes: set) -> None:
 def _param_rule(name: str, num_layers: int):
     """(rule classes, the weight's name without a quantization suffix, skip reason or None)."""
     name = GGUF_WEIGHT.sub(r"\1weight", name)
-    stem = QUANT_SUFFIX.sub("", name)
-    quant = stem != name
-    if quant and not stem.endswith(("weight", "w13", "w2")):
-        stem += ".weight"
-    if quant and stem.endswith(("w13", "w2")):
-        stem += "_weight"
+    suffix = QUANT_SUFFIX.search(name)
+    # `x.weight_scale_inv` and `x.input_scale` are x.weight's, `w13_weight_scale` w13_weight's.
+    stem = name[:suffix.start()] + "weight" if suffix else name
+    quant = suffix is not None and suffix.group(1) != BLOCK_SCALE
     m = LAYER_NAME.match(stem)
     if m:
         if int(m.group(1)) >= num_layers:
@@ -199,6 +206,12 @@ def check_parameters(model) -> list:
             skipped.append((name, skip))
         elif vllm_gguf.is_gguf(param):
             listed.append((name, param))
+        elif param.dtype in FP8:
+            leaf = name.rsplit(".", 1)[1]
+            if getattr(modules.get(owner_path), leaf + "_scale_inv", None) is None:
+                skipped.append((name, f"dtype {param.dtype} without block scales"))
+            else:
+                listed.append((name, param))
         elif param.dtype not in DTYPES:
             skipped.append((name, f"dtype {param.dtype}"))
         else:
@@ -231,13 +244,19 @@ def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool 
     `check_dequant`: also run the engine's GGUF dequantization on every quantized shard, in the
     model's dtype, and record its output's hash and block sums (or that the op is absent).
     `loaded`: written between vLLM's loading and its `process_weights_after_loading` (the
-    producer says so), so that kernel repacking does not hide the layout the loader made."""
+    producer says so), so that kernel repacking does not hide the layout the loader made.
+    An FP8 weight with block scales is listed dequantized (its values times its scales, in
+    float32, as glmcheck reads the checkpoint), and its `weight_scale_inv` as an entry of its
+    own."""
     listed, skipped = check_parameters(model)
     modules = dict(model.named_modules())
     dequant = _model_dtype(model) if check_dequant else None
+    block = _fp8_block(_config(model))
     weights = []
     for name, param in listed:
         path_, leaf = name.rsplit(".", 1)
+        if param.dtype in FP8:
+            param = vllm_fp8.dequantize(param, getattr(modules[path_], leaf + "_scale_inv"), block)
         weights += _entries(name, modules[path_], leaf, param, hash_limit, dequant)
     quantized = any("ggml_type" in w for w in weights)
     manifest = {
@@ -252,6 +271,15 @@ def write_shard_manifest(model, path: str, rank: int, world_size: int, ep: bool 
     }
     _write_json(path, manifest)
     return manifest
+
+
+def _fp8_block(cfg) -> list:
+    """The checkpoint's FP8 block (`quantization_config.weight_block_size`; 128×128 as
+    GLM-5-FP8 and DeepSeek-V3 ship)."""
+    quant = getattr(cfg, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = vars(quant)
+    return list(quant.get("weight_block_size") or (128, 128))
 
 
 def _entries(name: str, module, leaf: str, param, hash_limit: int, dequant=None) -> list:
@@ -325,6 +353,7 @@ class Probe:
         self.full, self.source = full, source
         self.writer, self.tokens, self.done = None, None, False
         self.layer, self.in_indexer, self.hooks = None, False, []
+        self.cuda_tree = False
         self.notes, self._ropes, self.expected = [], [], ["embed", "final_norm", "logits"]
         self._last_logits = None
         self.dtype = DTYPES[_model_dtype(model)]
@@ -406,7 +435,8 @@ class Probe:
         self.hooks.append(module.register_forward_pre_hook(lambda _m, args: fn(args)))
 
     def _wrap(self, owner, method: str, fn):
-        """`fn(result)` after each call of `owner.method` (an object that is not a module)."""
+        """`fn(result, args, kwargs)` after each call of `owner.method` (a function of a Python
+        module, or a method of an object that is not a torch module)."""
         self.hooks.append(_Wrapped(owner, method, fn))
 
     def _routes(self, L: str, out, scale: float) -> None:
@@ -418,8 +448,10 @@ class Probe:
 
     def install(self) -> "Probe":
         cfg, model = self.cfg, self.model
-        _require("model", getattr(model, "model", None), {"DeepseekV2Model", "GlmMoeDsaModel"})
+        _require("model", getattr(model, "model", None),
+                 {"DeepseekV2Model", "GlmMoeDsaModel"} | CUDA_MODEL)
         inner = model.model
+        self.cuda_tree = _class(inner) in CUDA_MODEL
         _require("model.embed_tokens", getattr(inner, "embed_tokens", None), EMBED)
         _require("model.norm", getattr(inner, "norm", None), RMS_NORM)
         # The forward starts at the embedding: `DeepseekV2Model` is wrapped by vLLM's
@@ -433,16 +465,82 @@ class Probe:
                                f"for num_hidden_layers {cfg.num_hidden_layers}")
         for n in range(cfg.num_hidden_layers):
             self._layer(n, layers[n])
-
-        def final(o):
-            self.take("final_norm", _first(o), "t d", -1)
-
-        self._out(inner.norm, final)
+        if self.cuda_tree:
+            self._cuda_functions(inner, layers[:cfg.num_hidden_layers])
+        else:
+            self._out(inner.norm, lambda o: self.take("final_norm", _first(o), "t d", -1))
         logits = getattr(model, "logits_processor", None)
         _require("lm_head", getattr(model, "lm_head", None), LM_HEAD)
         _require("logits_processor", logits, LOGITS)
         self._out(logits, self._logits)
         return self
+
+    def _cuda_functions(self, inner, layers) -> None:
+        """The CUDA tree computes its norms and rotations in module-level functions, where no
+        module hook fires: the probe wraps them in the tree's own modules. Each RMSNorm after
+        the first layer's input runs in `fused_allreduce_rms_norm`, which all-reduces the
+        previous block's partial output, adds the residual and normalizes: its residual is
+        the stream's stage before the norm (a layer's `out`, or its `attn_resid`)."""
+        if any(getattr(layer, "use_sequence_parallel", False) for layer in layers):
+            raise UnknownModel("model.layers: sequence-parallel MoE (use_sequence_parallel_moe) "
+                               "shards the residual stream by token; the probe reads it whole")
+        model_fns = sys.modules[type(inner).__module__]
+        attn_fns = sys.modules[type(layers[0].self_attn).__module__]
+        for owner, name in ((model_fns, "fused_embed_norm"),
+                            (model_fns, "fused_allreduce_rms_norm"),
+                            (attn_fns, "fused_norm_rope"), (attn_fns, "fused_q"),
+                            (attn_fns, "sparse_attn_indexer")):
+            if not callable(getattr(owner, name, None)):
+                raise UnknownModel(f"{owner.__name__}.{name}: missing; the probe knows vLLM "
+                                   "0.32's CUDA tree")
+        last = len(layers) - 1
+        norms = {id(inner.norm): ("final_norm", f"L{last}.out")}
+        for n, layer in enumerate(layers):
+            if n:
+                norms[id(layer.input_layernorm)] = (f"L{n}.attn_norm", f"L{n - 1}.out")
+            norms[id(layer.post_attention_layernorm)] = (f"L{n}.ffn_norm", f"L{n}.attn_resid")
+        self._out(layers[0].input_layernorm, lambda o: self.take("L0.attn_norm", o, "t d", -1))
+
+        def embed_norm(out, args, kwargs):
+            self._start(args[0])
+            rows, normed = out if isinstance(out, tuple) else (out, None)
+            self.take("embed", rows, "t d", -1)
+            if normed is not None:
+                self.take("L0.attn_norm", normed, "t d", -1)
+
+        def allreduce_norm(out, args, kwargs):
+            norm = args[2] if len(args) > 2 else kwargs.get("norm")
+            stages = norms.get(id(norm))
+            if stages is None:
+                raise UnknownModel("fused_allreduce_rms_norm: called with a norm that is not a "
+                                   "layer's input or post-attention norm, or the final norm")
+            # The residual first: it closes the layer before (the trace is written by layer).
+            self.take(stages[1], out[1], "t d", -1)
+            self.take(stages[0], out[0], "t d", -1)
+
+        def norm_rope(out, args, kwargs):
+            L = f"L{self.layer}."
+            self.take(L + "attn.q_a_norm", out, "t d", -1)
+            for key, stage in (("kv_c_out", "attn.kv_a_norm"), ("k_pe_out", "attn.k_rope")):
+                if kwargs.get(key) is not None:
+                    self.take(L + stage, kwargs[key], "t d", -1)
+
+        def q_rope(out, args, kwargs):
+            mqa_q = out[2]
+            if mqa_q.is_floating_point() and mqa_q.element_size() > 1:
+                heads = self.cfg.num_attention_heads // self.tp
+                self.take(f"L{self.layer}.attn.q_rope", mqa_q, "t h(tp) d", heads, -1,
+                          split=True)
+
+        def top_k(out, args, kwargs):
+            buffer = args[13] if len(args) > 13 else kwargs["topk_indices_buffer"]
+            self._index_topk(f"L{self.layer}.", buffer)
+
+        self._wrap(model_fns, "fused_embed_norm", embed_norm)
+        self._wrap(model_fns, "fused_allreduce_rms_norm", allreduce_norm)
+        self._wrap(attn_fns, "fused_norm_rope", norm_rope)
+        self._wrap(attn_fns, "fused_q", q_rope)
+        self._wrap(attn_fns, "sparse_attn_indexer", top_k)
 
     def _logits(self, out) -> None:
         """vLLM computes logits at the sampled position (the prompt's last) and, when the
@@ -465,15 +563,16 @@ class Probe:
             self.notes.append(f"logits: {rows} rows for {t} tokens; not recorded")
 
     def _layer(self, n: int, layer) -> None:
-        at, cfg = f"model.layers.{n}", self.cfg
-        _require(at, layer, LAYER)
+        at, cfg, cuda = f"model.layers.{n}", self.cfg, self.cuda_tree
+        _require(at, layer, CUDA_LAYER if cuda else LAYER)
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        _require(f"{at}.self_attn", attn, ATTENTION)
+        _require(f"{at}.self_attn", attn, CUDA_ATTENTION if cuda else ATTENTION)
         L = f"L{n}."
-        # vLLM's fp16 guard holds the residual stream divided by routed_scaling_factor
+        # The CPU tree's fp16 guard holds the residual stream divided by routed_scaling_factor
         # (`DeepseekV2DecoderLayer.forward`; a MoE layer's output through the MoE runner's
         # `_maybe_apply_routed_scale_to_output`): recorded in the reference's units.
-        held = float(getattr(cfg, "routed_scaling_factor", 1.0)) if self.dtype == "f16" else 1.0
+        fp16_guard = self.dtype == "f16" and not cuda
+        held = float(getattr(cfg, "routed_scaling_factor", 1.0)) if fp16_guard else 1.0
         self.expected += [L + s for s in (
             "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
             "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
@@ -482,7 +581,9 @@ class Probe:
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self._pre(layer, lambda _a: setattr(self, "layer", n))
         _require(f"{at}.input_layernorm", getattr(layer, "input_layernorm", None), RMS_NORM)
-        self._out(layer.input_layernorm, lambda o: self.take(L + "attn_norm", _first(o), "t d", -1))
+        if not cuda:  # the CUDA tree's norms: `_cuda_functions`
+            self._out(layer.input_layernorm,
+                      lambda o: self.take(L + "attn_norm", _first(o), "t d", -1))
 
         fused = getattr(attn, "fused_qkv_a_proj", None)
         if fused is not None:
@@ -501,7 +602,8 @@ class Probe:
                 _require(f"{at}.self_attn.{name}", mod, REPLICATED)
                 self._out(mod, lambda o, s=stage: self.take(L + s, _first(o), "t d", -1))
         # kv_b_proj is hooked but not expected: vLLM's MLA absorbs it into W_UK_T and W_UV after
-        # loading and does not call it in a forward.
+        # loading and does not call it in a forward. The CUDA tree's q_a and kv_a norms run in
+        # `fused_norm_rope` (`_cuda_functions`), which only reads their weights.
         for name, classes, stage, dims, tail, split in (
             ("q_a_layernorm", RMS_NORM, "attn.q_a_norm", "t d", (-1,), False),
             ("q_b_proj", COLUMN, "attn.q", "t h(tp) d", (heads, qk), True),
@@ -510,28 +612,27 @@ class Probe:
         ):
             mod = getattr(attn, name, None)
             _require(f"{at}.self_attn.{name}", mod, classes)
-            self._out(mod, lambda o, s=stage, d=dims, t=tail, p=split:
-                      self.take(L + s, _first(o), d, *t, split=p))
+            if not (cuda and classes is RMS_NORM):
+                self._out(mod, lambda o, s=stage, d=dims, t=tail, p=split:
+                          self.take(L + s, _first(o), d, *t, split=p))
 
         rope = getattr(attn, "rotary_emb", None)
         _require(f"{at}.self_attn.rotary_emb", rope, ROPE)
-        if all(rope is not hooked for hooked in self._ropes):
+        if not cuda and all(rope is not hooked for hooked in self._ropes):
             self._ropes.append(rope)
             self._out(rope, self._rope)
         indexer = getattr(attn, "indexer", None)
         if indexer is not None:
             _require(f"{at}.self_attn.indexer", indexer, INDEXER)
-            self._pre(indexer, lambda _a: setattr(self, "in_indexer", True))
             self.expected.append(L + "attn.index_topk")
+            if not cuda:  # the CUDA tree's top-k: `sparse_attn_indexer`, `_cuda_functions`
+                self._pre(indexer, lambda _a: setattr(self, "in_indexer", True))
 
-            def index(o):
-                self.in_indexer = False
-                ids = _first(o)[: len(self.tokens)].to(torch.int64)
-                # Keys after the query are padding of a short prompt: -1, as docs/design.md §4 says.
-                query = torch.arange(len(self.tokens)).unsqueeze(-1)
-                self.take(L + "attn.index_topk", torch.where(ids > query, -1, ids), "t k", -1)
+                def index(o):
+                    self.in_indexer = False
+                    self._index_topk(L, _first(o))
 
-            self._out(indexer, index)
+                self._out(indexer, index)
         o_proj = getattr(attn, "o_proj", None)
         _require(f"{at}.self_attn.o_proj", o_proj, ROW)
         self._pre(o_proj, lambda a: self.take(L + "attn.ctx", a[0], "t h(tp) d", heads, -1,
@@ -550,7 +651,8 @@ class Probe:
             self.take(L + "attn_resid", o[1], "t d", -1, held=held)
             self.take(L + "ffn_norm", o[0], "t d", -1)
 
-        self._out(post, post_norm)
+        if not cuda:
+            self._out(post, post_norm)
         if _class(mlp) in MOE:
             gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
             _require(f"{at}.mlp.gate", gate, GATE)
@@ -567,7 +669,7 @@ class Probe:
                 scale = 1.0 if getattr(router, "routed_scaling_factor", 1.0) != 1.0 else float(
                     getattr(runner, "routed_scaling_factor", 1.0))
                 self._wrap(router, "select_experts",
-                           lambda out, s=scale: self._routes(L, out, s))
+                           lambda out, _args, _kwargs, s=scale: self._routes(L, out, s))
                 self.expected += [L + "moe.topk_ids", L + "moe.topk_weights"]
             shared = getattr(mlp, "shared_experts", None)
             if shared is not None:
@@ -576,13 +678,20 @@ class Probe:
                 _require(f"{at}.mlp.shared_experts.down_proj", down, ROW)
                 partial = not getattr(down, "reduce_results", True) and self.tp > 1
                 self.expected.append(L + "moe.shared")
-                self._out(shared, lambda o: self.take(
+                self._out(shared, lambda o, partial=partial: self.take(
                     L + "moe.shared", _first(o), "t d partial(tp)" if partial else "t d", -1,
                     split=partial))
         else:
             _require(f"{at}.mlp", mlp, MLP | MOE)
         moe_held = held if _class(mlp) in MOE else 1.0
-        self._out(mlp, lambda o: self.take(L + "ffn.out", _first(o), "t d", -1, held=moe_held))
+        # The CUDA tree leaves the block's output un-reduced: the all-reduce runs in the next
+        # norm, `fused_allreduce_rms_norm`, which also gives the layer's output.
+        unreduced = cuda and self.tp > 1
+        self._out(mlp, lambda o: self.take(L + "ffn.out", _first(o),
+                                           "t d partial(tp)" if unreduced else "t d", -1,
+                                           split=unreduced, held=moe_held))
+        if cuda:
+            return
 
         def out(o):
             if not (isinstance(o, (tuple, list)) and len(o) == 2):
@@ -591,6 +700,13 @@ class Probe:
             self.take(L + "out", o[0] + o[1], "t d", -1, held=held)
 
         self._out(layer, out)
+
+    def _index_topk(self, L: str, ids) -> None:
+        """The DSA top-k of the prompt's tokens; keys after the query are padding of a short
+        prompt: -1, as docs/design.md §4 says."""
+        ids = ids[: len(self.tokens)].to(torch.int64)
+        query = torch.arange(len(self.tokens)).unsqueeze(-1)
+        self.take(L + "attn.index_topk", torch.where(ids > query, -1, ids), "t k", -1)
 
     def _rope(self, out) -> None:
         """MLA's rotary call records the rotated parts; the indexer's (same module object in
@@ -611,17 +727,22 @@ class _Wrapped:
 
     def __init__(self, owner, method: str, fn):
         self.owner, self.method = owner, method
-        real = getattr(owner, method)
+        self.real = real = getattr(owner, method)
+        # A module's function is put back; an object's bound method is its class's again.
+        self.own = method in vars(owner)
 
         def wrapped(*args, **kwargs):
             out = real(*args, **kwargs)
-            fn(out)
+            fn(out, args, kwargs)
             return out
 
         setattr(owner, method, wrapped)
 
     def remove(self) -> None:
-        self.owner.__dict__.pop(self.method, None)
+        if self.own:
+            setattr(self.owner, self.method, self.real)
+        else:
+            self.owner.__dict__.pop(self.method, None)
 
 
 def _config_dict(cfg) -> dict:

@@ -135,17 +135,19 @@ pub fn from_disagreement(candidate: &Trace, s: &StageDiff) -> Option<Fault> {
     if ranks.is_empty() || s.rank.is_some() {
         return None;
     }
-    let kind = Stage::parse(&s.stage)?.kind().to_string();
-    let reduced = matches!(
-        kind.as_str(),
-        "attn.out" | "moe.routed" | "moe.shared" | "ffn.out"
-    );
+    let stage = Stage::parse(&s.stage)?;
+    let folded = folded_reduction(candidate, &stage);
+    let reduced = folded.is_some()
+        || matches!(
+            stage.kind(),
+            "attn.out" | "moe.routed" | "moe.shared" | "ffn.out"
+        );
     let listed = ranks
         .iter()
         .map(u64::to_string)
         .collect::<Vec<_>>()
         .join(", ");
-    let evidence = vec![
+    let mut evidence = vec![
         format!(
             "{}: replicated (every rank should hold the same values), yet rank {listed} held \
              other values than rank 0 (the merged trace's producer.disagree)",
@@ -156,6 +158,13 @@ pub fn from_disagreement(candidate: &Trace, s: &StageDiff) -> Option<Fault> {
             s.stage, s.rel_diff
         ),
     ];
+    if let Some(input) = folded {
+        evidence.push(format!(
+            "{input} is recorded as the ranks' partial sums: the engine all-reduces them in the \
+             step that makes {} (a fused all-reduce, residual add and norm)",
+            s.stage
+        ));
+    }
     let (class, summary) = match reduced {
         true => (
             FaultClass::MissingAllReduce,
@@ -167,6 +176,22 @@ pub fn from_disagreement(candidate: &Trace, s: &StageDiff) -> Option<Fault> {
         ),
     };
     fault(class, summary, evidence)
+}
+
+/// The residual stream's stage that an engine makes by all-reducing the stage before it, when
+/// that stage is recorded as rank partial sums (vLLM's CUDA tree leaves o_proj's and the MLP's
+/// outputs un-reduced and folds the all-reduce into the next RMSNorm): that input's name.
+fn folded_reduction(candidate: &Trace, stage: &Stage) -> Option<String> {
+    let input = match stage.kind() {
+        "attn_resid" => "attn.out",
+        "out" => "ffn.out",
+        _ => return None,
+    };
+    let name = stage.sibling(input)?.to_string();
+    let partial = candidate.stages().iter().any(|r| {
+        r.name == name && r.rank.is_some() && matches!(Sharding::of(&r.dims), Ok(Sharding::Partial))
+    });
+    partial.then_some(name)
 }
 
 /// A fault the rank parts of the divergent stage `s` show, if any.

@@ -35,23 +35,34 @@ const MERGED: &[(&str, &[LayerWeight], usize)] = &[
     ("mlp.experts.w2_weight", &[ExpertsDown], 0),
 ];
 
+/// The suffix of an FP8 weight's block scales (`W` → `W_scale_inv`).
+const SCALE_SUFFIX: &str = "_scale_inv";
+
 /// The names a manifest may use, for the error that rejects another.
 const KNOWN: &str = "names are GGUF or Hugging Face checkpoint names, or vLLM's merged \
      `mlp.gate_up_proj`, `mlp.shared_experts.gate_up_proj`, `self_attn.fused_qkv_a_proj`, \
      `self_attn.indexer.wk_weights_proj`, `mlp.experts.w13_weight`, `mlp.experts.w2_weight`";
 
-/// A manifest name resolved: the checkpoint weights it is made of, stacked along `axis`.
+/// A manifest name resolved: the checkpoint weights it is made of, stacked along `axis`, or
+/// their FP8 block scales (`…weight_scale_inv`, one float per 128×128 block), which the plan
+/// cuts as it cuts the weights, block for block.
 struct Target {
     parts: Vec<WeightId>,
     axis: usize,
+    scale: bool,
 }
 
 impl Target {
     fn resolve(name: &str) -> Option<Target> {
+        let (name, scale) = match name.strip_suffix(SCALE_SUFFIX) {
+            Some(weight) => (weight, true),
+            None => (name, false),
+        };
         if let Some(id) = WeightId::from_gguf(name).or_else(|| WeightId::from_hf(name)) {
             return Some(Target {
                 parts: vec![id],
                 axis: 0,
+                scale,
             });
         }
         let tail = name.strip_prefix("model.layers.")?;
@@ -64,6 +75,7 @@ impl Target {
         Some(Target {
             parts: parts.iter().map(|&w| WeightId::Layer(layer, w)).collect(),
             axis,
+            scale,
         })
     }
 
@@ -87,12 +99,12 @@ impl Target {
         }
     }
 
-    /// The full values and shape, from the reference dequantization.
+    /// The full values and shape, from the reference dequantization (or the block scales).
     fn load(&self, ws: &WeightSource) -> Result<(Vec<f32>, Vec<u64>)> {
         let parts = self
             .parts
             .iter()
-            .map(|&id| load(ws, id))
+            .map(|&id| load(ws, id, self.scale))
             .collect::<Result<Vec<_>>>()?;
         concat(parts, self.axis)
     }
@@ -142,10 +154,15 @@ fn native_name(ws: &WeightSource, id: WeightId) -> String {
 
 /// One checkpoint weight whole, in whatever form the file stores it: kv_b assembled from
 /// llama.cpp's k_b / v_b, stacked experts from per-expert tensors and back, fused gate_up from
-/// gate and up.
-fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
+/// gate and up. With `scale`, the weight's FP8 block scales instead, assembled the same way.
+fn load(ws: &WeightSource, id: WeightId, scale: bool) -> Result<(Vec<f32>, Vec<u64>)> {
     let name = native_name(ws, id);
-    if let Some(t) = ws.files.get(&name) {
+    if scale {
+        let scale_name = format!("{name}{SCALE_SUFFIX}");
+        if let Some(t) = ws.files.get(&scale_name) {
+            return Ok((ws.files.dequantize(t)?, t.shape.clone()));
+        }
+    } else if let Some(t) = ws.files.get(&name) {
         return Ok((ws.vector(id)?, t.shape.clone()));
     }
     let dims = |rows: usize, cols: usize| vec![rows as u64, cols as u64];
@@ -155,7 +172,7 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
             .position(|&x| x == w)
     };
     match id {
-        WeightId::Layer(_, KvB) => {
+        WeightId::Layer(_, KvB) if !scale => {
             let m = ws.matrix(id)?;
             let shape = dims(m.rows, m.cols);
             Ok((m.into_data(), shape))
@@ -164,7 +181,7 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
             layer,
             expert,
             which: w,
-        } => {
+        } if !scale => {
             let m = ws
                 .expert(layer, expert)?
                 .into_iter()
@@ -182,6 +199,7 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
                         expert: e,
                         which: w,
                     },
+                    scale,
                 )
             };
             let experts = (0..ws.cfg.n_routed_experts)
@@ -191,11 +209,12 @@ fn load(ws: &WeightSource, id: WeightId) -> Result<(Vec<f32>, Vec<u64>)> {
         }
         WeightId::Layer(l, ExpertsGateUp) => concat(
             vec![
-                load(ws, WeightId::Layer(l, ExpertsGate))?,
-                load(ws, WeightId::Layer(l, ExpertsUp))?,
+                load(ws, WeightId::Layer(l, ExpertsGate), scale)?,
+                load(ws, WeightId::Layer(l, ExpertsUp), scale)?,
             ],
             1,
         ),
+        _ if scale => bail!("the model holds no `{name}{SCALE_SUFFIX}` (not an FP8 checkpoint)"),
         _ => bail!("the model holds no `{name}`"),
     }
 }
@@ -346,6 +365,7 @@ pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
             let layout = Target {
                 parts: vec![id],
                 axis: 0,
+                scale: false,
             }
             .layout(ws, m.tp, m.ep);
             let ranks: Vec<u64> = (0..m.tp)

@@ -2,6 +2,7 @@
 //! the Hugging Face checkpoint, any size from CI-tiny to GLM-5's real widths, deterministic from
 //! a seed, with weights that make a meaningful reference (see [`weights`]).
 
+mod fp8;
 mod plan;
 pub mod preset;
 pub mod quantize;
@@ -65,7 +66,8 @@ impl SynthSpec {
     pub fn hf_store(&self) -> Result<StoreAs, String> {
         match self.mix {
             Mix::F32 => Ok(StoreAs::F32),
-            Mix::Bf16 => Ok(StoreAs::Bf16),
+            // FP8's unquantized tensors are BF16, as in GLM-5-FP8.
+            Mix::Bf16 | Mix::Fp8 => Ok(StoreAs::Bf16),
             other => Err(format!("the Hugging Face form is f32 or bf16, not {other}")),
         }
     }

@@ -6,8 +6,9 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
+use super::fp8;
 use super::plan::{plan, rows, Planned};
-use super::quantize::{self, random_blocks};
+use super::quantize::{self, random_blocks, Mix};
 use super::rng::SplitMix;
 use super::weights::WeightGen;
 use super::{gguf_metadata, SynthSpec};
@@ -82,6 +83,11 @@ fn fast_blocks(
 
 /// Write the GGUF form to `path`.
 pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
+    if spec.mix == Mix::Fp8 {
+        return Err(std::io::Error::other(
+            "--quant fp8 is GLM-5-FP8's Hugging Face layout: give --format hf",
+        ));
+    }
     let layout = Layout {
         family: Family::Gguf,
         kv_b: KvBForm::Split,
@@ -160,6 +166,12 @@ fn histogram(types: &[GgmlType]) -> BTreeMap<String, usize> {
 /// `spec.shard_bytes` (with `model.safetensors.index.json` when there are several), tokenizer.
 pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::Result<Written> {
     let store = spec.hf_store().map_err(std::io::Error::other)?;
+    let fp8_mix = spec.mix == Mix::Fp8;
+    if fp8_mix && experts == ExpertForm::FusedGateUp {
+        return Err(std::io::Error::other(
+            "fp8: GLM-5-FP8 stores its experts one by one; leave --hf-experts at its default",
+        ));
+    }
     std::fs::create_dir_all(dir)?;
     let layout = Layout {
         family: Family::Hf,
@@ -167,7 +179,25 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
         experts,
     };
     let planned = plan(&spec.cfg, layout);
-    let shards = shard(&planned, store, spec.shard_bytes);
+    // Each planned tensor as stored: (name, type, shape), an FP8 weight followed by its scales.
+    let stored = |p: &Planned| -> Vec<(String, StoreAs, Vec<u64>)> {
+        if fp8_mix && fp8::is_fp8_weight(&p.name, &p.shape) {
+            let scales = fp8::scale_shape(p.shape[0], p.shape[1]);
+            vec![
+                (p.name.clone(), StoreAs::F8E4M3, p.shape.clone()),
+                (format!("{}_scale_inv", p.name), StoreAs::F32, scales),
+            ]
+        } else {
+            vec![(p.name.clone(), store, p.shape.clone())]
+        }
+    };
+    let bytes = |p: &Planned| -> u64 {
+        stored(p)
+            .iter()
+            .map(|(_, s, shape)| s.size() * shape.iter().product::<u64>())
+            .sum()
+    };
+    let shards = shard(&planned, bytes, spec.shard_bytes);
     let names: Vec<String> = (0..shards.len())
         .map(|k| {
             if shards.len() == 1 {
@@ -180,21 +210,32 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
     let gen = spec.weight_gen();
     let metadata: BTreeMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     let mut weight_map = serde_json::Map::new();
+    let mut types = BTreeMap::new();
     for (members, name) in shards.iter().zip(&names) {
-        let header: Vec<(String, StoreAs, Vec<u64>)> = members
-            .iter()
-            .map(|p| (p.name.clone(), store, p.shape.clone()))
-            .collect();
+        let header: Vec<(String, StoreAs, Vec<u64>)> =
+            members.iter().flat_map(|p| stored(p)).collect();
+        for (tensor, s, _) in &header {
+            *types.entry(format!("{s:?}").to_uppercase()).or_insert(0) += 1;
+            weight_map.insert(tensor.clone(), name.clone().into());
+        }
         let mut w = SafetensorsStreamWriter::create(&dir.join(name), &header, &metadata)?;
         for p in members {
-            for range in chunks(p) {
-                w.write(&values(spec, &gen, p, range))?;
+            if stored(p).len() > 1 {
+                // Scales need whole blocks: the weight is generated whole (one at a time).
+                let whole = values(spec, &gen, p, 0..p.rows());
+                let (scaled, scales) =
+                    fp8::block_scaled(&whole, p.shape[0] as usize, p.shape[1] as usize);
+                w.write(&scaled)?;
+                w.write(&scales)?;
+            } else {
+                for range in chunks(p) {
+                    w.write(&values(spec, &gen, p, range))?;
+                }
             }
-            weight_map.insert(p.name.clone(), name.clone().into());
         }
         w.finish()?;
     }
-    let total: u64 = planned.iter().map(|p| p.numel() * store_size(store)).sum();
+    let total: u64 = planned.iter().map(bytes).sum();
     if shards.len() > 1 {
         let index =
             serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -210,36 +251,35 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
         "float32"
     }
     .into();
+    if fp8_mix {
+        config["quantization_config"] = serde_json::json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [fp8::BLOCK, fp8::BLOCK],
+        });
+    }
     spec.tokenizer_hf_files(dir, &mut config)?;
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
     let files = names.iter().map(|n| dir.join(n)).collect();
-    let mut types = BTreeMap::new();
-    types.insert(format!("{store:?}").to_uppercase(), planned.len());
     Ok(Written {
         files,
-        tensors: planned.len(),
+        tensors: types.values().sum(),
         bytes: total,
         types,
         random_blocks: Vec::new(),
     })
 }
 
-fn store_size(s: StoreAs) -> u64 {
-    match s {
-        StoreAs::F32 => 4,
-        StoreAs::Bf16 => 2,
-    }
-}
-
 /// Consecutive groups of tensors of at most `limit` bytes each (a larger tensor alone).
-fn shard(planned: &[Planned], store: StoreAs, limit: u64) -> Vec<Vec<&Planned>> {
+fn shard(planned: &[Planned], bytes: impl Fn(&Planned) -> u64, limit: u64) -> Vec<Vec<&Planned>> {
     let mut out: Vec<Vec<&Planned>> = vec![Vec::new()];
     let mut size = 0;
     for p in planned {
-        let bytes = p.numel() * store_size(store);
+        let bytes = bytes(p);
         if size > 0 && size + bytes > limit {
             out.push(Vec::new());
             size = 0;

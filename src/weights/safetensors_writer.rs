@@ -1,4 +1,4 @@
-//! A safetensors writer that streams values in as they are produced, as F32 or BF16.
+//! A safetensors writer that streams values in as they are produced, as F32, BF16 or FP8 E4M3.
 //!
 //! The safetensors crate serializes each tensor from one whole buffer; a stacked expert tensor of
 //! GLM-5 is 13 GB as f32, so `dequant --dump` and `synth` write chunk by chunk through this
@@ -10,6 +10,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use float8::F8E4M3;
 use half::bf16;
 use serde_json::{json, Map, Value};
 
@@ -19,6 +20,9 @@ pub enum StoreAs {
     F32,
     /// Rounded to nearest even, as torch's `.to(torch.bfloat16)`.
     Bf16,
+    /// FP8 E4M3 ("fn": no infinities), rounded to nearest even as torch's
+    /// `.to(torch.float8_e4m3fn)`; values past ±448 saturate (a block-scaled weight has none).
+    F8E4M3,
 }
 
 impl StoreAs {
@@ -26,12 +30,16 @@ impl StoreAs {
         match self {
             StoreAs::F32 => "F32",
             StoreAs::Bf16 => "BF16",
+            StoreAs::F8E4M3 => "F8_E4M3",
         }
     }
-    fn size(self) -> u64 {
+
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
         match self {
             StoreAs::F32 => 4,
             StoreAs::Bf16 => 2,
+            StoreAs::F8E4M3 => 1,
         }
     }
 }
@@ -113,6 +121,9 @@ impl SafetensorsStreamWriter {
                 StoreAs::Bf16 => values[..n]
                     .iter()
                     .for_each(|v| buf.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+                StoreAs::F8E4M3 => values[..n]
+                    .iter()
+                    .for_each(|v| buf.push(F8E4M3::from_f32(*v).to_bits())),
             }
             self.out.write_all(&buf)?;
             values = &values[n..];

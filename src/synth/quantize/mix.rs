@@ -23,16 +23,20 @@ pub enum Mix {
     /// attention (and the DSA indexer) Q6_K on the "more bits" layers of Q4_K_M and Q5_K
     /// elsewhere, embeddings Q4_K, output Q6_K, everything else (dense FFN, MTP projection) Q6_K.
     UdIq,
+    /// GLM-5-FP8's Hugging Face layout: linear weights FP8 E4M3 with a float32
+    /// `weight_scale_inv` per 128×128 block, the rest BF16. Not a GGUF mix.
+    Fp8,
 }
 
 impl Mix {
     /// The `--quant` names, in declaration order.
-    const NAMES: [(Mix, &'static str); 5] = [
+    const NAMES: [(Mix, &'static str); 6] = [
         (Mix::F32, "f32"),
         (Mix::Bf16, "bf16"),
         (Mix::Q8_0, "q8_0"),
         (Mix::Q4KM, "q4_k_m"),
         (Mix::UdIq, "ud-iq"),
+        (Mix::Fp8, "fp8"),
     ];
 
     /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) of a file of this mix, as its
@@ -43,7 +47,8 @@ impl Mix {
             Mix::Q8_0 => 7,
             Mix::Q4KM => 15,
             Mix::UdIq => 30,
-            Mix::Bf16 => 32,
+            // `write_gguf` refuses fp8 (a Hugging Face layout) before asking.
+            Mix::Bf16 | Mix::Fp8 => 32,
         }
     }
 }
@@ -62,7 +67,7 @@ impl std::fmt::Display for Mix {
 impl std::str::FromStr for Mix {
     type Err = String;
 
-    /// `f32`, `bf16`, `q8_0`, `q4_k_m` or `ud-iq`, in any case.
+    /// `f32`, `bf16`, `q8_0`, `q4_k_m`, `ud-iq` or `fp8`, in any case.
     fn from_str(s: &str) -> Result<Self, String> {
         Mix::NAMES
             .iter()
@@ -95,7 +100,7 @@ pub fn mix_type(mix: Mix, name: &str, row_len: u64, n_dims: usize, n_layers: u64
     let more_bits = || layer_of(name).is_some_and(|i| use_more_bits(i, n_layers));
     let ty = match mix {
         Mix::F32 => GgmlType::F32,
-        Mix::Bf16 => GgmlType::BF16,
+        Mix::Bf16 | Mix::Fp8 => GgmlType::BF16,
         Mix::Q8_0 => GgmlType::Q8_0,
         Mix::Q4KM => {
             if name == "output.weight" {

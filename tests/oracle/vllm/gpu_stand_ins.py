@@ -14,7 +14,7 @@ projection's Python code stay vLLM's. What is replaced, and the vLLM file that c
   whole blocks hold (nothing, for a cut inside the first block);
 * `SparseAttnIndexer` (`vllm/model_executor/layers/sparse_attn_indexer.py`, DeepGEMM's FP8 MQA
   logits and top-k): the DSA scores Σ_h w·relu(q·k) over the causal keys and their top-k, in
-  the run's dtype; and `per_token_group_quant_fp8` in `deepseek_v2.py` leaves the indexer's q
+  float32; and `per_token_group_quant_fp8` in `deepseek_v2.py` leaves the indexer's q
   unquantized (scale 1), so the FP8 rounding of q and k is not reproduced;
 * the sparse MLA kernel (FlashMLA's, behind `MLAAttention.forward` in
   `vllm/model_executor/layers/attention/mla_attention.py`): attention over the latent cache at
@@ -35,6 +35,7 @@ Faults, each a bug of the kind a deployment hits, put in place of the piece it b
 import gguf
 import numpy as np
 import torch
+from glmcheck_probe import dsa_ops
 
 FAULTS = ("q4k-high-scales", "fp16-no-residual-rescale")
 _installed = None
@@ -120,43 +121,24 @@ class Kernels:
 
 
 def _indexer_topk(self, hidden_states, q, k, weights):
-    """DSA top-k over the causal keys: scores Σ_h weights·relu(q·k) (the scales of q and of
-    the head count are already in `weights`), written into vLLM's `topk_indices_buffer` as key
-    positions, -1 where a query has fewer than top-k keys."""
+    """DSA top-k over the causal keys of the one prompt, into vLLM's `topk_indices_buffer`
+    (glmcheck's plugin's arithmetic, `dsa_ops.dsa_topk`)."""
     t = hidden_states.shape[0]
-    q = q.reshape(t, -1, self.head_dim).to(torch.float32)
-    scores = torch.einsum("thd,sd->tsh", q, k.to(torch.float32)).relu()
-    scores = (scores * weights.to(torch.float32).unsqueeze(1)).sum(-1)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    k_top = min(self.topk_tokens, t)
-    values, ids = scores.topk(k_top, dim=-1)
-    ids = torch.where(torch.isinf(values), -1, ids)
-    buf = self.topk_indices_buffer
-    buf[:t] = -1
-    buf[:t, :k_top] = ids.to(buf.dtype)
-    return buf
+    return dsa_ops.dsa_topk(q.reshape(t, -1, self.head_dim), k, weights, self.topk_tokens,
+                            [(0, t)], self.topk_indices_buffer)
 
 
 def _sparse_mla(self, q, kv_c_normed, k_pe, output_shape=None):
-    """FlashMLA's sparse attention: each query attends to the keys the indexer chose, in the
-    latent space (q's nope part absorbed through W_UK_T), output through vLLM's _v_up_proj."""
+    """FlashMLA's sparse attention over the one prompt (`dsa_ops.sparse_latent_attention`):
+    q's nope part absorbed through vLLM's W_UK_T, the output through its _v_up_proj."""
     t = q.shape[0]
     q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)  # [t, h, lora]
-    k_pe = k_pe.reshape(t, -1)
-    scores = (torch.einsum("thl,sl->ths", ql_nope.float(), kv_c_normed.float())
-              + torch.einsum("thr,sr->ths", q_pe.float(), k_pe.float())) * self.scale
-    chosen = self.indexer.topk_indices_buffer[:t].long()
-    allowed = torch.zeros(t, t, dtype=torch.bool)
-    valid = chosen >= 0
-    rows = torch.arange(t).unsqueeze(1).expand_as(chosen)
-    allowed[rows[valid], chosen[valid]] = True
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    latent = torch.einsum("ths,sl->thl", probs, kv_c_normed.float()).to(q.dtype)
+    ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
+    latent = dsa_ops.sparse_latent_attention(ql_nope, q_pe, kv_c_normed, k_pe.reshape(t, -1),
+                                             self.indexer.topk_indices_buffer, self.scale,
+                                             [(0, t)])
     out = torch.empty(output_shape, dtype=q.dtype)
-    self._v_up_proj(latent.contiguous(), out=out)
+    self._v_up_proj(latent.to(q.dtype).contiguous(), out=out)
     return out
 
 

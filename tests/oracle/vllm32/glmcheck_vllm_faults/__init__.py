@@ -8,10 +8,13 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
   and the shapes still fit (the story's loader bug);
 * `router-bias-ignored`: the CPU router's grouped top-k (`fused_moe/router/cpu_router.py`)
   choosing experts without `e_score_correction_bias`;
-* `skip-o-proj-all-reduce`: layer 1's `o_proj` (`RowParallelLinear.forward`) leaving out the
-  all-reduce of its partial sums;
-* `rope-positions-shifted`: the MLA layer (`layers/mla.py`) handing RoPE positions one past
-  the token's own at layer 0;
+* `skip-o-proj-all-reduce`: the all-reduce of layer 1's `o_proj` partial sums left out: in the
+  CPU tree by `RowParallelLinear.forward` (`linear.py`), in the CUDA tree, whose o_proj leaves
+  its output un-reduced, by `fused_allreduce_rms_norm` before layer 1's post-attention norm
+  (`models/common/ops/fused_allreduce_rms_norm.py`);
+* `rope-positions-shifted`: the MLA layer handing RoPE positions one past the token's own at
+  layer 0 (`layers/mla.py` in the CPU tree, `models/deepseek_v32/attention.py` in the CUDA
+  tree);
 * `w13-halves-swapped`: the routed experts' weight loader (`fused_moe/routed_experts.py`)
   loading each expert's gate projection (`w1`) into the up half of `w13_weight` and the up
   projection (`w3`) into the gate half.
@@ -86,18 +89,49 @@ def _skip_o_proj_all_reduce() -> None:
 
     linear.RowParallelLinear.forward = forward
 
+    from vllm.models.common.ops import fused_allreduce_rms_norm as fused
+    from vllm.models.deepseek_v32.nvidia import model
+
+    real_fused, real_layer = fused.tensor_model_parallel_all_reduce, model.DeepseekV32DecoderLayer
+    layer_forward, target = real_layer.forward, []
+    fused.tensor_model_parallel_all_reduce = lambda x: x if skipping else real_fused(x)
+    real_norm = model.fused_allreduce_rms_norm
+
+    def allreduce_rms_norm(hidden_states, residual, norm):
+        if target and norm is target[0]:
+            skipping.append(True)
+        try:
+            return real_norm(hidden_states, residual, norm)
+        finally:
+            skipping.clear()
+
+    def decoder_forward(self, *args, **kwargs):
+        if self.layer_idx == 1:
+            target.append(self.post_attention_layernorm)
+        try:
+            return layer_forward(self, *args, **kwargs)
+        finally:
+            target.clear()
+
+    model.fused_allreduce_rms_norm = allreduce_rms_norm
+    real_layer.forward = decoder_forward
+
 
 def _rope_positions_shifted() -> None:
     from vllm.model_executor.layers import mla
+    from vllm.models.deepseek_v32 import attention
 
-    real = mla.MultiHeadLatentAttentionWrapper.forward
+    for cls in (mla.MultiHeadLatentAttentionWrapper, attention.DeepseekV32Attention):
+        real = cls.forward
 
-    def forward(self, positions, *args, **kwargs):
-        if self.prefix.startswith("model.layers.0."):
-            positions = positions + 1
-        return real(self, positions, *args, **kwargs)
+        def forward(self, positions, *args, real=real, **kwargs):
+            # The CPU tree's wrapper knows its `prefix`, the CUDA tree's attention its
+            # `layer_name` (`model.layers.0.self_attn.attn`).
+            if (getattr(self, "prefix", None) or self.layer_name).startswith("model.layers.0."):
+                positions = positions + 1
+            return real(self, positions, *args, **kwargs)
 
-    mla.MultiHeadLatentAttentionWrapper.forward = forward
+        cls.forward = forward
 
 
 def _w13_halves_swapped() -> None:
