@@ -352,3 +352,81 @@ fn indexer_schedule_overrides_match_transformers() {
         assert_eq!(ours, theirs, "freq {freq} offset {offset} layers {layers}");
     }
 }
+
+/// `--quant fp8` is torch's block FP8 quantization of the f32 weights, byte for byte, in
+/// GLM-5-FP8's layout: every linear weight FP8 with its scales, the router, the indexer's
+/// `weights_proj`, embeddings, `lm_head` and norms BF16; and glmcheck reads it back as those
+/// weights dequantized.
+#[test]
+fn fp8_checkpoint_is_torchs_block_quantization_in_glm5_fp8s_layout() {
+    let dir = common::scratch();
+    let (plain, fp8) = (dir.path().join("f32"), dir.path().join("fp8"));
+    let mut spec = tiny(3);
+    spec.write_hf(&plain, ExpertForm::PerExpert).unwrap();
+    spec.mix = Mix::Fp8;
+    spec.write_hf(&fp8, ExpertForm::PerExpert).unwrap();
+    let report: Json = serde_json::from_str(&common::run_oracle(
+        "fp8_checkpoint.py",
+        &[plain.to_str().unwrap(), fp8.to_str().unwrap()],
+    ))
+    .unwrap();
+    assert_eq!(report["problems"], Json::Array(vec![]), "{report:#}");
+    let names = |k: &str| -> Vec<String> {
+        report[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (fp8_names, bf16_names) = (names("fp8"), names("bf16"));
+    for w in [
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.indexer.wq_b.weight",
+        "model.layers.0.self_attn.indexer.wk.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.shared_experts.up_proj.weight",
+    ] {
+        assert!(fp8_names.iter().any(|n| n == w), "{w} not FP8: {report:#}");
+    }
+    for w in [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.self_attn.indexer.weights_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    ] {
+        assert!(
+            bf16_names.iter().any(|n| n == w),
+            "{w} not BF16: {report:#}"
+        );
+    }
+    let config: Json =
+        serde_json::from_str(&std::fs::read_to_string(fp8.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["quantization_config"]["quant_method"], "fp8");
+    assert_eq!(
+        config["quantization_config"]["weight_block_size"],
+        serde_json::json!([128, 128])
+    );
+    // Read back: each FP8 weight dequantized within its blocks' E4M3 step of the f32 weight.
+    let (a, b) = (
+        ModelFiles::open(&plain).unwrap(),
+        ModelFiles::open(&fp8).unwrap(),
+    );
+    for name in &fp8_names {
+        let (x, y) = (
+            a.dequantize(a.require(name).unwrap()).unwrap(),
+            b.dequantize(b.require(name).unwrap()).unwrap(),
+        );
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = x
+            .iter()
+            .zip(&y)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(worst <= amax / 16.0, "{name}: {worst} of {amax}");
+        assert!(worst > 0.0, "{name}: read back without FP8 rounding");
+    }
+}

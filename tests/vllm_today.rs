@@ -55,6 +55,24 @@ fn model(dir: &Path) -> PathBuf {
 /// runs, built here with glmcheck's stand-ins for its kernels (`vllm_capture --tree`).
 const TREES: [&str; 2] = ["cpu", "cuda"];
 
+/// GLM-5-FP8's layout (`synth --quant fp8`: FP8 E4M3 linear weights with 128×128 block scales)
+/// with widths vLLM's FP8 block layers accept at TP 4: every rank's share of a split dimension
+/// is whole 128-blocks (8 heads of 64 + 64, experts of 512).
+fn fp8_model(dir: &Path) -> PathBuf {
+    let hf = dir.join("fp8");
+    let sets = [
+        "kv_lora_rank=512",
+        "qk_rope_head_dim=64",
+        "qk_nope_head_dim=64",
+        "v_head_dim=64",
+        "moe_intermediate_size=512",
+    ];
+    let mut args = vec!["--format", "hf", "--quant", "fp8"];
+    args.extend(sets.iter().flat_map(|s| ["--set", s]));
+    common::synth_tiny(&hf, &args);
+    hf
+}
+
 /// `vllm_capture` of `model` with vLLM's `tree` at `tp` in `dtype`, with the tests' `fault`
 /// planted in vLLM; the capture folder and the capture's summary line.
 fn capture(
@@ -125,6 +143,22 @@ fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// A merged shard manifest lists each of `names` (rank 0's weights).
+fn assert_lists(shards: &Value, names: &[&str]) {
+    let listed: Vec<&str> = shards["ranks"][0]["weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap())
+        .collect();
+    for name in names {
+        assert!(
+            listed.contains(name),
+            "{name} not in the manifest: {listed:?}"
+        );
+    }
+}
+
 /// Clean captures of both trees at `tp` in f32 and bf16: each passes, from a trace of vLLM
 /// 0.32 that holds every stage the probe expects (the router's choices and the DSA top-k
 /// among them), with a manifest written as loaded.
@@ -162,20 +196,15 @@ fn clean(tp: u64) {
         let shards = json(&out.join("shards.json"));
         assert_eq!(shards["tp"], tp);
         assert_eq!(shards["producer"]["when"], "as loaded");
-        let names: Vec<&str> = shards["ranks"][0]["weights"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w["name"].as_str().unwrap())
-            .collect();
-        for name in [
-            "model.layers.0.self_attn.kv_b_proj.weight",
-            "model.layers.1.mlp.experts.w13_weight",
-            "model.layers.1.mlp.shared_experts.gate_up_proj.weight",
-            "lm_head.weight",
-        ] {
-            assert!(names.contains(&name), "{name} not in the manifest");
-        }
+        assert_lists(
+            &shards,
+            &[
+                "model.layers.0.self_attn.kv_b_proj.weight",
+                "model.layers.1.mlp.experts.w13_weight",
+                "model.layers.1.mlp.shared_experts.gate_up_proj.weight",
+                "lm_head.weight",
+            ],
+        );
     }
 }
 
@@ -322,6 +351,89 @@ fn experts_loaded_with_gate_and_up_swapped_are_a_weight_layout_of_w13_on_every_r
         assert!(
             summary.contains(&format!("{tp} of {tp} ranks")),
             "{summary}"
+        );
+    }
+}
+
+/// `glmcheck shards MODEL --actual SHARDS --json`.
+fn shards_check(model: &Path, out: &Path) -> Value {
+    let run = common::glmcheck_output(&[
+        "shards",
+        model.to_str().unwrap(),
+        "--actual",
+        out.join("shards.json").to_str().unwrap(),
+        "--json",
+    ]);
+    serde_json::from_slice(&run.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&run.stderr)))
+}
+
+/// An FP8 checkpoint loaded by vLLM's own FP8 block-scaled layers (`Fp8LinearMethod`,
+/// `Fp8MoEMethod`; on a CPU without AMX through the plugin's torch W8A16 stand-ins): clean runs
+/// of both trees pass, and every rank's FP8 weight and its block scales are the plan's slices.
+#[test]
+fn an_fp8_checkpoint_passes_with_every_weight_and_block_scale_as_planned() {
+    let dir = common::scratch();
+    let hf = fp8_model(dir.path());
+    for (tree, tp) in [("cpu", 2), ("cuda", 4)] {
+        let (out, summary) = capture(&hf, tree, tp, "bfloat16", None);
+        assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
+        let v = bisect(&hf, &out);
+        assert_eq!(v["verdict"], "pass", "{tree} tree, TP {tp}: {v:#}");
+        let checked = shards_check(&hf, &out);
+        assert_eq!(checked["verdict"], "pass", "{checked:#}");
+        assert_eq!(checked["checked"], checked["ok"], "{checked:#}");
+        assert_lists(
+            &json(&out.join("shards.json")),
+            &[
+                "model.layers.0.self_attn.kv_b_proj.weight",
+                "model.layers.0.self_attn.kv_b_proj.weight_scale_inv",
+                "model.layers.0.self_attn.fused_qkv_a_proj.weight_scale_inv",
+                "model.layers.1.mlp.experts.w13_weight_scale_inv",
+                "model.layers.1.mlp.shared_experts.down_proj.weight_scale_inv",
+            ],
+        );
+    }
+}
+
+/// vLLM's loader cutting `kv_b_proj`'s FP8 block scales at rank 0's offset on every rank while
+/// the weight itself is cut right: `unsharded_weight` of `weight_scale_inv`, each rank's scale
+/// rows named, the weight they scale matching no slice.
+#[test]
+fn fp8_block_scales_cut_at_rank_0_are_an_unsharded_weight_scale_inv() {
+    let dir = common::scratch();
+    let hf = fp8_model(dir.path());
+    for (tree, tp) in [("cpu", 2), ("cuda", 4)] {
+        let (out, _) = capture(&hf, tree, tp, "bfloat16", Some("kv-b-scales-unsharded"));
+        let v = bisect(&hf, &out);
+        assert_eq!(v["verdict"], "fail", "{tree} tree, TP {tp}: {v:#}");
+        let fault = &v["fault"];
+        assert_eq!(
+            fault["class"], "unsharded_weight",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
+        assert_eq!(
+            fault["weight"], "model.layers.0.self_attn.kv_b_proj.weight_scale_inv",
+            "{v:#}"
+        );
+        assert_eq!(v["first_divergence"]["layer"], 0, "{v:#}");
+        // 8 heads of 64 + 64 rows: 1024 rows, 8 scale rows.
+        let rows = 8 / tp;
+        let text = evidence(&v);
+        for rank in 1..tp {
+            assert!(
+                text.contains(&format!(
+                    "weight_scale_inv on rank {rank} holds rows 0..{rows} of 8, the same block \
+                     as every rank; the plan gives rows {}..{}",
+                    rank * rows,
+                    (rank + 1) * rows
+                )),
+                "{tree} tree, TP {tp}, rank {rank}: {text}"
+            );
+        }
+        assert!(
+            text.contains("kv_b_proj.weight on rank 1: its statistics match no slice"),
+            "{text}"
         );
     }
 }

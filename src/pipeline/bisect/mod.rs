@@ -598,7 +598,10 @@ fn logits_view(mut report: DiffReport) -> anyhow::Result<DiffReport> {
 }
 
 /// What an engine's shard manifest says of the shards of `ids`: the first weight some rank
-/// holds another slice of than the plan gives.
+/// holds another slice of than the plan gives, a recognised slice (another rank's, the whole)
+/// before one that matches nothing. An FP8 weight's block scales (`…_scale_inv`) count as
+/// their own entries: scales cut wrong make the weight they scale match nothing, and the
+/// scales' entry says why; the weight's own evidence follows.
 fn manifest_fault(
     model: &Model,
     manifest: &Path,
@@ -608,10 +611,19 @@ fn manifest_fault(
     let checked =
         check_only(&model.source(), &m, ids).with_context(|| manifest.display().to_string())?;
     let wrong: Vec<_> = checked.iter().filter(|c| c.class.is_some()).collect();
-    let Some(first) = wrong.first() else {
+    let recognised = wrong
+        .iter()
+        .find(|c| c.class.is_some_and(|k| k != FaultClass::Unknown));
+    let Some(first) = recognised.or(wrong.first()) else {
         return Ok(None);
     };
+    let stem = |name: &str| name.strip_suffix("_scale_inv").unwrap_or(name).to_string();
     let same: Vec<_> = wrong.iter().filter(|c| c.weight == first.weight).collect();
+    let scaled: Vec<String> = wrong
+        .iter()
+        .filter(|c| c.weight != first.weight && stem(&c.weight) == stem(&first.weight))
+        .map(|c| c.evidence.clone())
+        .collect();
     let class = first.class.unwrap_or(FaultClass::Unknown);
     let what = match class {
         FaultClass::WrongDequant => "dequantize their bytes otherwise than ggml",
@@ -625,7 +637,11 @@ fn manifest_fault(
             same.len(),
             m.tp
         ),
-        evidence: same.iter().map(|c| c.evidence.clone()).collect(),
+        evidence: same
+            .iter()
+            .map(|c| c.evidence.clone())
+            .chain(scaled)
+            .collect(),
         weight: Some(first.weight.clone()),
     }))
 }

@@ -6,6 +6,9 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
 * `unsharded-kv-b`: `ColumnParallelLinear`'s weight loaders (`linear.py`) cut every rank's
   `kv_b_proj` shard at rank 0's offset: each rank holds the leading rows of the whole weight,
   and the shapes still fit (the story's loader bug);
+* `kv-b-scales-unsharded`: in an FP8 checkpoint, the same loaders cut `kv_b_proj`'s weight
+  right but its block scales (`weight_scale_inv`, a `BlockQuantScaleParameter`) at rank 0's
+  offset on every rank;
 * `router-bias-ignored`: the CPU router's grouped top-k (`fused_moe/router/cpu_router.py`)
   choosing experts without `e_score_correction_bias`;
 * `skip-o-proj-all-reduce`: the all-reduce of layer 1's `o_proj` partial sums left out: in the
@@ -22,7 +25,7 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
 
 import os
 
-FAULTS = ("unsharded-kv-b", "router-bias-ignored", "skip-o-proj-all-reduce",
+FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "skip-o-proj-all-reduce",
           "rope-positions-shifted", "w13-halves-swapped")
 
 
@@ -35,18 +38,21 @@ def register() -> None:
     globals()["_" + fault.replace("-", "_")]()
 
 
-def _unsharded_kv_b() -> None:
+def _unsharded_kv_b(scales_only: bool = False) -> None:
     from vllm.model_executor.layers import linear
+    from vllm.model_executor.parameter import BlockQuantScaleParameter
 
     cls = linear.ColumnParallelLinear
     for name in ("weight_loader", "weight_loader_v2"):
         real = getattr(cls, name)
 
         def loader(self, param, loaded_weight, *args, real=real, **kwargs):
-            if not getattr(self, "prefix", "").endswith("kv_b_proj"):
+            if not getattr(self, "prefix", "").endswith("kv_b_proj") or (
+                    scales_only and not isinstance(param, BlockQuantScaleParameter)):
                 return real(self, param, loaded_weight, *args, **kwargs)
             # `linear.py` narrows at `self.tp_rank`, `parameter.py` at the parameter's own.
-            held = [(o, o.tp_rank) for o in (self, param) if hasattr(o, "tp_rank")]
+            owners = (param,) if scales_only else (self, param)
+            held = [(o, o.tp_rank) for o in owners if hasattr(o, "tp_rank")]
             for owner, _ in held:
                 owner.tp_rank = 0
             try:
@@ -56,6 +62,10 @@ def _unsharded_kv_b() -> None:
                     owner.tp_rank = rank
 
         setattr(cls, name, loader)
+
+
+def _kv_b_scales_unsharded() -> None:
+    _unsharded_kv_b(scales_only=True)
 
 
 def _router_bias_ignored() -> None:
