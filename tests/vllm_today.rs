@@ -438,6 +438,82 @@ fn fp8_block_scales_cut_at_rank_0_are_an_unsharded_weight_scale_inv() {
     }
 }
 
+/// vLLM's fused shared experts (ROCm AITER's layout, turned on for a load on the CPU by the
+/// tests' plugin): the shared expert is stored as expert 8 of `w13_weight` / `w2_weight`, cut
+/// like a routed expert, and no `shared_experts` weight is left. `vllm_capture --shards-only`
+/// writes the load's manifest; `glmcheck shards --actual` plans the fused slot from the shared
+/// expert's checkpoint weights and checks it, and finds the slot's gate and up swapped.
+#[test]
+fn fused_shared_experts_are_planned_and_checked_in_the_stacked_experts() {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    for tp in [2, 4] {
+        for fault in [None, Some("fused-shared-halves-swapped")] {
+            let out = dir
+                .path()
+                .join(format!("fused-tp{tp}-{}", fault.unwrap_or("clean")));
+            let mut cmd = Command::new(vllm_python());
+            cmd.args(["-m", "glmcheck_probe.vllm_capture"])
+                .arg(&hf)
+                .args([
+                    "--tp",
+                    &tp.to_string(),
+                    "--shards-only",
+                    "--dtype",
+                    "float32",
+                ])
+                .arg("--out")
+                .arg(&out)
+                .env("GLMCHECK_VLLM_FUSE_SHARED_EXPERTS", "1");
+            match fault {
+                Some(f) => cmd.env("GLMCHECK_VLLM_FAULT", f),
+                None => cmd.env_remove("GLMCHECK_VLLM_FAULT"),
+            };
+            let run = cmd.output().expect("start vllm_capture");
+            assert!(
+                run.status.success(),
+                "TP {tp} {fault:?}: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            let shards = json(&out.join("shards.json"));
+            let weights = shards["ranks"][0]["weights"].as_array().unwrap();
+            let w13 = weights
+                .iter()
+                .find(|w| w["name"] == "model.layers.1.mlp.experts.w13_weight")
+                .unwrap();
+            assert_eq!(w13["shape"][0], 9, "8 routed experts and the shared one");
+            assert!(
+                !weights
+                    .iter()
+                    .any(|w| w["name"].as_str().unwrap().contains("shared_experts")),
+                "no separate shared expert when fused"
+            );
+            let checked = shards_check(&hf, &out);
+            assert_eq!(
+                checked["not_in_manifest"],
+                Value::Array(vec![]),
+                "{checked:#}"
+            );
+            let mismatched: Vec<(&str, &str)> = checked["mismatches"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| (m["weight"].as_str().unwrap(), m["class"].as_str().unwrap()))
+                .collect();
+            if fault.is_none() {
+                assert_eq!(checked["verdict"], "pass", "TP {tp}: {checked:#}");
+            } else {
+                // Both MoE layers, every rank: w13 only, its fused slot's halves swapped.
+                assert_eq!(mismatched.len(), 2 * tp as usize, "{checked:#}");
+                for (name, class) in mismatched {
+                    assert!(name.ends_with("mlp.experts.w13_weight"), "{checked:#}");
+                    assert_eq!(class, "weight_layout", "{checked:#}");
+                }
+            }
+        }
+    }
+}
+
 /// A `vllm serve` process (vLLM's OpenAI server module: the `vllm` command of the CPU build looks
 /// itself up under the distribution name `vllm` and fails), killed with its engine and workers
 /// when dropped.
@@ -582,7 +658,7 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
     let server = format!("http://127.0.0.1:{port}");
     let taken = dir.path().join("taken");
     std::fs::create_dir_all(taken.join("ranks")).unwrap();
-    let cases: [(Vec<&str>, String); 7] = [
+    let cases: [(Vec<&str>, String); 9] = [
         (
             vec!["--server", &server, "--tokens", TOKENS],
             format!("vllm_capture: {server}/v1/models: "),
@@ -625,6 +701,15 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
                 TOKENS,
             ],
             "vllm_capture: --tp 2 and --tensor-parallel-size 4 disagree; give one".into(),
+        ),
+        (
+            vec!["model"],
+            "vllm_capture: give the prompt: --tokens IDS or --prompt TEXT (or --shards-only)"
+                .into(),
+        ),
+        (
+            vec!["model", "--shards-only", "--tokens", TOKENS],
+            "vllm_capture: --shards-only runs no prompt".into(),
         ),
     ];
     for (args, expected) in cases {

@@ -12,6 +12,10 @@ token, with prompt log-probabilities so that vLLM computes logits at every posit
     DIR/shards.json   the ranks' shard manifests merged (`--actual DIR/shards.json`)
     DIR/ranks/        the per-rank files they were merged from
 
+`--shards-only` loads the model and writes `DIR/shards.json` without running a prompt
+(`glmcheck shards MODEL --actual DIR/shards.json` checks it): how vLLM cut the weights, even
+where the forward cannot run.
+
 The forward runs eagerly (`enforce_eager`), for hooks do not see inside CUDA graphs or compiled
 graphs. On vLLM's CPU build the defaults below make a small model run (they are vLLM's own
 settings; any given on the command line wins), and glmcheck's vLLM plugin (`vllm_plugin`)
@@ -71,10 +75,13 @@ def parse(argv):
                          "the CPU tree vLLM picks there (default), or the CUDA tree a GPU runs "
                          "(vllm/models/deepseek_v32/nvidia), built with glmcheck's stand-ins "
                          "for its kernels")
-    prompt = ap.add_mutually_exclusive_group(required=True)
+    prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--tokens", help="the prompt as token ids, comma-separated")
     prompt.add_argument("--prompt", help="the prompt as text (needs the model's tokenizer)")
     ap.add_argument("--out", required=True, help="a new or empty folder for the capture")
+    ap.add_argument("--shards-only", action="store_true",
+                    help="load the model and write the shard manifest only: no prompt is run "
+                         "(a load whose forward cannot run, or a quick look at the shards)")
     ap.add_argument("--full", action="append", metavar="GLOB",
                     help="stages kept whole (default: the probe's: logits, the residual "
                          "stream, the DSA top-k); others are kept as statistics")
@@ -113,8 +120,9 @@ def engine_kwargs(model: str, tp: int, rest: list, tokens: bool) -> dict:
 
 
 def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), full=None,
-            tree=None) -> dict:
-    """Start vLLM with `LLM`, run the capture; a summary of what was written."""
+            tree=None, shards_only=False) -> dict:
+    """Start vLLM with `LLM`, run the capture; a summary of what was written. With
+    `shards_only`, the shard manifest of the load alone."""
     from vllm import LLM, SamplingParams
 
     ranks_dir = _fresh(out)
@@ -123,8 +131,13 @@ def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), fu
     os.environ[vllm_plugin.SHARDS_ENV] = os.path.abspath(ranks_dir)
     if tree:
         os.environ[vllm_cuda_tree.TREE_ENV] = tree
-    llm = LLM(**engine_kwargs(model, tp, list(rest), tokens is not None))
+    llm = LLM(**engine_kwargs(model, tp, list(rest), shards_only or tokens is not None))
     ready = time.time()
+    if shards_only:
+        manifests = [os.path.join(ranks_dir, f"shards.rank{r}.json") for r in range(tp)]
+        summary = {"tp": tp}
+        notes = _merge_shards(out, manifests, summary)
+        return {**summary, "notes": notes, "start_s": round(ready - started, 2)}
     source = os.path.abspath(model) if os.path.exists(model) else model
     installed = _installed(llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full)))
     request = {"prompt_token_ids": tokens} if tokens is not None else prompt
@@ -168,24 +181,29 @@ def _installed(ranks: list) -> list:
 
 def _merge(out: str, installed: list, finished: list) -> dict:
     """The ranks' traces and shard manifests merged into `out`; what was written."""
-    for rank in installed:
-        error = (rank.get("shards") or "") + ".error"
-        if os.path.exists(error):
-            raise CaptureError(f"{error}: " + open(error).read().strip())
     traces = [f["trace"] for f in sorted(finished, key=lambda f: f["rank"])]
     trace = os.path.join(out, "run.trace")
     merged = vllm_probe.merge_traces(trace, traces)
     summary = {"trace": trace, "tp": merged["tp"], "tokens": merged["tokens"],
-               "stages": len(merged["stages"]), "notes": merged["producer"].get("notes", [])}
+               "stages": len(merged["stages"])}
     manifests = [r["shards"] for r in sorted(installed, key=lambda r: r["rank"])]
+    notes = _merge_shards(out, manifests, summary)
+    return {**summary, "notes": merged["producer"].get("notes", []) + notes}
+
+
+def _merge_shards(out: str, manifests: list, summary: dict) -> list:
+    """The ranks' shard manifests merged into `out/shards.json` (its path put in `summary`);
+    notes on why there is none."""
+    for m in manifests:
+        error = (m or "") + ".error"
+        if os.path.exists(error):
+            raise CaptureError(f"{error}: " + open(error).read().strip())
     if all(m and os.path.exists(m) for m in manifests):
         summary["shards"] = os.path.join(out, "shards.json")
         vllm_probe.merge_shard_manifests(summary["shards"], manifests)
-    else:
-        summary["notes"] = summary["notes"] + [
-            f"no shard manifest: vLLM was started without {vllm_plugin.SHARDS_ENV} (or without "
+        return []
+    return [f"no shard manifest: vLLM was started without {vllm_plugin.SHARDS_ENV} (or without "
             "glmcheck's plugin installed), so the weights as loaded were not written"]
-    return summary
 
 
 class CaptureError(Exception):
@@ -246,18 +264,26 @@ def main(argv=None) -> None:
                   "server's own command line")
     if not ours.server and not ours.model:
         _fail("give MODEL, or --server URL of a running vLLM")
+    if ours.shards_only and (ours.server or tokens or ours.prompt):
+        _fail("--shards-only runs no prompt and starts vLLM itself: give MODEL without --tokens, "
+              "--prompt or --server")
+    if not ours.shards_only and tokens is None and ours.prompt is None:
+        _fail("give the prompt: --tokens IDS or --prompt TEXT (or --shards-only)")
     try:
         if ours.server:
             summary = capture_server(ours.server, ours.out, tokens, ours.prompt, ours.full)
         else:
             summary = capture(ours.model, ours.tp or 1, ours.out, tokens, ours.prompt, rest,
-                              ours.full, ours.tree)
+                              ours.full, ours.tree, ours.shards_only)
     except (vllm_probe.UnknownModel, CaptureError) as e:
         _fail(str(e))
     print(json.dumps(summary))
+    model = summary.get("model", ours.model)
     actual = f" --actual {summary['shards']}" if "shards" in summary else ""
-    print(f"glmcheck bisect {summary.get('model', ours.model)} --candidate {summary['trace']}"
-          f"{actual}", file=sys.stderr)
+    if "trace" in summary:
+        print(f"glmcheck bisect {model} --candidate {summary['trace']}{actual}", file=sys.stderr)
+    elif actual:
+        print(f"glmcheck shards {model}{actual}", file=sys.stderr)
 
 
 if __name__ == "__main__":

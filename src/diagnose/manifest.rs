@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::compare::fault::FaultClass;
 use crate::exec::source::WeightSource;
+use crate::model::config::Glm5Config;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::schema::Family;
 use crate::shard::bytes::{DequantCheck, QuantShard};
@@ -45,11 +46,13 @@ const KNOWN: &str = "names are GGUF or Hugging Face checkpoint names, or vLLM's 
 
 /// A manifest name resolved: the checkpoint weights it is made of, stacked along `axis`, or
 /// their FP8 block scales (`…weight_scale_inv`, one float per 128×128 block), which the plan
-/// cuts as it cuts the weights, block for block.
+/// cuts as it cuts the weights, block for block. `shared`: the stacked experts carry that many
+/// shared experts after the routed ones (vLLM's fused shared experts, ROCm AITER's layout).
 struct Target {
     parts: Vec<WeightId>,
     axis: usize,
     scale: bool,
+    shared: u64,
 }
 
 impl Target {
@@ -63,6 +66,7 @@ impl Target {
                 parts: vec![id],
                 axis: 0,
                 scale,
+                shared: 0,
             });
         }
         let tail = name.strip_prefix("model.layers.")?;
@@ -76,7 +80,25 @@ impl Target {
             parts: parts.iter().map(|&w| WeightId::Layer(layer, w)).collect(),
             axis,
             scale,
+            shared: 0,
         })
+    }
+
+    /// The stacked experts' target with the shared experts fused in, when an entry of `shape`
+    /// holds routed plus shared experts (vLLM stores its fused shared experts after the routed
+    /// ones in `w13_weight` / `w2_weight`).
+    fn fused(mut self, cfg: &Glm5Config, shape: &[u64]) -> Target {
+        let experts = self.parts.iter().all(|id| {
+            matches!(
+                id,
+                WeightId::Layer(_, ExpertsGate | ExpertsUp | ExpertsDown)
+            )
+        });
+        let (routed, shared) = (cfg.n_routed_experts, cfg.n_shared_experts);
+        if experts && shared > 0 && shape.len() == 3 && shape[0] == routed + shared {
+            self.shared = shared;
+        }
+        self
     }
 
     /// How the plan lays the whole target out: a merged tensor split part by part.
@@ -104,14 +126,37 @@ impl Target {
         let parts = self
             .parts
             .iter()
-            .map(|&id| load(ws, id, self.scale))
+            .map(|&id| {
+                let routed = load(ws, id, self.scale)?;
+                match (self.shared, shared_expert(id)) {
+                    (0, _) | (_, None) => Ok(routed),
+                    (n, Some((shared, axis))) => {
+                        // Each shared expert is one slice of the shared MLP's intermediate.
+                        let (values, shape) = load(ws, shared, self.scale)?;
+                        let mut experts = vec![routed];
+                        for (v, s) in split(&values, &shape, axis, n as usize)? {
+                            experts.push((v, [&[1u64][..], &s].concat()));
+                        }
+                        concat(experts, 0)
+                    }
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         concat(parts, self.axis)
     }
 
     /// The checkpoint weights this target stands for, in one form per weight (see [`normal`]).
     fn covers(&self) -> Vec<WeightId> {
-        self.parts.iter().flat_map(|&id| normal(id)).collect()
+        let shared = self
+            .parts
+            .iter()
+            .filter(|_| self.shared > 0)
+            .filter_map(|&id| shared_expert(id).map(|(s, _)| s));
+        self.parts
+            .iter()
+            .flat_map(|&id| normal(id))
+            .chain(shared)
+            .collect()
     }
 }
 
@@ -219,6 +264,48 @@ fn load(ws: &WeightSource, id: WeightId, scale: bool) -> Result<(Vec<f32>, Vec<u
     }
 }
 
+/// The shared MLP's weight a stacked experts' part takes its fused shared experts from, and
+/// the axis along which it holds one expert after another (the intermediate).
+fn shared_expert(id: WeightId) -> Option<(WeightId, usize)> {
+    let WeightId::Layer(l, role) = id else {
+        return None;
+    };
+    match role {
+        ExpertsGate => Some((WeightId::Layer(l, SharedGate), 0)),
+        ExpertsUp => Some((WeightId::Layer(l, SharedUp), 0)),
+        ExpertsDown => Some((WeightId::Layer(l, SharedDown), 1)),
+        _ => None,
+    }
+}
+
+/// A row-major tensor cut into `n` equal parts along `axis` (the inverse of [`concat`]).
+fn split(
+    values: &[f32],
+    shape: &[u64],
+    axis: usize,
+    n: usize,
+) -> Result<Vec<(Vec<f32>, Vec<u64>)>> {
+    let along = shape.get(axis).copied().unwrap_or(0) as usize;
+    if n == 0 || !along.is_multiple_of(n) {
+        bail!("shape {shape:?} does not split into {n} along axis {axis}");
+    }
+    let outer = shape[..axis].iter().product::<u64>().max(1) as usize;
+    let chunk = values.len() / outer / n;
+    let mut part_shape = shape.to_vec();
+    part_shape[axis] = (along / n) as u64;
+    Ok((0..n)
+        .map(|k| {
+            let v = (0..outer)
+                .flat_map(|o| {
+                    let start = (o * n + k) * chunk;
+                    values[start..start + chunk].iter().copied()
+                })
+                .collect();
+            (v, part_shape.clone())
+        })
+        .collect())
+}
+
 /// Tensors equal in shape but along `axis`, stacked along it (row-major).
 fn concat(mut parts: Vec<(Vec<f32>, Vec<u64>)>, axis: usize) -> Result<(Vec<f32>, Vec<u64>)> {
     if parts.len() == 1 {
@@ -309,7 +396,7 @@ struct Listed<'m> {
 
 /// The manifest's entries weight by weight, in order of first appearance; an error for a name
 /// that is no GLM-5 weight.
-fn by_weight(m: &ShardManifest) -> Result<Vec<Listed<'_>>> {
+fn by_weight<'m>(m: &'m ShardManifest, cfg: &Glm5Config) -> Result<Vec<Listed<'m>>> {
     let mut weights: Vec<Listed> = Vec::new();
     let mut index: HashMap<&str, usize> = HashMap::new();
     for (i, r) in m.ranks.iter().enumerate() {
@@ -317,12 +404,14 @@ fn by_weight(m: &ShardManifest) -> Result<Vec<Listed<'_>>> {
             let k = match index.get(w.name.as_str()) {
                 Some(&k) => k,
                 None => {
-                    let target = Target::resolve(&w.name).ok_or_else(|| {
-                        anyhow!(
-                            "ranks[{i}].weights[{j}].name: `{}` is not a GLM-5 weight ({KNOWN})",
-                            w.name
-                        )
-                    })?;
+                    let target = Target::resolve(&w.name)
+                        .ok_or_else(|| {
+                            anyhow!(
+                                "ranks[{i}].weights[{j}].name: `{}` is not a GLM-5 weight ({KNOWN})",
+                                w.name
+                            )
+                        })?
+                        .fused(cfg, &w.shape);
                     weights.push(Listed {
                         name: &w.name,
                         target,
@@ -343,7 +432,7 @@ fn by_weight(m: &ShardManifest) -> Result<Vec<Listed<'_>>> {
 /// weight the model does not hold.
 pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
     check_degree(&ws.cfg, m.tp)?;
-    let weights = by_weight(m)?;
+    let weights = by_weight(m, &ws.cfg)?;
     let shards = check_listed(ws, m, &weights)?;
     let covered: BTreeSet<(u64, WeightId)> = weights
         .iter()
@@ -366,6 +455,7 @@ pub fn check(ws: &WeightSource, m: &ShardManifest) -> Result<ManifestCheck> {
                 parts: vec![id],
                 axis: 0,
                 scale: false,
+                shared: 0,
             }
             .layout(ws, m.tp, m.ep);
             let ranks: Vec<u64> = (0..m.tp)
@@ -474,7 +564,7 @@ pub fn check_only(
     ids: &[WeightId],
 ) -> Result<Vec<CheckedShard>> {
     check_degree(&ws.cfg, m.tp)?;
-    let weights: Vec<Listed> = by_weight(m)?
+    let weights: Vec<Listed> = by_weight(m, &ws.cfg)?
         .into_iter()
         .filter(|w| w.target.covers().iter().any(|id| ids.contains(id)))
         .collect();

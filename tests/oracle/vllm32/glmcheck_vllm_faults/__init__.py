@@ -20,16 +20,33 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
   tree);
 * `w13-halves-swapped`: the routed experts' weight loader (`fused_moe/routed_experts.py`)
   loading each expert's gate projection (`w1`) into the up half of `w13_weight` and the up
-  projection (`w3`) into the gate half.
+  projection (`w3`) into the gate half;
+* `fused-shared-halves-swapped`: with the shared experts fused (`GLMCHECK_VLLM_FUSE_SHARED_EXPERTS`),
+  the same swap for the fused shared expert's slot only.
 """
 
 import os
 
+# Not a fault: vLLM's fused shared experts (the shared expert stored as an extra expert after
+# the routed ones, ROCm AITER's layout), turned on for a load on the CPU, where vLLM offers them
+# nowhere: `rocm_aiter_ops.is_fusion_moe_shared_experts_enabled` answers yes, and the AITER
+# routing table the experts' map fills on the GPU (`expert_map_manager.py`) is not made. A load
+# only: the CPU's routers never pick the fused slot.
+FUSE_SHARED_ENV = "GLMCHECK_VLLM_FUSE_SHARED_EXPERTS"
+
 FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "skip-o-proj-all-reduce",
-          "rope-positions-shifted", "w13-halves-swapped")
+          "rope-positions-shifted", "w13-halves-swapped", "fused-shared-halves-swapped")
 
 
 def register() -> None:
+    if os.environ.get(FUSE_SHARED_ENV) == "1":
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+        rocm_aiter_ops.is_fusion_moe_shared_experts_enabled = classmethod(lambda cls: True)
+        manager = expert_map_manager.ExpertMapManager
+        manager._init_aiter_shared_experts_topK_buffer = lambda self: None
     fault = os.environ.get("GLMCHECK_VLLM_FAULT")
     if not fault:
         return
@@ -144,7 +161,7 @@ def _rope_positions_shifted() -> None:
         cls.forward = forward
 
 
-def _w13_halves_swapped() -> None:
+def _w13_halves_swapped(fused_shared_only: bool = False) -> None:
     from vllm.model_executor.layers.fused_moe import routed_experts
 
     cls = routed_experts.RoutedExperts
@@ -153,7 +170,14 @@ def _w13_halves_swapped() -> None:
 
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, *args,
                       **kwargs):
-        return real(self, param, loaded_weight, weight_name, swap.get(shard_id, shard_id),
-                    expert_id, *args, **kwargs)
+        # The fused shared experts come after the routed ones.
+        if not fused_shared_only or expert_id >= self.global_num_experts:
+            shard_id = swap.get(shard_id, shard_id)
+        return real(self, param, loaded_weight, weight_name, shard_id, expert_id, *args,
+                    **kwargs)
 
     cls.weight_loader = weight_loader
+
+
+def _fused_shared_halves_swapped() -> None:
+    _w13_halves_swapped(fused_shared_only=True)
