@@ -667,4 +667,29 @@ mod tests {
         let c = (vec![0.0; 3], vec![3]);
         assert!(concat(vec![c.clone(), (vec![0.0; 4], vec![2, 2])], 0).is_err());
     }
+
+    #[test]
+    fn split_undoes_concat_along_either_axis() {
+        let whole: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        for axis in [0, 1] {
+            let parts = split(&whole, &[2, 6], axis, 2).unwrap();
+            assert_eq!(concat(parts, axis).unwrap(), (whole.clone(), vec![2, 6]));
+        }
+        let cols = split(&whole, &[2, 6], 1, 3).unwrap();
+        assert_eq!(cols[1], (vec![2., 3., 8., 9.], vec![2, 2]));
+        assert!(split(&whole, &[2, 6], 1, 4).is_err());
+    }
+
+    #[test]
+    fn stacked_experts_count_fused_shared_experts_by_their_first_dimension() {
+        let cfg = Glm5Config::glm5();
+        let (routed, shared) = (cfg.n_routed_experts, cfg.n_shared_experts);
+        let w13 = || Target::resolve("model.layers.3.mlp.experts.w13_weight").unwrap();
+        assert_eq!(w13().fused(&cfg, &[routed, 8, 16]).shared, 0);
+        let fused = w13().fused(&cfg, &[routed + shared, 8, 16]);
+        assert_eq!(fused.shared, shared);
+        assert!(fused.covers().contains(&WeightId::Layer(3, SharedGate)));
+        let dense = Target::resolve("model.layers.0.mlp.gate_up_proj.weight").unwrap();
+        assert_eq!(dense.fused(&cfg, &[routed + shared, 8, 16]).shared, 0);
+    }
 }
