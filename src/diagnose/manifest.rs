@@ -278,7 +278,7 @@ fn shared_expert(id: WeightId) -> Option<(WeightId, usize)> {
     }
 }
 
-/// A row-major tensor cut into `n` equal parts along `axis` (the inverse of [`concat`]).
+/// A row-major tensor cut into `n` equal parts along `axis` (the inverse of [`concat()`]).
 fn split(
     values: &[f32],
     shape: &[u64],
