@@ -123,7 +123,7 @@ def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), fu
             tree=None, shards_only=False) -> dict:
     """Start vLLM with `LLM`, run the capture; a summary of what was written. With
     `shards_only`, the shard manifest of the load alone."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     ranks_dir = _fresh(out)
     started = time.time()
@@ -133,20 +133,31 @@ def capture(model: str, tp: int, out: str, tokens=None, prompt=None, rest=(), fu
         os.environ[vllm_cuda_tree.TREE_ENV] = tree
     llm = LLM(**engine_kwargs(model, tp, list(rest), shards_only or tokens is not None))
     ready = time.time()
-    if shards_only:
-        manifests = [os.path.join(ranks_dir, f"shards.rank{r}.json") for r in range(tp)]
-        summary = {"tp": tp}
-        notes = _merge_shards(out, manifests, summary)
-        return {**summary, "notes": notes, "start_s": round(ready - started, 2)}
+    try:
+        if shards_only:
+            manifests = [os.path.join(ranks_dir, f"shards.rank{r}.json") for r in range(tp)]
+            summary = {"tp": tp}
+            notes = _merge_shards(out, manifests, summary)
+            return {**summary, "notes": notes, "start_s": round(ready - started, 2)}
+        return {**_run(llm, model, ranks_dir, out, tokens, prompt, full),
+                "start_s": round(ready - started, 2), "run_s": round(time.time() - ready, 2)}
+    finally:
+        # vLLM's engine core and workers stopped here: left to the interpreter's exit, the
+        # workers of a multi-process run can outlive the capture, spinning.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _run(llm, model: str, ranks_dir: str, out: str, tokens, prompt, full) -> dict:
+    """The probe installed in every worker, the prompt run, the ranks' files merged."""
+    from vllm import SamplingParams
+
     source = os.path.abspath(model) if os.path.exists(model) else model
     installed = _installed(llm.collective_rpc("glmcheck_install", args=(ranks_dir, source, full)))
     request = {"prompt_token_ids": tokens} if tokens is not None else prompt
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     result = llm.generate([request], params, use_tqdm=False)[0]
     finished = llm.collective_rpc("glmcheck_finish")
-    summary = _merge(out, installed, finished)
-    return {**summary, "next_token": list(result.outputs[0].token_ids),
-            "start_s": round(ready - started, 2), "run_s": round(time.time() - ready, 2)}
+    return {**_merge(out, installed, finished), "next_token": list(result.outputs[0].token_ids)}
 
 
 def capture_server(url: str, out: str, tokens=None, prompt=None, full=None) -> dict:
