@@ -355,7 +355,8 @@ fn experts_loaded_with_gate_and_up_swapped_are_a_weight_layout_of_w13_on_every_r
     }
 }
 
-/// `glmcheck shards MODEL --actual SHARDS --json`.
+/// `glmcheck shards MODEL --actual SHARDS --json`, whose exit code says the verdict (0 pass,
+/// 1 any mismatch).
 fn shards_check(model: &Path, out: &Path) -> Value {
     let run = common::glmcheck_output(&[
         "shards",
@@ -364,8 +365,11 @@ fn shards_check(model: &Path, out: &Path) -> Value {
         out.join("shards.json").to_str().unwrap(),
         "--json",
     ]);
-    serde_json::from_slice(&run.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&run.stderr)))
+    let v: Value = serde_json::from_slice(&run.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&run.stderr)));
+    let code = if v["verdict"] == "pass" { 0 } else { 1 };
+    assert_eq!(run.status.code(), Some(code), "{v:#}");
+    v
 }
 
 /// An FP8 checkpoint loaded by vLLM's own FP8 block-scaled layers (`Fp8LinearMethod`,

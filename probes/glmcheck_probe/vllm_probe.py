@@ -651,7 +651,7 @@ class Probe:
             self.take(L + "attn_resid", o[1], "t d", -1, held=held)
             self.take(L + "ffn_norm", o[0], "t d", -1)
 
-        if not cuda:
+        if not cuda:  # the CUDA tree's post-attention norm: `_cuda_functions`
             self._out(post, post_norm)
         if _class(mlp) in MOE:
             gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
