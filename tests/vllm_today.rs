@@ -16,14 +16,24 @@
 //! offset on every rank (the story's fault), its router ignoring the correction bias, an o_proj
 //! all-reduce left out, RoPE positions off by one, and the experts' loader swapping gate and up.
 //!
+//! A `glm-dsa` Q4_K_M GGUF runs through `vllm-gguf-plugin` 0.0.5 with the user's weights
+//! adapter for it (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`): it passes at
+//! TP 1; at TP 2 the plugin's own loader bug (rank 0's rows of every merged-column weight on
+//! every rank) is found; with the plugin's fix, TP 2 and 4 pass and the story's `kv_b_proj`
+//! fault and the plugin's byte split of Q4_K blocks are each located and classed.
+//!
 //! The model has GLM-5's MLA widths (kv_lora_rank 512, qk_rope_head_dim 64): vLLM's MLA metadata
 //! accepts no other head size. The interpreter is `$GLMCHECK_VLLM32_PYTHON`, else
 //! `.venv-vllm32/bin/python` (`scripts/setup-vllm 0.32`); missing, the tests fail.
 
 mod common;
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -82,13 +92,45 @@ fn capture(
     dtype: &str,
     fault: Option<&str>,
 ) -> (PathBuf, Value) {
-    let out = model.with_file_name(format!(
-        "{tree}-tp{tp}-{dtype}-{}",
-        fault.unwrap_or("clean")
+    capture_served(&Served::hf(model), tree, tp, dtype, fault)
+}
+
+/// What vLLM is given to serve: a Hugging Face folder, or a GGUF beside the folder with its
+/// config and tokenizer, and the environment of the run.
+struct Served<'a> {
+    model: &'a Path,
+    hf: Option<&'a Path>,
+    env: &'a [(&'a str, &'a str)],
+    /// Names the run's capture folder among others of the same model.
+    label: &'a str,
+}
+
+impl<'a> Served<'a> {
+    fn hf(model: &'a Path) -> Self {
+        Served {
+            model,
+            hf: None,
+            env: &[],
+            label: "",
+        }
+    }
+}
+
+fn capture_served(
+    served: &Served,
+    tree: &str,
+    tp: u64,
+    dtype: &str,
+    fault: Option<&str>,
+) -> (PathBuf, Value) {
+    let out = served.model.with_file_name(format!(
+        "{tree}-tp{tp}-{dtype}-{}{}",
+        fault.unwrap_or("clean"),
+        served.label
     ));
     let mut cmd = Command::new(vllm_python());
     cmd.args(["-m", "glmcheck_probe.vllm_capture"])
-        .arg(model)
+        .arg(served.model)
         .args([
             "--tree",
             tree,
@@ -100,12 +142,20 @@ fn capture(
             dtype,
         ])
         .arg("--out")
-        .arg(&out);
+        .arg(&out)
+        .env_remove(GGUF_RANK_FIX)
+        .envs(served.env.iter().copied());
+    if let Some(hf) = served.hf {
+        cmd.arg("--hf-config-path")
+            .arg(hf)
+            .arg("--tokenizer")
+            .arg(hf);
+    }
     match fault {
         Some(f) => cmd.env("GLMCHECK_VLLM_FAULT", f),
         None => cmd.env_remove("GLMCHECK_VLLM_FAULT"),
     };
-    let run = cmd.output().expect("start the vLLM 0.32 interpreter");
+    let run = output_in_own_group(&mut cmd, CAPTURE_LIMIT);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(
         run.status.success(),
@@ -118,6 +168,45 @@ fn capture(
         .find_map(|l| serde_json::from_str::<Value>(l).ok())
         .unwrap_or_else(|| panic!("no summary line in vllm_capture's output:\n{stdout}"));
     (out, summary)
+}
+
+/// Far beyond a capture's minute or so on 2 cores, even beside another test's.
+const CAPTURE_LIMIT: Duration = Duration::from_secs(900);
+
+/// `cmd`'s output, run in a process group of its own that is killed afterwards: the worker
+/// processes of a vLLM run that failed can outlive it, spinning, and slow every later test. A
+/// run past `limit` is killed too, and fails its test rather than hanging the suite.
+fn output_in_own_group(cmd: &mut Command, limit: Duration) -> Output {
+    let child = cmd
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the vLLM 0.32 interpreter");
+    let group = format!("-{}", child.id());
+    let kill = {
+        let group = group.clone();
+        move || Command::new("kill").args(["-KILL", "--", &group]).status()
+    };
+    let finished = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let (finished, kill) = (finished.clone(), kill.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            while !finished.load(Ordering::Relaxed) {
+                if started.elapsed() > limit {
+                    let _ = kill();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let out = child.wait_with_output().expect("wait for vllm_capture");
+    finished.store(true, Ordering::Relaxed);
+    let _ = kill();
+    let _ = watchdog.join();
+    out
 }
 
 /// `glmcheck bisect MODEL --candidate run.trace --actual shards.json --json` on a capture.
@@ -531,7 +620,6 @@ impl Server {
     /// opens `/collective_rpc`), glmcheck's plugin writing shard manifests to `shards`, and the
     /// tests' `fault` planted; ready when `/health` answers.
     fn start(model: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
-        use std::os::unix::process::CommandExt;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -570,14 +658,14 @@ impl Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
         };
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !server.healthy() {
             assert!(
                 started.elapsed().as_secs() < 300,
                 "vLLM's server not ready in 300 s: {}",
                 std::fs::read_to_string(shards.with_extension("log")).unwrap_or_default()
             );
-            std::thread::sleep(std::time::Duration::from_secs(2));
+            std::thread::sleep(Duration::from_secs(2));
         }
         server
     }
@@ -604,7 +692,7 @@ impl Drop for Server {
             if matches!(self.child.try_wait(), Ok(Some(_))) {
                 break;
             }
-            std::thread::sleep(std::time::Duration::from_secs(1));
+            std::thread::sleep(Duration::from_secs(1));
         }
         let _ = signal("-KILL");
         let _ = self.child.wait();
@@ -732,5 +820,198 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
         assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.starts_with(&expected), "{args:?}: {stderr}");
+    }
+}
+
+/// The tests' plugin turns on vllm-gguf-plugin's fix of its merged-column and QKV loaders
+/// (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`), which 0.0.5 lacks.
+const GGUF_RANK_FIX: &str = "GLMCHECK_VLLM_GGUF_RANK_FIX";
+
+/// The tiny preset as a glm-dsa Q4_K_M GGUF in llama.cpp's layout (`kv_b_proj` split into
+/// `attn_k_b` / `attn_v_b`), served by vLLM through vllm-gguf-plugin with the user's glm-dsa
+/// patch, beside the Hugging Face folder that gives vLLM its config and tokenizer. `aligned`
+/// widens o_proj's and the dense MLP's inputs (v_head_dim 128, intermediate 1024) so that
+/// TP 4 splits only whole Q4_K blocks.
+fn gguf_model(dir: &Path, aligned: bool) -> (PathBuf, PathBuf) {
+    let mut sets = vec!["kv_lora_rank=512", "qk_rope_head_dim=64"];
+    if aligned {
+        sets.extend(["v_head_dim=128", "intermediate_size=1024"]);
+    }
+    let sets: Vec<&str> = sets.into_iter().flat_map(|s| ["--set", s]).collect();
+    let gguf = dir.join("model.gguf");
+    let hf = dir.join("hf");
+    common::synth_tiny(&gguf, &[&sets[..], &["--quant", "q4_k_m"]].concat());
+    common::synth_tiny(&hf, &[&sets[..], &["--format", "hf"]].concat());
+    (gguf, hf)
+}
+
+/// A GGUF through the plugin: captures of `gguf` (config from `hf`) with `env`.
+fn served_gguf<'a>(
+    gguf: &'a Path,
+    hf: &'a Path,
+    env: &'a [(&'a str, &'a str)],
+    label: &'a str,
+) -> Served<'a> {
+    Served {
+        model: gguf,
+        hf: Some(hf),
+        env,
+        label,
+    }
+}
+
+const WITH_RANK_FIX: &[(&str, &str)] = &[(GGUF_RANK_FIX, "1")];
+
+/// At TP 1 the plugin's loaders cut nothing: the GGUF passes on both trees, from a manifest of
+/// the plugin's own parameters (the quantized bytes under their checkpoint names, with their
+/// GGML types) and a trace of the forward through the plugin's layers.
+#[test]
+fn a_glm_dsa_gguf_through_vllm_gguf_plugin_passes_on_both_trees_at_tp1() {
+    let dir = common::scratch();
+    let (gguf, hf) = gguf_model(dir.path(), false);
+    for (tree, dtype) in [("cpu", "float32"), ("cuda", "bfloat16")] {
+        let (out, summary) =
+            capture_served(&served_gguf(&gguf, &hf, &[], ""), tree, 1, dtype, None);
+        assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
+        let v = bisect(&gguf, &out);
+        assert_eq!(v["verdict"], "pass", "{tree} tree, {dtype}: {v:#}");
+        let shards = json(&out.join("shards.json"));
+        assert_eq!(shards["version"], 2, "a manifest of GGUF bytes");
+        let weights = shards["ranks"][0]["weights"].as_array().unwrap();
+        let type_of = |name: &str| {
+            weights
+                .iter()
+                .find(|w| w["name"] == name)
+                .unwrap_or_else(|| panic!("{name} not in the manifest"))["ggml_type"]
+                .clone()
+        };
+        // Held as the file's blocks: a merged layer's part, the stacked experts, the table.
+        assert_eq!(type_of("model.layers.0.mlp.gate_proj.weight"), "Q4_K");
+        assert!(type_of("model.layers.1.mlp.experts.down_proj").is_string());
+        assert!(type_of("model.embed_tokens.weight").is_string());
+        // Rebuilt from attn_k_b / attn_v_b by the user's patch: floats.
+        assert_eq!(
+            type_of("model.layers.0.self_attn.kv_b_proj.weight"),
+            Value::Null
+        );
+    }
+}
+
+/// vllm-gguf-plugin 0.0.5, as released, at TP 2: its merged-column loader narrows every rank's
+/// share at rank 0's offset (vLLM 0.32 never passes the `tp_rank` it reads), so every rank but
+/// 0 holds rank 0's rows of each `gate_up_proj`. glmcheck locates it at the first MLP's layer
+/// and names the rows, the other half and the shared experts that share the bug.
+#[test]
+fn vllm_gguf_plugin_0_0_5_keeping_rank_0s_rows_of_gate_up_proj_is_an_unsharded_weight() {
+    let dir = common::scratch();
+    let (gguf, hf) = gguf_model(dir.path(), true);
+    let (out, _) = capture_served(
+        &served_gguf(&gguf, &hf, &[], ""),
+        "cuda",
+        2,
+        "float32",
+        None,
+    );
+    let v = bisect(&gguf, &out);
+    let fault = &v["fault"];
+    assert_eq!(fault["class"], "unsharded_weight", "{v:#}");
+    assert_eq!(
+        fault["weight"], "model.layers.0.mlp.gate_proj.weight",
+        "{v:#}"
+    );
+    // The CUDA tree holds the MLP's output as partial sums: the first stage it shows whole
+    // is the layer's output.
+    assert_eq!(v["first_divergence"]["stage"], "L0.out", "{v:#}");
+    let text = evidence(&v);
+    for needle in [
+        "model.layers.0.mlp.gate_proj.weight on rank 1 holds rows 0..512, the same block as \
+         every rank; the plan gives rows 512..1024",
+        "the same on model.layers.0.mlp.up_proj.weight (rank 1)",
+    ] {
+        assert!(text.contains(needle), "{needle} not in: {text}");
+    }
+    let shards = shards_check(&gguf, &out);
+    // Every merged-column weight on rank 1, and nothing else: the dense MLP's halves and each
+    // MoE layer's shared experts.
+    let mut wrong: Vec<(&str, &str, u64)> = shards["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            let (name, class) = (w["weight"].as_str(), w["class"].as_str());
+            (name.unwrap(), class.unwrap(), w["rank"].as_u64().unwrap())
+        })
+        .collect();
+    wrong.sort();
+    let expected: Vec<String> = ["0.mlp", "1.mlp.shared_experts", "2.mlp.shared_experts"]
+        .iter()
+        .flat_map(|m| ["gate_proj", "up_proj"].map(|p| format!("model.layers.{m}.{p}.weight")))
+        .collect();
+    let expected: Vec<(&str, &str, u64)> = expected
+        .iter()
+        .map(|n| (n.as_str(), "unsharded_weight", 1))
+        .collect();
+    assert_eq!(wrong, expected);
+}
+
+/// With the plugin's fix, clean runs pass at TP 2 (CPU tree, f32) and TP 4 (CUDA tree, bf16);
+/// the story's loader fault, `kv_b_proj` cut at rank 0's offset on every rank, is located and
+/// classed at TP 4 with ranks and rows.
+#[test]
+fn with_the_plugins_fix_a_gguf_passes_at_tp2_and_tp4_and_the_unsharded_kv_b_is_found() {
+    let dir = common::scratch();
+    let (gguf, hf) = gguf_model(dir.path(), true);
+    let served = served_gguf(&gguf, &hf, WITH_RANK_FIX, "-fixed");
+    for (tree, tp, dtype) in [("cpu", 2, "float32"), ("cuda", 4, "bfloat16")] {
+        let (out, _) = capture_served(&served, tree, tp, dtype, None);
+        let v = bisect(&gguf, &out);
+        assert_eq!(v["verdict"], "pass", "{tree} tree, TP {tp} {dtype}: {v:#}");
+    }
+    let (out, _) = capture_served(&served, "cuda", 4, "float32", Some("unsharded-kv-b"));
+    let v = bisect(&gguf, &out);
+    assert_eq!(v["fault"]["class"], "unsharded_weight", "{v:#}");
+    assert_eq!(
+        v["fault"]["weight"], "model.layers.0.self_attn.kv_b_proj.weight",
+        "{v:#}"
+    );
+    assert_eq!(v["first_divergence"]["layer"], 0, "{v:#}");
+    // 8 heads of (32 + 128) rows: every rank holds rank 0's 320.
+    let text = evidence(&v);
+    for rank in 1..4u64 {
+        let needle = format!(
+            "on rank {rank} holds rows 0..320 of 1280, the same block as every rank; the plan \
+             gives rows {}..{}",
+            rank * 320,
+            (rank + 1) * 320
+        );
+        assert!(text.contains(&needle), "{needle} not in: {text}");
+    }
+}
+
+/// The plugin's RowParallel split cuts bytes, not blocks: where o_proj's 256-wide rows (one
+/// Q4_K block) are split in two, each rank holds half a block's bytes. glmcheck names the block
+/// and the byte the plan's columns cut, on both ranks.
+#[test]
+fn o_proj_q4_k_blocks_cut_by_the_plugins_row_split_are_a_wrong_shard_layout() {
+    let dir = common::scratch();
+    let (gguf, hf) = gguf_model(dir.path(), false);
+    let served = served_gguf(&gguf, &hf, WITH_RANK_FIX, "-fixed");
+    let (out, _) = capture_served(&served, "cuda", 2, "float32", None);
+    let v = bisect(&gguf, &out);
+    assert_eq!(v["fault"]["class"], "wrong_shard_layout", "{v:#}");
+    assert_eq!(
+        v["fault"]["weight"], "model.layers.0.self_attn.o_proj.weight",
+        "{v:#}"
+    );
+    // o_proj's output is partial sums in the CUDA tree, first seen whole in the residual.
+    assert_eq!(v["first_divergence"]["stage"], "L0.attn_resid", "{v:#}");
+    let text = evidence(&v);
+    for (rank, bytes) in [(0, "0..72"), (1, "72..144")] {
+        let needle = format!(
+            "on rank {rank}: the plan's columns {} of 256 cut Q4_K blocks (256 elements, 144 \
+             bytes): column 128 is element 128 of block 0; it holds bytes {bytes} of each row",
+            if rank == 0 { "0..128" } else { "128..256" }
+        );
+        assert!(text.contains(&needle), "{needle} not in: {text}");
     }
 }

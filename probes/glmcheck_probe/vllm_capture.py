@@ -12,6 +12,10 @@ token, with prompt log-probabilities so that vLLM computes logits at every posit
     DIR/shards.json   the ranks' shard manifests merged (`--actual DIR/shards.json`)
     DIR/ranks/        the per-rank files they were merged from
 
+A GGUF is served through `vllm-gguf-plugin` (GGUF left vLLM's tree after 0.23), given with the
+folder of its Hugging Face config: `vllm_capture model.gguf --hf-config-path DIR --tokenizer DIR
+…`; on a CPU glmcheck's plugin stands in for the GGUF plugin's kernels (`gguf_kernels`).
+
 `--shards-only` loads the model and writes `DIR/shards.json` without running a prompt
 (`glmcheck shards MODEL --actual DIR/shards.json` checks it): how vLLM cut the weights, even
 where the forward cannot run.
@@ -63,7 +67,9 @@ def parse(argv):
                     "the merged trace and shard manifest. Other arguments go to vLLM's engine "
                     "(as for `vllm serve`).")
     ap.add_argument("model", nargs="?",
-                    help="what vLLM serves: a Hugging Face folder or name (not with --server)")
+                    help="what vLLM serves: a Hugging Face folder or name, or a GGUF file "
+                         "(through vllm-gguf-plugin, with --hf-config-path and --tokenizer "
+                         "naming the folder of its config); not with --server")
     ap.add_argument("--server", metavar="URL",
                     help="capture from a running `vllm serve` at URL instead of starting vLLM "
                          "(see the module's doc for how to start it)")

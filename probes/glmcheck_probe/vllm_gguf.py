@@ -2,11 +2,12 @@
 a quantized GGUF tensor, with the GGML type, the byte shape, where vLLM's sharding took them
 from in the file tensor, and their FNV-1a 64 hash (manifest version 2, probes/README.md).
 
-vLLM keeps GGUF weights as the file's raw blocks: a `qweight` of uint8 rows beside a
-`qweight_type`. A ColumnParallel layer holds a run of the tensor's rows, a RowParallel one a run
-of each row's bytes; a merged layer (`gate_up_proj`, `fused_qkv_a_proj`) concatenates its
-parts' rows, padded to the widest part, and records each part's place in `shard_offset_map`
-with its type in `qweight_type.shard_weight_type`; `FusedMoE` stacks the experts as
+vLLM 0.23, and `vllm-gguf-plugin` on later vLLMs, keep GGUF weights as the file's raw
+blocks: a `qweight` of uint8 rows beside a `qweight_type`. A ColumnParallel layer holds a run of
+the tensor's rows, a RowParallel one a run of each row's bytes; a merged layer (`gate_up_proj`,
+`fused_qkv_a_proj`) holds its parts' rows in a container until `process_weights_after_loading`
+concatenates them, padded to the widest part, recording each part's place in
+`shard_offset_map` (its type in `qweight_type.shard_weight_type`); the stacked experts are
 `w13_qweight` [E, 2·I/tp, bytes] (gate rows, then up rows) and `w2_qweight` [E, H, bytes/tp].
 Each part becomes one entry under its checkpoint name, so glmcheck can find its bytes in the
 file. Hashing the bytes, not dequantized values, makes the check exact whatever the type.
@@ -25,7 +26,26 @@ QKV_PARTS = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
 
 
 def is_gguf(param) -> bool:
-    return bool(getattr(param, "is_gguf_weight", False)) and param.dtype.itemsize == 1
+    """A GGUF `qweight`: vLLM 0.23's (`is_gguf_weight`), or `vllm-gguf-plugin`'s, which marks
+    none but keeps the parts of a merged layer in `data_container` until
+    `process_weights_after_loading` pads them into one tensor (the parameter stays
+    uninitialized until then)."""
+    if getattr(param, "is_gguf_weight", False):
+        return param.dtype.itemsize == 1
+    return hasattr(param, "data_container") and hasattr(param, "tensor_shape")
+
+
+def _parts(param) -> list:
+    """(shard id, bytes) of each part of a merged layer's `qweight`, in the parameter's
+    order: from the padded tensor's `shard_offset_map` after processing, else from the
+    `data_container` the loader filled; empty for a layer of one part."""
+    offsets = getattr(param, "shard_offset_map", None)
+    if offsets:
+        return [(sid, param.data[start:end, :width])
+                for sid, (start, end, width) in offsets.items()]
+    held = getattr(param, "data_container", None) or []
+    ids = getattr(param, "shard_id_map", {})
+    return [(sid, held[i]) for sid, i in ids.items()] if len(held) > 1 else []
 
 
 def _type_name(code: int) -> str:
@@ -91,8 +111,8 @@ def linear_entries(name: str, module, param, cls: str, hash_limit: int, dequant=
     """Entries of a linear layer's `qweight` (`name` ends in `.weight`)."""
     rank = _rank(module, cls)
     types = module.qweight_type
-    offsets = getattr(param, "shard_offset_map", None)
-    if not offsets:
+    parts_held = _parts(param)
+    if not parts_held:
         rows, width = int(param.shape[0]), int(param.shape[1])
         if cls == "RowParallelLinear":
             rows_at, cols_at = (0, rows), (rank * width, (rank + 1) * width)
@@ -102,7 +122,7 @@ def linear_entries(name: str, module, param, cls: str, hash_limit: int, dequant=
     stem, leaf = name.rsplit(".", 1)[0].rsplit(".", 1)
     parts = MERGED_PARTS.get(leaf)
     out = []
-    for shard_id, (start, end, width) in sorted(offsets.items(), key=lambda kv: str(kv[0])):
+    for shard_id, held in sorted(parts_held, key=lambda kv: str(kv[0])):
         if isinstance(shard_id, str):
             part = QKV_PARTS[shard_id]
         elif parts is not None and shard_id < len(parts):
@@ -110,10 +130,9 @@ def linear_entries(name: str, module, param, cls: str, hash_limit: int, dequant=
         else:
             raise ValueError(f"{name}: shard {shard_id!r} of a merged layer the probe does "
                              "not know")
-        n = end - start
-        out.append(_entry(f"{stem}.{part}.weight", param.data[start:end, :width],
-                          types.shard_weight_type[shard_id], (rank * n, (rank + 1) * n),
-                          (0, width), hash_limit, dequant))
+        n, width = int(held.shape[0]), int(held.shape[1])
+        out.append(_entry(f"{stem}.{part}.weight", held, types.shard_weight_type[shard_id],
+                          (rank * n, (rank + 1) * n), (0, width), hash_limit, dequant))
     return out
 
 

@@ -62,6 +62,7 @@ def register() -> None:
         from . import vllm_cuda_tree, vllm_fp8
 
         vllm_fp8.install()
+        _gguf_plugin_kernels()
         if vllm_cuda_tree.wanted():
             vllm_cuda_tree.install()
 
@@ -92,6 +93,23 @@ def _shards_when_loaded(out_dir: str) -> None:
         return process(model, model_config, target_device)
 
     base_loader.process_weights_after_loading = write_then_process
+    try:  # vllm-gguf-plugin's loader calls its own import of the function
+        from vllm_gguf_plugin import loader as gguf_loader
+    except ImportError:
+        return
+    gguf_loader.process_weights_after_loading = write_then_process
+
+
+def _gguf_plugin_kernels() -> None:
+    """`vllm-gguf-plugin`'s GGUF kernels (`vllm_gguf_plugin/ops.py`: CUDA, else Triton, neither
+    of which runs on a CPU): glmcheck's torch stand-ins (`gguf_kernels`)."""
+    try:
+        from vllm_gguf_plugin import ops
+    except ImportError:
+        return
+    from .gguf_kernels import Kernels
+
+    Kernels().install(ops)
 
 
 def _sparse_attention_backend() -> None:

@@ -297,7 +297,7 @@ def _entries(name: str, module, leaf: str, param, hash_limit: int, dequant=None)
         return [shard_entry(weight, held, hash_limit)]
     if vocab:
         return vllm_gguf.embedding_entries(weight, module, param, hash_limit, dequant)
-    if cls in FUSED_MOE:
+    if cls in FUSED_MOE | ROUTED_EXPERTS:
         prefix = weight.rsplit(".", 1)[0]
         return vllm_gguf.expert_entries(prefix, module, leaf.split("_")[0], param, hash_limit,
                                         dequant)

@@ -18,7 +18,7 @@ mod weights;
 use super::record::{prompt_tokens, record, RunSpec};
 use super::Model;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
-use crate::diagnose::manifest::check_only;
+use crate::diagnose::manifest::{check_only, CheckedShard};
 use crate::diagnose::{check_shards, drill_down, CandidateRun};
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
@@ -535,7 +535,7 @@ impl Cause<'_> {
                 found = manifest_fault(self.model, path, &upstream)?;
                 if let Some(f) = &mut found {
                     f.evidence.push(format!(
-                        "read in the layer before {}, whose own weights are as planned",
+                        "read earlier in the layer than {}, whose own weights are as planned",
                         d.stage
                     ));
                 }
@@ -625,6 +625,12 @@ fn manifest_fault(
         .map(|c| c.evidence.clone())
         .collect();
     let class = first.class.unwrap_or(FaultClass::Unknown);
+    let others: Vec<_> = wrong
+        .iter()
+        .copied()
+        .filter(|c| stem(&c.weight) != stem(&first.weight))
+        .collect();
+    let also = others_alike(&others, first);
     let what = match class {
         FaultClass::WrongDequant => "dequantize their bytes otherwise than ggml",
         _ => "hold another slice than the plan gives",
@@ -641,9 +647,34 @@ fn manifest_fault(
             .iter()
             .map(|c| c.evidence.clone())
             .chain(scaled)
+            .chain(also)
             .collect(),
         weight: Some(first.weight.clone()),
     }))
+}
+
+/// One line naming the other weights the check finds wrong in the same way as `first`, with
+/// their ranks: a loader bug seldom spares a weight's siblings (a merged layer's other part, the
+/// shared experts), and the list tells the user how far it reaches.
+fn others_alike(wrong: &[&CheckedShard], first: &CheckedShard) -> Option<String> {
+    let mut by_weight: Vec<(&str, Vec<u64>)> = Vec::new();
+    for c in wrong.iter().filter(|c| c.class == first.class) {
+        match by_weight.iter_mut().find(|(w, _)| *w == c.weight) {
+            Some((_, ranks)) => ranks.push(c.rank),
+            None => by_weight.push((&c.weight, vec![c.rank])),
+        }
+    }
+    if by_weight.is_empty() {
+        return None;
+    }
+    let listed: Vec<String> = by_weight
+        .iter()
+        .map(|(w, ranks)| {
+            let ranks: Vec<String> = ranks.iter().map(u64::to_string).collect();
+            format!("{w} (rank {})", ranks.join(", "))
+        })
+        .collect();
+    Some(format!("the same on {}", listed.join("; ")))
 }
 
 /// The drill-down's finding joined with what the traces showed. A symptom the traces prove

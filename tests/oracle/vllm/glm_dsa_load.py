@@ -104,8 +104,13 @@ def hf_config(gguf_path: str, hf_dir: str) -> dict:
 class GgufWeights:
     """The GGUF's tensors under checkpoint names, for one model config."""
 
-    def __init__(self, path: str, num_layers: int):
+    def __init__(self, path: str, num_layers: int, quant_types: set, float_only=FLOAT_ONLY):
+        """`quant_types`: the GGML types the engine's GGUF layers take as bytes (vLLM's
+        `DEQUANT_TYPES | UNQUANTIZED_TYPES`); the others, and the checkpoint names ending in
+        one of `float_only`, are handed over dequantized."""
         self.reader = gguf.GGUFReader(path)
+        self.quant_types = quant_types
+        self.float_only = tuple(float_only)
         self.num_layers = num_layers
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.names = {}  # checkpoint name → GGUF tensor name
@@ -134,13 +139,11 @@ class GgufWeights:
     def _float_names(self) -> set:
         """Checkpoint names handed to vLLM as float: the file's float tensors, those vLLM has
         no quantized path for, and the parts fused with one of them."""
-        from vllm.model_executor.layers.quantization.gguf import (DEQUANT_TYPES,
-                                                                  UNQUANTIZED_TYPES)
-        quant_ok = DEQUANT_TYPES | UNQUANTIZED_TYPES
+        quant_ok = self.quant_types
         out = {f"model.layers.{n}.self_attn.kv_b_proj.weight" for n in self.kv_b}
         for hf, g in self.names.items():
             t = self.tensors[g]
-            if (t.tensor_type.name in FLOAT_TYPES or hf.endswith(FLOAT_ONLY)
+            if (t.tensor_type.name in FLOAT_TYPES or hf.endswith(self.float_only)
                     or t.tensor_type not in quant_ok):
                 out.add(hf)
         for hf in list(out):
@@ -148,8 +151,8 @@ class GgufWeights:
                 for p in parts:
                     if hf.endswith("." + p):
                         out.update(hf[: -len(p)] + q for q in parts)
-        # GGUF experts always take GGUFMoEMethod in vLLM 0.23 (float types included: its
-        # kernels take F32/F16/BF16 too), so they stay on the qweight path.
+        # GGUF experts always take GGUFMoEMethod in vLLM (float types included: its kernels
+        # take F32/F16/BF16 too), so they stay on the qweight path.
         for hf in [hf for hf in out if ".mlp.experts." in hf]:
             if self.tensors[self.names[hf]].tensor_type not in quant_ok:
                 raise ValueError(f"{hf}: GGUF type vLLM's MoE cannot use")

@@ -7,11 +7,9 @@ projection's Python code stay vLLM's. What is replaced, and the vLLM file that c
 
 * the GGUF kernels of `vllm/_custom_ops.py` (`ggml_dequantize`, `ggml_mul_mat_vec_a8`,
   `ggml_mul_mat_a8`, `ggml_moe_a8_vec`, and `moe_sum` of `_moe_C`), called from
-  `vllm/model_executor/layers/quantization/gguf.py`: the bytes are dequantized by gguf-py
-  (bit-exact with ggml) and multiplied in the activation's dtype. The CUDA kernels quantize the
-  activation to Q8_1 first; that rounding is not reproduced. As the CUDA kernels do, a row is
-  read as `columns // block_size` whole blocks, so a shard cut inside a block yields what its
-  whole blocks hold (nothing, for a cut inside the first block);
+  `vllm/model_executor/layers/quantization/gguf.py`: glmcheck's stand-ins
+  (`glmcheck_probe.gguf_kernels`, gguf-py's dequantization, no Q8_1 rounding of the
+  activation);
 * `SparseAttnIndexer` (`vllm/model_executor/layers/sparse_attn_indexer.py`, DeepGEMM's FP8 MQA
   logits and top-k): the DSA scores Σ_h w·relu(q·k) over the causal keys and their top-k, in
   float32; and `per_token_group_quant_fp8` in `deepseek_v2.py` leaves the indexer's q
@@ -35,7 +33,7 @@ Faults, each a bug of the kind a deployment hits, put in place of the piece it b
 import gguf
 import numpy as np
 import torch
-from glmcheck_probe import dsa_ops
+from glmcheck_probe import dsa_ops, gguf_kernels
 
 FAULTS = ("q4k-high-scales", "fp16-no-residual-rescale")
 _installed = None
@@ -64,60 +62,16 @@ def dequantize_q4_k(data: np.ndarray, high_scales: bool = True) -> np.ndarray:
     return out.reshape(-1)
 
 
-class Kernels:
-    """The stand-ins, with the dequantization they share."""
+class Kernels(gguf_kernels.Kernels):
+    """glmcheck's GGUF kernel stand-ins, with the planted dequantization fault if asked."""
 
     def __init__(self, fault: str | None):
         self.fault = fault
 
-    def dequantize(self, w: torch.Tensor, quant_type: int, columns: int) -> torch.Tensor:
-        """Rows of GGML blocks to [rows, columns] float32: each row read as
-        `columns // block_size` whole blocks, zeros past them."""
-        qtype = gguf.GGMLQuantizationType(int(quant_type))
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        rows = w.shape[0]
-        raw = w.reshape(rows, -1).contiguous().numpy().view(np.uint8)
-        whole = min(columns // block, raw.shape[1] // size)
-        out = torch.zeros(rows, columns, dtype=torch.float32)
-        if whole == 0:
-            return out
-        used = np.ascontiguousarray(raw[:, : whole * size])
+    def values(self, raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
         if qtype == gguf.GGMLQuantizationType.Q4_K and self.fault == "q4k-high-scales":
-            values = dequantize_q4_k(used.reshape(-1), high_scales=False)
-        else:
-            values = gguf.quants.dequantize(used, qtype)
-        out[:, : whole * block] = torch.from_numpy(np.asarray(values, np.float32)).reshape(rows, -1)
-        return out
-
-    def ggml_dequantize(self, w, quant_type, m, n, dtype=None):
-        """As the CUDA op: the bytes as one stream of blocks, m·n values shaped [m, n]."""
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(quant_type))][0]
-        flat = self.dequantize(w.reshape(1, -1), quant_type, m * n // block * block)
-        return flat.reshape(m, n).to(dtype or torch.float16)
-
-    def ggml_mul_mat(self, w, x, quant_type, row):
-        weight = self.dequantize(w, quant_type, x.shape[-1]).to(x.dtype)
-        return x @ weight.T
-
-    def ggml_moe_a8_vec(self, x, w, topk_ids, top_k, quant_type, row, tokens):
-        """Row i·top_k + j: expert `topk_ids.flatten()[i·top_k + j]` applied to x[i]."""
-        experts = topk_ids.reshape(-1).tolist()
-        out = torch.empty(tokens * top_k, row, dtype=x.dtype)
-        cache = {}
-        for r, e in enumerate(experts[: tokens * top_k]):
-            if e not in cache:
-                cache[e] = self.dequantize(w[e], quant_type, x.shape[-1]).to(x.dtype)
-            out[r] = cache[e] @ x[r // top_k]
-        return out
-
-    @staticmethod
-    def ggml_moe_a8(*args, **kwargs):
-        raise NotImplementedError("the stand-in runs GGUF MoE on at most 64 tokens (the "
-                                  "vector kernel's path); use a shorter prompt")
-
-    @staticmethod
-    def moe_sum(inp, out):
-        out.copy_(inp.sum(dim=1))
+            return dequantize_q4_k(raw.reshape(-1), high_scales=False)
+        return super().values(raw, qtype)
 
 
 def _indexer_topk(self, hidden_states, q, k, weights):
@@ -172,12 +126,7 @@ def install(fault: str | None = None) -> Kernels:
     from vllm.model_executor.models import deepseek_v2
 
     kernels = Kernels(fault)
-    ops.ggml_dequantize = kernels.ggml_dequantize
-    ops.ggml_mul_mat_vec_a8 = kernels.ggml_mul_mat
-    ops.ggml_mul_mat_a8 = kernels.ggml_mul_mat
-    ops.ggml_moe_a8_vec = kernels.ggml_moe_a8_vec
-    ops.ggml_moe_a8 = kernels.ggml_moe_a8
-    ops.moe_sum = kernels.moe_sum
+    kernels.install(ops)
     indexer = sparse_attn_indexer.SparseAttnIndexer
     indexer.forward_native = indexer.forward_cpu = _indexer_topk
     deepseek_v2.per_token_group_quant_fp8 = (

@@ -50,6 +50,7 @@ def rank_main(args) -> None:
                                                         process_weights_after_loading)
 
     from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.quantization.gguf import DEQUANT_TYPES, UNQUANTIZED_TYPES
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     import cpu_shims
@@ -61,7 +62,8 @@ def rank_main(args) -> None:
     if args.tokens:  # a load alone runs no GPU kernel: vLLM's CPU build as it is
         gpu_stand_ins.install(args.fault if args.fault in gpu_stand_ins.FAULTS else None)
     cfg = glm_dsa_load.hf_config(args.gguf, args.hf_config)
-    weights = glm_dsa_load.GgufWeights(args.gguf, cfg["num_hidden_layers"])
+    weights = glm_dsa_load.GgufWeights(args.gguf, cfg["num_hidden_layers"],
+                                       DEQUANT_TYPES | UNQUANTIZED_TYPES)
     model_config = ModelConfig(model=args.hf_config, dtype=args.dtype, enforce_eager=True,
                                max_model_len=64, skip_tokenizer_init=True)
     # vLLM's CPU rotary kernel (`ops.rotary_embedding`) rotates a 3-D query [T, heads, d]

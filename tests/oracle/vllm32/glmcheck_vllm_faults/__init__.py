@@ -34,11 +34,19 @@ import os
 # only: the CPU's routers never pick the fused slot.
 FUSE_SHARED_ENV = "GLMCHECK_VLLM_FUSE_SHARED_EXPERTS"
 
+# Not a fault either: with a GGUF, the user's glm-dsa patch for vllm-gguf-plugin
+# (`glm_dsa_gguf.py`) is always in place; this adds the plugin's own fix of its merged-column
+# and QKV loaders, which 0.0.5 lacks.
+GGUF_RANK_FIX_ENV = "GLMCHECK_VLLM_GGUF_RANK_FIX"
+
 FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "skip-o-proj-all-reduce",
           "rope-positions-shifted", "w13-halves-swapped", "fused-shared-halves-swapped")
 
 
 def register() -> None:
+    from . import glm_dsa_gguf
+
+    glm_dsa_gguf.install(rank_fix=os.environ.get(GGUF_RANK_FIX_ENV) == "1")
     if os.environ.get(FUSE_SHARED_ENV) == "1":
         from vllm._aiter_ops import rocm_aiter_ops
 
