@@ -16,11 +16,13 @@
 //! offset on every rank (the story's fault), its router ignoring the correction bias, an o_proj
 //! all-reduce left out, RoPE positions off by one, and the experts' loader swapping gate and up.
 //!
-//! A `glm-dsa` Q4_K_M GGUF runs through `vllm-gguf-plugin` 0.0.5 with the user's weights
-//! adapter for it (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`): it passes at
+//! `glm-dsa` Q4_K_M GGUFs — one made by llama.cpp's converter and `llama-quantize --imatrix`,
+//! others by `glmcheck synth` — run through `vllm-gguf-plugin` 0.0.5 with the user's weights
+//! adapter for them (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`): they pass at
 //! TP 1; at TP 2 the plugin's own loader bug (rank 0's rows of every merged-column weight on
-//! every rank) is found; with the plugin's fix, TP 2 and 4 pass and the story's `kv_b_proj`
-//! fault and the plugin's byte split of Q4_K blocks are each located and classed.
+//! every rank) is found; with the plugin's fix, TP 2 and 4 pass, and the story's `kv_b_proj`
+//! fault, the plugin's byte split of Q4_K blocks and a config without GLM-5's indexer RoPE
+//! style are each located and classed.
 //!
 //! The model has GLM-5's MLA widths (kv_lora_rank 512, qk_rope_head_dim 64): vLLM's MLA metadata
 //! accepts no other head size. The interpreter is `$GLMCHECK_VLLM32_PYTHON`, else
@@ -897,16 +899,70 @@ fn a_glm_dsa_gguf_through_vllm_gguf_plugin_passes_on_both_trees_at_tp1() {
     }
 }
 
-/// vllm-gguf-plugin 0.0.5, as released, at TP 2: its merged-column loader narrows every rank's
-/// share at rank 0's offset (vLLM 0.32 never passes the `tp_rank` it reads), so every rank but
-/// 0 holds rank 0's rows of each `gate_up_proj`. glmcheck locates it at the first MLP's layer
-/// and names the rows, the other half and the shared experts that share the bug.
+/// A GLM-5 made by transformers, converted by llama.cpp's converter and quantized to Q4_K_M
+/// with an importance matrix by `llama-quantize --imatrix` (`tests/oracle/llamacpp_quants.py`),
+/// at widths vLLM's MLA takes (kv_lora_rank 512, rope 64) and whose row splits at TP 2 keep
+/// whole blocks; the GGUF and the Hugging Face folder transformers saved.
+fn llama_cpp_gguf(dir: &Path) -> (PathBuf, PathBuf) {
+    let oracle = common::root().join(".oracles/llama.cpp");
+    let sets = [
+        "kv_lora_rank=512",
+        "qk_rope_head_dim=64",
+        "v_head_dim=128",
+        "moe_intermediate_size=512",
+    ];
+    let mut args = vec![
+        dir.to_str().unwrap(),
+        "--llama-cpp",
+        oracle.to_str().unwrap(),
+    ];
+    args.extend(sets.iter().flat_map(|s| ["--set", s]));
+    let printed = common::run_oracle("llamacpp_quants.py", &args);
+    let v: Value = serde_json::from_str(printed.lines().last().unwrap()).unwrap();
+    let file = |key: &str| PathBuf::from(v["files"][key].as_str().unwrap());
+    (file("q4_k_m-imatrix"), file("hf"))
+}
+
+/// A folder with `hf`'s config and tokenizer (not its weights: vLLM reads the GGUF's), the
+/// config given the routing and RoPE keys GLM-5's own config.json carries and transformers'
+/// `GlmMoeDsaConfig` does not define (a config it writes has none) — without `topk_method` vLLM builds no correction bias and
+/// the load fails; without `indexer_rope_interleave` its indexer rotates half-split (NeoX).
+/// `indexer_interleave: false` leaves that one key out.
+fn glm5_config(hf: &Path, name: &str, indexer_interleave: bool) -> PathBuf {
+    let out = hf.with_file_name(name);
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(hf).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e != "safetensors") {
+            std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut cfg = json(&out.join("config.json"));
+    cfg["topk_method"] = "noaux_tc".into();
+    cfg["scoring_func"] = "sigmoid".into();
+    cfg["rope_interleave"] = true.into();
+    if indexer_interleave {
+        cfg["indexer_rope_interleave"] = true.into();
+    }
+    std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    out
+}
+
+/// A GGUF that llama.cpp's own tools made, at TP 2 on the CUDA tree:
+/// * vllm-gguf-plugin 0.0.5 as released keeps rank 0's rows of every merged-column weight on
+///   every rank (its loader narrows at a `tp_rank` vLLM 0.32 never passes): glmcheck locates it
+///   in layer 0 and names the rows, the other half, and — through `glmcheck shards` — every
+///   weight it reaches (the shared experts of each MoE layer), with no fault planted;
+/// * with the plugin's fix, the run passes;
+/// * served with a config that lost `indexer_rope_interleave`, vLLM's DSA indexer rotates its
+///   keys half-split and chooses other keys: `indexer_mismatch` at layer 0's top-k.
 #[test]
-fn vllm_gguf_plugin_0_0_5_keeping_rank_0s_rows_of_gate_up_proj_is_an_unsharded_weight() {
+fn a_llama_cpp_imatrix_gguf_through_vllm_gguf_plugin_meets_its_tp_bug_and_passes_once_fixed() {
     let dir = common::scratch();
-    let (gguf, hf) = gguf_model(dir.path(), true);
+    let (gguf, hf) = llama_cpp_gguf(dir.path());
+    let config = glm5_config(&hf, "glm5-config", true);
     let (out, _) = capture_served(
-        &served_gguf(&gguf, &hf, &[], ""),
+        &served_gguf(&gguf, &config, &[], ""),
         "cuda",
         2,
         "float32",
@@ -924,15 +980,15 @@ fn vllm_gguf_plugin_0_0_5_keeping_rank_0s_rows_of_gate_up_proj_is_an_unsharded_w
     assert_eq!(v["first_divergence"]["stage"], "L0.out", "{v:#}");
     let text = evidence(&v);
     for needle in [
-        "model.layers.0.mlp.gate_proj.weight on rank 1 holds rows 0..512, the same block as \
-         every rank; the plan gives rows 512..1024",
+        "model.layers.0.mlp.gate_proj.weight on rank 1 holds rows 0..256, the same block as \
+         every rank; the plan gives rows 256..512",
         "the same on model.layers.0.mlp.up_proj.weight (rank 1)",
     ] {
         assert!(text.contains(needle), "{needle} not in: {text}");
     }
-    let shards = shards_check(&gguf, &out);
     // Every merged-column weight on rank 1, and nothing else: the dense MLP's halves and each
     // MoE layer's shared experts.
+    let shards = shards_check(&gguf, &out);
     let mut wrong: Vec<(&str, &str, u64)> = shards["mismatches"]
         .as_array()
         .unwrap()
@@ -952,6 +1008,21 @@ fn vllm_gguf_plugin_0_0_5_keeping_rank_0s_rows_of_gate_up_proj_is_an_unsharded_w
         .map(|n| (n.as_str(), "unsharded_weight", 1))
         .collect();
     assert_eq!(wrong, expected);
+
+    let fixed = served_gguf(&gguf, &config, WITH_RANK_FIX, "-fixed");
+    let (out, _) = capture_served(&fixed, "cuda", 2, "float32", None);
+    let v = bisect(&gguf, &out);
+    assert_eq!(v["verdict"], "pass", "{v:#}");
+
+    let half_split = glm5_config(&hf, "config-without-indexer-interleave", false);
+    let served = served_gguf(&gguf, &half_split, WITH_RANK_FIX, "-half-split");
+    let (out, _) = capture_served(&served, "cuda", 2, "float32", None);
+    let v = bisect(&gguf, &out);
+    assert_eq!(v["fault"]["class"], "indexer_mismatch", "{v:#}");
+    assert_eq!(
+        v["first_divergence"]["stage"], "L0.attn.index_topk",
+        "{v:#}"
+    );
 }
 
 /// With the plugin's fix, clean runs pass at TP 2 (CPU tree, f32) and TP 4 (CUDA tree, bf16);

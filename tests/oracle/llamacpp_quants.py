@@ -1,6 +1,6 @@
 """A tiny GLM-5 wide enough for K-quants, quantized by llama.cpp's own tools.
 
-Usage: llamacpp_quants.py OUT_DIR --llama-cpp ORACLE [--seed S]
+Usage: llamacpp_quants.py OUT_DIR --llama-cpp ORACLE [--seed S] [--set KEY=INT]...
 
 ORACLE is the folder scripts/setup-llamacpp builds (.oracles/llama.cpp): `src/convert_hf_to_gguf.py`
 converts, llama.cpp's `llama-quantize` and `llama-imatrix` from its build/tools/ quantize
@@ -105,7 +105,16 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--llama-cpp", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                    help="replace one of SIZES (vLLM's MLA takes kv_lora_rank 512 and "
+                         "qk_rope_head_dim 64 only)")
     args = ap.parse_args()
+    sizes = dict(SIZES)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in sizes:
+            raise SystemExit(f"--set {item}: not one of {', '.join(sizes)}")
+        sizes[key] = int(value)
     out, oracle = args.out.resolve(), args.llama_cpp.resolve()
     quantize = tool(oracle, "llama-quantize", "LLAMA_QUANTIZE")
     imatrix = tool(oracle, "llama-imatrix", "LLAMA_IMATRIX")
@@ -120,7 +129,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     hf = out / "hf"
-    model = GlmMoeDsaForCausalLM(base.config(1e-6, **SIZES)).float().eval()
+    model = GlmMoeDsaForCausalLM(base.config(1e-6, **sizes)).float().eval()
     base.reinit(model, args.seed)
     model.save_pretrained(hf, safe_serialization=True)
     base.tokenizer().save_pretrained(hf)
