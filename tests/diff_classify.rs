@@ -410,6 +410,16 @@ fn json_fields_and_exit_codes() {
     ] {
         assert!(stage.get(field).is_some(), "stage field {field}");
     }
+    // Every stage before the perturbed one matched exactly: its error is made there, by no
+    // finite factor, and the terminal table says so in words.
+    assert_eq!(stage["amplification"], "made here");
+    let table = common::glmcheck_output(&["diff", r, c]);
+    let row = String::from_utf8_lossy(&table.stdout)
+        .lines()
+        .find(|l| l.contains("▶ L1.attn.out"))
+        .map(str::to_string)
+        .expect("the first divergence in the stage table");
+    assert!(row.contains("made here"), "{row}");
     assert_eq!(
         common::glmcheck_json(["diff", r, r, "--json"], 0)["verdict"],
         "pass"

@@ -551,3 +551,57 @@ fn an_indexer_head_narrower_than_its_rope_is_a_one_line_error() {
         }
     }
 }
+
+/// A trace whose manifest is broken (a stage's shape rewritten to `[-1]` in a trace `glmcheck
+/// run` wrote) is one line, exit 2, from every command that reads traces, naming the trace
+/// folder once and the stage's field.
+#[test]
+fn a_broken_trace_is_one_line_naming_its_folder_once() {
+    let dir = common::scratch();
+    let model = dir.path().join("tiny.gguf");
+    common::synth_tiny(&model, &[]);
+    let good = dir.path().join("good.trace");
+    let run = common::glmcheck_output(&[
+        "run",
+        model.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--out",
+        good.to_str().unwrap(),
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let broken = dir.path().join("broken.trace");
+    std::fs::create_dir(&broken).unwrap();
+    for entry in std::fs::read_dir(&good).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, broken.join(path.file_name().unwrap())).unwrap();
+    }
+    let manifest = broken.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    m["stages"][0]["shape"] = serde_json::json!([-1]);
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let (model, good, broken) = (
+        model.to_str().unwrap(),
+        good.to_str().unwrap(),
+        broken.to_str().unwrap(),
+    );
+    for args in [
+        vec!["diff", good, broken],
+        vec!["diff", good, good, "--envelope", broken],
+        vec!["logits", broken],
+        vec!["bisect", model, "--candidate", broken],
+    ] {
+        let out = common::glmcheck_output(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let what = format!("glmcheck {}: {stderr}", args.join(" "));
+        assert_eq!(out.status.code(), Some(2), "{what}");
+        assert_eq!(stderr.lines().count(), 1, "{what}");
+        assert_eq!(stderr.matches("broken.trace").count(), 1, "{what}");
+        assert!(stderr.contains("stages[0]"), "{what}");
+    }
+}

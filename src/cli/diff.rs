@@ -2,7 +2,7 @@
 //! terminal, JSON with `--json`, Markdown with `--markdown`, and with `--html OUT` also a
 //! self-contained HTML report.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 
@@ -41,13 +41,9 @@ pub struct DiffArgs {
     pub html: Option<PathBuf>,
 }
 
-fn open(path: &Path) -> anyhow::Result<Trace> {
-    Trace::open(path).with_context(|| path.display().to_string())
-}
-
 pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
-    let (reference, candidate) = (open(&args.reference)?, open(&args.candidate)?);
-    let envelope = args.envelope.as_deref().map(open).transpose()?;
+    let (reference, candidate) = (Trace::open(&args.reference)?, Trace::open(&args.candidate)?);
+    let envelope = args.envelope.as_deref().map(Trace::open).transpose()?;
     let opts = DiffOptions {
         tolerance: args.tolerance,
         envelope: envelope.as_ref(),
@@ -154,7 +150,7 @@ pub(super) fn print_report(report: &DiffReport) {
             num(s.tolerance),
             m.map_or("-".into(), |m| format!("{:.4}", m.norm_ratio)),
             m.map_or("-".into(), |m| num(m.max_abs)),
-            s.amplification.map_or("-".into(), num),
+            report::growth(s.amplification),
         ]);
     }
     println!("{t}");

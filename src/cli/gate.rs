@@ -85,7 +85,7 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
     };
     let scratch = tempfile::tempdir().context("a temporary folder for the candidate's trace")?;
     let trace_dir = candidate_trace(&args.candidate, &run, baseline.as_ref(), scratch.path())?;
-    let trace = Trace::open(&trace_dir).with_context(|| trace_dir.display().to_string())?;
+    let trace = Trace::open(&trace_dir)?;
 
     let Some(baseline) = baseline else {
         let made = Baseline::from_trace(&trace, &args.candidate.display().to_string())?;

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::json;
 
 use super::output::{num, table};
@@ -33,7 +33,7 @@ pub struct LogitsArgs {
 
 /// The trace's logits `[positions, vocab]` and the vocabulary size.
 fn logits_of(path: &Path) -> anyhow::Result<(Vec<f32>, usize)> {
-    let trace = Trace::open(path).with_context(|| path.display().to_string())?;
+    let trace = Trace::open(path)?;
     if !trace.stages().iter().any(|s| s.name == "logits") {
         bail!("{}: stage \"logits\": not in the trace", path.display());
     }

@@ -195,7 +195,10 @@ pub fn classify(
     let local = s.amplification.is_none_or(|a| a >= LOCAL_JUMP);
     let jump = s
         .amplification
-        .map(|a| format!("error {a:.3e}× its input's"))
+        .map(|a| match a.is_infinite() {
+            true => "error made here, on an input that matched exactly".into(),
+            false => format!("error {a:.3e}× its input's"),
+        })
         .unwrap_or_else(|| "no earlier stage".into());
     if !local && (calibrated || !matches!(dtype, "f32" | "f64")) {
         return Ok(fault(

@@ -394,7 +394,9 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         };
         let amplification = match (m.basis, prev_rel) {
             (Basis::Ids, _) | (_, None) => None,
-            (_, Some(p)) => Some(m.rel_diff / p.max(1e-30)),
+            // An input that matched exactly: the error is made here, by no finite factor.
+            (_, Some(p)) if p == 0.0 && m.rel_diff > 0.0 => Some(f64::INFINITY),
+            (_, Some(p)) => Some(m.rel_diff / p.max(f64::MIN_POSITIVE)),
         };
         if m.basis != Basis::Ids && rank.is_none() {
             prev_rel = Some(m.rel_diff);

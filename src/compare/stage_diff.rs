@@ -29,6 +29,16 @@ pub enum Basis {
     Ids,
 }
 
+/// A growth factor as JSON: the number, or `"made here"` for an error on an exact input (JSON
+/// has no infinity).
+fn amplification_json<S: serde::Serializer>(a: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match a {
+        Some(a) if a.is_infinite() => s.serialize_str("made here"),
+        Some(a) => s.serialize_f64(*a),
+        None => s.serialize_none(),
+    }
+}
+
 /// One stage (or one rank's part of it) compared.
 #[derive(Clone, Debug, Serialize)]
 pub struct StageDiff {
@@ -41,7 +51,9 @@ pub struct StageDiff {
     /// sets differ. The tolerance that would have passed this stage.
     pub rel_diff: f64,
     pub tolerance: f64,
-    /// This stage's `rel_diff` over the previous stage's: ≫ 1 where the error is made here.
+    /// This stage's `rel_diff` over the previous stage's: ≫ 1 where the error is made here,
+    /// infinite where the previous stage matched exactly (JSON: `"made here"`).
+    #[serde(serialize_with = "amplification_json")]
     pub amplification: Option<f64>,
     #[serde(flatten)]
     pub metrics: Option<Metrics>,

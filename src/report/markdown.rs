@@ -5,8 +5,8 @@
 use std::fmt::Write;
 
 use super::{
-    basis_word, headline, is_first, layer_rows, log_level, notable_stages, num, partial_note,
-    stage_label, LogitsView,
+    basis_word, growth, headline, is_first, layer_rows, log_level, notable_stages, num,
+    partial_note, stage_label, LogitsView,
 };
 use crate::compare::{DiffReport, Status};
 
@@ -185,7 +185,7 @@ pub fn markdown(report: &DiffReport, logits: Option<&LogitsView>) -> String {
                 num(s.tolerance),
                 m.map_or("-".into(), |m| format!("{:.4}", m.norm_ratio)),
                 m.map_or("-".into(), |m| num(m.max_abs)),
-                s.amplification.map_or("-".into(), num),
+                growth(s.amplification),
             );
         }
         md.push('\n');

@@ -128,6 +128,16 @@ pub(crate) fn basis_word(b: Basis) -> &'static str {
     }
 }
 
+/// A stage's error growth over its input's for tables: the factor, "made here" where the input
+/// matched exactly, "-" where there is no earlier stage.
+pub(crate) fn growth(amplification: Option<f64>) -> String {
+    match amplification {
+        None => "-".into(),
+        Some(a) if a.is_infinite() => "made here".into(),
+        Some(a) => num(a),
+    }
+}
+
 /// A float in a short form for tables: `1.234e-4`, `0.0312`, `65504`, `inf`.
 pub(crate) fn num(v: f64) -> String {
     let a = v.abs();

@@ -211,9 +211,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
                 None => Ok((vec![0], None)),
             },
         )?;
-    let engine = engine_trace
-        .map(|p| Trace::open(p).with_context(|| p.display().to_string()))
-        .transpose()?;
+    let engine = engine_trace.map(Trace::open).transpose()?;
     if let Some(t) = &engine {
         tokens = t.manifest().tokens.clone();
     }

@@ -6,7 +6,7 @@ use std::fmt::Write;
 use super::esc;
 use crate::compare::{DiffReport, Status};
 use crate::report::{
-    basis_word, is_first, layer_rows, log_level, notable_stages, num, stage_label,
+    basis_word, growth, is_first, layer_rows, log_level, notable_stages, num, stage_label,
 };
 
 pub(super) fn per_layer_table(h: &mut String, report: &DiffReport) {
@@ -111,7 +111,7 @@ pub(super) fn stage_table(
             )),
             m.map_or("-".into(), |m| num(m.mean_abs)),
             m.map_or("-".into(), |m| format!("{:.4}", m.norm_ratio)),
-            s.amplification.map_or("-".into(), num),
+            growth(s.amplification),
             num(s.reference.absmax),
             num(s.candidate.absmax),
             s.reference.non_finite(),
