@@ -6,29 +6,7 @@ use std::fmt::Write;
 
 use super::check::GateReport;
 use crate::compare::Status;
-
-/// Text for XML character data or a double-quoted attribute: the five special characters as
-/// entities, characters XML 1.0 does not allow (controls other than tab, newline, carriage
-/// return; lone surrogates cannot occur in a Rust string) replaced by U+FFFD.
-pub fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            // In attributes a literal newline or tab would be normalised to a space.
-            '\n' => out.push_str("&#10;"),
-            '\r' => out.push_str("&#13;"),
-            '\t' => out.push_str("&#9;"),
-            c if (c as u32) < 0x20 || c == '\u{FFFE}' || c == '\u{FFFF}' => out.push('\u{FFFD}'),
-            c => out.push(c),
-        }
-    }
-    out
-}
+use crate::report::escape::markup as escape;
 
 /// A float as the failure text shows it: all the digits that tell it apart.
 fn value(v: Option<f64>) -> String {
@@ -109,19 +87,4 @@ pub fn junit(report: &GateReport, suite: &str) -> String {
     }
     x.push_str("  </testsuite>\n</testsuites>\n");
     x
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn escaping_covers_markup_quotes_and_controls() {
-        assert_eq!(
-            escape("a<b>&\"c'\u{1}\td"),
-            "a&lt;b&gt;&amp;&quot;c&apos;\u{FFFD}&#9;d"
-        );
-        assert_eq!(escape("L0.attn.q @1"), "L0.attn.q @1");
-        assert_eq!(escape("]]>"), "]]&gt;");
-    }
 }

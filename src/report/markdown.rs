@@ -19,9 +19,7 @@ pub fn text(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
+            '&' | '<' | '>' => out.push_str(super::escape::entity(c).unwrap_or_default()),
             '\n' | '\r' | '\t' => out.push(' '),
             // Text never starts a line here, so only inline markup (and GitHub's `$` math) counts.
             '\\' | '`' | '*' | '_' | '[' | ']' | '|' | '~' | '$' => {

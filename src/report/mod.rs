@@ -6,6 +6,7 @@
 //! Every string taken from a trace (stage names, paths, fault text) is escaped for the format
 //! it lands in: a trace is input, not markup.
 
+pub mod escape;
 pub mod html;
 pub mod markdown;
 

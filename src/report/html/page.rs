@@ -1,5 +1,5 @@
 //! The document: head and inline CSS, the verdict banner, the fault box, and the sections in
-//! their order. Also the escaping every part uses for text taken from a trace.
+//! their order, with the escaping (`report::escape`) every part uses for text from a trace.
 
 use std::fmt::Write;
 
@@ -9,22 +9,7 @@ use super::tables::{notable_table, per_layer_table, stage_table};
 use crate::compare::{DiffReport, Status};
 use crate::report::{headline, num, LogitsView};
 
-/// Text for HTML content and attribute values.
-pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c if c.is_control() && c != '\n' && c != '\t' => out.push('\u{fffd}'),
-            c => out.push(c),
-        }
-    }
-    out
-}
+pub use crate::report::escape::markup as esc;
 
 const CSS: &str = r#"
 :root { color-scheme: light; }
@@ -176,17 +161,4 @@ fn fault_box(h: &mut String, report: &DiffReport) {
         h.push_str("</ul>");
     }
     h.push_str("</section>\n");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn html_text_is_escaped() {
-        assert_eq!(
-            esc("<script>\"a\" & 'b'</script>"),
-            "&lt;script&gt;&quot;a&quot; &amp; &#39;b&#39;&lt;/script&gt;"
-        );
-    }
 }
