@@ -15,6 +15,7 @@ pub mod model;
 pub mod pipeline;
 pub mod progress;
 pub mod report;
+pub mod rng;
 pub mod shard;
 pub mod synth;
 pub mod trace;

@@ -8,7 +8,7 @@ use std::path::Path;
 /// Top-level modules, highest first: a module imports only from modules after it.
 const LAYERS: &[&str] = &[
     "cli", "pipeline", "gate", "verify", "diagnose", "report", "engine", "cuda", "exec", "synth",
-    "shard", "compare", "trace", "model", "weights", "dtype", "progress",
+    "shard", "compare", "trace", "model", "weights", "dtype", "progress", "rng",
 ];
 
 type ModPath = Vec<String>;

@@ -16,8 +16,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use glmcheck::rng::SplitMix;
 use glmcheck::synth::quantize::quantize;
-use glmcheck::synth::SplitMix;
 use glmcheck::weights::GgmlType;
 use GgmlType as T;
 

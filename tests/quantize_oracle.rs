@@ -13,8 +13,8 @@ mod common;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
+use glmcheck::rng::SplitMix;
 use glmcheck::synth::quantize::{has_quantizer, quantize, QuantizeError};
-use glmcheck::synth::SplitMix;
 use glmcheck::weights::quant::dequantize;
 use glmcheck::weights::GgmlType;
 use GgmlType as T;

@@ -134,8 +134,8 @@ mod tests {
     use super::*;
     use crate::exec::backend::{Backend, Cpu};
     use crate::exec::stored::StoredMatrix;
+    use crate::rng::SplitMix;
     use crate::synth::quantize::{has_quantizer, quantize};
-    use crate::synth::rng::SplitMix;
     use crate::weights::gguf::writer::GgufWriter;
     use crate::weights::ModelFiles;
 

@@ -14,7 +14,7 @@ use super::passes::Passes;
 use super::real::Real;
 use super::rope::{Rope, RotateSpec};
 use crate::dtype::Precision;
-use crate::synth::rng::SplitMix;
+use crate::rng::SplitMix;
 use crate::trace::stats::TensorStats;
 
 /// One op at one shape.

@@ -28,7 +28,7 @@ use std::ops::Range;
 use crate::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use crate::model::Glm5Config;
 
-use super::rng::SplitMix;
+use crate::rng::SplitMix;
 
 /// Gain of the projections that write into the residual stream.
 const OUTPUT_GAIN: f32 = 0.3;

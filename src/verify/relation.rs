@@ -17,7 +17,7 @@ use crate::compare::FaultClass;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::role;
-use crate::synth::SplitMix;
+use crate::rng::SplitMix;
 use crate::trace::stats::fnv1a_bytes;
 use crate::weights::{Encoding, GgmlType, TensorEntry};
 

@@ -396,7 +396,7 @@ fn median_ratio(segs: &[Segment]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::synth::SplitMix;
+    use crate::rng::SplitMix;
 
     fn gaussian(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = SplitMix::new(seed);

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::synth::SplitMix;
+use crate::rng::SplitMix;
 use crate::weights::GgmlType;
 
 /// `n_blocks` random blocks of `ty`, deterministic from `rng`: the codes random, the f16 scales

@@ -1,5 +1,6 @@
-//! A tiny deterministic generator: the same seed gives the same model on every machine, and every
-//! row of every weight has its own stream, so rows can be made in any order or in parallel.
+//! A tiny deterministic generator, shared by the synthetic models, the self-test and the tests:
+//! the same seed gives the same model on every machine, and every row of every weight has its
+//! own stream, so rows can be made in any order or in parallel.
 
 /// SplitMix64 (Steele, Lea, Flood 2014): fast, well mixed, one u64 of state.
 pub struct SplitMix(u64);
