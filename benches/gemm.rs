@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Result};
 use comfy_table::{presets, Table};
-use glmcheck::exec::{few_tokens, gemm_kernel};
+use glmcheck::exec::cpu::{few_tokens, gemm_kernel};
 
 /// Weight rows per call: the forward's task size.
 const ROWS: usize = 256;

@@ -8,14 +8,14 @@ use crate::cuda::backend::{Cuda, GpuWeight};
 use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
-use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{Backend, Cpu, HeadCut, MlpJob, WeightedRows};
-use crate::exec::claim::Claim;
-use crate::exec::host_weight::HostWeight;
-use crate::exec::indexer_core::IndexerInputs;
+use crate::exec::cpu::host_weight::HostWeight;
 use crate::exec::mat::Mat;
-use crate::exec::rope::{Rope, RotateSpec};
-use crate::exec::stored::StoredBlock;
+use crate::exec::ops::attention_core::AttentionInputs;
+use crate::exec::ops::indexer_core::IndexerInputs;
+use crate::exec::ops::rope::{Rope, RotateSpec};
+use crate::exec::storage::claim::Claim;
+use crate::exec::storage::stored::StoredBlock;
 use crate::model::kv_b::KvBDims;
 
 /// Where the candidate's ops run.

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::Path;
 
-use glmcheck::exec::inject::{Injection, CATALOGUE};
+use glmcheck::exec::faults::inject::{Injection, CATALOGUE};
 use glmcheck::model::stages::{stage_names, stage_weights};
 use glmcheck::model::Glm5Config;
 use glmcheck::weights::{Encoding, GgmlType};

@@ -5,7 +5,7 @@
 mod common;
 
 use glmcheck::compare::Status;
-use glmcheck::exec::inject::Injection;
+use glmcheck::exec::faults::inject::Injection;
 use glmcheck::model::names::LayerWeight;
 use glmcheck::pipeline::bisect::{bisect, BisectOptions};
 

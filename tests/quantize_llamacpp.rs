@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use glmcheck::rng::SplitMix;
-use glmcheck::synth::quantize::quantize;
+use glmcheck::weights::quantize::quantize;
 use glmcheck::weights::GgmlType;
 use GgmlType as T;
 

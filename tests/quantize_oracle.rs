@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use glmcheck::rng::SplitMix;
-use glmcheck::synth::quantize::{has_quantizer, quantize, QuantizeError};
 use glmcheck::weights::quant::dequantize;
+use glmcheck::weights::quantize::{has_quantizer, quantize, QuantizeError};
 use glmcheck::weights::GgmlType;
 use GgmlType as T;
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use glmcheck::exec::rendezvous::heartbeat_file;
+use glmcheck::pipeline::rendezvous::heartbeat_file;
 
 /// `--rank-timeout` in the tests, seconds.
 const TIMEOUT: u64 = 2;

@@ -10,12 +10,12 @@ use std::path::Path;
 
 use glmcheck::dtype::Precision;
 use glmcheck::exec::backend::Cpu;
-use glmcheck::exec::host_weight::HostWeight;
-use glmcheck::exec::inject::Injection;
-use glmcheck::exec::lazy_weight::LazyWeight;
-use glmcheck::exec::sharder::Sharder;
+use glmcheck::exec::cpu::host_weight::HostWeight;
+use glmcheck::exec::faults::inject::Injection;
+use glmcheck::exec::source::lazy_weight::LazyWeight;
+use glmcheck::exec::source::sharder::Sharder;
 use glmcheck::exec::source::WeightSource;
-use glmcheck::exec::stored::StoredMatrix;
+use glmcheck::exec::storage::stored::StoredMatrix;
 use glmcheck::model::names::{LayerWeight, LayerWeight::*, WeightId};
 use glmcheck::shard::plan::splits_rows;
 use glmcheck::weights::file_read::{as_room, filled_vec};

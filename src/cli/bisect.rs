@@ -9,7 +9,7 @@ use super::diff::print_report;
 use super::output::table;
 use super::Outcome;
 use crate::compare::Status;
-use crate::exec::inject::CATALOGUE;
+use crate::exec::faults::inject::CATALOGUE;
 use crate::pipeline::bisect::{bisect, settings, BisectOptions, BisectReport, PathInfo};
 
 #[derive(clap::Args, Debug)]

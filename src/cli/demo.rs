@@ -8,7 +8,7 @@ use super::bisect::print_bisect;
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
-use crate::exec::inject::Injection;
+use crate::exec::faults::inject::Injection;
 use crate::model::names::LayerWeight;
 use crate::pipeline::bisect::{bisect, BisectOptions, DEFAULT_PROMPT};
 use crate::synth::{Mix, Preset, SynthSpec};

@@ -10,7 +10,7 @@ use super::output::{num, table};
 use super::Outcome;
 use crate::compare::Status;
 use crate::dtype::Precision;
-use crate::exec::inject::Injection;
+use crate::exec::faults::inject::Injection;
 use crate::gate::check::{Basis, GateReport};
 use crate::gate::{self, Baseline};
 use crate::pipeline::gate::{candidate_trace, check, ModelRun};

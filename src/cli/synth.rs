@@ -8,7 +8,7 @@ use anyhow::Context;
 use super::output::bytes;
 use super::Outcome;
 use crate::model::schema::ExpertForm;
-use crate::synth::quantize::{parse_override, Mix};
+use crate::synth::mix::{parse_override, Mix};
 use crate::synth::weights::check_massive;
 use crate::synth::{preset::apply_overrides, Massive, Preset, SynthSpec};
 

@@ -18,8 +18,8 @@ use super::device::Device;
 use super::dtype::Dtype;
 use super::launch::{elements, to_i32, to_u32, MAX_SCORES_BYTES, ROW_THREADS};
 use super::memory::Buffer;
-use crate::exec::attention_core::AttentionInputs;
 use crate::exec::mat::Mat;
+use crate::exec::ops::attention_core::AttentionInputs;
 
 /// MiB the scores of one chunk of queries may take by default: GLM-5's 64 heads at 4096
 /// positions are 256 Ki scores (1 MiB) a query.

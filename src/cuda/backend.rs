@@ -24,16 +24,16 @@ use super::memory::{Buffer, RankMemory};
 use super::ranks::{lock, ProcessRank, Ranks};
 use super::DequantOutput;
 use crate::dtype::Precision;
-use crate::exec::attention_core::AttentionInputs;
 use crate::exec::backend::{
     all_computed, head_columns_on_host, kv_b_on_host, sum_in_rank_order, weighted_on_host, Backend,
     HeadCut, MlpJob, WeightedRows,
 };
-use crate::exec::claim::Claim;
-use crate::exec::indexer_core::{indexer_scores_core, IndexerInputs};
 use crate::exec::mat::Mat;
-use crate::exec::rope::{Rope, RotateSpec};
-use crate::exec::stored::StoredBlock;
+use crate::exec::ops::attention_core::AttentionInputs;
+use crate::exec::ops::indexer_core::{indexer_scores_core, IndexerInputs};
+use crate::exec::ops::rope::{Rope, RotateSpec};
+use crate::exec::storage::claim::Claim;
+use crate::exec::storage::stored::StoredBlock;
 use crate::model::kv_b::KvBDims;
 
 /// Values per parallel task of the host's rounding.

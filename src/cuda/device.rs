@@ -18,7 +18,7 @@ use super::stats::{copy_later, stage_stats, stage_stats_on_host, StatsOn};
 use super::Gpu;
 use crate::exec::mat::{FetchLater, Mat, Queue, Remote};
 use crate::exec::passes::Passes;
-use crate::exec::stored::StoredBlock;
+use crate::exec::storage::stored::StoredBlock;
 use crate::trace::stats::StatsLater;
 use crate::weights::GgmlType;
 

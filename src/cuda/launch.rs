@@ -11,10 +11,10 @@ use super::device::Device;
 use super::dtype::Dtype;
 use super::memory::Buffer;
 use crate::exec::backend::HeadCut;
-use crate::exec::indexer_core::IndexerInputs;
 use crate::exec::mat::Mat;
+use crate::exec::ops::indexer_core::IndexerInputs;
+use crate::exec::ops::rope::{Rope, RotateSpec};
 use crate::exec::passes::Passes;
-use crate::exec::rope::{Rope, RotateSpec};
 use crate::model::kv_b::KvBDims;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels/ops.cu`).

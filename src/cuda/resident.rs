@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::memory::Buffer;
-use crate::exec::claim::Claim;
-use crate::exec::stored::BlockKey;
+use crate::exec::storage::claim::Claim;
+use crate::exec::storage::stored::BlockKey;
 
 /// Stored weight blocks kept on one GPU after their first use, up to a budget: a rank's shards
 /// stay on its GPU as the file stores them (a quarter of bf16's bytes at Q4_K), and each use

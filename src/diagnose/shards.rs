@@ -4,7 +4,7 @@ use anyhow::Result;
 
 use super::CandidateRun;
 use crate::compare::Fault;
-use crate::exec::sharder::Sharder;
+use crate::exec::source::sharder::Sharder;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight::*, WeightId};
 use crate::shard::identify::{Dtype, ObservedShard, Reference};

@@ -16,8 +16,8 @@ use crate::compare::{Fault, FaultClass};
 use crate::exec::mat::Mat;
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight::*, WeightId};
-use crate::synth::quantize::round_trip;
 use crate::trace::stats::fnv1a;
+use crate::weights::quantize::round_trip;
 use crate::weights::{Encoding, GgmlType};
 
 /// How far past its storage type's own noise a converted weight may depart.

@@ -10,23 +10,23 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{anyhow, bail, Result};
 
-use super::attention_core::AttentionInputs;
-use super::backend::{Backend, HeadCut};
-use super::indexer_core::IndexerInputs;
-use super::mat::{Mat, Queue};
-use super::op_clock::Op;
-use super::ops::topk;
-use super::passes::Passes;
+use crate::exec::backend::{Backend, HeadCut};
+use crate::exec::mat::{Mat, Queue};
+use crate::exec::ops::attention_core::AttentionInputs;
+use crate::exec::ops::indexer_core::IndexerInputs;
+use crate::exec::ops::op_clock::Op;
+use crate::exec::ops::topk;
+use crate::exec::passes::Passes;
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::lazy_weight::LazyWeight;
-use super::real::Real;
-use super::rope::{yarn_softmax_factor, Rope, RotateSpec};
-use super::sharder::{column_block, Sharder};
-use super::source::WeightSource;
-use super::ties::TieBreaks;
-use super::tp::{column_parallel, concat_columns, row_parallel, WithParts};
+use crate::exec::ops::rope::{yarn_softmax_factor, Rope, RotateSpec};
+use crate::exec::ops::ties::TieBreaks;
+use crate::exec::real::Real;
+use crate::exec::source::lazy_weight::LazyWeight;
+use crate::exec::source::sharder::{column_block, Sharder};
+use crate::exec::source::WeightSource;
+use crate::exec::tp::{column_parallel, concat_columns, row_parallel, WithParts};
 use crate::model::config::IndexerKind;
 use crate::model::names::{LayerWeight::*, WeightId};
 

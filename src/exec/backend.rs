@@ -12,19 +12,19 @@ use std::marker::PhantomData;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 
-use super::attention_core::{attention_core, AttentionInputs};
-use super::claim::{claim_host, Claim};
-use super::host_linear;
-use super::host_weight::{Blocks, HostWeight};
-use super::indexer_core::{indexer_scores_core, IndexerInputs};
-use super::mat::Mat;
-use super::op_clock::Op;
 use super::ops;
-use super::rope::{Rope, RotateSpec};
-use super::stored::{BlockBytes, StoredBlock};
+use crate::exec::cpu::host_linear;
+use crate::exec::cpu::host_weight::{Blocks, HostWeight};
+use crate::exec::mat::Mat;
+use crate::exec::ops::attention_core::{attention_core, AttentionInputs};
+use crate::exec::ops::indexer_core::{indexer_scores_core, IndexerInputs};
+use crate::exec::ops::op_clock::Op;
+use crate::exec::ops::rope::{Rope, RotateSpec};
+use crate::exec::storage::claim::{claim_host, Claim};
+use crate::exec::storage::stored::{BlockBytes, StoredBlock};
 
-use super::real::Real;
 use crate::dtype::Precision;
+use crate::exec::real::Real;
 use crate::model::kv_b::{assemble_kv_b_by_heads, KvBDims, KvBSizeError};
 use crate::weights::{quant, GgmlType};
 
@@ -205,7 +205,7 @@ pub trait Backend: Sync + Clone {
         false
     }
     /// A claim on the memory that holds `w`, for a run that keeps weights between passes
-    /// ([`super::kept`]); `None` where it does not fit (or the backend keeps nothing).
+    /// ([`crate::exec::source::kept`]); `None` where it does not fit (or the backend keeps nothing).
     fn claim_kept(&self, _w: &Self::Weight) -> Result<Option<Claim>> {
         Ok(None)
     }
@@ -220,7 +220,7 @@ pub trait Backend: Sync + Clone {
         sum_in_rank_order(self, parts)
     }
     /// `f`, the forward's own host work named `step` (one of [`Op`]'s host steps): timed
-    /// where the backend keeps an [`super::op_clock::OpClock`], else just run.
+    /// where the backend keeps an [`crate::exec::ops::op_clock::OpClock`], else just run.
     fn host<T>(&self, _step: Op, f: impl FnOnce() -> T) -> T {
         f()
     }

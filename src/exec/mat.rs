@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Result};
 
-use super::real::Real;
+use crate::exec::real::Real;
 use crate::trace::stats::StatsLater;
 
 /// The values are shared, copied on write: a clone, or a stage handed to the trace writer for

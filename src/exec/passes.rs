@@ -2,8 +2,8 @@
 //! positions it processed. The cache keeps each pass's output as the op left it (shared, not
 //! copied), so a backend that still holds a prompt's rows on its device reads them there.
 
-use super::mat::Mat;
-use super::real::Real;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
 
 /// The passes' matrices, in order; together `[positions, cols]`.
 #[derive(Clone, Copy)]

@@ -7,11 +7,11 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::backend::Backend;
-use super::lazy_weight::LazyWeight;
-use super::mat::Mat;
-use super::real::Real;
-use super::sharder::Sharder;
+use crate::exec::backend::Backend;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
+use crate::exec::source::lazy_weight::LazyWeight;
+use crate::exec::source::sharder::Sharder;
 
 /// A whole result and each rank's part of it.
 pub type WithParts<E> = (Mat<E>, Vec<Mat<E>>);
@@ -110,7 +110,7 @@ mod tests {
     use super::*;
     use crate::dtype::Precision;
     use crate::exec::backend::Cpu;
-    use crate::exec::sharder::{column_block, row_block};
+    use crate::exec::source::sharder::{column_block, row_block};
     use crate::model::names::LayerWeight::{AttnOut, QB};
 
     #[test]

@@ -30,7 +30,7 @@ use serde_json::{Map, Value};
 
 use crate::compare::stage_diff::whole_values;
 use crate::dtype::Precision;
-use crate::exec::ties::TieBreaks;
+use crate::exec::ops::ties::TieBreaks;
 use crate::model::stage::{is_gaps, kind_of, layer_of, Stage};
 use crate::trace::{ElemType, TensorStats, Trace};
 

@@ -7,6 +7,7 @@ pub mod names;
 pub mod schema;
 pub mod stage;
 pub mod stages;
+pub mod tokenize;
 
 pub use config::Glm5Config;
 pub use stage::Stage;

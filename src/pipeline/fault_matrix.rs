@@ -12,7 +12,7 @@ use super::Model;
 use crate::compare::{DiffReport, Status};
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
-use crate::exec::inject::{Injection, CATALOGUE};
+use crate::exec::faults::inject::{Injection, CATALOGUE};
 use crate::model::stages::{stage_names, stage_weights};
 use crate::weights::GgmlType;
 

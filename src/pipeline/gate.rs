@@ -10,8 +10,8 @@ use super::record::{prompt_tokens, record, RunSpec};
 use super::Model;
 use crate::dtype::Precision;
 use crate::engine::BackendKind;
+use crate::exec::faults::inject::Injection;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
-use crate::exec::inject::Injection;
 use crate::gate::{self, check::GateReport, Baseline};
 use crate::trace::{manifest::MANIFEST_NAME, FullSelector, Trace, DEFAULT_FULL};
 

@@ -7,5 +7,6 @@ pub mod fault_matrix;
 pub mod gate;
 pub mod model;
 pub mod record;
+pub mod rendezvous;
 
 pub use model::Model;

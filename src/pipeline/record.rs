@@ -14,17 +14,16 @@ use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::engine::{BackendKind, Engine};
 use crate::exec::backend::{Backend, Cpu};
-use crate::exec::forward::{
-    generate, Discard, ForwardOptions, Hybrid, Recorder, Rehearsal, Runner,
-};
-use crate::exec::inject::Injection;
-use crate::exec::op_clock::{OpClock, OpTime};
+use crate::exec::faults::inject::Injection;
+use crate::exec::forward::recorder::{Discard, Recorder, Rehearsal};
+use crate::exec::forward::timed::{Timed, TimedRecorder};
+use crate::exec::forward::{generate, ForwardOptions, Hybrid, Runner};
 use crate::exec::ops::argmax;
-use crate::exec::rendezvous;
+use crate::exec::ops::op_clock::{OpClock, OpTime};
+use crate::exec::ops::ties::TieBreaks;
 use crate::exec::source::WeightSource;
-use crate::exec::ties::TieBreaks;
-use crate::exec::timed::{Timed, TimedRecorder};
-use crate::exec::tokenize;
+use crate::model::tokenize;
+use crate::pipeline::rendezvous;
 use crate::trace::{stats::fnv1a_bytes, FullSelector, ModelInfo, TraceHeader, TraceWriter};
 use crate::weights::ModelFiles;
 use rayon::prelude::*;

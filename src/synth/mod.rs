@@ -3,9 +3,9 @@
 //! a seed, with weights that make a meaningful reference (see [`weights`]).
 
 mod fp8;
+pub mod mix;
 mod plan;
 pub mod preset;
-pub mod quantize;
 pub mod tokenizer;
 pub mod weights;
 mod write;
@@ -18,9 +18,9 @@ use crate::weights::gguf::{Value, ValueType};
 use crate::weights::safetensors_writer::StoreAs;
 use crate::weights::GgmlType;
 
+pub use mix::{Mix, Override};
 pub use plan::Planned;
 pub use preset::Preset;
-pub use quantize::{Mix, Override};
 pub use tokenizer::SynthTokenizer;
 pub use weights::Massive;
 pub use write::Written;
@@ -57,7 +57,7 @@ impl SynthSpec {
 
     /// The GGML type a GGUF tensor is stored as: the first matching override, else the mix.
     pub fn storage_type(&self, p: &Planned) -> GgmlType {
-        quantize::choose_type(self.mix, &self.overrides, &p.name, &p.shape, &self.cfg)
+        mix::choose_type(self.mix, &self.overrides, &p.name, &p.shape, &self.cfg)
     }
 
     /// The element type of the HF form: f32 or bf16 (the forms real checkpoints come in).

@@ -7,13 +7,14 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::fp8;
+use super::mix::Mix;
 use super::plan::{plan, rows, Planned};
-use super::quantize::{self, random_blocks, Mix};
 use super::weights::WeightGen;
 use super::{gguf_metadata, SynthSpec};
 use crate::model::schema::{ExpertForm, Family, KvBForm, Layout};
 use crate::rng::SplitMix;
 use crate::weights::gguf::writer::GgufWriter;
+use crate::weights::quantize::{self, random_blocks};
 use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
 use crate::weights::GgmlType;
 

@@ -19,8 +19,8 @@
 
 use rayon::prelude::*;
 
-use crate::synth::quantize::{has_quantizer, quantize, quantize_blocks};
 use crate::weights::quant::dequantize_rows;
+use crate::weights::quantize::{has_quantizer, quantize, quantize_blocks};
 use crate::weights::GgmlType;
 
 /// Values per segment: a multiple of every GGML block size.

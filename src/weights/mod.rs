@@ -5,6 +5,7 @@ pub mod file_read;
 pub mod fp8;
 pub mod ggml_type;
 pub mod quant;
+pub mod quantize;
 pub mod safetensors;
 pub mod tensor;
 

@@ -19,7 +19,7 @@ use super::{reference_spec, BisectOptions};
 use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
-use crate::exec::ties::TieBreaks;
+use crate::exec::ops::ties::TieBreaks;
 use crate::model::stage::{layer_of, Stage};
 use crate::model::Glm5Config;
 use crate::pipeline::record::{record, RunSpec, Split};

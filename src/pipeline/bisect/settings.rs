@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, FaultClass, Status};
-use crate::exec::rope::{yarn_attention_factor, yarn_softmax_factor};
+use crate::exec::ops::rope::{yarn_attention_factor, yarn_softmax_factor};
 use crate::model::config::{glm_5_2_indexer_types, IndexerKind, HF_MODEL_TYPES};
 use crate::model::stage::kind_of;
 use crate::model::Glm5Config;

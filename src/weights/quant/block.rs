@@ -227,8 +227,8 @@ unsafe fn lookup_nibbles_avx2(d: f32, levels: &[i8; 16], q: &[u8], out: &mut [f3
 mod tests {
     use super::*;
     use crate::rng::SplitMix;
-    use crate::synth::quantize::random_blocks;
     use crate::weights::quant::dequantize;
+    use crate::weights::quantize::random_blocks;
     use crate::weights::GgmlType;
 
     /// The copies of a `blocks!` decoder, widest first.

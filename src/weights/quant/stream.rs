@@ -186,7 +186,7 @@ mod tests {
     use super::super::{block_decoder, dequantize, dequantize_rows, dequantize_rows_to_vec};
     use super::*;
     use crate::rng::SplitMix;
-    use crate::synth::quantize::random_blocks;
+    use crate::weights::quantize::random_blocks;
     use crate::weights::GgmlType;
 
     fn bits(v: &[f32]) -> Vec<u32> {

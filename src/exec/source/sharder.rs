@@ -6,10 +6,10 @@ use std::ops::Range;
 
 use anyhow::{bail, Result};
 
-use super::hooks::Hooks;
-use super::inject::Injection;
-use super::mat::Mat;
-use super::real::Real;
+use crate::exec::faults::hooks::Hooks;
+use crate::exec::faults::inject::Injection;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
 use crate::model::names::LayerWeight;
 use crate::shard::plan::splits_rows;
 

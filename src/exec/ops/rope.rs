@@ -3,8 +3,8 @@
 
 use rayon::prelude::*;
 
-use super::mat::Mat;
-use super::real::Real;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
 use crate::model::config::{Glm5Config, Yarn};
 
 /// The frequencies and cos/sin scale a model's RoPE uses, shared by MLA and the indexer.

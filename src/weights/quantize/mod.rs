@@ -1,4 +1,6 @@
-//! From f32 weights to GGML blocks, for synthetic models in any storage type.
+//! From f32 weights to GGML blocks: the inverse of [`crate::weights::quant`], for synthetic
+//! models in any storage type, planted faults that round-trip a weight through its storage
+//! type, and `verify`'s re-stored reference.
 //!
 //! Every quantizer here writes llama.cpp's bytes bit for bit: what ggml's
 //! `ggml_quantize_chunk(type, …, imatrix = NULL)` writes, which is what `llama-quantize` stores
@@ -25,7 +27,6 @@ mod float;
 mod iq4;
 mod kquants;
 mod legacy;
-mod mix;
 mod mxfp4;
 mod random;
 mod ternary;
@@ -34,7 +35,6 @@ use rayon::prelude::*;
 
 use crate::weights::GgmlType;
 
-pub use mix::{choose_type, fallback, mix_type, parse_override, Mix, Override};
 pub use random::random_blocks;
 
 /// Why values could not be quantized or an override read.
@@ -52,8 +52,6 @@ pub enum QuantizeError {
     },
     #[error("{len} values are not a whole number of rows of {row_len}")]
     PartialRow { len: usize, row_len: usize },
-    #[error("bad --quant override {spec:?}: {why}")]
-    Override { spec: String, why: String },
     #[error("dequantizing the round trip: {0}")]
     Dequantize(#[from] crate::weights::quant::QuantError),
 }
@@ -134,6 +132,38 @@ fn block_encoder(ty: GgmlType) -> Result<BlockEncoder, QuantizeError> {
     })
 }
 
+/// llama.cpp's replacement when rows are not whole blocks of `ty`: the 256-blocks fall back to a
+/// 32-block type of similar size, then anything still not fitting to F16.
+pub fn fallback(ty: GgmlType, row_len: u64) -> GgmlType {
+    use GgmlType as T;
+    let fits = |t: GgmlType| row_len.is_multiple_of(t.block_size() as u64);
+    if fits(ty) {
+        return ty;
+    }
+    let alt = match ty {
+        T::Q2_K
+        | T::Q3_K
+        | T::IQ1_S
+        | T::IQ1_M
+        | T::IQ2_XXS
+        | T::IQ2_XS
+        | T::IQ2_S
+        | T::IQ3_XXS
+        | T::IQ3_S
+        | T::IQ4_XS => T::IQ4_NL,
+        T::TQ1_0 | T::TQ2_0 => T::Q4_0,
+        T::Q4_K => T::Q5_0,
+        T::Q5_K => T::Q5_1,
+        T::Q6_K => T::Q8_0,
+        _ => T::F16,
+    };
+    if fits(alt) {
+        alt
+    } else {
+        T::F16
+    }
+}
+
 /// `values` quantized as `ty` in rows of `row_len` (llama.cpp's fallback type where rows are
 /// not whole blocks) and dequantized again: what storing them as `ty` leaves of them.
 pub fn round_trip(
@@ -159,6 +189,28 @@ pub fn has_quantizer(ty: GgmlType) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fallback_table() {
+        use GgmlType as T;
+        for (ty, row, want) in [
+            (T::Q4_K, 512, T::Q4_K),
+            (T::Q2_K, 192, T::IQ4_NL),
+            (T::Q3_K, 192, T::IQ4_NL),
+            (T::IQ2_XXS, 192, T::IQ4_NL),
+            (T::IQ4_XS, 192, T::IQ4_NL),
+            (T::TQ2_0, 192, T::Q4_0),
+            (T::Q4_K, 192, T::Q5_0),
+            (T::Q5_K, 192, T::Q5_1),
+            (T::Q6_K, 192, T::Q8_0),
+            (T::Q4_K, 100, T::F16),
+            (T::Q8_0, 100, T::F16),
+            (T::IQ4_NL, 48, T::F16),
+            (T::BF16, 7, T::BF16),
+        ] {
+            assert_eq!(fallback(ty, row), want, "{ty} rows of {row}");
+        }
+    }
 
     #[test]
     fn rows_must_hold_whole_blocks() {

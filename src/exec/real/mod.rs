@@ -1,5 +1,9 @@
 //! The number type a run computes in: f32 for the reference and the emulated GPU dtypes, f64 for
 //! a run that shows how much of a difference is the f32 reference's own rounding.
+//!
+//! `lane_dot` is f32's fixed summation order, which every CPU kernel follows.
+
+pub mod lane_dot;
 
 use std::fmt::Debug;
 use std::iter::Sum;
@@ -35,7 +39,7 @@ pub trait Real: num_traits::Float + WithDType + Sum + Default + Debug {
     fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
     /// f32 values as this type, where it is f32.
     fn from_f32(xs: &[f32]) -> Option<&[Self]>;
-    /// `Σ a[i]·b[i]` in this type's fixed order (f32: in lanes, [`super::lane_dot`]; f64: in
+    /// `Σ a[i]·b[i]` in this type's fixed order (f32: in lanes, [`crate::exec::real::lane_dot`]; f64: in
     /// sequence).
     fn dot(a: &[Self], b: &[Self]) -> Self;
     /// [`Self::stage`], shared with the writer.
@@ -75,7 +79,7 @@ impl Real for f32 {
         Some(xs)
     }
     fn dot(a: &[Self], b: &[Self]) -> Self {
-        super::lane_dot::dot(a, b)
+        crate::exec::real::lane_dot::dot(a, b)
     }
     fn shared_stage(xs: Arc<Vec<Self>>) -> OwnedStage {
         OwnedStage::F32(xs)

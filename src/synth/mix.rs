@@ -3,8 +3,8 @@
 
 use globset::{Glob, GlobMatcher};
 
-use super::QuantizeError;
 use crate::model::config::Glm5Config;
+use crate::weights::quantize::fallback;
 use crate::weights::GgmlType;
 
 /// A storage recipe for a whole model, named after the GGUF files people download.
@@ -18,7 +18,7 @@ pub enum Mix {
     Q8_0,
     /// `llama-quantize … Q4_K_M`.
     Q4KM,
-    /// An Unsloth-"UD"-like dynamic mix, but only of types [`super::quantize`] can make, so that
+    /// An Unsloth-"UD"-like dynamic mix, but only of types [`crate::weights::quantize::quantize`] can make, so that
     /// the weights stay close to their f32 values: routed experts IQ4_XS, shared experts Q8_0,
     /// attention (and the DSA indexer) Q6_K on the "more bits" layers of Q4_K_M and Q5_K
     /// elsewhere, embeddings Q4_K, output Q6_K, everything else (dense FFN, MTP projection) Q6_K.
@@ -83,6 +83,14 @@ impl std::str::FromStr for Mix {
 /// A `--quant GLOB=TYPE` override.
 pub type Override = (GlobMatcher, GgmlType);
 
+/// A `--quant GLOB=TYPE` override that could not be read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("bad --quant override {spec:?}: {why}")]
+pub struct OverrideError {
+    pub spec: String,
+    pub why: String,
+}
+
 /// The type of tensor `name` (GGUF name, row length `row_len`, `n_dims` dimensions) in `mix`, for
 /// a model of `n_layers` blocks (`block_count`, MTP layers included).
 ///
@@ -136,38 +144,6 @@ pub fn mix_type(mix: Mix, name: &str, row_len: u64, n_dims: usize, n_layers: u64
     fallback(ty, row_len)
 }
 
-/// llama.cpp's replacement when rows are not whole blocks of `ty`: the 256-blocks fall back to a
-/// 32-block type of similar size, then anything still not fitting to F16.
-pub fn fallback(ty: GgmlType, row_len: u64) -> GgmlType {
-    use GgmlType as T;
-    let fits = |t: GgmlType| row_len.is_multiple_of(t.block_size() as u64);
-    if fits(ty) {
-        return ty;
-    }
-    let alt = match ty {
-        T::Q2_K
-        | T::Q3_K
-        | T::IQ1_S
-        | T::IQ1_M
-        | T::IQ2_XXS
-        | T::IQ2_XS
-        | T::IQ2_S
-        | T::IQ3_XXS
-        | T::IQ3_S
-        | T::IQ4_XS => T::IQ4_NL,
-        T::TQ1_0 | T::TQ2_0 => T::Q4_0,
-        T::Q4_K => T::Q5_0,
-        T::Q5_K => T::Q5_1,
-        T::Q6_K => T::Q8_0,
-        _ => T::F16,
-    };
-    if fits(alt) {
-        alt
-    } else {
-        T::F16
-    }
-}
-
 /// llama.cpp's `use_more_bits`: the first and last eighth of the layers and every third between.
 fn use_more_bits(i: u64, n: u64) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
@@ -180,8 +156,8 @@ fn layer_of(name: &str) -> Option<u64> {
 
 /// Parse `GLOB=TYPE` (the last `=` splits), e.g. `blk.*.ffn_down_exps.weight=Q6_K`. The type must
 /// be one glmcheck can write: quantized, or made of random blocks.
-pub fn parse_override(spec: &str) -> Result<Override, QuantizeError> {
-    let bad = |why: String| QuantizeError::Override {
+pub fn parse_override(spec: &str) -> Result<Override, OverrideError> {
+    let bad = |why: String| OverrideError {
         spec: spec.to_string(),
         why,
     };
@@ -219,27 +195,6 @@ pub fn choose_type(
 mod tests {
     use super::*;
     use GgmlType as T;
-
-    #[test]
-    fn fallback_table() {
-        for (ty, row, want) in [
-            (T::Q4_K, 512, T::Q4_K),
-            (T::Q2_K, 192, T::IQ4_NL),
-            (T::Q3_K, 192, T::IQ4_NL),
-            (T::IQ2_XXS, 192, T::IQ4_NL),
-            (T::IQ4_XS, 192, T::IQ4_NL),
-            (T::TQ2_0, 192, T::Q4_0),
-            (T::Q4_K, 192, T::Q5_0),
-            (T::Q5_K, 192, T::Q5_1),
-            (T::Q6_K, 192, T::Q8_0),
-            (T::Q4_K, 100, T::F16),
-            (T::Q8_0, 100, T::F16),
-            (T::IQ4_NL, 48, T::F16),
-            (T::BF16, 7, T::BF16),
-        ] {
-            assert_eq!(fallback(ty, row), want, "{ty} rows of {row}");
-        }
-    }
 
     #[test]
     fn q4_k_m_choices() {

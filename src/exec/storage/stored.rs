@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use super::mat::Mat;
+use crate::exec::mat::Mat;
 use crate::weights::file_read::{as_room, filled_vec};
 use crate::weights::pages::MappedBytes;
 use crate::weights::read_ahead::FileRange;

@@ -4,9 +4,9 @@
 
 use rayon::prelude::*;
 
-use super::mat::Mat;
-use super::passes::Passes;
-use super::real::Real;
+use crate::exec::mat::Mat;
+use crate::exec::passes::Passes;
+use crate::exec::real::Real;
 
 /// What the indexer scores for a batch of new positions: their rotated queries `q` `[t, heads ·
 /// dim]`, every cached key `keys` `[positions, dim]` (normalised and rotated, one head shared by

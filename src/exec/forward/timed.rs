@@ -5,16 +5,16 @@ use std::sync::Arc;
 
 use anyhow::Result;
 
-use super::attention_core::AttentionInputs;
-use super::backend::{Backend, HeadCut, MlpJob, WeightedRows};
-use super::claim::Claim;
-use super::forward::{Recorder, StageKey};
-use super::indexer_core::IndexerInputs;
-use super::mat::Mat;
-use super::op_clock::{Op, OpClock};
-use super::rope::{Rope, RotateSpec};
-use super::stored::StoredBlock;
 use crate::dtype::Precision;
+use crate::exec::backend::{Backend, HeadCut, MlpJob, WeightedRows};
+use crate::exec::forward::recorder::{Recorder, StageKey};
+use crate::exec::mat::Mat;
+use crate::exec::ops::attention_core::AttentionInputs;
+use crate::exec::ops::indexer_core::IndexerInputs;
+use crate::exec::ops::op_clock::{Op, OpClock};
+use crate::exec::ops::rope::{Rope, RotateSpec};
+use crate::exec::storage::claim::Claim;
+use crate::exec::storage::stored::StoredBlock;
 use crate::model::kv_b::KvBDims;
 use crate::trace::stats::StatsLater;
 use crate::trace::{OwnedStage, Stage, StageLater};

@@ -5,9 +5,9 @@
 
 use anyhow::Result;
 
-use super::backend::Backend;
-use super::inject::{k_then_v_rows, Injection, Injection::*};
-use super::mat::Mat;
+use crate::exec::backend::Backend;
+use crate::exec::faults::inject::{k_then_v_rows, Injection, Injection::*};
+use crate::exec::mat::Mat;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::Glm5Config;
 

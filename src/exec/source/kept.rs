@@ -4,7 +4,7 @@
 //! it: the CPU keeps a quantized weight's blocks, a GPU its dequantized values.
 //!
 //! Bounded: each kept weight holds a [`Claim`] on the memory its backend keeps it in (see
-//! [`super::claim`]). First come, first kept; a weight past the budget is read again for each
+//! [`crate::exec::storage::claim`]). First come, first kept; a weight past the budget is read again for each
 //! use, as without keeping. Keeping never changes a value: a kept weight is the one the first
 //! pass held.
 
@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 
-use super::backend::Backend;
-use super::claim::Claim;
 use crate::dtype::Precision;
+use crate::exec::backend::Backend;
+use crate::exec::storage::claim::Claim;
 use crate::model::names::WeightId;
 
 /// Which part of a weight: its id, the rows a slice of it covers, the rank's shard (rank, TP,
@@ -103,7 +103,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::exec::backend::Cpu;
-    use crate::exec::host_weight::HostWeight;
+    use crate::exec::cpu::host_weight::HostWeight;
     use crate::exec::mat::Mat;
     use crate::model::names::LayerWeight;
 

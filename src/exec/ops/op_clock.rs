@@ -1,5 +1,5 @@
 //! Where a forward spends its time, op by op: an [`OpClock`] adds up each [`Op`]'s calls and
-//! wall time ([`super::timed`] wraps a backend and a recorder around one). A clock reading per
+//! wall time ([`crate::exec::forward::timed`] wraps a backend and a recorder around one). A clock reading per
 //! call costs tens of nanoseconds against ops of microseconds at least, so every recorded run
 //! keeps one (`producer.op_seconds`, `run --profile`).
 //!
@@ -116,7 +116,7 @@ struct Tally {
     nanos: AtomicU64,
 }
 
-/// Calls and nanoseconds per [`Op`], shared by every clone of a [`super::timed::Timed`] backend.
+/// Calls and nanoseconds per [`Op`], shared by every clone of a [`crate::exec::forward::timed::Timed`] backend.
 #[derive(Default)]
 pub struct OpClock {
     tallies: [Tally; Op::ALL.len()],

@@ -12,10 +12,10 @@ use std::ops::Range;
 
 use anyhow::{Context, Result};
 
-use super::mat::Mat;
-use super::real::Real;
-use super::stored::{BlockBytes, StoredBlock};
 use crate::dtype::Precision;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
+use crate::exec::storage::stored::{BlockBytes, StoredBlock};
 use crate::weights::{quant, GgmlType};
 
 /// A `[rows, cols]` weight of the CPU backend in its number type `E`.
@@ -133,10 +133,10 @@ impl<E: Real> HostWeight<E> {
 mod tests {
     use super::*;
     use crate::exec::backend::{Backend, Cpu};
-    use crate::exec::stored::StoredMatrix;
+    use crate::exec::storage::stored::StoredMatrix;
     use crate::rng::SplitMix;
-    use crate::synth::quantize::{has_quantizer, quantize};
     use crate::weights::gguf::writer::GgufWriter;
+    use crate::weights::quantize::{has_quantizer, quantize};
     use crate::weights::ModelFiles;
 
     /// Rows of the stored weights: one whole task of the GEMM, and part of another.

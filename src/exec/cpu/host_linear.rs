@@ -15,11 +15,11 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 
-use super::few_tokens;
-use super::gemm_kernel;
-use super::host_weight::HostWeight;
-use super::mat::Mat;
-use super::real::Real;
+use crate::exec::cpu::few_tokens;
+use crate::exec::cpu::gemm_kernel;
+use crate::exec::cpu::host_weight::HostWeight;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
 
 /// Weight rows per parallel GEMM task.
 const WEIGHT_ROWS_PER_TASK: usize = 256;
@@ -247,8 +247,8 @@ fn column_major<E: Real>(x: &[E], cols: usize) -> Vec<E> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::lane_dot::test_values::values;
     use super::*;
+    use crate::exec::real::lane_dot::test_values::values;
 
     /// A prompt of three token blocks gives every output the bits of one gemm call over all its
     /// tokens, for a weight of more than one task's rows and a shared dimension that gemm

@@ -4,11 +4,11 @@
 //! contiguously, 16 values at a time, against every token's features, which lie interleaved in
 //! L1, or L2 at GLM-5's widths (`benches/gemm.rs` measures the two against each other).
 //!
-//! Each dot product is summed as [`super::lane_dot`] sums it, the same on every machine (the
+//! Each dot product is summed as [`crate::exec::real::lane_dot`] sums it, the same on every machine (the
 //! lanes bound the rounding error too: about a tenth of gemm's single-accumulator sums at 1024
 //! features).
 
-use super::lane_dot::{finish, LANES};
+use crate::exec::real::lane_dot::{finish, LANES};
 
 /// The most tokens the kernel takes.
 pub const MAX_TOKENS: usize = 4;
@@ -352,8 +352,8 @@ mod avx512 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::lane_dot::test_values::{near_exact, values};
     use super::*;
+    use crate::exec::real::lane_dot::test_values::{near_exact, values};
 
     /// Every kernel this CPU can run gives the portable loop's bits, at every token count it
     /// takes, with odd rows and features that do not fill the last lanes; and all are within

@@ -4,10 +4,10 @@
 
 use rayon::prelude::*;
 
-use super::mat::Mat;
-use super::ops::softmax;
-use super::passes::Passes;
-use super::real::Real;
+use crate::exec::mat::Mat;
+use crate::exec::ops::softmax;
+use crate::exec::passes::Passes;
+use crate::exec::real::Real;
 
 /// What MLA attention reads for a batch of new positions: their rotated queries `q` `[t, heads ·
 /// (nope + rope)]`, the cache's `kv` rows `[positions, heads · (nope + v)]` (each head's

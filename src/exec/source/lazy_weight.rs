@@ -8,12 +8,12 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use once_cell::sync::OnceCell;
 
-use super::backend::Backend;
-use super::kept::Part;
-use super::mat::Mat;
-use super::sharder::Sharder;
-use super::source::WeightSource;
-use super::stored::StoredMatrix;
+use crate::exec::backend::Backend;
+use crate::exec::mat::Mat;
+use crate::exec::source::kept::Part;
+use crate::exec::source::sharder::Sharder;
+use crate::exec::source::WeightSource;
+use crate::exec::storage::stored::StoredMatrix;
 use crate::model::kv_b::KvBDims;
 use crate::model::names::{LayerWeight, WeightId};
 

@@ -1,22 +1,31 @@
 //! The model's weights as the forward asks for them: canonical roles (whole `kv_b_proj`, one
 //! expert at a time), dequantized to f32 from whatever layout the file has, only when asked.
+//!
+//! Beside it, the rest of weight access above the backends: a weight read only when a rank
+//! needs it (`lazy_weight`), weights kept between passes (`kept`), and which slice each
+//! tensor-parallel rank holds (`sharder`). How a file stores a weight and what memory may hold
+//! it are below the backends, in [`crate::exec::storage`].
+
+pub mod kept;
+pub mod lazy_weight;
+pub mod sharder;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use super::backend::Backend;
-use super::hooks::Hooks;
-use super::inject::Injection;
-use super::kept::{KeptWeights, Part};
-use super::mat::Mat;
-use super::stored::StoredMatrix;
+use crate::exec::backend::Backend;
+use crate::exec::faults::hooks::Hooks;
+use crate::exec::faults::inject::Injection;
+use crate::exec::mat::Mat;
+use crate::exec::source::kept::{KeptWeights, Part};
+use crate::exec::storage::stored::StoredMatrix;
 use crate::model::kv_b::{assemble_kv_b, KvBDims};
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::{detect_layout, ExpertForm, Family, KvBForm, Layout};
 use crate::model::Glm5Config;
-use crate::synth::quantize::round_trip;
+use crate::weights::quantize::round_trip;
 use crate::weights::{quant, read_ahead, Encoding, GgmlType, ModelFiles};
 
 /// Weights of one model file set with its config, and the fault planted in the run that reads
@@ -48,7 +57,7 @@ impl WeightSource {
     }
 
     /// This source keeping the weights it holds for a run's later passes (a generation, a
-    /// warm-up), within the process's budget ([`super::kept`]).
+    /// warm-up), within the process's budget ([`crate::exec::source::kept`]).
     pub fn keeping_weights(self) -> Self {
         WeightSource {
             kept: Some(KeptWeights::default()),
@@ -71,7 +80,7 @@ impl WeightSource {
     }
 
     /// Whether this source keeps weight `id` whole as `be` holds it, from an earlier pass: a
-    /// lookup, where making the weight's [`LazyWeight`](super::lazy_weight::LazyWeight) would
+    /// lookup, where making the weight's [`LazyWeight`](crate::exec::source::lazy_weight::LazyWeight) would
     /// find its tensor in the files first (a MoE layer asks for hundreds of experts' weights).
     pub fn keeps<B: Backend>(&self, be: &B, id: WeightId) -> bool {
         let whole = Part {

@@ -1,11 +1,21 @@
 //! The element-wise and per-row operations of the GLM-5 forward, as transformers computes them
 //! (its `GlmMoeDsa*` modules are the reference), in the run's number type.
+//!
+//! The modules below hold the larger ops apart from the forward: the rotary embedding, the
+//! attention and indexer kernels' math that every backend shares, top-k near-tie handling,
+//! and the names of the ops by which a run's time is counted (`op_clock`).
+
+pub mod attention_core;
+pub mod indexer_core;
+pub mod op_clock;
+pub mod rope;
+pub mod ties;
 
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::mat::Mat;
-use super::real::Real;
+use crate::exec::mat::Mat;
+use crate::exec::real::Real;
 
 /// RMSNorm: `w ⊙ x / sqrt(mean(x²) + eps)` per row.
 pub fn rms_norm<E: Real>(x: &Mat<E>, w: &[E], eps: f64) -> Mat<E> {
