@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 /// The dtype activations and weights are held in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Precision {
     F64,
     F32,
@@ -13,10 +13,19 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The precision a trace's `dtype` names.
+    pub const ALL: [Precision; 4] = [
+        Precision::F64,
+        Precision::F32,
+        Precision::Bf16,
+        Precision::F16,
+    ];
+
+    /// The precision a trace's `dtype` names (in any case).
     pub fn from_name(name: &str) -> anyhow::Result<Precision> {
-        <Precision as clap::ValueEnum>::from_str(name, true)
-            .map_err(|_| anyhow::anyhow!("`{name}` is not one of f64, f32, bf16, f16"))
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| anyhow::anyhow!("`{name}` is not one of f64, f32, bf16, f16"))
     }
 
     pub fn name(self) -> &'static str {

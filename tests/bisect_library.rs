@@ -7,14 +7,17 @@ mod common;
 use glmcheck::compare::Status;
 use glmcheck::exec::faults::inject::Injection;
 use glmcheck::model::names::LayerWeight;
-use glmcheck::pipeline::bisect::{bisect, BisectOptions};
+use glmcheck::pipeline::bisect::{bisect, BisectOptions, Candidate, RunAs};
 
 const TOKENS: [u32; 6] = [39, 100, 7, 200, 5, 6];
 
 fn options(model: std::path::PathBuf, tp: u64, inject: Option<Injection>) -> BisectOptions {
     BisectOptions {
-        tp,
-        inject,
+        candidate: Candidate::Run(RunAs {
+            tp,
+            inject,
+            ..RunAs::default()
+        }),
         tokens: TOKENS.to_vec(),
         generate: 0,
         ..BisectOptions::new(model)

@@ -7,8 +7,24 @@ use std::path::Path;
 
 /// Top-level modules, highest first: a module imports only from modules after it.
 const LAYERS: &[&str] = &[
-    "cli", "pipeline", "gate", "verify", "diagnose", "report", "engine", "cuda", "exec", "synth",
-    "shard", "compare", "trace", "model", "weights", "dtype", "progress", "rng",
+    "cli",
+    "pipeline",
+    "gate",
+    "verify",
+    "diagnose",
+    "report",
+    "any_backend",
+    "cuda",
+    "exec",
+    "synth",
+    "shard",
+    "compare",
+    "trace",
+    "model",
+    "weights",
+    "dtype",
+    "progress",
+    "rng",
 ];
 
 /// The executor's parts, highest first, in the same way: the forward above the weight access it

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use glmcheck::pipeline::bisect::settings::{KEYS, OTHER_KEYS};
+use glmcheck::diagnose::settings::{KEYS, OTHER_KEYS};
 
 /// llama.cpp's source, as scripts/setup-llamacpp unpacks it.
 fn source() -> PathBuf {

@@ -10,7 +10,7 @@ use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
 use crate::exec::faults::inject::Injection;
 use crate::model::names::LayerWeight;
-use crate::pipeline::bisect::{bisect, BisectOptions, DEFAULT_PROMPT};
+use crate::pipeline::bisect::{bisect, BisectOptions, Candidate, RunAs, DEFAULT_PROMPT};
 use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
@@ -60,8 +60,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     say("glmcheck bisect glm5-tiny.gguf --tp 4 --inject unsharded-column");
     let fault = Injection::UnshardedColumn(LayerWeight::KvB);
     let report = bisect(&BisectOptions {
-        tp: 4,
-        inject: Some(fault),
+        candidate: Candidate::Run(RunAs {
+            tp: 4,
+            inject: Some(fault),
+            ..RunAs::default()
+        }),
         prompt: Some(DEFAULT_PROMPT.into()),
         quiet: args.json,
         ..BisectOptions::new(path.clone())

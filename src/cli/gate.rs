@@ -1,13 +1,13 @@
 //! `glmcheck gate --baseline FILE CAND`: a candidate (a trace, or a model run here) held to a
 //! reviewed baseline; `--update` writes the baseline from the candidate instead.
 
-use crate::engine::BackendKind;
+use crate::any_backend::BackendKind;
 use std::path::PathBuf;
 
 use anyhow::Context;
 
 use super::output::{num, table};
-use super::Outcome;
+use super::{one_of, Outcome};
 use crate::compare::Status;
 use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
@@ -37,7 +37,7 @@ pub struct GateArgs {
     #[arg(long)]
     pub json: bool,
     /// Model candidate: its dtype (default: the baseline's, else f32).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = one_of(&Precision::ALL, Precision::name))]
     pub dtype: Option<Precision>,
     /// Model candidate: tensor-parallel ranks (default: the baseline's, else 1).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024))]
@@ -46,7 +46,7 @@ pub struct GateArgs {
     #[arg(long)]
     pub ep: bool,
     /// Model candidate: where its ops run (`cpu`, or `cuda`: one GPU per rank).
-    #[arg(long, value_enum, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = one_of(&BackendKind::ALL, BackendKind::name))]
     pub backend: BackendKind,
     /// Model candidate: plant a fault of the catalogue (`glmcheck bisect --list-faults`).
     #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]

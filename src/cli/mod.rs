@@ -16,6 +16,7 @@ mod verify;
 
 use std::path::PathBuf;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 
 /// How a command ended: the process exit code.
@@ -118,4 +119,17 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Selftest(a) => selftest::run(a),
         Command::Verify(a) => verify::run(a),
     }
+}
+
+/// A value parser for one of a library enum's values by name (`all` and its `name`), so that
+/// the library's types need no clap of their own.
+fn one_of<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    name: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|&v| name(v))).map(move |s| {
+        *all.iter()
+            .find(|&&v| name(v) == s)
+            .expect("clap admits only the names given")
+    })
 }

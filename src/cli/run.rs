@@ -6,10 +6,10 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::output;
-use super::Outcome;
+use super::{one_of, Outcome};
+use crate::any_backend::BackendKind;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
-use crate::engine::BackendKind;
 use crate::exec::faults::inject::Injection;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::ops::op_clock::OpTime;
@@ -48,7 +48,7 @@ pub struct RunArgs {
     /// Precision: f32 (the reference), f64 (how much of a difference is the reference's own
     /// rounding), or bf16/f16 emulating a GPU engine (weights and every op's output rounded to
     /// the dtype, f32 accumulation, f32 router).
-    #[arg(long, value_enum, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = one_of(&Precision::ALL, Precision::name))]
     pub dtype: Precision,
     /// Tensor-parallel ranks, split as vLLM splits GLM-5 (`glmcheck shards`): threads on the
     /// CPU, one GPU each with `--backend cuda`. Per-rank stages are recorded with their rank.
@@ -56,7 +56,7 @@ pub struct RunArgs {
     pub tp: u64,
     /// Where the ops run: `cpu`, or `cuda` (GPUs 0..TP, cuBLAS GEMMs, NCCL all-reduce; CUDA 13
     /// libraries loaded at run time).
-    #[arg(long, value_enum, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = one_of(&BackendKind::ALL, BackendKind::name))]
     pub backend: BackendKind,
     /// One process per rank (`--backend cuda`): this process's rank, on GPU RANK. Start one
     /// process per rank with the same arguments and `--nccl-id`; rank 0 writes the trace.

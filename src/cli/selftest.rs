@@ -9,19 +9,19 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 
 use super::output::{progress, table};
-use super::Outcome;
+use super::{one_of, Outcome};
+use crate::any_backend::{AnyBackend, BackendKind};
 use crate::dtype::Precision;
-use crate::engine::{BackendKind, Engine};
 use crate::exec::selftest;
 use crate::pipeline::fault_matrix;
 
 #[derive(clap::Args, Debug)]
 pub struct SelftestArgs {
     /// The backend under test.
-    #[arg(long, value_enum, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = one_of(&BackendKind::ALL, BackendKind::name))]
     pub backend: BackendKind,
     /// Dtypes to test (comma-separated); default f32, bf16 and f16.
-    #[arg(long, value_enum, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = one_of(&Precision::ALL, Precision::name))]
     pub dtype: Vec<Precision>,
     /// Ranks for the all-reduce case (GPUs 0..TP with `--backend cuda`); 1 leaves it out.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
@@ -159,8 +159,8 @@ pub fn run(args: SelftestArgs) -> Result<Outcome> {
     let mut outcomes = Vec::new();
     let mut devices = Vec::new();
     for (i, &dtype) in dtypes.iter().enumerate() {
-        let engine = Engine::open(args.backend, dtype, ranks, None)?;
-        if let Engine::Cuda(gpus) = &engine {
+        let engine = AnyBackend::open(args.backend, dtype, ranks, None)?;
+        if let AnyBackend::Cuda(gpus) = &engine {
             devices = gpus.device_names();
         }
         outcomes.extend(selftest::run(&engine, ranks, seed.wrapping_add(i as u64))?);

@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::Context;
 
 use super::output::bytes;
-use super::Outcome;
+use super::{one_of, Outcome};
 use crate::model::schema::ExpertForm;
 use crate::synth::mix::{parse_override, Mix};
 use crate::synth::weights::check_massive;
@@ -30,8 +30,10 @@ pub enum HfExperts {
 
 #[derive(clap::Args, Debug)]
 pub struct SynthArgs {
-    /// Starting size.
-    #[arg(long, value_enum, default_value = "tiny")]
+    /// Starting size: `tiny` (CI speed: one dense and two MoE layers, hidden 256), `small` (a
+    /// few hundred MB: benchmarks) or `glm5-dims` (GLM-5's real widths, sized with `--layers`
+    /// and `--experts`).
+    #[arg(long, default_value = "tiny", value_parser = one_of(&Preset::ALL, Preset::name))]
     pub preset: Preset,
     /// Number of forward layers (the MTP layer comes on top).
     #[arg(long)]

@@ -2,9 +2,11 @@
 //! what the traces cannot show — the weights that stage reads (the candidate's dequantization
 //! and layout against the reference's) and each rank's shard of them (against vLLM's plan) —
 //! and name the faulty step with that evidence. An engine's own shard manifest is checked
-//! against the plan in [`manifest`].
+//! against the plan in [`manifest`], and the settings an engine ran with (a GGUF's metadata,
+//! a `config.json`) against the reference's in [`settings`].
 
 pub mod manifest;
+pub mod settings;
 mod shards;
 mod weights;
 

@@ -7,11 +7,11 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use super::bisect::{bisect, BisectOptions};
+use super::bisect::{bisect, BisectOptions, Candidate, RunAs};
 use super::Model;
+use crate::any_backend::BackendKind;
 use crate::compare::{DiffReport, Status};
 use crate::dtype::Precision;
-use crate::engine::BackendKind;
 use crate::exec::faults::inject::{Injection, CATALOGUE};
 use crate::model::stages::{stage_names, stage_weights};
 use crate::weights::GgmlType;
@@ -136,10 +136,13 @@ pub fn matrix(
         let name = fault.map_or("clean".to_string(), |f| f.spec());
         progress(&format!("{name} at {}", dtype.name()));
         let report = bisect(&BisectOptions {
-            tp,
-            backend,
-            dtype,
-            inject: fault,
+            candidate: Candidate::Run(RunAs {
+                tp,
+                backend,
+                dtype,
+                inject: fault,
+                ..RunAs::default()
+            }),
             ..case_options(model)
         })?;
         let expected = match fault {
@@ -157,7 +160,10 @@ pub fn matrix(
         let name = format!("clean, reference on {}", backend.name());
         progress(&name);
         let report = bisect(&BisectOptions {
-            tp,
+            candidate: Candidate::Run(RunAs {
+                tp,
+                ..RunAs::default()
+            }),
             reference_backend: backend,
             ..case_options(model)
         })?;

@@ -9,10 +9,10 @@ use anyhow::bail;
 use serde_json::json;
 
 use super::Model;
+use crate::any_backend::{AnyBackend, BackendKind};
 use crate::cuda::memory::RankMemory;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
-use crate::engine::{BackendKind, Engine};
 use crate::exec::backend::{Backend, Cpu};
 use crate::exec::faults::inject::Injection;
 use crate::exec::forward::recorder::{Discard, Recorder, Rehearsal};
@@ -160,7 +160,7 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
     // The GPUs first: without them no trace folder is left behind.
     let engine = match spec.dtype {
         Precision::F64 => None,
-        p => Some(Engine::open(
+        p => Some(AnyBackend::open(
             spec.backend,
             p,
             spec.tp as usize,
@@ -243,10 +243,10 @@ pub fn record(spec: RunSpec) -> anyhow::Result<Recorded> {
                     let reference = keeping(split.reference.source());
                     // On the candidate's GPUs when both run there: one memory budget for both.
                     let f32_engine = match (&engine, split.reference_backend) {
-                        (Engine::Cuda(gpus), BackendKind::Cuda) => {
-                            Engine::Cuda(gpus.at_precision(Precision::F32))
+                        (AnyBackend::Cuda(gpus), BackendKind::Cuda) => {
+                            AnyBackend::Cuda(gpus.at_precision(Precision::F32))
                         }
-                        (_, kind) => Engine::open(kind, Precision::F32, 1, None)?,
+                        (_, kind) => AnyBackend::open(kind, Precision::F32, 1, None)?,
                     };
                     let f32_be = Timed::new(f32_engine, clock.clone());
                     let reference = Runner {

@@ -5,7 +5,7 @@ use serde_json::Value as Json;
 use crate::model::config::{ConfigError, Glm5Config};
 
 /// The named starting points.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
     /// CI speed: one dense and two MoE layers, vocab 384, hidden 256, DSA top-k 4.
     Tiny,
@@ -17,6 +17,17 @@ pub enum Preset {
 }
 
 impl Preset {
+    pub const ALL: [Preset; 3] = [Preset::Tiny, Preset::Small, Preset::Glm5Dims];
+
+    /// The preset's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Glm5Dims => "glm5-dims",
+        }
+    }
+
     pub fn config(self) -> Glm5Config {
         let base = Glm5Config::glm5();
         match self {

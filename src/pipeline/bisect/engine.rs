@@ -11,9 +11,10 @@ use anyhow::Context;
 use serde::Serialize;
 
 use super::weights::{self, WeightCheck, WeightsInfo};
-use super::{merge, settings, BisectOptions};
+use super::{merge, BisectOptions};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
+use crate::diagnose::settings;
 use crate::model::schema::Family;
 use crate::model::stages::{hidden_behind, weights_of};
 use crate::pipeline::Model;

@@ -15,7 +15,7 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::{reference_spec, BisectOptions};
+use super::{reference_spec, BisectOptions, RunAs};
 use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
@@ -68,6 +68,8 @@ pub fn logits_of(report: &DiffReport) -> Option<&crate::compare::StageDiff> {
 /// What hybrid runs need: the runs' settings, the reference and its envelope.
 pub struct Hybrids<'a> {
     pub args: &'a BisectOptions,
+    /// How the candidate runs.
+    pub run_as: RunAs,
     pub tokens: &'a [u32],
     pub model: &'a Model,
     pub cand_model: &'a Model,
@@ -120,11 +122,11 @@ impl Hybrids<'_> {
         let side = if reference_below { "replay" } else { "hybrid" };
         let out = self.dir.join(format!("{side}-{switch}.trace"));
         record(RunSpec {
-            dtype: self.args.dtype,
-            tp: self.args.tp,
-            ep: self.args.ep,
-            backend: self.args.backend,
-            inject: self.args.inject,
+            dtype: self.run_as.dtype,
+            tp: self.run_as.tp,
+            ep: self.run_as.ep,
+            backend: self.run_as.backend,
+            inject: self.run_as.inject,
             ties: self.ties,
             hybrid: Some(Split {
                 reference: self.model,

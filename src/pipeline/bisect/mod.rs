@@ -12,16 +12,15 @@ use serde::Serialize;
 
 mod engine;
 mod hybrid;
-pub mod settings;
 mod weights;
 
 use super::record::{prompt_tokens, record, RunSpec};
 use super::Model;
+use crate::any_backend::BackendKind;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::diagnose::manifest::{check_only, CheckedShard};
 use crate::diagnose::{check_shards, drill_down, CandidateRun};
 use crate::dtype::Precision;
-use crate::engine::BackendKind;
 use crate::exec::faults::inject::Injection;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::exec::ops::ties::TieBreaks;
@@ -40,97 +39,127 @@ pub use weights::{WeightCheck, WeightsInfo};
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
 
-/// What to bisect and how: the `bisect` command's options, which the command line parses into
-/// this type directly.
-#[derive(clap::Args, Clone, Debug)]
-pub struct BisectOptions {
-    /// The reference, and the candidate unless `candidate` names another (the command line's
-    /// positional MODEL).
-    #[arg(skip)]
-    pub model: PathBuf,
-    /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+/// How glmcheck runs a candidate it makes itself: vLLM's tensor-parallel split (and expert
+/// parallelism) on a backend, in a dtype, with a fault planted or none.
+#[derive(Clone, Copy, Debug)]
+pub struct RunAs {
+    /// Tensor-parallel ranks (vLLM's split, ranks on the CPU or one GPU each).
     pub tp: u64,
-    /// The candidate with expert parallelism: routed experts whole on their owning rank.
-    #[arg(long)]
+    /// Routed experts whole on their owning rank instead of split.
     pub ep: bool,
-    /// Where the candidate's ops run: `cpu`, or `cuda` (one GPU per rank, cuBLAS, NCCL).
-    #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendKind,
-    /// Where the reference and its envelope run (TP 1): `cpu`, or `cuda` on GPU 0, in f32
-    /// within the f32 tolerance (1e-8 `rel_diff`) of the CPU's, so that a large model's
-    /// reference does not wait on the host's cores.
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub reference_backend: BackendKind,
-    /// The candidate's dtype; bf16/f16 are judged against the reference re-run at that dtype.
-    #[arg(long, value_enum, default_value = "f32")]
+    /// bf16/f16 are judged against the reference re-run at that dtype.
     pub dtype: Precision,
-    /// Plant a fault in the candidate (`--list-faults`), as `NAME[=ARG]`.
-    #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
+    /// A fault from the catalogue ([`crate::exec::faults::inject::CATALOGUE`]).
     pub inject: Option<Injection>,
-    /// The candidate: another MODEL (a conversion of the reference: HF folder against its GGUF)
-    /// run with the options above, or a TRACE an engine probe wrote (then the prompt is the
-    /// trace's tokens).
-    #[arg(long, value_name = "MODEL|TRACE")]
-    pub candidate: Option<PathBuf>,
-    /// Prompt text (default "The capital of France is"), through the model's tokenizer.
-    #[arg(long, conflicts_with = "tokens")]
+}
+
+impl Default for RunAs {
+    /// TP 1 on the CPU in f32 with nothing planted: the reference's own run.
+    fn default() -> Self {
+        RunAs {
+            tp: 1,
+            ep: false,
+            backend: BackendKind::Cpu,
+            dtype: Precision::F32,
+            inject: None,
+        }
+    }
+}
+
+/// What the reference is compared with.
+#[derive(Clone, Debug)]
+pub enum Candidate {
+    /// The reference's own checkpoint, run as set: at a TP degree or dtype, on a backend, with a
+    /// planted fault.
+    Run(RunAs),
+    /// Another checkpoint of the model (a conversion: a GGUF of the reference's HF folder), run
+    /// as set, and judged against the reference with every weight stored as it stores them.
+    Checkpoint(PathBuf, RunAs),
+    /// A trace an engine's probe wrote: its tokens, dtype and TP are the engine's.
+    EngineTrace(PathBuf),
+}
+
+impl Candidate {
+    /// How glmcheck runs it (None: an engine ran it).
+    pub fn run_as(&self) -> Option<RunAs> {
+        match self {
+            Candidate::Run(r) | Candidate::Checkpoint(_, r) => Some(*r),
+            Candidate::EngineTrace(_) => None,
+        }
+    }
+}
+
+/// What to bisect and how. [`BisectOptions::new`] gives the defaults the command line has.
+#[derive(Clone, Debug)]
+pub struct BisectOptions {
+    /// The reference checkpoint (a GGUF, any shard of a split set, or a Hugging Face folder).
+    pub model: PathBuf,
+    pub candidate: Candidate,
+    /// Where the reference and its envelope run (TP 1, f32): the CPU, or GPU 0 within f32's
+    /// tolerance (1e-8 `rel_diff`) of the CPU's.
+    pub reference_backend: BackendKind,
+    /// Prompt text through the model's tokenizer; with neither this nor `tokens`,
+    /// [`DEFAULT_PROMPT`]. An engine's trace brings its own tokens.
     pub prompt: Option<String>,
-    /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',')]
     pub tokens: Vec<u32>,
     /// Greedy tokens generated after the prompt on both sides, to show what each prints.
-    #[arg(long, default_value_t = 8)]
     pub generate: usize,
-    /// Eps of the q_a/kv_a RMSNorms on both sides (transformers 1e-6; vLLM, llama.cpp
+    /// Eps of the q_a/kv_a RMSNorms on both sides (transformers 1e-6; vLLM and llama.cpp use
     /// `rms_norm_eps`).
-    #[arg(long, default_value_t = HF_LATENT_NORM_EPS)]
     pub latent_norm_eps: f64,
-    /// An engine's shard manifest (the format `glmcheck shards --actual` reads): at the first
-    /// divergence, each rank's shards of the weights that stage reads are checked against the
-    /// plan — the drill-down for an engine's `--candidate TRACE`.
-    #[arg(long, value_name = "MANIFEST")]
+    /// An engine's shard manifest, checked at the first divergence for the weights that stage
+    /// reads.
     pub actual: Option<PathBuf>,
-    /// Keep the traces in this folder (reference.trace, envelope.trace, candidate.trace);
-    /// default: a temporary folder, removed after.
-    #[arg(long, value_name = "DIR")]
+    /// Keep the traces here; None: a temporary folder, removed after.
     pub out: Option<PathBuf>,
-    /// A conversion's weights checked as `glmcheck verify` checks them (a corrupted tensor fails
-    /// the run even inside the envelope): `all` before the runs, `divergent` only those the first
-    /// divergent stage reads, `auto` all up to 32 GiB of candidate files, else divergent.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// Which of a conversion's weights are checked as `verify` checks them.
     pub weights: WeightCheck,
-    /// `stages`: compare every stage both sides record. `logits`: judge the candidate by its
-    /// logits alone, as an engine exposing nothing else, and find the first faulty layer by
-    /// hybrid runs (the candidate up to a layer, the reference after it; O(log L) runs).
-    #[arg(long, value_enum, default_value = "stages")]
     pub mode: Mode,
-    /// No progress bar (JSON output, tests).
-    #[arg(skip)]
+    /// No progress bar.
     pub quiet: bool,
 }
 
 impl BisectOptions {
-    /// Bisect `model` against itself as the candidate with every other option at the command
-    /// line's default (CPU, TP 1, f32, the default prompt), without a progress bar.
+    /// Bisect `model` against its own run at TP 1 in f32 on the CPU, every other option at the
+    /// command line's default, without a progress bar.
     pub fn new(model: PathBuf) -> Self {
-        #[derive(clap::Parser)]
-        struct Defaults {
-            #[command(flatten)]
-            options: BisectOptions,
+        BisectOptions {
+            model,
+            candidate: Candidate::Run(RunAs::default()),
+            reference_backend: BackendKind::Cpu,
+            prompt: None,
+            tokens: Vec::new(),
+            generate: 8,
+            latent_norm_eps: HF_LATENT_NORM_EPS,
+            actual: None,
+            out: None,
+            weights: WeightCheck::Auto,
+            mode: Mode::Stages,
+            quiet: true,
         }
-        let mut options = <Defaults as clap::Parser>::parse_from(["bisect"]).options;
-        options.model = model;
-        options.quiet = true;
-        options
     }
 }
 
 /// What the candidate is judged by.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
+    /// Every stage both sides record.
     Stages,
+    /// The logits alone, as an engine exposing nothing else shows them; the first faulty layer
+    /// is found by hybrid runs (the candidate up to a layer, the reference after it).
     Logits,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 2] = [Mode::Stages, Mode::Logits];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Stages => "stages",
+            Mode::Logits => "logits",
+        }
+    }
 }
 
 /// What bisect adds to a diff report.
@@ -182,17 +211,18 @@ pub struct BisectInfo {
 }
 
 /// A trace folder holds `manifest.json`.
-fn is_trace(p: &Path) -> bool {
+pub fn is_trace(p: &Path) -> bool {
     p.join("manifest.json").is_file()
 }
 
 /// Run both sides, compare, drill down.
 pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     let model = args.model.clone();
-    let engine_trace = args.candidate.as_deref().filter(|p| is_trace(p));
-    if engine_trace.is_some() && args.inject.is_some() {
-        bail!("--inject plants a fault in a run glmcheck makes; --candidate TRACE is an engine's");
-    }
+    let engine_trace = match &args.candidate {
+        Candidate::EngineTrace(p) => Some(p.as_path()),
+        _ => None,
+    };
+    let run_as = args.candidate.run_as().unwrap_or_default();
     if engine_trace.is_some() && args.mode == Mode::Logits {
         bail!("--mode logits bisects with hybrid runs: the candidate is a MODEL, not a TRACE");
     }
@@ -218,7 +248,10 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     let scratch = tempfile::tempdir()?;
     let dir = args.out.as_deref().unwrap_or(scratch.path());
     std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
-    let cand_model = args.candidate.clone().unwrap_or_else(|| model.clone());
+    let cand_model = match &args.candidate {
+        Candidate::Checkpoint(path, _) => path.clone(),
+        _ => model.clone(),
+    };
     // A conversion (another model's files) is judged against the reference with every weight
     // stored as the candidate stores it: its quantization noise is not a fault.
     let conversion = engine.is_none() && cand_model != model;
@@ -241,7 +274,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     let dtype = match &engine {
         Some(t) => Precision::from_name(&t.manifest().dtype)
             .with_context(|| format!("{}: dtype", t.dir().display()))?,
-        None => args.dtype,
+        None => run_as.dtype,
     };
     let lower = stored_as.is_some() || !matches!(dtype, Precision::F32 | Precision::F64);
     let check_all = conversion
@@ -333,19 +366,20 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         None => {
             bar.set_message(format!(
                 "candidate run (TP {}, {}{})",
-                args.tp,
-                args.dtype.name(),
-                args.inject
+                run_as.tp,
+                run_as.dtype.name(),
+                run_as
+                    .inject
                     .map(|f| format!(", {}", f.spec()))
                     .unwrap_or_default()
             ));
             let ties = lower.then_some(&ties);
             let run = record(RunSpec {
-                dtype: args.dtype,
-                tp: args.tp,
-                ep: args.ep,
-                backend: args.backend,
-                inject: args.inject,
+                dtype: run_as.dtype,
+                tp: run_as.tp,
+                ep: run_as.ep,
+                backend: run_as.backend,
+                inject: run_as.inject,
                 ties,
                 ..reference_spec(args, &tokens, cand_of(&cand)?, &paths[2])
             })?;
@@ -362,6 +396,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     // Hybrid runs and the replay need a candidate glmcheck runs (an engine's trace has none).
     let runs = cand.as_ref().map(|cand_model| Hybrids {
         args,
+        run_as,
         tokens: &tokens,
         model: &reference_model,
         cand_model,
@@ -390,6 +425,7 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     }
     let cause = Cause {
         args,
+        run_as,
         model: &reference_model,
         cand_model: cand.as_ref().filter(|_| cand_run.is_some()),
         candidate: &candidate,
@@ -443,23 +479,23 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         bisect: BisectInfo {
             model: model.display().to_string(),
             prompt: prompt_text,
-            candidate: args
-                .candidate
-                .as_ref()
-                .map_or_else(|| model.display().to_string(), |c| c.display().to_string()),
+            candidate: match &args.candidate {
+                Candidate::Checkpoint(p, _) | Candidate::EngineTrace(p) => p.display().to_string(),
+                Candidate::Run(_) => model.display().to_string(),
+            },
             backend: if cand_run.is_some() {
-                args.backend.name().to_string()
+                run_as.backend.name().to_string()
             } else {
                 candidate.manifest().backend.clone()
             },
             reference_backend: args.reference_backend.name(),
             tp: if cand_run.is_some() {
-                args.tp
+                run_as.tp
             } else {
                 u64::from(candidate.manifest().tp)
             },
             dtype: dtype.name().into(),
-            inject: args.inject.map(|f| f.spec()),
+            inject: run_as.inject.map(|f| f.spec()),
             envelope: envelope.as_ref().map(|e| e.dir().display().to_string()),
             conversion: stored_as.is_some(),
             ties_taken: if lower && cand_run.is_some() {
@@ -498,6 +534,7 @@ const FOLLOW_ROUNDS: usize = 3;
 /// glmcheck ran the candidate), and an engine's shard manifest (`--actual`).
 struct Cause<'a> {
     args: &'a BisectOptions,
+    run_as: RunAs,
     model: &'a Model,
     /// The candidate's model when glmcheck ran it.
     cand_model: Option<&'a Model>,
@@ -553,10 +590,10 @@ impl Cause<'_> {
         layer: Option<u64>,
     ) -> anyhow::Result<Option<Fault>> {
         let ref_src = self.model.source();
-        let cand_src = cand_model.source().with_fault(self.args.inject);
+        let cand_src = cand_model.source().with_fault(self.run_as.inject);
         let cand = CandidateRun {
             src: &cand_src,
-            tp: self.args.tp as usize,
+            tp: self.run_as.tp as usize,
             same_files: cand_model.path() == self.model.path(),
             experts: chosen_experts(self.candidate, layer)?,
         };

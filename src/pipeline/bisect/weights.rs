@@ -24,7 +24,7 @@ use crate::verify::{verify, Finding, Options, VerifyReport};
 const CHECK_ALL_BYTES: u64 = 32 << 30;
 
 /// Which of a conversion's weights bisect checks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightCheck {
     /// All of them up to 32 GiB of candidate files, else those of the divergent stage.
     Auto,
@@ -34,6 +34,24 @@ pub enum WeightCheck {
     Divergent,
     /// None.
     Off,
+}
+
+impl WeightCheck {
+    pub const ALL: [WeightCheck; 4] = [
+        WeightCheck::Auto,
+        WeightCheck::All,
+        WeightCheck::Divergent,
+        WeightCheck::Off,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightCheck::Auto => "auto",
+            WeightCheck::All => "all",
+            WeightCheck::Divergent => "divergent",
+            WeightCheck::Off => "off",
+        }
+    }
 }
 
 /// What the weight check did, in bisect's JSON.

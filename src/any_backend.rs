@@ -19,7 +19,7 @@ use crate::exec::storage::stored::StoredBlock;
 use crate::model::kv_b::KvBDims;
 
 /// Where the candidate's ops run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BackendKind {
     /// glmcheck's own CPU ops (bf16/f16 emulated with f32 accumulation), ranks as threads.
     #[default]
@@ -30,6 +30,8 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    pub const ALL: [BackendKind; 2] = [BackendKind::Cpu, BackendKind::Cuda];
+
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu => "cpu",
@@ -40,44 +42,44 @@ impl BackendKind {
 
 /// A CPU or CUDA backend.
 #[derive(Clone)]
-pub enum Engine {
+pub enum AnyBackend {
     Cpu(Cpu<f32>),
     Cuda(Cuda),
 }
 
 /// A weight as either backend holds it.
-pub enum EngineWeight {
+pub enum AnyWeight {
     Cpu(HostWeight<f32>),
     Cuda(GpuWeight),
 }
 
-impl EngineWeight {
+impl AnyWeight {
     fn on_cpu(&self) -> Result<&HostWeight<f32>> {
         match self {
-            EngineWeight::Cpu(w) => Ok(w),
-            EngineWeight::Cuda(_) => anyhow::bail!("a weight held on a GPU given to the CPU"),
+            AnyWeight::Cpu(w) => Ok(w),
+            AnyWeight::Cuda(_) => anyhow::bail!("a weight held on a GPU given to the CPU"),
         }
     }
 
     fn on_cuda(&self) -> Result<&GpuWeight> {
         match self {
-            EngineWeight::Cuda(w) => Ok(w),
-            EngineWeight::Cpu(_) => anyhow::bail!("a weight held on the CPU given to a GPU"),
+            AnyWeight::Cuda(w) => Ok(w),
+            AnyWeight::Cpu(_) => anyhow::bail!("a weight held on the CPU given to a GPU"),
         }
     }
 }
 
 /// MLP jobs with their weights as backend `W` holds them.
 fn held_by<'a, W>(
-    jobs: &[MlpJob<'a, EngineWeight>],
-    held: impl Fn(&'a EngineWeight) -> Result<&'a W>,
+    jobs: &[MlpJob<'a, AnyWeight>],
+    held: impl Fn(&'a AnyWeight) -> Result<&'a W>,
 ) -> Result<Vec<MlpJob<'a, W>>> {
     jobs.iter()
         .map(|&(rows, [g, u, d])| Ok((rows, [held(g)?, held(u)?, held(d)?])))
         .collect()
 }
 
-impl Engine {
+impl AnyBackend {
     /// `kind` at `precision` (f32, bf16, f16) with `tp` ranks: all in this process, or on the
     /// GPUs only `process`'s rank.
     pub fn open(
@@ -85,18 +87,18 @@ impl Engine {
         precision: Precision,
         tp: usize,
         process: Option<&ProcessRank>,
-    ) -> Result<Engine> {
+    ) -> Result<AnyBackend> {
         Ok(match (kind, process) {
-            (BackendKind::Cpu, _) => Engine::Cpu(Cpu::new(precision)),
-            (BackendKind::Cuda, None) => Engine::Cuda(Cuda::open(precision, tp)?),
-            (BackendKind::Cuda, Some(p)) => Engine::Cuda(Cuda::open_rank(precision, p)?),
+            (BackendKind::Cpu, _) => AnyBackend::Cpu(Cpu::new(precision)),
+            (BackendKind::Cuda, None) => AnyBackend::Cuda(Cuda::open(precision, tp)?),
+            (BackendKind::Cuda, Some(p)) => AnyBackend::Cuda(Cuda::open_rank(precision, p)?),
         })
     }
 
     /// On GPUs: sets aside `bytes` of each rank's memory budget for stored blocks (see
     /// [`Cuda::set_aside_for_blocks`]); the CPU has no such budget.
     pub fn set_aside_for_blocks(&self, bytes: u64) {
-        if let Engine::Cuda(c) = self {
+        if let AnyBackend::Cuda(c) = self {
             c.set_aside_for_blocks(bytes);
         }
     }
@@ -104,8 +106,8 @@ impl Engine {
     /// How each rank used its GPU (none on the CPU).
     pub fn gpu_memory(&self) -> Vec<RankMemory> {
         match self {
-            Engine::Cpu(_) => Vec::new(),
-            Engine::Cuda(c) => c.memory(),
+            AnyBackend::Cpu(_) => Vec::new(),
+            AnyBackend::Cuda(c) => c.memory(),
         }
     }
 }
@@ -114,15 +116,15 @@ impl Engine {
 macro_rules! on_backend {
     ($engine:expr, $be:ident => $body:expr) => {
         match $engine {
-            Engine::Cpu($be) => $body,
-            Engine::Cuda($be) => $body,
+            AnyBackend::Cpu($be) => $body,
+            AnyBackend::Cuda($be) => $body,
         }
     };
 }
 
-impl Backend for Engine {
+impl Backend for AnyBackend {
     type E = f32;
-    type Weight = EngineWeight;
+    type Weight = AnyWeight;
 
     fn name(&self) -> &'static str {
         on_backend!(self, be => be.name())
@@ -132,17 +134,17 @@ impl Backend for Engine {
         on_backend!(self, be => be.precision())
     }
 
-    fn hold(&self, w: Mat<f32>) -> Result<EngineWeight> {
+    fn hold(&self, w: Mat<f32>) -> Result<AnyWeight> {
         Ok(match self {
-            Engine::Cpu(be) => EngineWeight::Cpu(be.hold(w)?),
-            Engine::Cuda(be) => EngineWeight::Cuda(be.hold(w)?),
+            AnyBackend::Cpu(be) => AnyWeight::Cpu(be.hold(w)?),
+            AnyBackend::Cuda(be) => AnyWeight::Cuda(be.hold(w)?),
         })
     }
 
-    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<EngineWeight> {
+    fn hold_stored(&self, w: &StoredBlock<'_>) -> Result<AnyWeight> {
         Ok(match self {
-            Engine::Cpu(be) => EngineWeight::Cpu(be.hold_stored(w)?),
-            Engine::Cuda(be) => EngineWeight::Cuda(be.hold_stored(w)?),
+            AnyBackend::Cpu(be) => AnyWeight::Cpu(be.hold_stored(w)?),
+            AnyBackend::Cuda(be) => AnyWeight::Cuda(be.hold_stored(w)?),
         })
     }
 
@@ -151,10 +153,10 @@ impl Backend for Engine {
         k_b: &StoredBlock<'_>,
         v_b: &StoredBlock<'_>,
         d: KvBDims,
-    ) -> Result<EngineWeight> {
+    ) -> Result<AnyWeight> {
         Ok(match self {
-            Engine::Cpu(be) => EngineWeight::Cpu(be.hold_kv_b(k_b, v_b, d)?),
-            Engine::Cuda(be) => EngineWeight::Cuda(be.hold_kv_b(k_b, v_b, d)?),
+            AnyBackend::Cpu(be) => AnyWeight::Cpu(be.hold_kv_b(k_b, v_b, d)?),
+            AnyBackend::Cuda(be) => AnyWeight::Cuda(be.hold_kv_b(k_b, v_b, d)?),
         })
     }
 
@@ -170,18 +172,18 @@ impl Backend for Engine {
         on_backend!(self, be => be.placed(m))
     }
 
-    fn linear(&self, x: &Mat<f32>, w: &EngineWeight) -> Result<Mat<f32>> {
+    fn linear(&self, x: &Mat<f32>, w: &AnyWeight) -> Result<Mat<f32>> {
         match (self, w) {
-            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.linear(x, w),
-            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.linear(x, w),
+            (AnyBackend::Cpu(be), AnyWeight::Cpu(w)) => be.linear(x, w),
+            (AnyBackend::Cuda(be), AnyWeight::Cuda(w)) => be.linear(x, w),
             _ => anyhow::bail!("a weight held by one backend given to another"),
         }
     }
 
-    fn linear_exact(&self, x: &Mat<f32>, w: &EngineWeight) -> Result<Mat<f32>> {
+    fn linear_exact(&self, x: &Mat<f32>, w: &AnyWeight) -> Result<Mat<f32>> {
         match (self, w) {
-            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.linear_exact(x, w),
-            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.linear_exact(x, w),
+            (AnyBackend::Cpu(be), AnyWeight::Cpu(w)) => be.linear_exact(x, w),
+            (AnyBackend::Cuda(be), AnyWeight::Cuda(w)) => be.linear_exact(x, w),
             _ => anyhow::bail!("a weight held by one backend given to another"),
         }
     }
@@ -238,20 +240,20 @@ impl Backend for Engine {
     fn mlp(
         &self,
         x: &Mat<f32>,
-        gate: &EngineWeight,
-        up: &EngineWeight,
-        down: &EngineWeight,
+        gate: &AnyWeight,
+        up: &AnyWeight,
+        down: &AnyWeight,
     ) -> Result<Mat<f32>> {
         match self {
-            Engine::Cpu(be) => be.mlp(x, gate.on_cpu()?, up.on_cpu()?, down.on_cpu()?),
-            Engine::Cuda(be) => be.mlp(x, gate.on_cuda()?, up.on_cuda()?, down.on_cuda()?),
+            AnyBackend::Cpu(be) => be.mlp(x, gate.on_cpu()?, up.on_cpu()?, down.on_cpu()?),
+            AnyBackend::Cuda(be) => be.mlp(x, gate.on_cuda()?, up.on_cuda()?, down.on_cuda()?),
         }
     }
 
-    fn mlps(&self, x: &Mat<f32>, jobs: &[MlpJob<'_, EngineWeight>]) -> Result<Vec<Mat<f32>>> {
+    fn mlps(&self, x: &Mat<f32>, jobs: &[MlpJob<'_, AnyWeight>]) -> Result<Vec<Mat<f32>>> {
         match self {
-            Engine::Cpu(be) => be.mlps(x, &held_by(jobs, EngineWeight::on_cpu)?),
-            Engine::Cuda(be) => be.mlps(x, &held_by(jobs, EngineWeight::on_cuda)?),
+            AnyBackend::Cpu(be) => be.mlps(x, &held_by(jobs, AnyWeight::on_cpu)?),
+            AnyBackend::Cuda(be) => be.mlps(x, &held_by(jobs, AnyWeight::on_cuda)?),
         }
     }
 
@@ -269,8 +271,8 @@ impl Backend for Engine {
 
     fn on_rank(&self, rank: usize) -> Self {
         match self {
-            Engine::Cpu(be) => Engine::Cpu(be.on_rank(rank)),
-            Engine::Cuda(be) => Engine::Cuda(be.on_rank(rank)),
+            AnyBackend::Cpu(be) => AnyBackend::Cpu(be.on_rank(rank)),
+            AnyBackend::Cuda(be) => AnyBackend::Cuda(be.on_rank(rank)),
         }
     }
 
@@ -286,10 +288,10 @@ impl Backend for Engine {
         on_backend!(self, be => be.reads_ahead())
     }
 
-    fn claim_kept(&self, w: &EngineWeight) -> Result<Option<Claim>> {
+    fn claim_kept(&self, w: &AnyWeight) -> Result<Option<Claim>> {
         match (self, w) {
-            (Engine::Cpu(be), EngineWeight::Cpu(w)) => be.claim_kept(w),
-            (Engine::Cuda(be), EngineWeight::Cuda(w)) => be.claim_kept(w),
+            (AnyBackend::Cpu(be), AnyWeight::Cpu(w)) => be.claim_kept(w),
+            (AnyBackend::Cuda(be), AnyWeight::Cuda(w)) => be.claim_kept(w),
             _ => Ok(None),
         }
     }
