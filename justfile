@@ -19,7 +19,7 @@ llamacpp-probe:
 llamacpp-oracle:
     scripts/setup-venv
     scripts/setup-llamacpp
-    GLMCHECK_PYTHON="$PWD/.venv/bin/python" cargo test --test llamacpp_oracle -- --nocapture
+    GLMCHECK_PYTHON="$PWD/.venv/bin/python" cargo test --test llamacpp llamacpp_oracle:: -- --nocapture
 
 # Dequantization throughput of glmcheck, candle and gguf-py (bench-results/dequant.md); the
 # few-token GEMM kernel against gemm's (bench-results/gemm.md); then the
@@ -109,7 +109,7 @@ projection out="target/projection" sides="cpu:2:f32,cpu:all:f32,cpu:all:bf16":
 gpu-dequant-bench:
     scripts/gpu-dequant-bench target/release/glmcheck
 
-# .venv-vllm: vLLM 0.23.0's CPU build (tests/vllm_gguf_load.rs, ~6 min once); `just setup-vllm 0.32`:
-# .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm_today.rs, ~2 min more).
+# .venv-vllm: vLLM 0.23.0's CPU build (tests/vllm/vllm_gguf_load.rs, ~6 min once); `just setup-vllm 0.32`:
+# .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm/vllm_today.rs, ~2 min more).
 setup-vllm release="0.23":
     scripts/setup-vllm {{release}}

@@ -1,5 +1,5 @@
 """Copy an F32 glm-dsa GGUF with its kv_b split the way a broken converter splits it, for
-tests/bisect_conversion.rs. Everything else (metadata, other tensors) is copied as is.
+tests/formats/bisect_conversion.rs. Everything else (metadata, other tensors) is copied as is.
 
 usage: break_kv_b.py SRC.gguf DST.gguf split-order|no-transpose|extra-head
 

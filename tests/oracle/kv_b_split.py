@@ -1,5 +1,5 @@
 """A tiny transformers GlmMoeDsaForCausalLM saved as a Hugging Face folder, and its kv_b_proj split
-the way llama.cpp's converter splits it, for tests/kv_b_transformers.rs.
+the way llama.cpp's converter splits it, for tests/transformers/kv_b_transformers.rs.
 
 OUTDIR/hf/            save_pretrained output (config.json, safetensors)
 OUTDIR/split.gguf     per layer: attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora] (F32)

@@ -1,4 +1,4 @@
-"""Write a GGUF with gguf-py's GGUFWriter and describe what it holds, for tests/gguf_oracle.rs.
+"""Write a GGUF with gguf-py's GGUFWriter and describe what it holds, for tests/formats/gguf_oracle.rs.
 
 OUTDIR/model.gguf      metadata of every value type (nested arrays too) and, for every type gguf-py
                        dequantizes, a 2-D tensor and a 3-D "stacked experts" tensor of random valid

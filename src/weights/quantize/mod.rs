@@ -10,7 +10,7 @@
 //! `make_qkx2_quants`, `make_q3_quants` and `make_qx_quants` scale fits;
 //! `quantize_row_iq4_nl_impl` for IQ4_NL and IQ4_XS; ggml's own f16 and bf16 conversions), in
 //! f32 with C's order of operations, ggml's `nearest_int` rounding and x86-64's float to integer
-//! casts. `tests/quantize_llamacpp.rs` holds every type to the bytes of ggml itself (the
+//! casts. `tests/llamacpp/quantize_llamacpp.rs` holds every type to the bytes of ggml itself (the
 //! llama.cpp that `scripts/setup-llamacpp` builds) over Gaussian rows of several scales,
 //! heavy-tailed and outlier rows, zero, constant, one-signed, subnormal and rounding-tie blocks.
 //!

@@ -1,0 +1,334 @@
+//! `glmcheck bisect` against the fault catalogue: every planted fault, at every TP degree where
+//! it exists and in f32 and bf16, is located at the stage the catalogue names and given the
+//! catalogue's class (the fault matrix, through `glmcheck selftest --faults`: all of them);
+//! clean candidates at every TP degree and dtype pass (f16 with vLLM's rescaling also on a model
+//! whose residual stream leaves fp16's range); the catalogue lists itself.
+
+use crate::common;
+
+use std::path::Path;
+
+use glmcheck::exec::faults::inject::{Injection, CATALOGUE};
+use glmcheck::model::stages::{stage_names, stage_weights};
+use glmcheck::model::Glm5Config;
+use glmcheck::weights::{Encoding, GgmlType};
+
+const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12";
+
+/// A tiny Q4_K_M GLM-5 with 8 heads (TP 8 splits them) and 16 indexer heads.
+fn tiny(dir: &Path, extra: &[&str]) -> String {
+    let out = dir.join("tiny.gguf");
+    let mut args = vec!["--quant", "q4_k_m"];
+    args.extend(extra);
+    common::synth_tiny(&out, &args);
+    out.to_str().unwrap().to_string()
+}
+
+fn bisect(model: &str, tp: u32, dtype: &str, fault: Option<&str>) -> serde_json::Value {
+    let tp = tp.to_string();
+    let mut args = vec![
+        "bisect", model, "--tokens", TOKENS, "--tp", &tp, "--dtype", dtype, "--json",
+    ];
+    if let Some(f) = fault {
+        args.extend(["--inject", f]);
+    }
+    verdict_json(&args)
+}
+
+/// glmcheck's JSON answer to `args`, which must exit 0 (pass) or 1 (a fault found).
+fn verdict_json(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(common::glmcheck_bin())
+        .args(args)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap();
+    assert!(
+        code == 0 || code == 1,
+        "{args:?}: exit {code}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The model's config and the first stage that reads a Q4_K tensor.
+fn config_and_first_q4k(model: &str) -> (Glm5Config, Option<String>) {
+    let src = common::weight_source(Path::new(model));
+    let cfg = src.cfg.clone();
+    let q4k = |id| {
+        src.tensor_names(id).iter().any(|n| {
+            matches!(
+                src.files.get(n).map(|t| &t.encoding),
+                Some(Encoding::Ggml(GgmlType::Q4_K))
+            )
+        })
+    };
+    let first = stage_names(&cfg)
+        .into_iter()
+        .find(|s| stage_weights(&cfg, s).into_iter().any(q4k));
+    (cfg, first)
+}
+
+/// `glmcheck selftest --faults MODEL` at one TP degree: its cases as JSON.
+fn fault_matrix(model: &str, tp: u32, dtypes: &str, only: &[&str]) -> Vec<serde_json::Value> {
+    let tp = tp.to_string();
+    let mut args = vec![
+        "selftest", "--faults", model, "--tp", &tp, "--dtype", dtypes, "--json",
+    ];
+    let only = only.join(",");
+    if !only.is_empty() {
+        args.extend(["--fault", &only]);
+    }
+    verdict_json(&args)["cases"].as_array().unwrap().clone()
+}
+
+/// Through `selftest --faults` (the fault matrix glmcheck runs on any backend): every fault at
+/// TP 1 (those without TP), 2, 4 and 8 in f32 and bf16, fp16-overflow in f16 on a model whose
+/// residual stream leaves fp16's range, each with the catalogue's class at its stage; the clean
+/// candidates pass.
+#[test]
+fn the_fault_matrix_names_stage_and_class() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    let hot = {
+        let d = dir.path().join("hot");
+        std::fs::create_dir_all(&d).unwrap();
+        tiny(&d, &["--fp16-overflow", "1"])
+    };
+    let (cfg, first_q4k) = config_and_first_q4k(&model);
+    assert_eq!(first_q4k.as_deref(), Some("embed"), "token_embd is Q4_K");
+    let mut cases = Vec::new();
+    for tp in [1, 2, 4, 8] {
+        cases.extend(fault_matrix(&model, tp, "f32,bf16", &[]));
+        cases.extend(fault_matrix(&hot, tp, "f16", &["fp16-overflow"]));
+    }
+    let planted = CATALOGUE
+        .iter()
+        .map(|e| (if e.needs_tp { 3 } else { 4 }) * if e.dtype.is_some() { 1 } else { 2 })
+        .sum::<usize>();
+    assert_eq!(
+        cases.len(),
+        planted + 4 * 2,
+        "every fault and a clean run per TP and dtype"
+    );
+    let mut table = Vec::new();
+    for c in &cases {
+        let name = c["fault"].as_str().unwrap();
+        // The command's expectations are the library's: check them against the catalogue too.
+        if name != "clean" {
+            let fault = Injection::parse(name.split('=').next().unwrap()).unwrap();
+            assert_eq!(c["expected_class"], fault.entry().class.name());
+            let expected = fault.expected_stages(&cfg, first_q4k.as_deref());
+            assert_eq!(c["expected_stages"], serde_json::json!(expected), "{name}");
+        }
+        table.push(format!(
+            "{name:<22} {:<5} {:<22} {:<20} {}",
+            c["dtype"].as_str().unwrap(),
+            c["stage"].as_str().unwrap_or("-"),
+            c["class"].as_str().unwrap_or("-"),
+            if c["ok"] == true { "ok" } else { "MISSED" }
+        ));
+    }
+    let right = cases.iter().filter(|c| c["ok"] == true).count();
+    println!("{}", table.join("\n"));
+    println!(
+        "{right} of {} located and classified as the catalogue says",
+        cases.len()
+    );
+    assert_eq!(right, cases.len(), "{}", table.join("\n"));
+}
+
+#[test]
+fn clean_candidates_pass_at_every_degree_and_dtype() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    for tp in [1, 2, 4, 8] {
+        for dtype in ["f32", "bf16", "f16"] {
+            let j = bisect(&model, tp, dtype, None);
+            assert_eq!(j["verdict"], "pass", "TP {tp} {dtype}: {:#}", j["fault"]);
+            assert!(j["first_divergence"].is_null());
+            if dtype != "f32" {
+                // Judged against the reference re-run at that dtype.
+                assert!(j["bisect"]["envelope"].is_string(), "TP {tp} {dtype}");
+                assert_eq!(j["fault"]["class"], "precision_loss");
+            } else {
+                assert!(j["fault"].is_null(), "TP {tp}: {:#}", j["fault"]);
+            }
+        }
+    }
+    // A model whose residual stream leaves fp16's range: f16 with vLLM's rescaling passes.
+    let hot_dir = dir.path().join("hot");
+    std::fs::create_dir_all(&hot_dir).unwrap();
+    let hot = tiny(&hot_dir, &["--fp16-overflow", "1"]);
+    for tp in [1, 2, 4, 8] {
+        let j = bisect(&hot, tp, "f16", None);
+        assert_eq!(j["verdict"], "pass", "hot TP {tp} f16: {:#}", j["fault"]);
+    }
+}
+
+/// Expert parallelism: routed experts whole on their owning rank, each rank's routed partial
+/// the sum of its own experts; equal to the reference up to summation order.
+#[test]
+fn expert_parallel_candidates_pass() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    for tp in ["2", "4", "8"] {
+        for dtype in ["f32", "bf16"] {
+            let j = common::glmcheck_json(
+                [
+                    "bisect", &model, "--tokens", TOKENS, "--tp", tp, "--ep", "--dtype", dtype,
+                    "--json",
+                ],
+                0,
+            );
+            assert_eq!(j["verdict"], "pass", "EP {tp} {dtype}: {:#}", j["fault"]);
+        }
+    }
+    // The parts are the owners' sums: a rank whose experts no token chose holds zeros.
+    let trace = dir.path().join("ep.trace");
+    common::glmcheck_json(
+        [
+            "run",
+            &model,
+            "--tokens",
+            "1,2,3",
+            "--tp",
+            "4",
+            "--ep",
+            "--full",
+            "**",
+            "--json",
+            "--out",
+            trace.to_str().unwrap(),
+        ],
+        0,
+    );
+    let t = glmcheck::trace::Trace::open(&trace).unwrap();
+    let ids = t.tensor("L1.moe.topk_ids", None).unwrap().unwrap();
+    for rank in 0..4u32 {
+        let owns = |e: f32| (e as u32) / 2 == rank; // 8 experts over 4 ranks
+        let part = t.stage("L1.moe.routed", Some(rank)).unwrap();
+        assert_eq!(
+            part.stats.l2 > 0.0,
+            ids.iter().any(|&e| owns(e)),
+            "rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn the_drill_down_gives_evidence_from_weights_and_shards() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    let j = bisect(&model, 4, "f32", Some("unsharded-column"));
+    assert_eq!(j["bisect"]["classified_by"], "drill-down");
+    // Replayed from the reference's input to layer 0, the stage still diverges: made there.
+    let replay = &j["bisect"]["replay"];
+    assert_eq!(
+        (&replay["from"], &replay["stage"], &replay["status"]),
+        (&"layer 0".into(), &"L0.attn.kv".into(), &"fail".into())
+    );
+    assert_eq!(
+        j["fault"]["weight"],
+        "model.layers.0.self_attn.kv_b_proj.weight"
+    );
+    // 8 heads × (32 + 32) rows; rank 3 should hold the last quarter.
+    let evidence = j["fault"]["evidence"].to_string();
+    assert!(
+        evidence.contains("rank 3 holds rows 0..128 of 512")
+            && evidence.contains("the plan gives rows 384..512"),
+        "{evidence}"
+    );
+    let j = bisect(&model, 1, "f32", Some("dequant-q4k-scales"));
+    assert_eq!(j["fault"]["class"], "wrong_dequant");
+    let evidence = j["fault"]["evidence"].to_string();
+    // Sub-blocks 4–7 of a 256-block: the first difference is at element 128 or later.
+    assert!(evidence.contains("token_embd.weight (Q4_K)"), "{evidence}");
+    let position: u64 = evidence
+        .split("position ")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(position >= 128, "{evidence}");
+    let j = bisect(&model, 1, "f32", Some("kv-b-split-order"));
+    assert_eq!(j["fault"]["class"], "weight_layout");
+    assert!(j["fault"]["evidence"].to_string().contains("rows moved"));
+}
+
+#[test]
+fn the_catalogue_lists_every_fault_with_class_and_stage() {
+    let j = common::glmcheck_json(["bisect", "--list-faults", "--json"], 0);
+    let names: Vec<&str> = j
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    for want in [
+        "unsharded-column",
+        "shard-axis",
+        "rank-order",
+        "skip-all-reduce",
+        "double-all-reduce",
+        "dequant-q4k-scales",
+        "fp16-overflow",
+        "rope-neox",
+        "indexer-rope-neox",
+        "router-softmax",
+        "routed-scale-twice",
+        "kv-b-split-order",
+        "flat-lm-head",
+        "nan-expert",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    assert!(j.as_array().unwrap().iter().all(|e| e["class"].is_string()));
+    // An unknown fault is a usage error that points to the listing.
+    let out = std::process::Command::new(common::glmcheck_bin())
+        .args(["bisect", "x.gguf", "--inject", "no-such-fault"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--list-faults"));
+}
+
+/// `--mode logits`: judged by its logits alone, the candidate's first faulty block is found by
+/// hybrid runs (the candidate up to a block, the reference after it) in O(log L) runs.
+#[test]
+fn logits_mode_finds_the_first_faulty_layer_by_hybrid_runs() {
+    let dir = common::scratch();
+    let model = tiny(dir.path(), &[]);
+    let cases = [
+        ("rope-neox", 1, "L0.out"),
+        ("skip-all-reduce=2", 2, "L2.out"),
+        ("nan-expert=2", 1, "L2.out"),
+        ("routed-scale-twice", 1, "L1.out"),
+        ("dequant-q4k-scales", 1, "embed"),
+        ("flat-lm-head", 1, "logits"),
+    ];
+    for (fault, tp, block) in cases {
+        let tp_arg = tp.to_string();
+        let j = common::glmcheck_json(
+            [
+                "bisect", &model, "--tokens", TOKENS, "--tp", &tp_arg, "--inject", fault, "--mode",
+                "logits", "--json",
+            ],
+            1,
+        );
+        assert_eq!(j["first_divergence"]["stage"], block, "{fault}");
+        // Only the logits are compared.
+        let stages = j["stages"].as_array().unwrap();
+        assert_eq!(stages.len(), 1, "{fault}");
+        assert_eq!(stages[0]["stage"], "logits");
+        // 3 layers: 5 blocks, so the whole candidate and at most ⌈log2 5⌉ = 3 hybrids.
+        let runs = j["bisect"]["hybrids"].as_array().unwrap();
+        assert!(runs.len() <= 4, "{fault}: {runs:?}");
+    }
+    let j = common::glmcheck_json(
+        [
+            "bisect", &model, "--tokens", TOKENS, "--dtype", "bf16", "--mode", "logits", "--json",
+        ],
+        0,
+    );
+    assert_eq!(j["verdict"], "pass");
+}

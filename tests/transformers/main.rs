@@ -1,0 +1,19 @@
+//! glmcheck against torch and transformers (the `.venv` of `scripts/setup-venv`): the reference
+//! forward against the model authors' classes, the transformers probe and its traces bisected,
+//! synthetic models and tokenizers as transformers loads them, checkpoints transformers wrote,
+//! and the CUDA side's NVRTC from torch's wheels.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod bisect_engine_trace;
+mod cuda_host;
+mod diff_classify;
+mod kv_b_transformers;
+mod probe_transformers;
+mod probe_transformers_tp;
+mod run_deepseek_classes;
+mod run_reference;
+mod synth_forms;
+mod synth_tokenizer;
+mod verify_hf;
