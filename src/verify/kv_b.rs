@@ -8,7 +8,8 @@
 
 use anyhow::Result;
 
-use super::relation::{class_of, moved_rows, Finding, Relation};
+use super::relation::moved::moved_rows;
+use super::relation::{class_of, Finding, Relation};
 use crate::exec::source::WeightSource;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::schema::role;
