@@ -8,7 +8,8 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
-use super::identify::{elements, Dtype, ObservedShard, ShardStats};
+use super::identify::{Dtype, ObservedShard, ShardStats};
+use super::plan::elements;
 use crate::trace::stats::hex64;
 use crate::weights::GgmlType;
 

@@ -3,6 +3,7 @@
 //! each rank holds. The TP executor takes its rank-local weight views from here, and engine
 //! shards are checked against it.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use anyhow::{bail, Result};
@@ -176,6 +177,37 @@ pub fn check_degree(cfg: &Glm5Config, tp: u64) -> Result<()> {
 /// The rank holding routed expert `e` of `experts` under expert parallelism.
 pub fn expert_rank(e: u64, experts: u64, tp: u64) -> u64 {
     e / (experts / tp).max(1)
+}
+
+/// Elements of a tensor of `shape`; `None` past 64 bits.
+pub fn elements(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))
+}
+
+/// The shape of `view` taken out of a tensor of `shape`.
+pub fn view_shape(shape: &[u64], view: &RankView) -> Vec<u64> {
+    let mut s = shape.to_vec();
+    if let Some(a) = view.axis {
+        s[a] = view.pieces.iter().map(|p| p.end - p.start).sum();
+    }
+    s
+}
+
+/// The values a rank holds under `view` of a row-major tensor of `shape`, in row-major order of
+/// [`view_shape`]: its pieces side by side along the split axis.
+pub fn gather<'v>(values: &'v [f32], shape: &[u64], view: &RankView) -> Cow<'v, [f32]> {
+    let Some(axis) = view.axis else {
+        return Cow::Borrowed(values);
+    };
+    let len = shape[axis] as usize;
+    let inner = shape[axis + 1..].iter().product::<u64>() as usize;
+    let mut out = Vec::with_capacity(view.elements(shape) as usize);
+    for outer in values.chunks_exact(len * inner) {
+        for p in &view.pieces {
+            out.extend_from_slice(&outer[p.start as usize * inner..p.end as usize * inner]);
+        }
+    }
+    Cow::Owned(out)
 }
 
 #[cfg(test)]

@@ -13,8 +13,9 @@ use std::process::Command;
 
 use glmcheck::diagnose::manifest::{plan_manifest, planned_entries};
 use glmcheck::model::names::{LayerWeight, WeightId};
-use glmcheck::shard::identify::{gather, Dtype};
+use glmcheck::shard::identify::Dtype;
 use glmcheck::shard::manifest::{ShardEntry, ShardManifest};
+use glmcheck::shard::plan::gather;
 use glmcheck::shard::plan::{rank_view, Placement};
 use serde_json::Value;
 
