@@ -18,6 +18,8 @@
 //! (a manifest write took up to 20 ms on a GPU host, a 512-token layer's tensors 5 ms); the run
 //! is held back only when it gets `JOBS_AHEAD` jobs ahead of the disk.
 
+mod values;
+
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -25,9 +27,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use rayon::prelude::*;
 use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::{Map, Value};
 
 use super::error::{Result, TraceError};
@@ -35,6 +35,7 @@ use super::manifest::{ElemType, Manifest, ModelInfo, StageRecord, FORMAT, MANIFE
 use super::select::FullSelector;
 use super::stats::{StatsLater, TensorStats};
 use crate::model::stage::{layer_of, Place};
+pub use values::{OwnedStage, Stage, StageLater};
 
 /// The run-wide fields of a manifest.
 #[derive(Clone, Debug, Default)]
@@ -46,110 +47,6 @@ pub struct TraceHeader {
     pub dtype: String,
     pub tp: u32,
 }
-
-/// The values of one stage as the caller holds them.
-#[derive(Clone, Copy, Debug)]
-pub enum Stage<'a> {
-    F32(&'a [f32]),
-    F64(&'a [f64]),
-    I32(&'a [i32]),
-}
-
-impl Stage<'_> {
-    fn len(self) -> usize {
-        match self {
-            Stage::F32(v) => v.len(),
-            Stage::F64(v) => v.len(),
-            Stage::I32(v) => v.len(),
-        }
-    }
-
-    fn elem_type(self) -> ElemType {
-        match self {
-            Stage::F32(_) => ElemType::F32,
-            Stage::F64(_) => ElemType::F64,
-            Stage::I32(_) => ElemType::I32,
-        }
-    }
-
-    fn to_owned(self) -> OwnedStage {
-        match self {
-            Stage::F32(v) => OwnedStage::F32(Arc::new(copied(v))),
-            Stage::F64(v) => OwnedStage::F64(Arc::new(copied(v))),
-            Stage::I32(v) => OwnedStage::I32(copied(v)),
-        }
-    }
-}
-
-/// Values per parallel task of a stage's copy.
-const COPY_CHUNK: usize = 1 << 15;
-
-/// `v` copied on the thread pool's cores: a stage at GLM-5's widths and 512 tokens is tens of
-/// MB, and one core's copy of it held up the forward. A stage of one task's size is copied
-/// here, without handing the forward's thread to the pool and back.
-fn copied<T: Copy + Send + Sync>(v: &[T]) -> Vec<T> {
-    if v.len() <= COPY_CHUNK {
-        return v.to_vec();
-    }
-    v.par_iter().with_min_len(COPY_CHUNK).copied().collect()
-}
-
-/// `v` as little-endian bytes: its own bytes, not copied, on a little-endian host.
-fn le_bytes<T: bytemuck::Pod, const N: usize>(v: &[T], to_le: fn(T) -> [u8; N]) -> Cow<'_, [u8]> {
-    if cfg!(target_endian = "little") {
-        Cow::Borrowed(bytemuck::cast_slice(v))
-    } else {
-        Cow::Owned(v.iter().flat_map(|&x| to_le(x)).collect())
-    }
-}
-
-/// A stage's values owned by the writer, for statistics computed beside the forward: copied
-/// out of it, handed over where the forward is done with them, or shared with the forward's
-/// matrix (which copies them before it changes them).
-pub enum OwnedStage {
-    F32(Arc<Vec<f32>>),
-    F64(Arc<Vec<f64>>),
-    I32(Vec<i32>),
-}
-
-impl OwnedStage {
-    pub fn view(&self) -> Stage<'_> {
-        match self {
-            OwnedStage::F32(v) => Stage::F32(v),
-            OwnedStage::F64(v) => Stage::F64(v),
-            OwnedStage::I32(v) => Stage::I32(v),
-        }
-    }
-
-    fn stats(&self) -> TensorStats {
-        match self {
-            OwnedStage::F32(v) => TensorStats::of(v),
-            OwnedStage::F64(v) => TensorStats::of(v),
-            OwnedStage::I32(v) => TensorStats::of(v),
-        }
-    }
-
-    /// The values as safetensors stores them: little-endian bytes.
-    fn le_bytes(&self) -> Cow<'_, [u8]> {
-        match self {
-            OwnedStage::F32(v) => le_bytes(v, f32::to_le_bytes),
-            OwnedStage::F64(v) => le_bytes(v, f64::to_le_bytes),
-            OwnedStage::I32(v) => le_bytes(v, i32::to_le_bytes),
-        }
-    }
-
-    fn dtype(&self) -> Dtype {
-        match self {
-            OwnedStage::F32(_) => Dtype::F32,
-            OwnedStage::F64(_) => Dtype::F64,
-            OwnedStage::I32(_) => Dtype::I32,
-        }
-    }
-}
-
-/// A stage's values still on their way (a copy from a GPU queued beside the forward): waited
-/// for when called, by the writing thread.
-pub type StageLater = Box<dyn FnOnce() -> anyhow::Result<OwnedStage> + Send>;
 
 /// A stage's statistics: its values until someone takes them to compute, then the statistics.
 /// The values are shared with the group's full tensors when the stage is stored whole: one copy
