@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 
 use super::diff::print_report;
-use super::output::table;
 use super::{one_of, Outcome};
 use crate::any_backend::BackendKind;
 use crate::compare::Status;
@@ -18,6 +17,7 @@ use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::pipeline::bisect::{
     bisect, is_trace, BisectOptions, BisectReport, Candidate, Mode, PathInfo, RunAs, WeightCheck,
 };
+use crate::report::terminal::table;
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {

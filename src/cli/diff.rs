@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use super::output::{num, table};
 use super::Outcome;
 use crate::compare::{diff, DiffOptions, DiffReport};
-use crate::report::{self, LogitsView};
+use crate::report::terminal::table;
+use crate::report::{self, num, LogitsView};
 use crate::trace::Trace;
 
 #[derive(clap::Args, Debug)]

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use super::output::{num, table};
 use super::{one_of, Outcome};
 use crate::compare::Status;
 use crate::dtype::Precision;
@@ -14,6 +13,8 @@ use crate::exec::faults::inject::Injection;
 use crate::gate::check::{Basis, GateReport};
 use crate::gate::{self, Baseline};
 use crate::pipeline::gate::{candidate_trace, check, ModelRun};
+use crate::report::num;
+use crate::report::terminal::table;
 use crate::trace::Trace;
 
 #[derive(clap::Args, Debug)]

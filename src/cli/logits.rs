@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use anyhow::bail;
 use serde_json::json;
 
-use super::output::{num, table};
 use super::Outcome;
 use crate::compare::logits::{LogitsComparison, LogitsHealth};
 use crate::compare::stage_diff::whole_values;
+use crate::report::num;
+use crate::report::terminal::table;
 use crate::trace::Trace;
 
 /// A candidate agreeing with its reference on fewer top-1 tokens than this fails.

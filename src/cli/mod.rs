@@ -7,7 +7,6 @@ mod diff;
 mod gate;
 mod inspect;
 mod logits;
-mod output;
 mod run;
 mod selftest;
 mod shards;
@@ -18,6 +17,8 @@ use std::path::PathBuf;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
+
+use crate::compare::Status;
 
 /// How a command ended: the process exit code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +40,16 @@ impl Outcome {
             (true, _) => Outcome::Fail,
             (false, true) => Outcome::Incomplete,
             (false, false) => Outcome::Pass,
+        }
+    }
+}
+
+impl From<Status> for Outcome {
+    /// A report's verdict: a pass or a failed check.
+    fn from(verdict: Status) -> Outcome {
+        match verdict {
+            Status::Pass => Outcome::Pass,
+            Status::Fail => Outcome::Fail,
         }
     }
 }

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::output;
 use super::{one_of, Outcome};
 use crate::any_backend::BackendKind;
 use crate::cuda::ranks::ProcessRank;
@@ -16,6 +15,7 @@ use crate::exec::ops::op_clock::OpTime;
 use crate::model::tokenize;
 use crate::pipeline::record::{prompt_tokens, record, Recorded, RunSpec};
 use crate::pipeline::Model;
+use crate::report::terminal;
 use crate::trace::FullSelector;
 
 #[derive(clap::Args, Debug)]
@@ -175,7 +175,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
 /// The recorded pass's time by op; what the ops leave of the pass's wall time is the host's
 /// own work between them (routing, top-k, copies, waits).
 fn profile_table(op_times: &[OpTime], pass_seconds: f64) -> comfy_table::Table {
-    let mut t = output::table(&["op", "calls", "seconds", "share of the pass"]);
+    let mut t = terminal::table(&["op", "calls", "seconds", "share of the pass"]);
     let share = |s: f64| format!("{:.1}%", 100.0 * s / pass_seconds.max(f64::MIN_POSITIVE));
     for o in op_times {
         t.add_row(vec![

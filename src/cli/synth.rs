@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use super::output::bytes;
 use super::{one_of, Outcome};
 use crate::model::schema::ExpertForm;
+use crate::report::terminal::bytes;
 use crate::synth::mix::{parse_override, Mix};
 use crate::synth::weights::check_massive;
 use crate::synth::{preset::apply_overrides, Massive, Preset, SynthSpec};

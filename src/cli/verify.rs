@@ -7,11 +7,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use super::output::{bytes, num, progress, table};
 use super::Outcome;
 use crate::compare::Status as Verdict;
 use crate::pipeline::Model;
+use crate::progress::progress;
 use crate::report::markdown::{code, text};
+use crate::report::num;
+use crate::report::terminal::{bytes, table};
 use crate::verify::{selected, verify, Options, Status, VerifyReport};
 
 #[derive(clap::Args, Debug)]

@@ -186,9 +186,113 @@ pub fn check_tensor(gpu: &Gpu, files: &ModelFiles, t: &TensorEntry) -> Result<Op
     Ok(Some(check))
 }
 
+/// GPU dequantization speed of one type to one output dtype: bytes read and written per kernel
+/// second. Fields in the alphabetical order of `dequant --device cuda --json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Rate {
+    pub gb_in: f64,
+    pub gb_out: f64,
+    pub gb_per_s: f64,
+    pub kernel_ms: f64,
+    /// Share of the device-to-device copy bandwidth.
+    pub of_copy: f64,
+    pub output: &'static str,
+    #[serde(rename = "type")]
+    pub ty: String,
+}
+
+/// Per storage type and output dtype (in [`GpuCheck::by_output`]'s order), the kernels'
+/// throughput over the checked tensors.
+pub fn throughput(checks: &[GpuCheck], copy_gb_per_s: f64) -> Vec<Rate> {
+    // Bytes read and written and kernel ms by type, output's place and output.
+    type Key<'a> = (&'a str, usize, &'static str);
+    let mut sums: std::collections::BTreeMap<Key, (u64, u64, f64)> = Default::default();
+    for c in checks {
+        for (i, (output, o)) in c.by_output().into_iter().enumerate() {
+            let e = sums.entry((&c.ty, i, output)).or_default();
+            *e = (e.0 + c.bytes, e.1 + o.bytes_written, e.2 + o.kernel_ms);
+        }
+    }
+    sums.into_iter()
+        .map(|((ty, _, output), (read, written, ms))| {
+            let gb_per_s = (read + written) as f64 / (ms.max(1e-9) * 1e-3) / 1e9;
+            Rate {
+                gb_in: read as f64 / 1e9,
+                gb_out: written as f64 / 1e9,
+                gb_per_s,
+                kernel_ms: ms,
+                of_copy: gb_per_s / copy_gb_per_s,
+                output,
+                ty: ty.to_string(),
+            }
+        })
+        .collect()
+}
+
+/// A Q4_K tensor of 512 values (288 bytes) whose bf16 output differs from value 300 on, for the
+/// tests of the check and of its report.
+#[cfg(test)]
+pub(crate) fn q4_k_check() -> GpuCheck {
+    let written = |bytes| OutputCheck {
+        bytes_written: bytes,
+        kernel_ms: 1.0,
+        ..OutputCheck::default()
+    };
+    let bf16 = OutputCheck {
+        differing: 2,
+        max_ulp: 1,
+        first: Some((300, 1)),
+        ..written(1024)
+    };
+    GpuCheck {
+        name: "blk.0.ffn_up.weight".into(),
+        ty: "Q4_K".into(),
+        values: 512,
+        bytes: 288,
+        f32: written(2048),
+        outputs: HalfOutputs {
+            bf16,
+            f16: written(1024),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_keeps_the_f32_fields_and_adds_the_16_bit_outputs() {
+        let j = serde_json::to_value(q4_k_check()).unwrap();
+        assert_eq!(j["type"], "Q4_K");
+        assert_eq!(j["differing"], 0);
+        assert_eq!(j["first"], serde_json::Value::Null);
+        assert_eq!(j["bytes"], 288);
+        assert_eq!(j["kernel_ms"], 1.0);
+        assert_eq!(j["outputs"]["bf16"]["differing"], 2);
+        assert_eq!(j["outputs"]["bf16"]["first"], serde_json::json!([300, 1]));
+        assert_eq!(j["outputs"]["f16"]["bytes_written"], 1024);
+    }
+
+    #[test]
+    fn throughput_has_a_row_per_type_and_output() {
+        let rates = throughput(&[q4_k_check(), q4_k_check()], 1000.0);
+        let rows: Vec<(&str, &str, u64, u64)> = rates
+            .iter()
+            .map(|r| {
+                let bytes = |gb: f64| (gb * 1e9).round() as u64;
+                (r.ty.as_str(), r.output, bytes(r.gb_in), bytes(r.gb_out))
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("Q4_K", "f32", 576, 4096),
+                ("Q4_K", "bf16", 576, 2048),
+                ("Q4_K", "f16", 576, 2048)
+            ]
+        );
+    }
 
     #[test]
     fn ulps_count_across_zero() {

@@ -5,7 +5,6 @@
 //! run on that backend (`bisect --reference-backend`), and must pass at f32's tolerance.
 
 use anyhow::{bail, Result};
-use serde::Serialize;
 
 use super::bisect::{bisect, BisectOptions, Candidate, RunAs};
 use super::Model;
@@ -14,63 +13,40 @@ use crate::compare::{DiffReport, Status};
 use crate::dtype::Precision;
 use crate::exec::faults::inject::{Injection, CATALOGUE};
 use crate::model::stages::{stage_names, stage_weights};
+use crate::report::selftest::{FaultCase, FaultMatrixReport};
 use crate::weights::GgmlType;
 
 /// The prompt of every case: 12 tokens, enough for the DSA top-k to choose.
 const TOKENS: [u32; 12] = [39, 100, 7, 200, 5, 6, 7, 8, 9, 10, 11, 12];
 
-/// One planted fault (or none) at one dtype, and what bisect made of it.
-#[derive(Debug, Serialize)]
-pub struct FaultCase {
-    /// `clean` for the candidate without a fault.
-    pub fault: String,
-    pub dtype: &'static str,
-    pub expected_class: Option<&'static str>,
-    /// Stages a correct diagnosis may name (any, when empty).
-    pub expected_stages: Vec<String>,
-    pub verdict: String,
-    pub stage: Option<String>,
-    pub class: Option<&'static str>,
-    /// The largest `rel_diff` of any stage: how close a clean case came to its tolerance.
-    pub tolerance_to_pass: f64,
-    pub ok: bool,
-}
-
-impl FaultCase {
-    /// What bisect's `diff` made of a case expecting `(class, stages)` (no class: a pass).
-    fn judged(
-        fault: String,
-        dtype: Precision,
-        (expected_class, expected_stages): (Option<&'static str>, Vec<String>),
-        diff: &DiffReport,
-    ) -> FaultCase {
-        let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());
-        let class = diff.fault.as_ref().map(|f| f.class.name());
-        let ok = match expected_class {
-            None => diff.verdict == Status::Pass,
-            Some(want) => {
-                diff.verdict == Status::Fail
-                    && class == Some(want)
-                    && (expected_stages.is_empty()
-                        || stage.as_ref().is_some_and(|s| expected_stages.contains(s)))
-            }
-        };
-        FaultCase {
-            fault,
-            dtype: dtype.name(),
-            expected_class,
-            expected_stages,
-            verdict: if diff.verdict == Status::Pass {
-                "pass"
-            } else {
-                "fail"
-            }
-            .into(),
-            stage,
-            class,
-            tolerance_to_pass: diff.tolerance_to_pass,
-            ok,
+/// What bisect's `diff` made of a case expecting `(class, stages)` (no class: a pass).
+fn judged(
+    fault: String,
+    dtype: Precision,
+    (expected_class, expected_stages): (Option<&'static str>, Vec<String>),
+    diff: &DiffReport,
+) -> FaultCase {
+    let stage = diff.first_divergence.as_ref().map(|d| d.stage.clone());
+    let class = diff.fault.as_ref().map(|f| f.class.name());
+    let ok = match expected_class {
+        None => diff.verdict == Status::Pass,
+        Some(want) => {
+            diff.verdict == Status::Fail
+                && class == Some(want)
+                && (expected_stages.is_empty()
+                    || stage.as_ref().is_some_and(|s| expected_stages.contains(s)))
         }
+    };
+    FaultCase {
+        class,
+        dtype: dtype.name(),
+        expected_class,
+        expected_stages,
+        fault,
+        ok,
+        stage,
+        tolerance_to_pass: diff.tolerance_to_pass,
+        verdict: diff.verdict,
     }
 }
 
@@ -105,7 +81,7 @@ pub fn matrix(
     dtypes: &[Precision],
     only: &[String],
     mut progress: impl FnMut(&str),
-) -> Result<Vec<FaultCase>> {
+) -> Result<FaultMatrixReport> {
     if let Some(unknown) = only
         .iter()
         .find(|n| !CATALOGUE.iter().any(|e| e.name == n.as_str()))
@@ -152,7 +128,7 @@ pub fn matrix(
             ),
             None => (None, Vec::new()),
         };
-        cases.push(FaultCase::judged(name, dtype, expected, &report.diff));
+        cases.push(judged(name, dtype, expected, &report.diff));
     }
     // The backend as the reference: a clean CPU candidate at f32 must agree with it within the
     // f32 tolerance, as the CPU reference agrees with itself.
@@ -167,12 +143,18 @@ pub fn matrix(
             reference_backend: backend,
             ..case_options(model)
         })?;
-        cases.push(FaultCase::judged(
+        cases.push(judged(
             name,
             Precision::F32,
             (None, Vec::new()),
             &report.diff,
         ));
     }
-    Ok(cases)
+    Ok(FaultMatrixReport {
+        backend: backend.name(),
+        missed: cases.iter().filter(|c| !c.ok).count(),
+        cases,
+        tp,
+        model: model.to_path_buf(),
+    })
 }

@@ -1,16 +1,26 @@
-//! Reports of a comparison for people: GitHub-flavoured Markdown for CI job summaries
-//! ([`markdown()`]) and one self-contained HTML file with inline SVG plots ([`html()`]). Both
-//! render a [`DiffReport`]; the logits of both traces, when they hold them, add the logits'
-//! health and, in HTML, their histogram.
+//! Reports for people and for machines. A comparison renders as GitHub-flavoured Markdown for CI
+//! job summaries ([`markdown()`]) and as one self-contained HTML file with inline SVG plots
+//! ([`html()`]), both from a [`DiffReport`]; the logits of both traces, when they hold them, add
+//! the logits' health and, in HTML, their histogram. The `shards`, `inspect`, `dequant` and
+//! `selftest` commands' reports are typed here ([`shards`], [`inspect`], [`dequant`],
+//! [`selftest`]), each printed as JSON or as terminal tables ([`terminal`]). Their fields are
+//! declared in the order their JSON has always printed them, alphabetical; library types nested
+//! in them keep that order through [`sorted_keys`].
 //!
 //! Every string taken from a trace (stage names, paths, fault text) is escaped for the format
 //! it lands in: a trace is input, not markup.
 
+pub mod dequant;
 pub mod escape;
 pub mod html;
+pub mod inspect;
 pub mod markdown;
+pub mod selftest;
+pub mod shards;
+pub mod terminal;
 
 use anyhow::{Context, Result};
+use serde::{Serialize, Serializer};
 
 use crate::compare::logits::{LogitsComparison, LogitsHealth};
 use crate::compare::stage_diff::{whole_values, Basis};
@@ -89,6 +99,17 @@ impl LogitsView {
             comparison,
         })
     }
+}
+
+/// Serializes `value` with every object's keys in alphabetical order: the order the commands'
+/// JSON has always given the library types nested in it, whatever their declaration order.
+pub fn sorted_keys<T: Serialize, S: Serializer>(
+    value: &T,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    serde_json::to_value(value)
+        .map_err(serde::ser::Error::custom)?
+        .serialize(s)
 }
 
 /// `PASS` / `FAIL`.

@@ -7,7 +7,6 @@
 //! Chromium is Debian's `chromium` (`scripts/setup-chromium` installs it when it can); these
 //! tests fail, not skip, without it. `GLMCHECK_CHROMIUM` names another binary.
 
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;

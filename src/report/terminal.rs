@@ -1,5 +1,5 @@
-//! Terminal output helpers: byte sizes, shapes, tables and progress bars that stay quiet when
-//! the output is JSON or not a terminal.
+//! Terminal output helpers shared by the commands' tables: byte sizes, shapes and the project's
+//! table look.
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, ContentArrangement, Table};
 
@@ -32,6 +32,3 @@ pub fn table(header: &[&str]) -> Table {
         .set_header(header.iter().copied());
     t
 }
-
-pub use crate::progress::progress;
-pub(crate) use crate::report::num;
