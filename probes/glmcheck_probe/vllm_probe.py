@@ -128,9 +128,13 @@ HASH_LIMIT = 64 << 20
 
 
 # Kept whole by default: the logits and the residual stream (layer outputs and `attn_resid`,
-# where a residual add that weighs its inputs wrongly shows), and the DSA top-k ids (a few ints
-# per token), without which a near tie the engine broke otherwise cannot be told from a bug.
-ENGINE_FULL = DEFAULT_FULL + ("L*.attn_resid", "L*.attn.index_topk")
+# where a residual add that weighs its inputs wrongly shows), the DSA top-k ids and the router's
+# chosen experts and weights (a few numbers per token). Without the ids a near tie the engine
+# broke otherwise cannot be told from a bug; without the weights' values, the order an engine
+# lists a token's experts in (free, and flipped by a near tie between two chosen experts) reads
+# as a difference in their statistics.
+ENGINE_FULL = DEFAULT_FULL + ("L*.attn_resid", "L*.attn.index_topk", "L*.moe.topk_ids",
+                              "L*.moe.topk_weights")
 
 
 class UnknownModel(Exception):
