@@ -1,6 +1,6 @@
 """Shard-manifest entries for vLLM's GGUF parameters (`GGUFConfig`): the bytes a rank holds of
 a quantized GGUF tensor, with the GGML type, the byte shape, where vLLM's sharding took them
-from in the file tensor, and their FNV-1a 64 hash (manifest version 2, probes/README.md).
+from in the file tensor, and their FNV-1a 64 hash (manifest version 2, probes/docs/vllm.md).
 
 vLLM 0.23, and `vllm-gguf-plugin` on later vLLMs, keep GGUF weights as the file's raw
 blocks: a `qweight` of uint8 rows beside a `qweight_type`. A ColumnParallel layer holds a run of

@@ -4,7 +4,7 @@ manifest (every parameter's local shape, dtype, hash and statistics; a GGUF mode
 parameters as their raw bytes, manifest version 2, through `vllm_gguf`) in the format
 `glmcheck shards --actual` reads.
 
-In each worker, on the loaded model (see probes/README.md for the `collective_rpc` call):
+In each worker, on the loaded model (see probes/docs/vllm.md for the `collective_rpc` call):
 
     from glmcheck_probe import vllm_probe
     probe = vllm_probe.install(model, "out", rank, world_size)       # hooks; records 1 forward

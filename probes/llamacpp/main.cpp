@@ -1,5 +1,5 @@
 // glmcheck-llamacpp-probe: runs a prompt through llama.cpp (CPU) with the graph eval callback
-// and writes a glmcheck trace of its glm-dsa graph (probes/README.md lists the stages).
+// and writes a glmcheck trace of its glm-dsa graph (probes/docs/llamacpp.md lists the stages).
 //
 //   glmcheck-llamacpp-probe MODEL.gguf --tokens IDS --out DIR [--full GLOB]... [--threads N]
 //                           [--dtype f32|bf16|f16] [--no-repack] [--list-nodes] [--verbose]
