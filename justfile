@@ -71,43 +71,43 @@ fuzz-figures seconds="530" forks="3":
 
 # On the GPU machine (device tool): every mix's GPU dequantization against the CPU, bit for bit.
 gpu-dequant-check:
-    scripts/gpu-dequant-check target/release/glmcheck
+    scripts/gpu/gpu-dequant-check target/release/glmcheck
 
 # On the GPU machine: the CUDA backend's selftest, clean bisects against the CPU at TP 1/2/4 on
 # tiny, small and glm5-dims, the reference on the GPU against the CPU's, the fault matrix at TP
 # 2/4 (TP 1 on one GPU), per-rank GPU memory (writes OUT/gpu-backend.md).
 gpu-backend-check out="target/gpu-backend":
-    scripts/gpu-env scripts/gpu-backend-check target/release/glmcheck {{out}}
+    scripts/gpu/gpu-env scripts/gpu/gpu-backend-check target/release/glmcheck {{out}}
 
 # On the GPU machine: one glm5-dims MoE block, glmcheck's CUDA backend against transformers' module in PyTorch.
 gpu-moe-bench out="target/gpu-moe":
-    scripts/gpu-env scripts/gpu-moe-bench target/release/glmcheck {{out}}
+    scripts/gpu/gpu-env scripts/gpu/gpu-moe-bench target/release/glmcheck {{out}}
 
 # On the GPU machine: glm5-dims' whole forward (4 layers) at 8/64/512 tokens, glmcheck's CUDA
 # backend against transformers' eager model on the same GPU (writes OUT/gpu-forward.md). Name
 # several builds (`just gpu-forward-bench target/gpu-forward before/glmcheck target/release/glmcheck`)
 # to compare them run by run, every stage checked equal to the first build's.
 gpu-forward-bench out="target/gpu-forward" +builds="target/release/glmcheck":
-    scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}}
+    scripts/gpu/gpu-env scripts/gpu/gpu-forward-bench {{builds}} {{out}}
 
 # On a machine of several GPUs: the same forward at 512 tokens at TP 1, 2 and 4, each rank on a
 # GPU of its own (TP sizes past the machine's GPU count are left out and named in the report).
 gpu-forward-tp out="target/gpu-forward-tp" tp="1,2,4" +builds="target/release/glmcheck":
-    scripts/gpu-env scripts/gpu-forward-bench {{builds}} {{out}} --tokens 512 --tp {{tp}}
+    scripts/gpu/gpu-env scripts/gpu/gpu-forward-bench {{builds}} {{out}} --tokens 512 --tp {{tp}}
 
 # On the GPU machine: each build's GPU time per kernel group (Nsight Compute) in a glm5-dims
 # forward of 2 layers at 512 tokens, per pass (writes OUT/kernel-times.md).
 gpu-kernel-times out="target/gpu-kernels" +builds="target/release/glmcheck":
-    scripts/gpu-env scripts/gpu-kernel-times {{builds}} {{out}}
+    scripts/gpu/gpu-env scripts/gpu/gpu-kernel-times {{builds}} {{out}}
 
 # Per-layer time, bytes and peak memory on glm5-dims at 8/64/512 tokens for the full-model
 # projection in BENCHMARKS.md: the CPU at 2 and all cores, and (on the GPU machine) the GPU.
 projection out="target/projection" sides="cpu:2:f32,cpu:all:f32,cpu:all:bf16":
-    scripts/gpu-env python3 benches/projection.py target/release/glmcheck {{out}} --sides {{sides}}
+    scripts/gpu/gpu-env python3 benches/projection.py target/release/glmcheck {{out}} --sides {{sides}}
 
 # On the GPU machine: GPU dequantization GB/s per type against the copy bandwidth (BENCHMARKS.md).
 gpu-dequant-bench:
-    scripts/gpu-dequant-bench target/release/glmcheck
+    scripts/gpu/gpu-dequant-bench target/release/glmcheck
 
 # .venv-vllm: vLLM 0.23.0's CPU build (tests/vllm/vllm_gguf_load.rs, ~6 min once); `just setup-vllm 0.32`:
 # .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm/vllm_today.rs, ~2 min more).

@@ -26,7 +26,7 @@ use crate::exec::ops::attention_core::AttentionInputs;
 const SCORE_MIB: usize = 256;
 
 /// MiB the scores of one chunk of queries may take: `GLMCHECK_ATTENTION_MIB` where set to a
-/// number (0 gives chunks of one query, which `scripts/gpu-backend-check` runs the selftest
+/// number (0 gives chunks of one query, which `scripts/gpu/gpu-backend-check` runs the selftest
 /// with), else [`SCORE_MIB`].
 fn score_mib() -> usize {
     static MIB: OnceLock<usize> = OnceLock::new();

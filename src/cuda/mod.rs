@@ -156,7 +156,7 @@ fn libraries() -> Result<()> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         bail!(
             "no NVRTC found (libnvrtc): put CUDA 13's libraries on LD_LIBRARY_PATH \
-             (scripts/gpu-env does)"
+             (scripts/gpu/gpu-env does)"
         );
     }
     Ok(())

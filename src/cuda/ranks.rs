@@ -51,12 +51,12 @@ fn check_setup(precision: Precision, ranks: usize) -> Result<()> {
     super::libraries()?;
     // SAFETY: only tries to load the library by its usual names.
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-        bail!("no cuBLAS found (libcublas): put CUDA 13's libraries on LD_LIBRARY_PATH (scripts/gpu-env does)");
+        bail!("no cuBLAS found (libcublas): put CUDA 13's libraries on LD_LIBRARY_PATH (scripts/gpu/gpu-env does)");
     }
     // SAFETY: as above.
     if ranks > 1 && !unsafe { cudarc::nccl::sys::is_culib_present() } {
         bail!(
-            "no NCCL found (libnccl.so): --tp {ranks} on GPUs needs it (scripts/gpu-env links it)"
+            "no NCCL found (libnccl.so): --tp {ranks} on GPUs needs it (scripts/gpu/gpu-env links it)"
         );
     }
     Ok(())
