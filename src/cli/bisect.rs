@@ -5,19 +5,16 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 
-use super::diff::print_report;
 use super::{one_of, Outcome};
 use crate::any_backend::BackendKind;
-use crate::compare::Status;
-use crate::diagnose::settings;
 use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
 use crate::exec::faults::inject::CATALOGUE;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::pipeline::bisect::{
-    bisect, is_trace, BisectOptions, BisectReport, Candidate, Mode, PathInfo, RunAs, WeightCheck,
+    bisect, is_trace, BisectOptions, Candidate, Mode, RunAs, WeightCheck,
 };
-use crate::report::terminal::table;
+use crate::report::bisect::{catalogue_text, text};
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {
@@ -133,50 +130,9 @@ impl BisectArgs {
 fn list_faults(json: bool) -> anyhow::Result<Outcome> {
     if json {
         println!("{}", serde_json::to_string_pretty(CATALOGUE)?);
-        return Ok(Outcome::Pass);
+    } else {
+        print!("{}", catalogue_text());
     }
-    let mut t = table(&["fault", "ARG", "class", "first divergence", "needs", "what"]);
-    for e in CATALOGUE {
-        let needs = match (e.needs_tp, e.dtype) {
-            (true, _) => "--tp ≥ 2".to_string(),
-            (false, Some(d)) => format!("--dtype {d}"),
-            (false, None) => "-".into(),
-        };
-        t.add_row(vec![
-            e.name.to_string(),
-            e.arg.to_string(),
-            e.class.name().to_string(),
-            e.stage.to_string(),
-            needs,
-            e.what.to_string(),
-        ]);
-    }
-    println!("{t}");
-    println!(
-        "\nnamed from the settings an engine trace records (the GGUF metadata llama.cpp read, \
-         the config.json vLLM or transformers took), not planted:"
-    );
-    let mut t = table(&[
-        "GGUF key",
-        "config field",
-        "class",
-        "first divergence",
-        "what",
-    ]);
-    for k in &settings::KEYS {
-        t.add_row(vec![
-            k.key.map_or("-".to_string(), |k| format!("<arch>.{k}")),
-            k.fields
-                .iter()
-                .map(|f| settings::config_name(f))
-                .collect::<Vec<_>>()
-                .join(" / "),
-            k.class.name().to_string(),
-            k.stages.join(" or "),
-            k.does.to_string(),
-        ]);
-    }
-    println!("{t}");
     Ok(Outcome::Pass)
 }
 
@@ -189,130 +145,7 @@ pub fn run(args: BisectArgs) -> anyhow::Result<Outcome> {
     if json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        print_bisect(&out);
+        print!("{}", text(&out));
     }
-    Ok(match out.diff.verdict {
-        Status::Pass => Outcome::Pass,
-        Status::Fail => Outcome::Fail,
-    })
-}
-
-pub fn print_bisect(out: &BisectReport) {
-    let b = &out.bisect;
-    print_report(&out.diff);
-    println!();
-    let on = match b.backend.as_str() {
-        "cpu" => "on the CPU".to_string(),
-        "cuda" => "on CUDA GPUs".to_string(),
-        other => format!("from {other}"),
-    };
-    let setup = format!(
-        "candidate: {} {on} at TP {}, {}{}",
-        b.candidate,
-        b.tp,
-        b.dtype,
-        b.inject
-            .as_ref()
-            .map(|f| format!(", --inject {f}"))
-            .unwrap_or_default()
-    );
-    println!("{setup}");
-    if let Some(e) = &b.envelope {
-        let stored = if b.conversion {
-            format!(", every weight stored as {} stores it", b.candidate)
-        } else {
-            String::new()
-        };
-        println!(
-            "noise envelope: the reference re-run at {}{stored} ({e})",
-            b.dtype
-        );
-    }
-    if let Some(w) = &b.weights {
-        let which = if w.checked == "all" {
-            "every tensor"
-        } else {
-            "the tensors behind the divergent stage"
-        };
-        println!(
-            "weight check ({which}): {} tensors, {} exact (ggml's bytes), {} within their type's \
-             noise, {} failed; {:.1} MiB of the file read in {:.1} s",
-            w.tensors,
-            w.exact,
-            w.within_noise,
-            w.failed,
-            w.bytes_read as f64 / (1u64 << 20) as f64,
-            w.seconds
-        );
-    }
-    let behind = |p: &&PathInfo| !p.hidden.is_empty() || !p.statistics_only.is_empty();
-    if let Some(p) = b.path.as_ref().filter(behind) {
-        if !p.hidden.is_empty() {
-            println!(
-                "behind {}: the engine's trace holds no {}",
-                p.divergent,
-                p.hidden.join(", ")
-            );
-        }
-        if !p.statistics_only.is_empty() {
-            println!(
-                "behind {}: kept as statistics only, which a permutation or a sign leaves as \
-                 they were: {}",
-                p.divergent,
-                p.statistics_only.join(", ")
-            );
-        }
-        if !p.tensors.is_empty() || !p.keys.is_empty() {
-            let checked: Vec<&str> = p
-                .tensors
-                .iter()
-                .chain(&p.keys)
-                .map(String::as_str)
-                .collect();
-            println!("  checked for them: {}", checked.join(", "));
-        }
-    }
-    if b.ties_taken > 0 {
-        println!(
-            "{} top-k positions were near ties in the reference; the candidate took the \
-             reference's choice there",
-            b.ties_taken
-        );
-    }
-    if b.ties_followed > 0 {
-        println!(
-            "{} top-k positions were near ties in the reference that the engine broke otherwise; \
-             the reference and the envelope took the engine's choice there",
-            b.ties_followed
-        );
-    }
-    match (&out.diff.first_divergence, &out.diff.fault) {
-        (Some(d), Some(f)) => {
-            let rank = d.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
-            let source = match b.classified_by {
-                "drill-down" => "from the weights and shards behind that stage",
-                "weights" => "from the check of the candidate's weights against the reference",
-                "shard manifest" => "from the engine's shard manifest",
-                "gguf metadata" => "from the GGUF metadata the engine read",
-                "engine config" => "from the config.json the engine took",
-                _ => "from the traces",
-            };
-            println!(
-                "\ndiagnosis: {} at {}{rank} ({source})",
-                f.class.name(),
-                d.stage
-            );
-            println!("  {}", f.summary);
-            for e in &f.evidence {
-                println!("  · {e}");
-            }
-        }
-        _ => println!("\ndiagnosis: no fault — the candidate agrees with the reference"),
-    }
-    if let (Some(p), Some(r)) = (&b.prompt, &b.reference_text) {
-        println!("\nreference: {p}{r}");
-        if let Some(c) = &b.candidate_text {
-            println!("candidate: {p}{c}");
-        }
-    }
+    Ok(out.diff.verdict.into())
 }

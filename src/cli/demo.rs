@@ -4,13 +4,13 @@
 //! the reference and candidate runs, the first divergence, the diagnosis with its evidence, and
 //! what each side prints.
 
-use super::bisect::print_bisect;
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
 use super::{ModelArg, Outcome};
 use crate::exec::faults::inject::Injection;
 use crate::model::names::LayerWeight;
 use crate::pipeline::bisect::{bisect, BisectOptions, Candidate, RunAs, DEFAULT_PROMPT};
+use crate::report::bisect::text;
 use crate::synth::{Mix, Preset, SynthSpec};
 
 #[derive(clap::Args, Debug)]
@@ -72,7 +72,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_bisect(&report);
+        print!("{}", text(&report));
     }
     // The demo passes when the diagnosis names the planted fault's class.
     let diagnosed = report.diff.fault.as_ref().map(|f| f.class) == Some(fault.entry().class);

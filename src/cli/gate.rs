@@ -7,14 +7,13 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use super::{one_of, Outcome};
-use crate::compare::Status;
 use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
-use crate::gate::check::{Basis, GateReport};
-use crate::gate::{self, Baseline};
+use crate::gate::Baseline;
 use crate::pipeline::gate::{candidate_trace, check, ModelRun};
-use crate::report::num;
-use crate::report::terminal::table;
+use crate::report::gate::junit::junit;
+use crate::report::gate::markdown::markdown;
+use crate::report::gate::{text, Updated};
 use crate::trace::Trace;
 
 #[derive(clap::Args, Debug)]
@@ -96,22 +95,11 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
         }
         std::fs::write(&args.baseline, made.to_json())
             .with_context(|| format!("{}: writing the baseline", args.baseline.display()))?;
+        let updated = Updated::new(args.baseline.clone(), &made);
         if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"updated": args.baseline, "stages": made.stages.len(),
-                    "dtype": made.dtype, "tp": made.tp, "epsilon": made.limits.epsilon,
-                    "fingerprint": made.model.fingerprint})
-            );
+            println!("{}", serde_json::to_string(&updated)?);
         } else {
-            println!(
-                "wrote {}: {} stage records, {} at TP {}, ε = {:.3e}",
-                args.baseline.display(),
-                made.stages.len(),
-                made.dtype,
-                made.tp,
-                made.limits.epsilon
-            );
+            print!("{}", updated.text());
         }
         return Ok(Outcome::Pass);
     };
@@ -122,93 +110,17 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
             .baseline
             .file_stem()
             .map_or("baseline".into(), |s| s.to_string_lossy().into_owned());
-        std::fs::write(out, gate::junit::junit(&report, &suite))
+        std::fs::write(out, junit(&report, &suite))
             .with_context(|| format!("{}: writing the JUnit report", out.display()))?;
     }
     if let Some(out) = &args.markdown {
-        std::fs::write(out, gate::markdown::markdown(&report))
+        std::fs::write(out, markdown(&report))
             .with_context(|| format!("{}: writing the Markdown summary", out.display()))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print_report(&report);
+        print!("{}", text(&report));
     }
     Ok(Outcome::of(report.regressed(), report.partial))
-}
-
-/// The verdict in one word: a partial candidate whose stages held is `PARTIAL`, never a pass.
-fn headline(r: &GateReport) -> &'static str {
-    match (r.verdict, r.regressed()) {
-        (Status::Pass, _) => "PASS",
-        (Status::Fail, true) => "REGRESSION",
-        (Status::Fail, false) => "PARTIAL",
-    }
-}
-
-/// A float with the digits that tell baseline and candidate apart.
-fn full(v: Option<f64>) -> String {
-    v.map_or("-".into(), |v| format!("{v:.9e}"))
-}
-
-fn print_report(r: &GateReport) {
-    let identical = r
-        .stages
-        .iter()
-        .filter(|s| s.basis == Basis::Identical)
-        .count();
-    println!(
-        "{}: {} against {} ({}, TP {}, ε = {:.3e}): {} of {} checks broke; {identical} stage records bit-identical",
-        headline(r),
-        r.candidate,
-        r.baseline,
-        r.dtype,
-        r.tp,
-        r.epsilon,
-        r.failed,
-        r.checked
-    );
-    if r.failed > 0 {
-        let mut t = table(&["stage", "check", "baseline", "candidate", "limit", "why"]);
-        for s in r.failures() {
-            for f in &s.failures {
-                t.add_row(vec![
-                    s.label(),
-                    f.check.clone(),
-                    full(f.baseline),
-                    full(f.candidate),
-                    f.limit.map_or("-".into(), num),
-                    f.why.clone(),
-                ]);
-            }
-        }
-        println!("{t}");
-        if let Some(first) = r.failures().next() {
-            println!("first broken stage: {}", first.label());
-        }
-    } else {
-        // How close the candidate came: the stages nearest their limits.
-        let mut near: Vec<_> = r.stages.iter().filter(|s| s.headroom_used > 0.0).collect();
-        near.sort_by(|a, b| b.headroom_used.total_cmp(&a.headroom_used));
-        if !near.is_empty() {
-            let mut t = table(&["stage", "closest check", "share of its limit used"]);
-            for s in near.iter().take(5) {
-                t.add_row(vec![
-                    s.label(),
-                    s.closest.clone().unwrap_or_default(),
-                    format!("{:.1}%", 100.0 * s.headroom_used),
-                ]);
-            }
-            println!("{t}");
-        }
-    }
-    for n in &r.notes {
-        println!("note: {n}");
-    }
-    if r.extra_stages > 0 {
-        println!(
-            "note: the candidate records {} stage records the baseline does not (not judged)",
-            r.extra_stages
-        );
-    }
 }

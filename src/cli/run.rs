@@ -3,19 +3,16 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde_json::json;
-
 use super::{one_of, Outcome};
 use crate::any_backend::BackendKind;
 use crate::cuda::ranks::ProcessRank;
 use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
-use crate::exec::ops::op_clock::OpTime;
 use crate::model::tokenize;
 use crate::pipeline::record::{prompt_tokens, record, Recorded, RunSpec};
 use crate::pipeline::Model;
-use crate::report::terminal;
+use crate::report::run::{Profile, RunReport};
 use crate::trace::FullSelector;
 
 #[derive(clap::Args, Debug)]
@@ -145,67 +142,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<Outcome> {
         Some(tok) if !generated.is_empty() => Some(tokenize::decode(tok, &generated)?),
         _ => None,
     };
+    let report = RunReport {
+        generated,
+        profile: args.profile.then(|| Profile::new(&op_times, pass_seconds)),
+        text,
+        tokens,
+        top1,
+        trace: args.out,
+        prompt: args.prompt,
+    };
     if args.json {
-        let mut out = json!({"trace": args.out, "tokens": tokens, "top1": top1, "generated": generated, "text": text});
-        if args.profile {
-            out["profile"] = json!({"pass_seconds": pass_seconds, "ops": op_times.iter()
-                .map(|t| json!({"op": t.op.name(), "calls": t.calls, "seconds": t.seconds}))
-                .collect::<Vec<_>>()});
-        }
-        println!("{out}");
+        println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
-            "wrote {} ({} positions); top-1 per position: {top1:?}",
-            args.out.display(),
-            top1.len()
-        );
-        if !generated.is_empty() {
-            println!("generated: {generated:?}");
-        }
-        if let (Some(prompt), Some(text)) = (&args.prompt, &text) {
-            println!("{prompt}{text}");
-        }
-        if args.profile {
-            println!("{}", profile_table(&op_times, pass_seconds));
-        }
+        print!("{}", report.text());
     }
     Ok(Outcome::Pass)
-}
-
-/// The recorded pass's time by op; what the ops leave of the pass's wall time is the host's
-/// own work between them (routing, top-k, copies, waits).
-fn profile_table(op_times: &[OpTime], pass_seconds: f64) -> comfy_table::Table {
-    let mut t = terminal::table(&["op", "calls", "seconds", "share of the pass"]);
-    let share = |s: f64| format!("{:.1}%", 100.0 * s / pass_seconds.max(f64::MIN_POSITIVE));
-    for o in op_times {
-        t.add_row(vec![
-            o.op.name().to_string(),
-            o.calls.to_string(),
-            format!("{:.4}", o.seconds),
-            share(o.seconds),
-        ]);
-    }
-    let in_ops: f64 = op_times.iter().map(|o| o.seconds).sum();
-    // Ops run from several threads at once (ranks, experts) can add up past the wall time.
-    let between = if in_ops <= pass_seconds {
-        (
-            format!("{:.4}", pass_seconds - in_ops),
-            share(pass_seconds - in_ops),
-        )
-    } else {
-        ("—".to_string(), "ops overlap in threads".to_string())
-    };
-    t.add_row(vec![
-        "between the ops".to_string(),
-        String::new(),
-        between.0,
-        between.1,
-    ]);
-    t.add_row(vec![
-        "the pass (wall)".to_string(),
-        String::new(),
-        format!("{pass_seconds:.4}"),
-        "100%".to_string(),
-    ]);
-    t
 }

@@ -7,7 +7,7 @@ use anyhow::Context;
 
 use super::{one_of, Outcome};
 use crate::model::schema::ExpertForm;
-use crate::report::terminal::bytes;
+use crate::report::synth::{text, SynthReport};
 use crate::synth::mix::{parse_override, Mix};
 use crate::synth::weights::check_massive;
 use crate::synth::{preset::apply_overrides, Massive, Preset, SynthSpec};
@@ -136,25 +136,16 @@ pub fn run(args: SynthArgs) -> anyhow::Result<Outcome> {
         }
     }
     .with_context(|| args.out.display().to_string())?;
-    let secs = start.elapsed().as_secs_f64();
+    let report = SynthReport {
+        config: spec.cfg,
+        seconds: start.elapsed().as_secs_f64(),
+        written,
+        out: args.out,
+    };
     if args.json {
-        let out = serde_json::json!({"written": written, "seconds": secs, "config": spec.cfg});
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!(
-            "wrote {} ({} tensors, {}) in {secs:.2} s, {:.0} MB/s; types {:?}",
-            args.out.display(),
-            written.tensors,
-            bytes(written.bytes),
-            written.bytes as f64 / secs / 1e6,
-            written.types
-        );
-        if !written.random_blocks.is_empty() {
-            println!(
-                "{} tensors hold random valid blocks, not the model's weights (no quantizer for their type, or --fast)",
-                written.random_blocks.len()
-            );
-        }
+        print!("{}", text(&report));
     }
     Ok(Outcome::Pass)
 }

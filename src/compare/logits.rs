@@ -4,6 +4,42 @@
 
 use serde::{Deserialize, Serialize};
 
+/// A candidate agreeing with its reference on fewer top-1 tokens than this fails.
+pub const MIN_TOP1_AGREEMENT: f64 = 0.9;
+
+/// The longest run of one top-1 token that still passes (the `$\ $\ $\` signature is longer).
+pub const MAX_REPEAT: usize = 4;
+
+/// What makes these logits garbage, in words: NaN/Inf, a flat distribution, one token repeated,
+/// and against a reference, top-1 agreement below [`MIN_TOP1_AGREEMENT`]. Empty: they pass.
+pub fn problems(health: &LogitsHealth, against: Option<&LogitsComparison>) -> Vec<String> {
+    let mut problems = Vec::new();
+    if health.nan + health.inf > 0 {
+        problems.push(format!("{} NaN and {} Inf logits", health.nan, health.inf));
+    }
+    if health.flat {
+        problems.push(format!(
+            "flat: mean entropy {:.3} of ln V = {:.3}",
+            health.entropy_mean, health.ln_vocab
+        ));
+    }
+    if health.longest_repeat > MAX_REPEAT {
+        problems.push(format!(
+            "one token is the top-1 at {} positions in a row",
+            health.longest_repeat
+        ));
+    }
+    if let Some(c) = against {
+        if c.top1_agreement < MIN_TOP1_AGREEMENT {
+            problems.push(format!(
+                "top-1 agrees with the reference at {:.1}% of positions",
+                100.0 * c.top1_agreement
+            ));
+        }
+    }
+    problems
+}
+
 /// Softmax of one position's logits, computed in f64.
 fn probabilities(row: &[f32]) -> Vec<f64> {
     let max = row

@@ -8,6 +8,7 @@ pub mod dequant;
 pub mod fault_matrix;
 pub mod gate;
 pub mod inspect;
+pub mod logits;
 pub mod model;
 pub mod record;
 pub mod rendezvous;

@@ -1,23 +1,33 @@
-//! Reports for people and for machines. A comparison renders as GitHub-flavoured Markdown for CI
-//! job summaries ([`markdown()`]) and as one self-contained HTML file with inline SVG plots
-//! ([`html()`]), both from a [`DiffReport`]; the logits of both traces, when they hold them, add
-//! the logits' health and, in HTML, their histogram. The `shards`, `inspect`, `dequant` and
-//! `selftest` commands' reports are typed here ([`shards`], [`inspect`], [`dequant`],
-//! [`selftest`]), each printed as JSON or as terminal tables ([`terminal`]). Their fields are
-//! declared in the order their JSON has always printed them, alphabetical; library types nested
-//! in them keep that order through [`sorted_keys`].
+//! Reports for people and for machines: every command's report is typed here and rendered here,
+//! so that the command line only parses, calls and prints. A comparison renders as terminal
+//! text ([`diff`]), GitHub-flavoured Markdown for CI job summaries ([`markdown()`]) and one
+//! self-contained HTML file with inline SVG plots ([`html()`]), all from a [`DiffReport`]; the
+//! logits of both traces, when they hold them, add the logits' health and, in HTML, their
+//! histogram. [`bisect`] adds the runs' setup and the diagnosis to it; [`gate`] renders the
+//! gate's verdict as text, JUnit and Markdown; [`verify`] a checkpoint's check as text and
+//! Markdown. The other commands' reports ([`run`], [`logits`], [`synth`], [`shards`],
+//! [`inspect`], [`dequant`], [`selftest`]) print as JSON or as terminal tables ([`terminal`]).
+//! Their fields are declared in the order their JSON has always printed them, alphabetical;
+//! library types nested in them keep that order through [`sorted_keys`].
 //!
 //! Every string taken from a trace (stage names, paths, fault text) is escaped for the format
 //! it lands in: a trace is input, not markup.
 
+pub mod bisect;
 pub mod dequant;
+pub mod diff;
 pub mod escape;
+pub mod gate;
 pub mod html;
 pub mod inspect;
+pub mod logits;
 pub mod markdown;
+pub mod run;
 pub mod selftest;
 pub mod shards;
+pub mod synth;
 pub mod terminal;
+pub mod verify;
 
 use anyhow::{Context, Result};
 use serde::{Serialize, Serializer};

@@ -9,10 +9,10 @@ use std::path::Path;
 const LAYERS: &[&str] = &[
     "cli",
     "pipeline",
+    "report",
     "gate",
     "verify",
     "diagnose",
-    "report",
     "any_backend",
     "cuda",
     "exec",

@@ -8,10 +8,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use serde::Serialize;
 
-use super::weights::{self, WeightCheck, WeightsInfo};
+use super::weights::{self, WeightCheck};
 use super::{merge, BisectOptions};
+use super::{PathInfo, WeightsInfo};
 use crate::compare::stage_diff::Basis;
 use crate::compare::{DiffReport, Status};
 use crate::diagnose::settings;
@@ -20,25 +20,6 @@ use crate::model::stages::{hidden_behind, weights_of};
 use crate::pipeline::Model;
 use crate::trace::Trace;
 use crate::weights::{Encoding, GgmlType};
-
-/// The way back from an engine trace's first divergence, in bisect's JSON.
-#[derive(Clone, Debug, Serialize)]
-pub struct PathInfo {
-    /// The first divergent stage.
-    pub divergent: String,
-    /// The stages behind it that the trace does not hold, in the forward's order.
-    pub hidden: Vec<String>,
-    /// The stages behind it that the trace keeps as statistics only, whose agreement proves
-    /// little (a permutation or a sign keeps every moment): the path goes on through them.
-    pub statistics_only: Vec<String>,
-    /// The engine's weight file (the GGUF or checkpoint its trace names), where at hand.
-    pub file: Option<String>,
-    /// That file's tensors which the path's stages read.
-    pub tensors: Vec<String>,
-    /// The GGUF metadata keys or engine config fields whose stages lie on the path (all
-    /// compared with the reference).
-    pub keys: Vec<String>,
-}
 
 /// The path's stages: the divergent one and those behind it that no recorded value proves.
 fn path_stages(p: &PathInfo) -> Vec<String> {

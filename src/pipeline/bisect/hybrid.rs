@@ -13,9 +13,8 @@
 use std::path::Path;
 
 use anyhow::Result;
-use serde::Serialize;
 
-use super::{reference_spec, BisectOptions, RunAs};
+use super::{reference_spec, BisectOptions, HybridRun, Replay, RunAs};
 use crate::compare::classify::classify;
 use crate::compare::diff::Divergence;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
@@ -25,17 +24,6 @@ use crate::model::Glm5Config;
 use crate::pipeline::record::{record, RunSpec, Split};
 use crate::pipeline::Model;
 use crate::trace::Trace;
-
-/// One hybrid run: up to which block the candidate computed, and how its logits compared.
-#[derive(Clone, Debug, Serialize)]
-pub struct HybridRun {
-    /// The first block on the reference: 0 the embedding, `l + 1` layer `l`, `L + 1` the head.
-    pub switch: usize,
-    /// The last block on the candidate, by its output stage (`none` at switch 0).
-    pub candidate_through: String,
-    pub status: Status,
-    pub rel_diff: f64,
-}
 
 /// The output stage of block `b` and its layer.
 pub fn block_stage(cfg: &Glm5Config, b: usize) -> (String, Option<u64>) {
@@ -77,34 +65,6 @@ pub struct Hybrids<'a> {
     pub reference: &'a Trace,
     pub envelope: Option<&'a Trace>,
     pub ties: Option<&'a TieBreaks>,
-}
-
-/// The divergent stage re-run on the candidate from the reference's input to its block.
-#[derive(Clone, Debug, Serialize)]
-pub struct Replay {
-    /// The stage the replay starts at (the block's input is the reference's).
-    pub from: String,
-    pub stage: String,
-    pub status: Status,
-    pub rel_diff: f64,
-}
-
-impl Replay {
-    /// One line of evidence.
-    pub fn evidence(&self) -> String {
-        match self.status {
-            Status::Fail => format!(
-                "replayed from the reference's input to {}: {} still diverges (rel_diff {:.3e}): \
-                 the fault is made there, not inherited",
-                self.from, self.stage, self.rel_diff
-            ),
-            Status::Pass => format!(
-                "replayed from the reference's input to {}: {} agrees (rel_diff {:.3e}): the \
-                 divergence is inherited from smaller errors before it",
-                self.from, self.stage, self.rel_diff
-            ),
-        }
-    }
 }
 
 /// The block that produces `stage` (None: the embedding, which has no input to replay from).

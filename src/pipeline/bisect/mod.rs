@@ -8,7 +8,6 @@
 use std::path::Path;
 
 use anyhow::{bail, Context};
-use serde::Serialize;
 
 mod engine;
 mod hybrid;
@@ -27,64 +26,18 @@ use crate::model::stage::Stage;
 use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::model::tokenize;
 use crate::progress::progress;
+pub use crate::report::bisect::{
+    BisectInfo, BisectReport, HybridRun, PathInfo, Replay, WeightsInfo,
+};
 use crate::shard::manifest::ShardManifest;
 use crate::trace::{FullSelector, Trace};
 use engine::engine_cause;
-pub use engine::PathInfo;
-use hybrid::{logits_of, HybridRun, Hybrids, Replay};
+use hybrid::{logits_of, Hybrids};
 pub use options::{BisectOptions, Candidate, Mode, RunAs};
-pub use weights::{WeightCheck, WeightsInfo};
+pub use weights::WeightCheck;
 
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
-
-/// What bisect adds to a diff report.
-#[derive(Serialize)]
-pub struct BisectReport {
-    #[serde(flatten)]
-    pub diff: DiffReport,
-    pub bisect: BisectInfo,
-}
-
-#[derive(Serialize)]
-pub struct BisectInfo {
-    pub model: String,
-    pub prompt: Option<String>,
-    pub candidate: String,
-    /// Where the candidate ran: `cpu`, `cuda`, or the backend an engine trace names.
-    pub backend: String,
-    /// Where the reference and the envelope ran: `cpu` or `cuda`.
-    pub reference_backend: &'static str,
-    pub tp: u64,
-    pub dtype: String,
-    pub inject: Option<String>,
-    pub envelope: Option<String>,
-    /// Whether the envelope stores every weight as the candidate's files do (a conversion).
-    pub conversion: bool,
-    /// Top-k positions where the candidate took the reference's choice (near ties).
-    pub ties_taken: usize,
-    /// Top-k positions where an engine broke a near tie of the reference otherwise, and the
-    /// reference and envelope were run again taking the engine's choice there.
-    pub ties_followed: usize,
-    /// Where the class came from: `drill-down` (weights, shards), `weights` (the conversion's
-    /// weight check), `shard manifest`, `gguf metadata` or `engine config` (the settings an
-    /// engine's trace says it ran with) or `traces`.
-    pub classified_by: &'static str,
-    /// A conversion's or an engine file's weight check (`--weights`): what was checked and
-    /// found.
-    pub weights: Option<WeightsInfo>,
-    /// An engine trace's first divergence: the stages behind it the trace does not hold, and
-    /// the weights and metadata keys checked for them.
-    pub path: Option<PathInfo>,
-    /// `--mode logits`: the hybrid runs of the search, in the order they ran.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub hybrids: Vec<HybridRun>,
-    /// The first divergent stage re-run on the candidate from the reference's input to its
-    /// block: made there (`fail`) or inherited (`pass`).
-    pub replay: Option<Replay>,
-    pub reference_text: Option<String>,
-    pub candidate_text: Option<String>,
-}
 
 /// A trace folder holds `manifest.json`.
 pub fn is_trace(p: &Path) -> bool {

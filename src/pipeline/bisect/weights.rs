@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use globset::{Glob, GlobSetBuilder};
-use serde::Serialize;
 
+use super::WeightsInfo;
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, Status};
 use crate::exec::source::WeightSource;
@@ -52,22 +52,6 @@ impl WeightCheck {
             WeightCheck::Off => "off",
         }
     }
-}
-
-/// What the weight check did, in bisect's JSON.
-#[derive(Clone, Debug, Serialize)]
-pub struct WeightsInfo {
-    /// `all` or `divergent`.
-    pub checked: &'static str,
-    pub tensors: usize,
-    pub exact: usize,
-    pub within_noise: usize,
-    pub failed: usize,
-    /// The candidate's stored bytes the check read (the reference's of the same tensors are
-    /// read beside them), and its wall time: what the check of a large file costs.
-    pub bytes_read: u64,
-    pub seconds: f64,
-    pub findings: Vec<Finding>,
 }
 
 impl WeightsInfo {

@@ -4,8 +4,8 @@
 
 use std::fmt::Write;
 
-use super::check::GateReport;
 use crate::compare::Status;
+use crate::gate::check::GateReport;
 use crate::report::escape::markup as escape;
 
 /// A float as the failure text shows it: all the digits that tell it apart.

@@ -3,8 +3,8 @@
 
 use std::fmt::Write;
 
-use super::check::GateReport;
 use crate::compare::Status;
+use crate::gate::check::GateReport;
 use crate::report::markdown::{code, text};
 
 /// At most this many broken checks are listed; the rest are counted.
@@ -34,7 +34,7 @@ pub fn markdown(report: &GateReport) -> String {
         report.failed,
         report.checked
     );
-    let rows: Vec<(String, &super::check::Broken)> = report
+    let rows: Vec<(String, &crate::gate::check::Broken)> = report
         .failures()
         .flat_map(|s| s.failures.iter().map(move |f| (s.label(), f)))
         .collect();
