@@ -4,7 +4,7 @@
     python benches/gguf_py_dequant.py OUTDIR [--mib 64] [--reps 3] TYPE...
 
 For each TYPE (a gguf-py type name such as Q4_K), writes OUTDIR/TYPE.blocks: random valid blocks
-from tests/oracle/quant_blocks.py that dequantize to about MIB MiB of f32. Then times
+from `glmcheck_oracle.formats.quant_blocks` that dequantize to about MIB MiB of f32. Then times
 `gguf.quants.dequantize` on them (numpy, one thread) and prints one JSON object: TYPE -> the best
 GB/s of f32 written over REPS runs.
 """
@@ -18,9 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))
-from quant_blocks import random_blocks  # noqa: E402
+from glmcheck_oracle.formats.quant_blocks import random_blocks
 
 
 def write_blocks(outdir: Path, qtype: Q, mib: int, rng: np.random.Generator) -> np.ndarray:

@@ -12,10 +12,10 @@ its cost must not grow with the layers.
 
 For each layer count: `glmcheck synth --preset glm5-dims` writes the f32 GGUF (the reference)
 and the q4_k_m GGUF of the same weights; every block scale of `blk.1.attn_k_b` is multiplied by
-4 in the q4_k_m file's bytes (tests/oracle/plant_gguf_fault.py; two heads swapped stay inside
-Q4_K_M's envelope at these widths, and a run that passes has no path to check), and `glmcheck run` on it records the
-candidate trace with its default recording (most stages as statistics; the trace names the
-file). Then `glmcheck bisect REF --candidate TRACE --json` with `--weights off`, `divergent`
+4 in the q4_k_m file's bytes (`glmcheck_oracle.formats.plant_gguf_fault`; two heads swapped stay
+inside Q4_K_M's envelope at these widths, and a run that passes has no path to check), and
+`glmcheck run` on it records the candidate trace with its default recording (most stages as
+statistics; the trace names the file). Then `glmcheck bisect REF --candidate TRACE --json` with `--weights off`, `divergent`
 and `all`, page cache warm: wall seconds and peak RSS of the whole bisect, and from its JSON
 the weight check's own seconds, tensors and candidate bytes read, and the verdict. The
 Markdown table goes to bench-results/path-check.md and to stdout.
@@ -58,7 +58,7 @@ def main() -> None:
                     args.experts, "--set", "first_k_dense_replace=1"]
             must(base + ["--quant", "f32", "--out", ref])
             must(base + ["--quant", "q4_k_m", "--out", clean])
-            must([sys.executable, ROOT / "tests/oracle/plant_gguf_fault.py", clean, cand,
+            must([sys.executable, "-m", "glmcheck_oracle.formats.plant_gguf_fault", clean, cand,
                   "scale", "blk.1.attn_k_b.weight", "4"])
             clean.unlink()
             must([g, "run", cand, "--tokens", tokens, "--out", trace])

@@ -70,7 +70,7 @@ def repeat(cmd_for, env: dict, reps: int) -> dict:
 
 def thread_env(n: int) -> dict:
     """The environment pinning rayon (glmcheck) and OpenMP/MKL (torch) to `n` threads."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "probes"))
+    env = dict(os.environ)
     for var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(n)
     return env

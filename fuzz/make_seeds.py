@@ -5,8 +5,9 @@
 
 CORPUS/gguf_header/*.gguf comes from gguf-py's GGUFWriter: metadata of every value type, nested
 arrays, a custom alignment, and tensors of float, legacy, k- and i-quant types made of random
-valid blocks (tests/oracle/quant_blocks.py). CORPUS/safetensors_header/*.safetensors comes from
-safetensors' torch writer: F32, BF16, I64, and an FP8 weight with its block scale.
+valid blocks (`glmcheck_oracle.formats.quant_blocks`, installed in .venv by scripts/setup-venv).
+CORPUS/safetensors_header/*.safetensors comes from safetensors' torch writer: F32, BF16, I64, and
+an FP8 weight with its block scale.
 CORPUS/trace_manifest/manifest.json is the manifest of a two-stage trace written by the
 transformers probe's trace writer (probes/glmcheck_probe/trace.py); CORPUS/shard_manifest/*.json
 are shard manifests of two ranks, with and without hashes. Seeds stay a few KiB, so that
@@ -22,14 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+from glmcheck_oracle.formats.quant_blocks import random_blocks
+from glmcheck_oracle.formats.write_gguf import add_metadata
+from glmcheck_probe.trace import TraceWriter
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))
-from quant_blocks import random_blocks  # noqa: E402
-from write_gguf import add_metadata  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "probes"))
-from glmcheck_probe.trace import TraceWriter  # noqa: E402
 
 
 def gguf_seed(path: Path, types: list[Q], alignment: int | None, rng: np.random.Generator) -> None:

@@ -37,18 +37,32 @@ pub fn vllm_python(var: &str, venv: &str, release: &str) -> PathBuf {
     python
 }
 
-/// Run a Python script from `tests/oracle/` with arguments; panics with its stderr on failure.
-pub fn run_oracle(script: &str, args: &[&str]) -> String {
-    let out = Command::new(python())
-        .arg(root().join("tests/oracle").join(script))
+/// `PYTHON -m glmcheck_oracle.MODULE`: one of the oracles of `tests/oracle/` (the package
+/// `glmcheck_oracle`, which scripts/setup-venv and scripts/setup-vllm install), `MODULE` as
+/// `hf.logits` or `vllm23.run_ranks`, run by the interpreter `python`; the caller adds arguments.
+pub fn oracle_command(python: &Path, module: &str) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.arg("-m").arg(format!("glmcheck_oracle.{module}"));
+    cmd
+}
+
+/// Run the oracle `glmcheck_oracle.MODULE` (see [`oracle_command`]) with arguments in the
+/// oracle interpreter; its stdout. Panics with its stderr on failure.
+pub fn run_oracle(module: &str, args: &[&str]) -> String {
+    let out = oracle_command(&python(), module)
         .args(args)
         .output()
         .expect("start python");
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "{script} failed:\n{}\n{}",
+        "glmcheck_oracle.{module} failed:\n{}\n{stderr}{}",
         String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        if stderr.contains("No module named 'glmcheck_") {
+            "\n(the oracle packages are not installed in this interpreter: run scripts/setup-venv)"
+        } else {
+            ""
+        }
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

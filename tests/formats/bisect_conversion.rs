@@ -52,7 +52,7 @@ fn conversions_pass_within_their_quantization_noise_and_broken_splits_do_not() {
     for mode in ["split-order", "no-transpose"] {
         let bad = dir.path().join(format!("{mode}.gguf"));
         common::run_oracle(
-            "break_kv_b.py",
+            "formats.break_kv_b",
             &[f32_gguf.to_str().unwrap(), bad.to_str().unwrap(), mode],
         );
         let j = bisect(&hf, &bad, &[], 1);
@@ -100,7 +100,7 @@ fn a_split_kv_b_of_the_wrong_shape_is_a_one_line_error() {
     let (good, bad) = (dir.path().join("f32.gguf"), dir.path().join("extra.gguf"));
     common::synth_tiny(&good, &["--quant", "f32"]);
     common::run_oracle(
-        "break_kv_b.py",
+        "formats.break_kv_b",
         &[good.to_str().unwrap(), bad.to_str().unwrap(), "extra-head"],
     );
     let err = common::run_error_line(&bad);

@@ -58,7 +58,7 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
         serde_json::json!([Preset::Tiny.config().num_hidden_layers])
     );
     // gguf-py reads the same architecture, tensor names and shapes.
-    let listing = common::run_oracle("list_gguf.py", &[model.to_str().unwrap()]);
+    let listing = common::run_oracle("formats.list_gguf", &[model.to_str().unwrap()]);
     let theirs: Json = serde_json::from_str(&listing).unwrap();
     assert_eq!(theirs["arch"], "glm-dsa");
     // Every tensor is one of the names gguf-py (llama.cpp's tensor table) gives glm-dsa.
@@ -74,7 +74,7 @@ fn synthetic_glm_dsa_gguf_passes_the_schema_and_gguf_py_agrees() {
     assert_eq!(theirs["file_type"], "ALL_F32");
     let q4 = dir.path().join("q4.gguf");
     common::synth_tiny(&q4, &["--quant", "q4_k_m"]);
-    let listing = common::run_oracle("list_gguf.py", &[q4.to_str().unwrap()]);
+    let listing = common::run_oracle("formats.list_gguf", &[q4.to_str().unwrap()]);
     let theirs: Json = serde_json::from_str(&listing).unwrap();
     assert_eq!(theirs["file_type"], "MOSTLY_Q4_K_M");
 }

@@ -1,5 +1,5 @@
 //! The dequantizers against gguf-py's `gguf.quants.dequantize`, bit for bit, on random valid
-//! blocks of every type gguf-py dequantizes (made by `tests/oracle/quant_blocks.py`).
+//! blocks of every type gguf-py dequantizes (made by `glmcheck_oracle.formats.quant_blocks`).
 
 use crate::common;
 
@@ -40,7 +40,7 @@ fn oracle() -> &'static Oracle {
         let dir = common::scratch();
         let out = dir.path().to_str().expect("utf-8 scratch path");
         common::run_oracle(
-            "quant_blocks.py",
+            "formats.quant_blocks",
             &[out, "--blocks", &BLOCKS_PER_TYPE.to_string(), "--seed", "7"],
         );
         let types: Vec<TypeRow> = serde_json::from_slice(

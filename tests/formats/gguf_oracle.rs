@@ -37,7 +37,7 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 }
 
 fn written(dir: &Path) -> (ModelFiles, Json, Vec<u8>) {
-    common::run_oracle("write_gguf.py", &[dir.to_str().unwrap()]);
+    common::run_oracle("formats.write_gguf", &[dir.to_str().unwrap()]);
     let files = ModelFiles::open(&dir.join("model.gguf")).expect("open");
     let manifest: Json =
         serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();

@@ -96,7 +96,7 @@ fn oracle() -> &'static Oracle {
             ts.map(|t| t.name()).collect::<Vec<_>>().join(",")
         };
         common::run_oracle(
-            "quantize_ref.py",
+            "formats.quantize_ref",
             &[
                 dir.path().to_str().expect("utf-8 scratch path"),
                 "--row-len",

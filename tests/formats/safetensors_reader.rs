@@ -12,13 +12,13 @@ use glmcheck::weights::safetensors::{SafetensorsSet, INDEX_NAME};
 use glmcheck::weights::{Encoding, GgmlType, TensorEntry};
 use serde_json::Value;
 
-/// The oracle's files, written once per test run (`tests/oracle/make_safetensors.py`).
+/// The oracle's files, written once per test run (`glmcheck_oracle.formats.make_safetensors`).
 fn oracle() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
         common::run_oracle(
-            "make_safetensors.py",
+            "formats.make_safetensors",
             &[dir.path().to_str().expect("UTF-8 path")],
         );
         dir

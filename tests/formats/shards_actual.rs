@@ -286,7 +286,10 @@ fn an_independent_numpy_manifest_passes_and_its_unsharded_variant_fails() {
     let out = dir.path().join("oracle.json");
     let o = out.to_str().unwrap();
     for extra in [&[][..], &["--stats-only"][..]] {
-        common::run_oracle("shard_manifest.py", &[&[m, "4", o][..], extra].concat());
+        common::run_oracle(
+            "formats.shard_manifest",
+            &[&[m, "4", o][..], extra].concat(),
+        );
         let v = shards(&model, &out, 0, &[]);
         assert_eq!(v["checked"], 20, "5 weights × 4 ranks");
         assert_eq!(v["ok"], 20);
@@ -294,7 +297,7 @@ fn an_independent_numpy_manifest_passes_and_its_unsharded_variant_fails() {
     let k_b = "blk.0.attn_k_b.weight";
     for extra in [&[][..], &["--stats-only"][..]] {
         let args = [&[m, "4", o, "--unshard", k_b][..], extra].concat();
-        common::run_oracle("shard_manifest.py", &args);
+        common::run_oracle("formats.shard_manifest", &args);
         let bad = mismatches(&shards(&model, &out, 1, &["--tp", "4"]));
         assert_eq!(bad.len(), 4, "{bad:?}");
         for (r, b) in bad.iter().enumerate() {
@@ -308,7 +311,7 @@ fn an_independent_numpy_manifest_passes_and_its_unsharded_variant_fails() {
     // Blocks of one size told apart by their statistics alone.
     let o_proj = "blk.0.attn_output.weight";
     let args = [m, "4", o, "--reverse", o_proj, "--stats-only"];
-    common::run_oracle("shard_manifest.py", &args);
+    common::run_oracle("formats.shard_manifest", &args);
     let bad = mismatches(&shards(&model, &out, 1, &[]));
     let found: Vec<_> = bad.iter().map(|b| b["found"].as_str().unwrap()).collect();
     assert_eq!(

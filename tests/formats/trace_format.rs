@@ -1,4 +1,4 @@
-//! Traces: the writer, the reader and the Python oracle (`tests/oracle/trace_check.py`) agree on
+//! Traces: the writer, the reader and the Python oracle (`glmcheck_oracle.trace.check`) agree on
 //! every statistic, hash and stored bit; broken manifests fail naming the field.
 
 use crate::common;
@@ -246,7 +246,7 @@ fn oracle_recomputes_every_stat_and_hash() {
         let dir = tmp.path().join(name);
         write_trace(&dir, full);
         let report: Value = serde_json::from_str(&common::run_oracle(
-            "trace_check.py",
+            "trace.check",
             &[dir.to_str().expect("UTF-8")],
         ))
         .expect("oracle prints JSON");
@@ -295,7 +295,7 @@ fn the_content_hash_is_the_same_in_rust_the_probe_and_the_reference() {
         piece + 1,
         3 * piece + 13,
     ];
-    let python = oracle_by_length("lane_hash_check.py", &lengths);
+    let python = oracle_by_length("trace.lane_hash", &lengths);
     for n in lengths {
         let bytes: Vec<u8> = (0..n).map(|i| ((i * 31 + 7) % 251) as u8).collect();
         let ours = format!(
@@ -322,7 +322,7 @@ fn the_moments_are_the_same_in_rust_and_the_probe() {
         chunk + 1,
         3 * chunk + 21,
     ];
-    let python = oracle_by_length("moments_check.py", &lengths);
+    let python = oracle_by_length("trace.moments", &lengths);
     // As the script makes them: its later assignments win.
     let special = [
         (1000, f32::NAN),

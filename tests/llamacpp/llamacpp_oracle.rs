@@ -1,6 +1,6 @@
 //! glmcheck against llama.cpp (docs/design.md §10) and transformers on the same weights: a tiny random
 //! `GlmMoeDsaForCausalLM` made and saved by transformers, converted to an F32 GGUF by llama.cpp's
-//! own converter (`tests/oracle/llamacpp_model.py`), then run by glmcheck, by llama.cpp
+//! own converter (`glmcheck_oracle.llamacpp.model`), then run by glmcheck, by llama.cpp
 //! (`tests/oracle/llamacpp/dump_logits.cpp`: F32 K/V cache, flash attention off, the whole prompt
 //! in one batch and one token at a time through its caches) and by transformers.
 //!
@@ -93,14 +93,9 @@ fn make_model(dir: &Path, rms_norm_eps: &str, sequences: &[&str]) -> Model {
     for s in sequences {
         args.extend(["--tokens", s]);
     }
-    let stdout = common::run_oracle("llamacpp_model.py", &args);
-    let json: serde_json::Value = serde_json::from_str(
-        stdout
-            .lines()
-            .last()
-            .expect("llamacpp_model.py prints JSON"),
-    )
-    .unwrap();
+    let stdout = common::run_oracle("llamacpp.model", &args);
+    let json: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("llamacpp.model prints JSON")).unwrap();
     let seqs = json["sequences"].as_array().unwrap();
     assert_eq!(seqs.len(), sequences.len());
     Model {

@@ -1,6 +1,6 @@
 //! The llama.cpp probe (`probes/llamacpp`, built by `scripts/setup-llamacpp-probe`) on GGUFs
-//! llama.cpp's own converter made from a transformers GLM-5 (`tests/oracle/llamacpp_probe_models.py`),
-//! bisected against that transformers folder: F32 and BF16 pass; each planted metadata fault,
+//! llama.cpp's own converter made from a transformers GLM-5
+//! (`glmcheck_oracle.llamacpp.probe_models`), bisected against that transformers folder: F32 and BF16 pass; each planted metadata fault,
 //! and random values in one weight, fail at the stage they first change with their class.
 //!
 //! The trace must be llama.cpp's own numbers: its logits equal `dump_logits`' bit for bit, and
@@ -33,11 +33,11 @@ fn probe_bin() -> PathBuf {
     oracle_bin("llamacpp-probe/build/glmcheck-llamacpp-probe")
 }
 
-/// The GGUFs of llamacpp_probe_models.py: the oracle's JSON line.
+/// The GGUFs of `llamacpp.probe_models`: the oracle's JSON line.
 fn models(dir: &Path) -> serde_json::Value {
     let oracle = common::root().join(".oracles/llama.cpp");
     let out = common::run_oracle(
-        "llamacpp_probe_models.py",
+        "llamacpp.probe_models",
         &[
             dir.to_str().unwrap(),
             "--llama-cpp",

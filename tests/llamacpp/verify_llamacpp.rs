@@ -1,14 +1,15 @@
 //! `glmcheck verify` and `glmcheck bisect --candidate` against files made by llama.cpp's own
 //! tools, with faults planted in their stored bytes.
 //!
-//! `tests/oracle/llamacpp_quants.py` makes a tiny GLM-5 wide enough for K-quants (every matrix
+//! `glmcheck_oracle.llamacpp.quants` makes a tiny GLM-5 wide enough for K-quants (every matrix
 //! llama.cpp quantizes has rows of 256 or 512), saved by transformers, converted to F32 by
 //! llama.cpp's converter and quantized by `llama-quantize` to Q8_0, Q6_K, Q4_K_M and IQ4_XS, and
 //! to Q4_K_M with an importance matrix from `llama-imatrix`; `llama-gguf-split` cuts the Q4_K_M
-//! into a split set of three files (opened as one model; a fault goes into a later file). `tests/oracle/plant_gguf_fault.py`
-//! copies one of those files and rewrites bytes of one tensor in place (swapped experts or
-//! heads, doubled block scales, zeroed or random blocks, a NaN scale, rows of another tensor,
-//! an untransposed attn_k_b), checking the effect with gguf-py's dequantization.
+//! into a split set of three files (opened as one model; a fault goes into a later file).
+//! `glmcheck_oracle.formats.plant_gguf_fault` copies one of those files and rewrites bytes of
+//! one tensor in place (swapped experts or heads, doubled block scales, zeroed or random blocks,
+//! a NaN scale, rows of another tensor, an untransposed attn_k_b), checking the effect with
+//! gguf-py's dequantization.
 //!
 //! Every honest file passes both commands against the Hugging Face folder and against the F32
 //! GGUF: no finding, and every tensor of a plain quantization is exactly the bytes of glmcheck's
@@ -32,7 +33,7 @@ use serde_json::{json, Value};
 /// 16 token ids below the vocabulary size (512).
 const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12,300,301,17,450";
 
-/// The honest files, by the keys of llamacpp_quants.py's JSON.
+/// The honest files, by the keys of `llamacpp.quants`' JSON.
 const HONEST: [&str; 7] = [
     "f32",
     "q8_0",
@@ -43,8 +44,8 @@ const HONEST: [&str; 7] = [
     "q4_k_m-split",
 ];
 
-/// One planted fault: the file it goes into, plant_gguf_fault.py's FAULT, TENSOR and ARGS, and
-/// what verify (class, relation) and bisect (class) must call it.
+/// One planted fault: the file it goes into, `formats.plant_gguf_fault`'s FAULT, TENSOR and
+/// ARGS, and what verify (class, relation) and bisect (class) must call it.
 struct Fault {
     file: &'static str,
     fault: &'static str,
@@ -243,7 +244,7 @@ const FAULTS: [Fault; 19] = [
     },
 ];
 
-/// What llamacpp_quants.py made: every file by its key, and the GGML type of every tensor of
+/// What `llamacpp.quants` made: every file by its key, and the GGML type of every tensor of
 /// every GGUF.
 struct Artifacts {
     dir: PathBuf,
@@ -255,7 +256,7 @@ impl Artifacts {
     fn file(&self, key: &str) -> &Path {
         self.files
             .get(key)
-            .unwrap_or_else(|| panic!("llamacpp_quants.py made no {key}"))
+            .unwrap_or_else(|| panic!("llamacpp.quants made no {key}"))
     }
 
     fn ty(&self, file: &str, tensor: &str) -> &str {
@@ -290,20 +291,16 @@ fn artifacts() -> &'static Artifacts {
         }
         std::fs::create_dir_all(&dir).unwrap();
         let stdout = common::run_oracle(
-            "llamacpp_quants.py",
+            "llamacpp.quants",
             &[
                 dir.to_str().unwrap(),
                 "--llama-cpp",
                 oracle.to_str().unwrap(),
             ],
         );
-        let json: Value = serde_json::from_str(
-            stdout
-                .lines()
-                .last()
-                .expect("llamacpp_quants.py prints JSON"),
-        )
-        .unwrap();
+        let json: Value =
+            serde_json::from_str(stdout.lines().last().expect("llamacpp.quants prints JSON"))
+                .unwrap();
         let files = json["files"]
             .as_object()
             .unwrap()
@@ -507,7 +504,7 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
         f.tensor,
     ];
     args.extend(f.args);
-    let stdout = common::run_oracle("plant_gguf_fault.py", &args);
+    let stdout = common::run_oracle("formats.plant_gguf_fault", &args);
     let plant: Value = serde_json::from_str(stdout.trim()).unwrap();
     let mut problems = Vec::new();
     if plant["check"]["confirmed"] != true {

@@ -17,7 +17,6 @@ fn synth_hf(out: &Path) {
 
 fn probe(hf: &Path, dtype: &str, out: &Path) {
     let run = Command::new(common::python())
-        .env("PYTHONPATH", common::root().join("probes"))
         .args(["-m", "glmcheck_probe.transformers_probe"])
         .arg(hf)
         .args([
@@ -112,7 +111,7 @@ fn status<'j>(j: &'j serde_json::Value, name: &str) -> &'j serde_json::Value {
     &s.unwrap_or_else(|| panic!("{name} not compared"))["status"]
 }
 
-/// transformers itself broken the way an engine breaks (`tests/oracle/broken_hf_probe.py`
+/// transformers itself broken the way an engine breaks (`glmcheck_oracle.hf_probe.broken`
 /// patches the loaded model in its own process), recorded by the probe: bisect names the first
 /// stage the break reaches and its class, from the trace alone.
 #[test]
@@ -130,8 +129,7 @@ fn broken_transformers_modules_recorded_by_the_probe_are_diagnosed() {
         ),
     ] {
         let trace = dir.path().join(format!("{break_}.trace"));
-        let run = Command::new(common::python())
-            .arg(common::root().join("tests/oracle/broken_hf_probe.py"))
+        let run = common::oracle_command(&common::python(), "hf_probe.broken")
             .arg(break_)
             .arg(&hf)
             .args(["--tokens", TOKENS, "--full", "**", "--out"])

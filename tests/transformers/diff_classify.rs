@@ -445,7 +445,7 @@ fn logits_statistics_agree_with_torch_and_catch_garbage() {
     let (r, c) = (runs[0].to_str().unwrap(), runs[1].to_str().unwrap());
     let ours = common::glmcheck_json(["logits", c, "--reference", r, "--json"], 0);
     let torch: serde_json::Value =
-        serde_json::from_str(&common::run_oracle("logits_stats.py", &[r, c])).unwrap();
+        serde_json::from_str(&common::run_oracle("trace.logits_stats", &[r, c])).unwrap();
     // KL sums p·(ln p − ln q) over the vocabulary: differences of logs cancel, so two f64
     // implementations agree to about 1e-15 absolute, not relative.
     let close = |a: &serde_json::Value, b: &serde_json::Value, what: &str| {
@@ -614,7 +614,6 @@ fn near_tie_flips_of_transformers_in_bf16_are_precision_loss() {
     let runs = reference_runs(dir.path(), &["f32", "bf16"]);
     let hf_bf16 = dir.path().join("hf-bf16.trace");
     let out = Command::new(common::python())
-        .env("PYTHONPATH", common::root().join("probes"))
         .args(["-m", "glmcheck_probe.transformers_probe"])
         .arg(dir.path().join("hf"))
         .args([

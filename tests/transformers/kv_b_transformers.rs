@@ -11,7 +11,7 @@ use serde_json::Value as Json;
 #[test]
 fn split_kv_b_assembles_back_bit_for_bit_and_hf_folder_passes_schema() {
     let dir = common::scratch();
-    common::run_oracle("kv_b_split.py", &[dir.path().to_str().unwrap()]);
+    common::run_oracle("hf.kv_b_split", &[dir.path().to_str().unwrap()]);
     let dims: Json =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("kv_b.json")).unwrap())
             .unwrap();

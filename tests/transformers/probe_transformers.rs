@@ -31,7 +31,6 @@ fn synth(dir: &Path) -> (std::path::PathBuf, Json) {
 fn probe(hf: &Path, dir: &Path, extra: &[&str]) -> Trace {
     let out = dir.join("run.trace");
     let run = Command::new(common::python())
-        .env("PYTHONPATH", common::root().join("probes"))
         .args(["-m", "glmcheck_probe.transformers_probe"])
         .arg(hf)
         .args(["--tokens", TOKENS, "--out"])
@@ -123,11 +122,11 @@ fn probe_trace_matches_transformers_and_itself() {
             );
         }
     }
-    common::run_oracle("trace_check.py", &[trace.dir().to_str().unwrap()]);
+    common::run_oracle("trace.check", &[trace.dir().to_str().unwrap()]);
 
     // Logits: transformers' own from a forward without hooks.
     let oracle: Json = serde_json::from_str(&common::run_oracle(
-        "hf_logits.py",
+        "hf.logits",
         &[hf.to_str().unwrap(), TOKENS],
     ))
     .unwrap();
@@ -270,10 +269,7 @@ fn an_expert_copied_in_a_per_expert_checkpoint_is_named_on_the_path() {
         "model.layers.1.mlp.experts.2.gate_proj.weight",
         "model.layers.1.mlp.experts.5.gate_proj.weight",
     );
-    common::run_oracle(
-        "copy_hf_tensor.py",
-        &[cand.to_str().unwrap(), target, source],
-    );
+    common::run_oracle("hf.copy_tensor", &[cand.to_str().unwrap(), target, source]);
     let trace = probe(&cand, dir.path(), &[]);
     let j = common::bisect_candidate(&reference, trace.dir(), &["--weights", "divergent"], 1);
     assert_eq!(

@@ -1,7 +1,7 @@
 //! The transformers probe's tensor-parallel recording (`--tp-plan`), on CPU. transformers' own TP
 //! loader needs `accelerate` and is run on the GPU machine only (probes/README.md), so
-//! `tests/oracle/hf_tp_ranks.py` shards the attention heads by hand in two gloo processes the way
-//! the plan's colwise / rowwise styles do and has every rank record with the probe. The merged
+//! `glmcheck_oracle.hf_probe.tp_ranks` shards the attention heads by hand in two gloo processes
+//! the way the plan's colwise / rowwise styles do and has every rank record with the probe. The merged
 //! trace holds rank parts of the head-split stages, whole replicated stages that agree across
 //! ranks, and passes `bisect --candidate`; shards given to the wrong rank are caught.
 
@@ -22,7 +22,7 @@ fn record(hf: &Path, out: &Path, dtype: &str, extra: &[&str]) {
         dtype,
     ];
     args.extend(extra);
-    common::run_oracle("hf_tp_ranks.py", &args);
+    common::run_oracle("hf_probe.tp_ranks", &args);
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Trace {
     let model_s = model.to_str().unwrap();
     let mut args = vec![model_s, arch];
     args.extend(flags);
-    common::run_oracle("deepseek_model.py", &args);
+    common::run_oracle("hf.deepseek_model", &args);
 
     let trace_dir = dir.path().join("ours.trace");
     let ours = common::glmcheck_json(
@@ -39,7 +39,7 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Trace {
     let trace = Trace::open(&trace_dir).unwrap();
     let x = trace.tensor("logits", None).unwrap().unwrap();
     let theirs: Value =
-        serde_json::from_str(&common::run_oracle("hf_logits.py", &[model_s, TOKENS])).unwrap();
+        serde_json::from_str(&common::run_oracle("hf.logits", &[model_s, TOKENS])).unwrap();
     let y: Vec<f32> = theirs["logits"]
         .as_array()
         .unwrap()
@@ -71,11 +71,8 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Trace {
         argmax(&y),
         "{arch} {flags:?}: top-1 per position"
     );
-    let generated: Value = serde_json::from_str(&common::run_oracle(
-        "hf_generate.py",
-        &[model_s, TOKENS, "16"],
-    ))
-    .unwrap();
+    let generated: Value =
+        serde_json::from_str(&common::run_oracle("hf.generate", &[model_s, TOKENS, "16"])).unwrap();
     assert_eq!(
         ours["generated"], generated,
         "{arch} {flags:?}: 16 greedy tokens"

@@ -46,7 +46,6 @@ fn run_ours(model: &Path, out: &Path) -> Trace {
 
 fn run_probe(hf: &Path, out: &Path) -> Trace {
     let run = Command::new(common::python())
-        .env("PYTHONPATH", common::root().join("probes"))
         .args(["-m", "glmcheck_probe.transformers_probe"])
         .arg(hf)
         .args(["--tokens", TOKENS, "--full", "**", "--out"])
@@ -190,7 +189,7 @@ fn compare_with_transformers(dir: &Path, sets: &[&str]) {
         String::from_utf8_lossy(&run.stderr)
     );
     let ours: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
-    let out = common::run_oracle("hf_generate.py", &[hf.to_str().unwrap(), TOKENS, "16"]);
+    let out = common::run_oracle("hf.generate", &[hf.to_str().unwrap(), TOKENS, "16"]);
     let theirs: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(ours["generated"], theirs, "16 greedy tokens");
 }
@@ -388,7 +387,7 @@ fn prompts_tokenize_and_generations_decode_as_transformers_does() {
             .map(|v| v.to_string())
             .collect();
         let out = common::run_oracle(
-            "hf_tokenize.py",
+            "hf.encode_decode",
             &[hf.to_str().unwrap(), prompt, &generated.join(",")],
         );
         let theirs: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -450,7 +449,7 @@ fn bf16_emulation_departs_from_f32_as_much_as_transformers_in_bf16() {
     let (f32_logits, bf16_logits) = (run("f32"), run("bf16"));
     let npy = dir.path().join("hf_bf16.npy");
     common::run_oracle(
-        "hf_logits_dtype.py",
+        "hf.logits_dtype",
         &[
             hf.to_str().unwrap(),
             TOKENS,
@@ -554,7 +553,7 @@ fn f64_reference_agrees_with_f32_to_f32_rounding() {
     assert!(err > 0.0, "the f64 run computes in f64, not f32");
     assert!(err <= 1e-5 * scale, "f32 − f64: {err} of {scale}");
     let theirs: serde_json::Value = serde_json::from_str(&common::run_oracle(
-        "hf_logits.py",
+        "hf.logits",
         &[hf.to_str().unwrap(), TOKENS],
     ))
     .unwrap();

@@ -33,7 +33,7 @@ fn tiny(seed: u64) -> SynthSpec {
 fn hf_forward(folder: &Path, tokens: &[u32]) -> Json {
     let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
     serde_json::from_str(&common::run_oracle(
-        "hf_forward.py",
+        "hf.forward",
         &[folder.to_str().unwrap(), &ids.join(",")],
     ))
     .unwrap()
@@ -303,7 +303,7 @@ fn gguf_py_reads_every_mix_close_to_f32() {
         spec.mix = mix;
         spec.write_gguf(&path).unwrap();
         let out = common::run_oracle(
-            "compare_gguf.py",
+            "formats.compare_gguf",
             &[reference.to_str().unwrap(), path.to_str().unwrap()],
         );
         let worst: Json = serde_json::from_str(&out).unwrap();
@@ -328,7 +328,7 @@ fn indexer_schedule_overrides_match_transformers() {
         .iter()
         .map(|(f, o, l)| serde_json::json!({"num_hidden_layers": l, "index_topk_freq": f, "index_skip_topk_offset": o}))
         .collect();
-    let out = common::run_oracle("indexer_types.py", &[&Json::from(kwargs).to_string()]);
+    let out = common::run_oracle("hf.indexer_types", &[&Json::from(kwargs).to_string()]);
     let theirs: Vec<Vec<String>> = serde_json::from_str(&out).unwrap();
     for ((freq, offset, layers), theirs) in cases.into_iter().zip(theirs) {
         let sets = [
@@ -366,7 +366,7 @@ fn fp8_checkpoint_is_torchs_block_quantization_in_glm5_fp8s_layout() {
     spec.mix = Mix::Fp8;
     spec.write_hf(&fp8, ExpertForm::PerExpert).unwrap();
     let report: Json = serde_json::from_str(&common::run_oracle(
-        "fp8_checkpoint.py",
+        "hf.fp8_checkpoint",
         &[plain.to_str().unwrap(), fp8.to_str().unwrap()],
     ))
     .unwrap();

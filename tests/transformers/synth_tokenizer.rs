@@ -78,7 +78,7 @@ fn count(tok: &SynthTokenizer, kind: TokenKind) -> usize {
 }
 
 /// Write tokenizer.json, tokenizer_config.json, a tensor-less GGUF with the tokenizer keys and
-/// the expectations for `tokenizer_check.py`.
+/// the expectations for `hf.tokenizer_check`.
 fn write_fixture(tok: &SynthTokenizer, dir: &Path) {
     std::fs::write(dir.join("tokenizer.json"), tok.tokenizer_json()).unwrap();
     std::fs::write(
@@ -127,7 +127,7 @@ fn check_against_python(vocab_size: usize) {
     let tok = SynthTokenizer::new(vocab_size).unwrap();
     let dir = common::scratch();
     write_fixture(&tok, dir.path());
-    let out = common::run_oracle("tokenizer_check.py", &[dir.path().to_str().unwrap()]);
+    let out = common::run_oracle("hf.tokenizer_check", &[dir.path().to_str().unwrap()]);
     assert!(out.contains("\"ok\": true"), "{out}");
 }
 

@@ -1,6 +1,6 @@
 //! `glmcheck verify` on a Hugging Face bf16 checkpoint that transformers itself wrote, against
 //! the f32 folder it was cast from, and on copies with a fault planted in its safetensors bytes
-//! (`tests/oracle/hf_bf16_faults.py`).
+//! (`glmcheck_oracle.hf.bf16_faults`).
 //!
 //! The honest bf16 folder is ggml's bf16 rounding of every value, so every tensor is `exact`;
 //! each planted fault fails at its tensor with its class and relation, and only that tensor
@@ -21,7 +21,7 @@ fn transformers_bf16_checkpoint_passes_and_planted_faults_are_named() {
     common::synth_tiny(&f32_dir, &["--format", "hf", "--quant", "f32"]);
     let out = dir.path().join("bf16");
     let made: Value = serde_json::from_str(&common::run_oracle(
-        "hf_bf16_faults.py",
+        "hf.bf16_faults",
         &[f32_dir.to_str().unwrap(), out.to_str().unwrap()],
     ))
     .expect("the oracle's JSON");

@@ -1,6 +1,6 @@
 //! vLLM's own code with a glm-dsa GGUF: vLLM 0.23's CPU build (`scripts/setup-vllm`) builds
 //! `GlmMoeDsaForCausalLM` in one gloo process per rank and loads a `glmcheck synth` Q4_K_M GGUF
-//! through its own `weight_loader`s (`tests/oracle/vllm/`: the user's loader patch and four CPU
+//! through its own `weight_loader`s (`glmcheck_oracle.vllm23`: the user's loader patch and four CPU
 //! platform shims).
 //!
 //! Loads: the probe writes each rank's shard manifest from vLLM's real parameters (GGUF
@@ -14,7 +14,7 @@
 //! absent there), never as a pass.
 //!
 //! Forwards: vLLM's forward runs with torch stand-ins for its GPU kernels
-//! (`tests/oracle/vllm/gpu_stand_ins.py`) and the probe's hooks, and `glmcheck bisect MODEL
+//! (`glmcheck_oracle.vllm23.gpu_stand_ins`) and the probe's hooks, and `glmcheck bisect MODEL
 //! --candidate TRACE --actual SHARDS` judges the trace. Clean deployments pass at TP 2 and 4 in
 //! f32 and at TP 2 in bf16 and f16; each of the story's faults is located and classified at TP 2
 //! and 4: `kv_b_proj` whole on every rank (`unsharded_weight`, ranks and rows named), o_proj's
@@ -29,7 +29,7 @@
 use crate::common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
@@ -57,10 +57,9 @@ fn model_as(dir: &Path, aligned: bool, quant: &str) -> (PathBuf, PathBuf) {
     (gguf, hf)
 }
 
-/// `run_ranks.py` on `gguf` at `tp` with `extra` arguments into `out`.
+/// `vllm23.run_ranks` on `gguf` at `tp` with `extra` arguments into `out`.
 fn run_ranks_output(gguf: &Path, hf: &Path, tp: u64, out: &Path, extra: &[&str]) -> Output {
-    Command::new(vllm_python())
-        .arg(common::root().join("tests/oracle/vllm/run_ranks.py"))
+    common::oracle_command(&vllm_python(), "vllm23.run_ranks")
         .arg(gguf)
         .arg("--hf-config")
         .arg(hf)
@@ -72,14 +71,14 @@ fn run_ranks_output(gguf: &Path, hf: &Path, tp: u64, out: &Path, extra: &[&str])
         .expect("start the vLLM interpreter")
 }
 
-/// Run `run_ranks.py` on `gguf` at `tp` with `extra` arguments into a folder of its own named
+/// Run `vllm23.run_ranks` on `gguf` at `tp` with `extra` arguments into a folder of its own named
 /// by `tag`; the folder (shards.json, and run.trace with `--tokens`).
 fn run_ranks(gguf: &Path, hf: &Path, tp: u64, tag: &str, extra: &[&str]) -> PathBuf {
     let out = gguf.with_file_name(format!("tp{tp}-{tag}"));
     let run = run_ranks_output(gguf, hf, tp, &out, extra);
     assert!(
         run.status.success(),
-        "run_ranks.py at TP {tp} ({extra:?}) failed:\n{}",
+        "vllm23.run_ranks at TP {tp} ({extra:?}) failed:\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
     out

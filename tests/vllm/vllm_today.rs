@@ -11,14 +11,14 @@
 //!
 //! Clean runs of both trees pass `glmcheck bisect MODEL --candidate TRACE --actual SHARDS` in f32
 //! and bf16 at TP 1, 2 and 4. Bugs planted inside vLLM's own code by the tests' plugin
-//! (`tests/oracle/vllm32/`, `GLMCHECK_VLLM_FAULT`) are each located at their first divergent
+//! (`glmcheck_oracle.vllm32`, `GLMCHECK_VLLM_FAULT`) are each located at their first divergent
 //! stage and classed (the CUDA tree at TP 2 and 4, the CPU tree at TP 4): its loader cutting `kv_b_proj` at rank 0's
 //! offset on every rank (the story's fault), its router ignoring the correction bias, an o_proj
 //! all-reduce left out, RoPE positions off by one, and the experts' loader swapping gate and up.
 //!
 //! `glm-dsa` Q4_K_M GGUFs — one made by llama.cpp's converter and `llama-quantize --imatrix`,
 //! others by `glmcheck synth` — run through `vllm-gguf-plugin` 0.0.5 with the user's weights
-//! adapter for them (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`): they pass at
+//! adapter for them (`glmcheck_oracle.vllm32.glm_dsa_gguf`): they pass at
 //! TP 1; at TP 2 the plugin's own loader bug (rank 0's rows of every merged-column weight on
 //! every rank) is found; with the plugin's fix, TP 2 and 4 pass, and the story's `kv_b_proj`
 //! fault, the plugin's byte split of Q4_K blocks and a config without GLM-5's indexer RoPE
@@ -826,7 +826,7 @@ fn a_capture_that_cannot_be_made_is_one_line_and_exit_2() {
 }
 
 /// The tests' plugin turns on vllm-gguf-plugin's fix of its merged-column and QKV loaders
-/// (`tests/oracle/vllm32/glmcheck_vllm_faults/glm_dsa_gguf.py`), which 0.0.5 lacks.
+/// (`glmcheck_oracle.vllm32.glm_dsa_gguf`), which 0.0.5 lacks.
 const GGUF_RANK_FIX: &str = "GLMCHECK_VLLM_GGUF_RANK_FIX";
 
 /// The tiny preset as a glm-dsa Q4_K_M GGUF in llama.cpp's layout (`kv_b_proj` split into
@@ -900,7 +900,7 @@ fn a_glm_dsa_gguf_through_vllm_gguf_plugin_passes_on_both_trees_at_tp1() {
 }
 
 /// A GLM-5 made by transformers, converted by llama.cpp's converter and quantized to Q4_K_M
-/// with an importance matrix by `llama-quantize --imatrix` (`tests/oracle/llamacpp_quants.py`),
+/// with an importance matrix by `llama-quantize --imatrix` (`glmcheck_oracle.llamacpp.quants`),
 /// at widths vLLM's MLA takes (kv_lora_rank 512, rope 64) and whose row splits at TP 2 keep
 /// whole blocks; the GGUF and the Hugging Face folder transformers saved.
 fn llama_cpp_gguf(dir: &Path) -> (PathBuf, PathBuf) {
@@ -917,7 +917,7 @@ fn llama_cpp_gguf(dir: &Path) -> (PathBuf, PathBuf) {
         oracle.to_str().unwrap(),
     ];
     args.extend(sets.iter().flat_map(|s| ["--set", s]));
-    let printed = common::run_oracle("llamacpp_quants.py", &args);
+    let printed = common::run_oracle("llamacpp.quants", &args);
     let v: Value = serde_json::from_str(printed.lines().last().unwrap()).unwrap();
     let file = |key: &str| PathBuf::from(v["files"][key].as_str().unwrap());
     (file("q4_k_m-imatrix"), file("hf"))

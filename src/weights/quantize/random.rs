@@ -1,8 +1,9 @@
 //! Valid random blocks of any dequantizable type, for models written at disk speed: random bytes
 //! with only the scale fields tamed, since every bit pattern of the codes is a valid code.
 //!
-//! The per-type scale fields are those of `tests/oracle/quant_blocks.py`; the dequantization of
-//! the result is finite everywhere (largest |value| about 2^6 · 2^8 · 2^7 for IQ4_XS).
+//! The per-type scale fields are those of the tests' `glmcheck_oracle.formats.quant_blocks`; the
+//! dequantization of the result is finite everywhere (largest |value| about 2^6 · 2^8 · 2^7 for
+//! IQ4_XS).
 
 use rayon::prelude::*;
 

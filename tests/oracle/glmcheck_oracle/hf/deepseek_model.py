@@ -1,0 +1,75 @@
+"""Build a tiny random DeepSeek MLA model with transformers' own classes and save it.
+
+Usage: python -m glmcheck_oracle.hf.deepseek_model OUT {v3|v32} [--neox] [--yarn]
+
+transformers' GLM-5 class always rotates interleaved pairs; its DeepSeek-V3 class rotates NeoX
+halves when `rope_interleave` is false, and its DeepSeek-V3.2 indexer always does: these models
+test the reference's other RoPE paths, YaRN scaling, and dense (indexer-less) MLA. Weights are
+re-drawn so that activations are well scaled and logits peaked (projections N(0, 1/fan_in), norm
+weights 1 + 0.2·N, the expert-choice bias 0.3·N, lm_head × 3); the default init (std 0.02)
+gives logits so flat that top-1 would hinge on rounding.
+"""
+
+import argparse
+
+import torch
+
+
+def build(arch: str, neox: bool, yarn: bool):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256,
+        tie_word_embeddings=False, rope_interleave=not neox,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        # mscale ≠ mscale_all_dim: cos/sin and the softmax scale both change.
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                "mscale": 0.707, "mscale_all_dim": 1.0}
+    common["rope_parameters"] = rope
+    if arch == "v3":
+        cfg = tf.DeepseekV3Config(**common)
+        cls = tf.DeepseekV3ForCausalLM
+    else:
+        cfg = tf.DeepseekV32Config(**common, index_n_heads=16, index_head_dim=32, index_topk=4)
+        cls = tf.DeepseekV32ForCausalLM
+    torch.manual_seed(5)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "norm" in name and name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        model.lm_head.weight.mul_(3)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn_like(b))
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("arch", choices=["v3", "v32"])
+    ap.add_argument("--neox", action="store_true")
+    ap.add_argument("--yarn", action="store_true")
+    a = ap.parse_args()
+    build(a.arch, a.neox, a.yarn).save_pretrained(a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Greedy generation with transformers: `python -m glmcheck_oracle.hf.generate FOLDER TOKENS N`
+→ JSON list of N new ids."""
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main() -> None:
+    folder, tokens, n = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    print(json.dumps(out[0, len(tokens):].tolist()))
+
+
+if __name__ == "__main__":
+    main()

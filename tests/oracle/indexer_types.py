@@ -1,8 +1,0 @@
-"""Print transformers' GlmMoeDsaConfig.indexer_types for each keyword-argument set of a JSON list."""
-
-import json
-import sys
-
-from transformers import GlmMoeDsaConfig
-
-print(json.dumps([GlmMoeDsaConfig(**kwargs).indexer_types for kwargs in json.loads(sys.argv[1])]))
