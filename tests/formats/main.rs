@@ -13,3 +13,4 @@ mod quantize_oracle;
 mod safetensors_reader;
 mod shards_actual;
 mod trace_format;
+mod trace_format_writer;
