@@ -9,6 +9,7 @@ mod common;
 mod bisect_engine_trace;
 mod cuda_host;
 mod diff_classify;
+mod diff_classify_ranks;
 mod kv_b_transformers;
 mod probe_transformers;
 mod probe_transformers_tp;
