@@ -9,3 +9,4 @@ mod llamacpp_oracle;
 mod probe_llamacpp;
 mod quantize_llamacpp;
 mod verify_llamacpp;
+mod verify_llamacpp_cases;
