@@ -9,6 +9,7 @@ mod bisect_faults;
 mod bisect_library;
 mod cli_shards;
 mod gate;
+mod gate_reports;
 mod hostile_files;
 mod layers;
 mod partial_trace;
