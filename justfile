@@ -110,6 +110,6 @@ gpu-dequant-bench:
     scripts/gpu/gpu-dequant-bench target/release/glmcheck
 
 # .venv-vllm: vLLM 0.23.0's CPU build (tests/vllm/vllm_gguf_load.rs, ~6 min once); `just setup-vllm 0.32`:
-# .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm/vllm_today.rs, ~2 min more).
+# .venv-vllm32, vLLM 0.32.0's with glmcheck's plugin (tests/vllm/vllm_today*.rs, ~2 min more).
 setup-vllm release="0.23":
     scripts/setup-vllm {{release}}

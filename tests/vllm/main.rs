@@ -5,5 +5,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod vllm32;
 mod vllm_gguf_load;
 mod vllm_today;
+mod vllm_today_fp8;
+mod vllm_today_gguf;
+mod vllm_today_server;
