@@ -7,7 +7,7 @@ an independent answer from another implementation, or to make a model or plant a
 * `trace`: glmcheck traces re-read and recomputed with numpy and torch;
 * `hf`: transformers running, saving and tokenizing Hugging Face folders;
 * `hf_probe`: the transformers probe (`glmcheck_probe`) recording a model with a bug planted,
-  or at tensor parallelism on CPU;
+  or at tensor parallelism (gloo ranks on CPU; transformers' own TP plan under torchrun);
 * `llamacpp`: tiny GLM-5s converted and quantized by llama.cpp's own tools;
 * `vllm23`: a glm-dsa GGUF loaded and run by vLLM 0.23's classes, one process per rank;
 * `vllm32`: bugs planted inside vLLM 0.32, as a vLLM plugin.
