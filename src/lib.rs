@@ -43,6 +43,7 @@ pub mod compare;
 pub mod cuda;
 pub mod diagnose;
 pub mod dtype;
+pub mod endpoint;
 pub mod exec;
 pub mod gate;
 pub mod model;

@@ -4,6 +4,7 @@ mod bisect;
 mod demo;
 mod dequant;
 mod diff;
+mod endpoint;
 mod gate;
 mod inspect;
 mod logits;
@@ -88,6 +89,10 @@ pub enum Command {
     Gate(gate::GateArgs),
     /// Logits health (entropy, flatness, repeats, NaN); against a reference KL, top-1, Δp.
     Logits(logits::LogitsArgs),
+    /// A running OpenAI-compatible server (vLLM) diagnosed from outside: its top-k
+    /// log-probabilities at every prompt position against the reference forward of the model it
+    /// serves (KL, top-1, Δp, the first position where they part).
+    Endpoint(endpoint::EndpointArgs),
     /// vLLM's tensor-parallel plan per weight and rank, and the bytes each rank holds; with
     /// `--actual`, an engine's shard manifest checked against it.
     Shards(shards::ShardsArgs),
@@ -126,6 +131,7 @@ pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Bisect(a) => bisect::run(a),
         Command::Gate(a) => gate::run(a),
         Command::Logits(a) => logits::run(a),
+        Command::Endpoint(a) => endpoint::run(a),
         Command::Shards(a) => shards::run(a),
         Command::Selftest(a) => selftest::run(a),
         Command::Verify(a) => verify::run(a),

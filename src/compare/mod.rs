@@ -8,6 +8,7 @@ pub mod logits;
 pub mod metrics;
 pub mod parts;
 pub mod stage_diff;
+pub mod top_k;
 pub mod unshard;
 
 pub use diff::{diff, DiffOptions, DiffReport, Partial};

@@ -5,6 +5,7 @@
 
 pub mod bisect;
 pub mod dequant;
+pub mod endpoint;
 pub mod fault_matrix;
 pub mod gate;
 pub mod inspect;

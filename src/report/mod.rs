@@ -16,6 +16,7 @@
 pub mod bisect;
 pub mod dequant;
 pub mod diff;
+pub mod endpoint;
 pub mod escape;
 pub mod gate;
 pub mod html;

@@ -13,6 +13,7 @@ const LAYERS: &[&str] = &[
     "gate",
     "verify",
     "diagnose",
+    "endpoint",
     "any_backend",
     "cuda",
     "exec",

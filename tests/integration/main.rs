@@ -8,6 +8,7 @@ mod common;
 mod bisect_faults;
 mod bisect_library;
 mod cli_shards;
+mod endpoint;
 mod gate;
 mod gate_reports;
 mod hostile_files;
