@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod endpoint;
 mod vllm32;
 mod vllm_gguf_load;
 mod vllm_today;

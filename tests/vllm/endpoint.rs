@@ -1,0 +1,96 @@
+//! `glmcheck endpoint` against vLLM 0.32's OpenAI server (`vllm_today_server::Server`) on a
+//! synthetic GLM-5: an honest server agrees with the reference (exit 0); one with a bug
+//! planted in vLLM's code parts from it (exit 1) at the first prompt position. The server runs
+//! with `--skip-tokenizer-init`, so it takes the prompt as the ids glmcheck's tokenizer made,
+//! and glmcheck's CPU stand-in for sparse MLA runs whole-prompt prefills only, so one token
+//! is generated (the first, from the prefill).
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde_json::Value;
+
+use crate::common;
+use crate::vllm32::{model, TOKENS};
+use crate::vllm_today_server::Server;
+
+/// `glmcheck endpoint` of `server` on [`TOKENS`] and a text prompt, its exit code asserted.
+fn endpoint(server: &Server, hf: &Path, code: i32) -> Value {
+    let began = Instant::now();
+    let report = common::glmcheck_json(
+        [
+            "endpoint",
+            &server.url,
+            hf.to_str().unwrap(),
+            "--tokens",
+            TOKENS,
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "1",
+            "--top-k",
+            "5",
+            "--timeout",
+            "300",
+            "--json",
+        ],
+        code,
+    );
+    eprintln!("glmcheck endpoint: {:.1} s", began.elapsed().as_secs_f64());
+    report
+}
+
+/// A server started, timed.
+fn start(hf: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
+    let began = Instant::now();
+    let server = Server::start(hf, tp, shards, fault);
+    eprintln!(
+        "vLLM's server at TP {tp} ({}): ready in {:.1} s",
+        if fault.is_empty() { "honest" } else { fault },
+        began.elapsed().as_secs_f64()
+    );
+    server
+}
+
+#[test]
+fn an_honest_vllm_server_agrees_with_the_reference() {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    let server = start(&hf, 1, &dir.path().join("shards"), "");
+    let v = endpoint(&server, &hf, 0);
+    assert_eq!(v["verdict"], "pass", "{v:#}");
+    for prompt in v["prompts"].as_array().unwrap() {
+        let c = &prompt["comparison"];
+        assert_eq!(c["top1_agreement"], 1.0, "{c}");
+        assert!(c["max_abs_delta_logprob"].as_f64().unwrap() < 1e-3, "{c}");
+        assert_eq!(prompt["continuation"], prompt["reference_continuation"]);
+    }
+}
+
+/// vLLM's routed experts loaded with each expert's gate and up projections swapped: the MoE
+/// layers' output is another function from the first position on.
+#[test]
+fn a_vllm_server_with_its_expert_halves_swapped_parts_at_the_first_position() {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    let server = start(&hf, 1, &dir.path().join("shards"), "w13-halves-swapped");
+    let v = endpoint(&server, &hf, 1);
+    assert_eq!(v["verdict"], "fail", "{v:#}");
+    let c = &v["prompts"][0]["comparison"];
+    assert_eq!(c["first_parting"]["position"], 0, "{c}");
+    // The synthetic model is so sure of its top-1 (p ≈ 0.9999) that the swap leaves it and
+    // the KL nearly alone: the listed tail tokens' log-probabilities show it.
+    assert!(c["max_abs_delta_logprob"].as_f64().unwrap() > 0.5, "{c}");
+}
+
+/// The story's loader bug: at TP 2 every rank holds rank 0's rows of `kv_b_proj`.
+#[test]
+fn a_vllm_server_with_kv_b_unsharded_at_tp_2_parts_at_the_first_position() {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    let server = start(&hf, 2, &dir.path().join("shards"), "unsharded-kv-b");
+    let v = endpoint(&server, &hf, 1);
+    assert_eq!(v["verdict"], "fail", "{v:#}");
+    let c = &v["prompts"][0]["comparison"];
+    assert_eq!(c["first_parting"]["position"], 0, "{c}");
+}
