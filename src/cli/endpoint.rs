@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::Outcome;
+use super::{one_of, Outcome};
 use crate::compare::top_k::DEFAULT_TOLERANCE;
-use crate::pipeline::endpoint::{check, EndpointSpec};
+use crate::dtype::Precision;
+use crate::pipeline::endpoint::{check, EndpointSpec, ExplainSpec};
 use crate::report::endpoint::text;
 
 #[derive(clap::Args, Debug)]
@@ -39,6 +40,23 @@ pub struct EndpointArgs {
     /// The largest |Δ log-probability| (nats) of a listed token that still agrees.
     #[arg(long, value_name = "NATS", default_value_t = DEFAULT_TOLERANCE)]
     pub tolerance: f64,
+    /// Where the server parts from the reference, which catalogued fault explains it best:
+    /// each planted in turn in the reference (and none: the clean model), scored by how well it
+    /// reproduces the server's log-probabilities.
+    #[arg(long)]
+    pub explain: bool,
+    /// `--explain`: the most runs, the clean model's included (default: every fault that can
+    /// exist at the server's TP and dtype).
+    #[arg(long, value_name = "N", requires = "explain")]
+    pub budget: Option<u64>,
+    /// `--explain`: the server's tensor-parallel degree (vLLM's `--tensor-parallel-size`);
+    /// faults that exist only with TP are tried at 2 or more.
+    #[arg(long, requires = "explain", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub tp: Option<u64>,
+    /// `--explain`: the precision the hypotheses run at (f32, or bf16/f16 emulating the GPU).
+    #[arg(long, default_value = "f32", requires = "explain",
+          value_parser = one_of(&Precision::ALL, Precision::name))]
+    pub dtype: Precision,
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -57,6 +75,12 @@ pub fn run(args: EndpointArgs) -> anyhow::Result<Outcome> {
         max_tokens: args.max_tokens,
         timeout: Duration::from_secs(args.timeout),
         tolerance: args.tolerance,
+        explain: args.explain.then_some(ExplainSpec {
+            tp: args.tp,
+            dtype: args.dtype,
+            budget: args.budget.map(|b| b as usize),
+            quiet: args.json,
+        }),
     })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

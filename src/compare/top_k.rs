@@ -207,6 +207,58 @@ pub fn compare(
     })
 }
 
+/// The most one listed token adds to a [`fit`] score, in nats: a hypothesis that gives a token
+/// no probability at all (or NaN) costs this much there, not an infinity that would hide how
+/// well it fits everywhere else.
+pub const FIT_CAP: f64 = 30.0;
+
+/// How well a hypothesis's `[positions, vocab]` logits reproduce the server's listed
+/// log-probabilities, as `(sum, terms)` so that several prompts pool into one mean.
+///
+/// The score of a hypothesis is `sum / terms`: the mean, over every position and every token
+/// the server listed there, of `min(|logprob_hypothesis − logprob_server|, FIT_CAP)` in nats.
+/// A term where exactly one side is not finite (a NaN, or −∞ against a finite value) counts
+/// [`FIT_CAP`]; two equal infinities or two NaNs count 0. Lower is better, 0 a perfect fit. Only
+/// listed tokens count: they are the only ones whose server log-probability is known.
+pub fn fit(
+    hypothesis: &[f32],
+    vocab: usize,
+    server: &[Vec<(u32, f64)>],
+) -> Result<(f64, usize), String> {
+    let rows = hypothesis.len() / vocab.max(1);
+    if rows < server.len() {
+        return Err(format!(
+            "{rows} positions in the hypothesis's logits, {} from the server",
+            server.len()
+        ));
+    }
+    let (mut sum, mut terms) = (0.0, 0);
+    for (t, listed) in server.iter().enumerate() {
+        let lp = log_softmax(&hypothesis[t * vocab..(t + 1) * vocab]);
+        for &(id, q) in listed {
+            let Some(&p) = lp.get(id as usize) else {
+                return Err(format!(
+                    "position {t}: token id {id} is past the model's vocabulary of {vocab}"
+                ));
+            };
+            sum += fit_term(p, q);
+            terms += 1;
+        }
+    }
+    Ok((sum, terms))
+}
+
+/// One listed token's term of [`fit`].
+fn fit_term(hypothesis: f64, server: f64) -> f64 {
+    if hypothesis.is_finite() && server.is_finite() {
+        (hypothesis - server).abs().min(FIT_CAP)
+    } else if (hypothesis.is_nan() && server.is_nan()) || hypothesis == server {
+        0.0
+    } else {
+        FIT_CAP
+    }
+}
+
 /// The server's health from its own answer: its top-1 probabilities against a uniform draw,
 /// non-finite log-probabilities, and its greedy continuation.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -310,6 +362,23 @@ pub fn problems(c: &TopKComparison, h: &ServerHealth) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fit_is_the_mean_capped_distance_over_listed_tokens() {
+        let row = [2.0f32, 1.0, 0.0, -1.0];
+        let exact = served(&row, 2, 0.0);
+        let (sum, terms) = fit(&row, 4, std::slice::from_ref(&exact)).unwrap();
+        assert_eq!(terms, 2);
+        assert!(sum < 1e-9, "{sum}");
+        let (sum, _) = fit(&row, 4, &[served(&row, 2, 0.25)]).unwrap();
+        assert!((sum / 2.0 - 0.25).abs() < 1e-9, "{sum}");
+        // A NaN hypothesis costs the cap per listed token, a shared −∞ nothing.
+        let (sum, terms) = fit(&[f32::NAN; 4], 4, std::slice::from_ref(&exact)).unwrap();
+        assert_eq!(sum / terms as f64, FIT_CAP);
+        assert_eq!(fit_term(f64::NEG_INFINITY, f64::NEG_INFINITY), 0.0);
+        assert_eq!(fit_term(-1.0, f64::NEG_INFINITY), FIT_CAP);
+        assert!(fit(&row, 4, &[vec![(9, -1.0)]]).is_err());
+    }
 
     /// The top `k` of `row` as a server lists them, each log-probability moved by `shift`.
     fn served(row: &[f32], k: usize, shift: f64) -> Vec<(u32, f64)> {

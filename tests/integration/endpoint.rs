@@ -91,23 +91,32 @@ const TOKENS: [u32; 5] = [1, 5, 9, 14, 3];
 fn model_and_logits(dir: &Path) -> (std::path::PathBuf, Vec<f32>, usize) {
     let model = dir.join("tiny.gguf");
     common::synth_tiny(&model, &[]);
-    let trace = dir.join("r.trace");
+    let (logits, vocab) = logits_of(&model, dir, &[]);
+    (model, logits, vocab)
+}
+
+/// `glmcheck run` of `model` on [`TOKENS`] with `extra` arguments: its logits, the vocab.
+fn logits_of(model: &Path, dir: &Path, extra: &[&str]) -> (Vec<f32>, usize) {
+    let trace = dir.join(format!("r{}.trace", extra.join("").replace(['-', '='], "")));
     let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
-    common::glmcheck_ok(&[
+    let ids = ids.join(",");
+    let mut args = vec![
         "run",
         model.to_str().unwrap(),
         "--tokens",
-        &ids.join(","),
+        &ids,
         "--latent-norm-eps",
         "1e-5",
         "--out",
         trace.to_str().unwrap(),
-    ]);
+    ];
+    args.extend(extra);
+    common::glmcheck_ok(&args);
     let trace = glmcheck::trace::Trace::open(&trace).unwrap();
     let (logits, shape) = glmcheck::compare::stage_diff::whole_values(&trace, "logits")
         .unwrap()
         .unwrap();
-    (model, logits, shape[1] as usize)
+    (logits, shape[1] as usize)
 }
 
 /// vLLM's answer as it would give it for these logits: each prompt position's top `k` and the
@@ -228,6 +237,98 @@ fn a_server_that_agrees_passes_and_one_that_parts_is_named_at_its_position() {
     assert!(
         text.contains("FAIL: prompt 1: parts from the reference"),
         "{text}"
+    );
+}
+
+/// A server whose answers are the tiny model's with a catalogued fault planted (`rope-neox`,
+/// then `unsharded-column=kv_b` at TP 2): `--explain` ranks that fault first, far below the
+/// clean model; an honest server has nothing to explain.
+#[test]
+fn explain_names_the_fault_planted_in_the_server() {
+    let dir = common::scratch();
+    let (model, clean_logits, vocab) = model_and_logits(dir.path());
+    let explain = |logits: &[f32], extra: &[&str], code: i32| -> Value {
+        let answer = vllm_answer(logits, vocab, 4);
+        let (url, _) = serve(completions(move |_| Reply::Answer(200, answer.to_string())));
+        let mut args = vec!["--explain", "--json"];
+        args.extend(extra);
+        let out = endpoint(&url, &model, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{stderr}");
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        report["explanation"].clone()
+    };
+    let score = |e: &Value, name: &str| -> f64 {
+        e["ranking"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|h| h["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not ranked: {e:#}"))["score"]
+            .as_f64()
+            .unwrap()
+    };
+
+    let (rope, _) = logits_of(&model, dir.path(), &["--inject", "rope-neox"]);
+    let e = explain(&rope, &[], 1);
+    assert_eq!(e["verdict"], "explained", "{e:#}");
+    assert_eq!(e["best"]["name"], "rope-neox", "{e:#}");
+    // Measured: rope-neox 0, clean 0.199 (indexer-rope-neox ties it: five tokens are fewer
+    // than the indexer keeps), router-softmax 0.243.
+    assert!(e["best"]["score"].as_f64().unwrap() < 1e-4, "{e:#}");
+    let clean = score(&e, "clean");
+    assert!(clean > 0.1, "{e:#}");
+    assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.1, "{e:#}");
+    assert_eq!(e["clean_score"], clean);
+    assert_eq!(e["tp"], 1);
+    let notes = e["not_tried"].to_string();
+    assert!(
+        notes.contains("unsharded-column") && notes.contains("--tp was not given"),
+        "{notes}"
+    );
+
+    // At TP 2 the story's fault is tried first; a budget of 3 runs stops after clean and two
+    // faults, and says what it left out.
+    let (kv_b, _) = logits_of(
+        &model,
+        dir.path(),
+        &["--tp", "2", "--inject", "unsharded-column=kv_b"],
+    );
+    // Measured: unsharded-column=kv_b 0, unsharded-column=q_b 0.512, clean 0.693.
+    let e = explain(&kv_b, &["--tp", "2"], 1);
+    assert_eq!(e["best"]["name"], "unsharded-column=kv_b", "{e:#}");
+    assert_eq!(e["verdict"], "explained", "{e:#}");
+    assert!(e["best"]["score"].as_f64().unwrap() < 1e-4, "{e:#}");
+    assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.25, "{e:#}");
+    assert!(score(&e, "clean") > 0.5, "{e:#}");
+    let e = explain(&kv_b, &["--tp", "2", "--budget", "3"], 1);
+    assert_eq!(e["ranking"].as_array().unwrap().len(), 3, "{e:#}");
+    assert_eq!(e["best"]["name"], "unsharded-column=kv_b", "{e:#}");
+    assert!(
+        e["not_tried"].to_string().contains("past --budget 3"),
+        "{e:#}"
+    );
+
+    // Nothing planted: nothing to explain, nothing run.
+    let e = explain(&clean_logits, &["--tp", "2"], 0);
+    assert_eq!(e["verdict"], "nothing_to_explain", "{e:#}");
+    assert_eq!(e["ranking"], json!([]));
+
+    // Bad input: one line, exit 2.
+    let (url, _) = serve(completions(|_| Reply::Answer(500, "{}".into())));
+    cannot_tell(
+        &url,
+        &model,
+        &["--explain", "--budget", "1"],
+        "--budget: at least 2 runs",
+        Duration::from_secs(60),
+    );
+    cannot_tell(
+        &url,
+        &model,
+        &["--explain", "--tp", "3"],
+        "--tp 3: ",
+        Duration::from_secs(60),
     );
 }
 

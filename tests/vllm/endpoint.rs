@@ -4,6 +4,10 @@
 //! with `--skip-tokenizer-init`, so it takes the prompt as the ids glmcheck's tokenizer made,
 //! and glmcheck's CPU stand-in for sparse MLA runs whole-prompt prefills only, so one token
 //! is generated (the first, from the prefill).
+//!
+//! Every check runs with `--explain`: the honest server has nothing to explain; the story's
+//! unsharded `kv_b` at TP 2 is named by its catalogue twin, `unsharded-column=kv_b`, far ahead
+//! of the rest; the swapped expert halves have no twin in the catalogue, and none is named.
 
 use std::path::Path;
 use std::time::Instant;
@@ -14,30 +18,57 @@ use crate::common;
 use crate::vllm32::{model, TOKENS};
 use crate::vllm_today_server::Server;
 
-/// `glmcheck endpoint` of `server` on [`TOKENS`] and a text prompt, its exit code asserted.
-fn endpoint(server: &Server, hf: &Path, code: i32) -> Value {
+/// `glmcheck endpoint --explain` of `server` on [`TOKENS`] and a text prompt, `extra`
+/// arguments added, its exit code asserted; the explanation's ranking printed with its times.
+fn endpoint(server: &Server, hf: &Path, extra: &[&str], code: i32) -> Value {
     let began = Instant::now();
-    let report = common::glmcheck_json(
-        [
-            "endpoint",
-            &server.url,
-            hf.to_str().unwrap(),
-            "--tokens",
-            TOKENS,
-            "--prompt",
-            "The capital of France is",
-            "--max-tokens",
-            "1",
-            "--top-k",
-            "5",
-            "--timeout",
-            "300",
-            "--json",
-        ],
-        code,
-    );
+    let mut args = vec![
+        "endpoint",
+        &server.url,
+        hf.to_str().unwrap(),
+        "--tokens",
+        TOKENS,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "1",
+        "--top-k",
+        "5",
+        "--timeout",
+        "300",
+        "--json",
+        "--explain",
+    ];
+    args.extend(extra);
+    let report = common::glmcheck_json(args, code);
     eprintln!("glmcheck endpoint: {:.1} s", began.elapsed().as_secs_f64());
+    let e = &report["explanation"];
+    eprintln!(
+        "explain: {} ({:.1} s)",
+        e["conclusion"],
+        e["seconds"].as_f64().unwrap_or(0.0)
+    );
+    for h in e["ranking"].as_array().into_iter().flatten() {
+        eprintln!(
+            "  {:<32} {:>10.4} {:>6.2} s",
+            h["name"].as_str().unwrap(),
+            h["score"].as_f64().unwrap(),
+            h["seconds"].as_f64().unwrap()
+        );
+    }
     report
+}
+
+/// The ranked hypothesis `name`'s score.
+fn score(e: &Value, name: &str) -> f64 {
+    e["ranking"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not ranked: {e:#}"))["score"]
+        .as_f64()
+        .unwrap()
 }
 
 /// A server started, timed.
@@ -57,7 +88,7 @@ fn an_honest_vllm_server_agrees_with_the_reference() {
     let dir = common::scratch();
     let hf = model(dir.path());
     let server = start(&hf, 1, &dir.path().join("shards"), "");
-    let v = endpoint(&server, &hf, 0);
+    let v = endpoint(&server, &hf, &[], 0);
     assert_eq!(v["verdict"], "pass", "{v:#}");
     for prompt in v["prompts"].as_array().unwrap() {
         let c = &prompt["comparison"];
@@ -65,6 +96,9 @@ fn an_honest_vllm_server_agrees_with_the_reference() {
         assert!(c["max_abs_delta_logprob"].as_f64().unwrap() < 1e-3, "{c}");
         assert_eq!(prompt["continuation"], prompt["reference_continuation"]);
     }
+    let e = &v["explanation"];
+    assert_eq!(e["verdict"], "nothing_to_explain", "{e:#}");
+    assert_eq!(e["ranking"], serde_json::json!([]));
 }
 
 /// vLLM's routed experts loaded with each expert's gate and up projections swapped: the MoE
@@ -74,13 +108,28 @@ fn a_vllm_server_with_its_expert_halves_swapped_parts_at_the_first_position() {
     let dir = common::scratch();
     let hf = model(dir.path());
     let server = start(&hf, 1, &dir.path().join("shards"), "w13-halves-swapped");
-    let v = endpoint(&server, &hf, 1);
+    let v = endpoint(&server, &hf, &["--tp", "1"], 1);
     assert_eq!(v["verdict"], "fail", "{v:#}");
     let c = &v["prompts"][0]["comparison"];
     assert_eq!(c["first_parting"]["position"], 0, "{c}");
     // The synthetic model is so sure of its top-1 (p ≈ 0.9999) that the swap leaves it and
     // the KL nearly alone: the listed tail tokens' log-probabilities show it.
     assert!(c["max_abs_delta_logprob"].as_f64().unwrap() > 0.5, "{c}");
+    // No fault of the catalogue swaps an expert's gate and up: the clean model fits best
+    // (measured 0.564; rope-neox 0.572, router-softmax 0.603, the rest above 1).
+    let e = &v["explanation"];
+    assert_eq!(e["verdict"], "unexplained", "{e:#}");
+    assert_eq!(e["best"]["name"], "clean", "{e:#}");
+    let clean = score(e, "clean");
+    for h in e["ranking"].as_array().unwrap() {
+        assert!(h["score"].as_f64().unwrap() >= 0.95 * clean, "{e:#}");
+    }
+    assert!(
+        e["not_tried"]
+            .to_string()
+            .contains("the server runs at TP 1"),
+        "{e:#}"
+    );
 }
 
 /// The story's loader bug: at TP 2 every rank holds rank 0's rows of `kv_b_proj`.
@@ -89,8 +138,17 @@ fn a_vllm_server_with_kv_b_unsharded_at_tp_2_parts_at_the_first_position() {
     let dir = common::scratch();
     let hf = model(dir.path());
     let server = start(&hf, 2, &dir.path().join("shards"), "unsharded-kv-b");
-    let v = endpoint(&server, &hf, 1);
+    let v = endpoint(&server, &hf, &["--tp", "2"], 1);
     assert_eq!(v["verdict"], "fail", "{v:#}");
     let c = &v["prompts"][0]["comparison"];
     assert_eq!(c["first_parting"]["position"], 0, "{c}");
+    // Measured: unsharded-column=kv_b 1.5e-6, the runner-up (rope-neox) 0.785, clean 0.799.
+    let e = &v["explanation"];
+    assert_eq!(e["verdict"], "explained", "{e:#}");
+    assert_eq!(e["best"]["name"], "unsharded-column=kv_b", "{e:#}");
+    let best = e["best"]["score"].as_f64().unwrap();
+    assert!(best < 1e-5, "{e:#}");
+    assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.7, "{e:#}");
+    assert!(score(e, "clean") > 0.7, "{e:#}");
+    assert_eq!(e["ranking"][0]["name"], "unsharded-column=kv_b");
 }
