@@ -254,7 +254,7 @@ fn a_process_per_rank_needs_its_arguments_and_the_gpus() {
     assert!(!trace.exists(), "no trace folder left behind");
 }
 
-/// `scripts/gpu-kernel-times --table` on an Nsight Compute per-kernel summary (its format: a
+/// `scripts/gpu/gpu-kernel-times --table` on an Nsight Compute per-kernel summary (its format: a
 /// header line per kernel with its launches, then the metric's minimum, maximum and average):
 /// milliseconds a pass per group, the warm-up's dequantization whole, the statistics apart from
 /// the forward's stream.
@@ -280,7 +280,7 @@ fn the_kernel_times_script_groups_a_summary_by_pass() {
     let path = dir.path().join("ncu.txt");
     std::fs::write(&path, summary).unwrap();
     let out = Command::new("python3")
-        .args(["scripts/gpu-kernel-times", "--table"])
+        .args(["scripts/gpu/gpu-kernel-times", "--table"])
         .arg(&path)
         .output()
         .unwrap();
