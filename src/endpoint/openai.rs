@@ -132,39 +132,13 @@ pub fn parse_answer(text: &str) -> Result<Answer, String> {
     let Some(choice) = completion.choices.into_iter().next() else {
         return Err("choices: empty".into());
     };
-    let prompt_top = match choice.prompt_logprobs {
-        Some(positions) => positions
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                p.as_ref()
-                    .map(|m| {
-                        top_k(
-                            m.iter().map(|(k, e)| (k, e.logprob)),
-                            &format!("choices[0].prompt_logprobs[{i}]"),
-                        )
-                    })
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()?,
+    let prompt_top = match &choice.prompt_logprobs {
+        Some(positions) => per_position(positions, "choices[0].prompt_logprobs", |e| e.logprob)?,
         None => Vec::new(),
     };
     let (generated_top, from_tokens) = match &choice.logprobs {
         Some(lp) => (
-            lp.top_logprobs
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    p.as_ref()
-                        .map(|m| {
-                            top_k(
-                                m.iter().map(|(k, v)| (k, *v)),
-                                &format!("choices[0].logprobs.top_logprobs[{i}]"),
-                            )
-                        })
-                        .transpose()
-                })
-                .collect::<Result<_, _>>()?,
+            per_position(&lp.top_logprobs, "choices[0].logprobs.top_logprobs", |v| *v)?,
             lp.tokens
                 .iter()
                 .map(|t| token_key(t))
@@ -178,6 +152,29 @@ pub fn parse_answer(text: &str) -> Result<Answer, String> {
         generated: choice.token_ids.or(from_tokens).unwrap_or_default(),
         generated_top,
     })
+}
+
+/// Each position's map of token keys (`null` where the server gave none) as a [`TopK`];
+/// `field` names the list in errors, `logprob` reads an entry's log-probability.
+fn per_position<E>(
+    positions: &[Option<BTreeMap<String, E>>],
+    field: &str,
+    logprob: impl Fn(&E) -> Option<f64>,
+) -> Result<Vec<Option<TopK>>, String> {
+    positions
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.as_ref()
+                .map(|m| {
+                    top_k(
+                        m.iter().map(|(k, e)| (k, logprob(e))),
+                        &format!("{field}[{i}]"),
+                    )
+                })
+                .transpose()
+        })
+        .collect()
 }
 
 /// `text` with the bare words `NaN`, `Infinity` and `-Infinity` outside strings (Python's JSON

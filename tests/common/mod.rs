@@ -176,3 +176,16 @@ pub fn weight_source(model: &Path) -> glmcheck::exec::source::WeightSource {
         .expect("a GLM-5 model")
         .source()
 }
+
+/// The score of hypothesis `name` in `endpoint --explain`'s JSON `explanation`; panics, showing
+/// the explanation, when it was not ranked.
+pub fn explain_score(explanation: &serde_json::Value, name: &str) -> f64 {
+    explanation["ranking"]
+        .as_array()
+        .expect("explanation.ranking")
+        .iter()
+        .find(|h| h["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not ranked: {explanation:#}"))["score"]
+        .as_f64()
+        .expect("a numeric score")
+}

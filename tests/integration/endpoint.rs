@@ -258,16 +258,6 @@ fn explain_names_the_fault_planted_in_the_server() {
         let report: Value = serde_json::from_slice(&out.stdout).unwrap();
         report["explanation"].clone()
     };
-    let score = |e: &Value, name: &str| -> f64 {
-        e["ranking"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|h| h["name"] == name)
-            .unwrap_or_else(|| panic!("{name} not ranked: {e:#}"))["score"]
-            .as_f64()
-            .unwrap()
-    };
 
     let (rope, _) = logits_of(&model, dir.path(), &["--inject", "rope-neox"]);
     let e = explain(&rope, &[], 1);
@@ -276,7 +266,7 @@ fn explain_names_the_fault_planted_in_the_server() {
     // Measured: rope-neox 0, clean 0.199 (indexer-rope-neox ties it: five tokens are fewer
     // than the indexer keeps), router-softmax 0.243.
     assert!(e["best"]["score"].as_f64().unwrap() < 1e-4, "{e:#}");
-    let clean = score(&e, "clean");
+    let clean = common::explain_score(&e, "clean");
     assert!(clean > 0.1, "{e:#}");
     assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.1, "{e:#}");
     assert_eq!(e["clean_score"], clean);
@@ -300,7 +290,7 @@ fn explain_names_the_fault_planted_in_the_server() {
     assert_eq!(e["verdict"], "explained", "{e:#}");
     assert!(e["best"]["score"].as_f64().unwrap() < 1e-4, "{e:#}");
     assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.25, "{e:#}");
-    assert!(score(&e, "clean") > 0.5, "{e:#}");
+    assert!(common::explain_score(&e, "clean") > 0.5, "{e:#}");
     let e = explain(&kv_b, &["--tp", "2", "--budget", "3"], 1);
     assert_eq!(e["ranking"].as_array().unwrap().len(), 3, "{e:#}");
     assert_eq!(e["best"]["name"], "unsharded-column=kv_b", "{e:#}");

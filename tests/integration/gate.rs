@@ -75,6 +75,16 @@ pub(crate) fn gate_json(args: &[&str], expect: i32) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).expect("gate --json prints JSON")
 }
 
+/// `gate --update --baseline BASE MODEL --prompt PROMPT` with `options`: a model run here made
+/// into a baseline, which must succeed.
+pub(crate) fn update_from_model(base: &Path, model: &Path, options: &[&str]) {
+    let mut args = vec!["gate", "--update", "--baseline", p(base), p(model)];
+    args.extend_from_slice(options);
+    args.extend_from_slice(&["--prompt", PROMPT]);
+    let o = common::glmcheck_output(&args);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}
+
 /// A copy of the trace `src` at `dst` whose every float value is `f(value)` (ids unchanged),
 /// with statistics recomputed by the trace writer and the manifest's dtype set to `dtype`.
 fn rewrite(src: &Path, dst: &Path, dtype: &str, f: impl Fn(f32) -> f32) {
@@ -225,21 +235,7 @@ fn planted_faults_fail_naming_the_stage() {
     let model = tiny(d);
     let base = |dtype: &str, tp: u32| {
         let path = d.join(format!("tiny-{dtype}-tp{tp}.json"));
-        let tp = tp.to_string();
-        let o = common::glmcheck_output(&[
-            "gate",
-            "--update",
-            "--baseline",
-            p(&path),
-            p(&model),
-            "--dtype",
-            dtype,
-            "--tp",
-            &tp,
-            "--prompt",
-            PROMPT,
-        ]);
-        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        update_from_model(&path, &model, &["--dtype", dtype, "--tp", &tp.to_string()]);
         path
     };
     let (f32_tp1, f32_tp2, bf16_tp2) = (base("f32", 1), base("f32", 2), base("bf16", 2));
@@ -326,18 +322,7 @@ fn a_model_candidate_takes_the_baselines_choices_at_its_near_ties() {
     let d = dir.path();
     let model = tiny(d);
     let base = d.join("bf16.json");
-    let o = common::glmcheck_output(&[
-        "gate",
-        "--update",
-        "--baseline",
-        p(&base),
-        p(&model),
-        "--dtype",
-        "bf16",
-        "--prompt",
-        PROMPT,
-    ]);
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    update_from_model(&base, &model, &["--dtype", "bf16"]);
     let b = Baseline::load(&base).unwrap();
     let (at, stage) = b
         .stages

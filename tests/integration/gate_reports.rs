@@ -4,7 +4,7 @@
 //! golden/ and fails on a fault.
 
 use crate::common;
-use crate::gate::{code, gate_json, p, run_full, stderr, tiny, PROMPT};
+use crate::gate::{code, gate_json, p, run_full, stderr, tiny, update_from_model};
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -17,16 +17,7 @@ fn wrong_comparisons_and_broken_baselines_exit_2_with_one_line() {
     let d = dir.path();
     let model = tiny(d);
     let base = d.join("b.json");
-    let o = common::glmcheck_output(&[
-        "gate",
-        "--update",
-        "--baseline",
-        p(&base),
-        p(&model),
-        "--prompt",
-        PROMPT,
-    ]);
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    update_from_model(&base, &model, &[]);
     let one_line = |o: &Output, needles: &[&str]| {
         assert_eq!(code(o), 2, "{}", stderr(o));
         let e = stderr(o);
@@ -196,22 +187,7 @@ fn junit_markdown_and_update_round_trip() {
     let d = dir.path();
     let model = tiny(d);
     let base = d.join("b.json");
-    let update = |path: &Path| {
-        let o = common::glmcheck_output(&[
-            "gate",
-            "--update",
-            "--baseline",
-            p(path),
-            p(&model),
-            "--tp",
-            "2",
-            "--dtype",
-            "bf16",
-            "--prompt",
-            PROMPT,
-        ]);
-        assert_eq!(code(&o), 0, "{}", stderr(&o));
-    };
+    let update = |path: &Path| update_from_model(path, &model, &["--tp", "2", "--dtype", "bf16"]);
     update(&base);
     // Deterministic and stable: the same run writes the same bytes, and reading then writing
     // gives them back.

@@ -59,18 +59,6 @@ fn endpoint(server: &Server, hf: &Path, extra: &[&str], code: i32) -> Value {
     report
 }
 
-/// The ranked hypothesis `name`'s score.
-fn score(e: &Value, name: &str) -> f64 {
-    e["ranking"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|h| h["name"] == name)
-        .unwrap_or_else(|| panic!("{name} not ranked: {e:#}"))["score"]
-        .as_f64()
-        .unwrap()
-}
-
 /// A server started, timed.
 fn start(hf: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
     let began = Instant::now();
@@ -120,7 +108,7 @@ fn a_vllm_server_with_its_expert_halves_swapped_parts_at_the_first_position() {
     let e = &v["explanation"];
     assert_eq!(e["verdict"], "unexplained", "{e:#}");
     assert_eq!(e["best"]["name"], "clean", "{e:#}");
-    let clean = score(e, "clean");
+    let clean = common::explain_score(e, "clean");
     for h in e["ranking"].as_array().unwrap() {
         assert!(h["score"].as_f64().unwrap() >= 0.95 * clean, "{e:#}");
     }
@@ -149,6 +137,6 @@ fn a_vllm_server_with_kv_b_unsharded_at_tp_2_parts_at_the_first_position() {
     let best = e["best"]["score"].as_f64().unwrap();
     assert!(best < 1e-5, "{e:#}");
     assert!(e["runner_up"]["score"].as_f64().unwrap() > 0.7, "{e:#}");
-    assert!(score(e, "clean") > 0.7, "{e:#}");
+    assert!(common::explain_score(e, "clean") > 0.7, "{e:#}");
     assert_eq!(e["ranking"][0]["name"], "unsharded-column=kv_b");
 }
