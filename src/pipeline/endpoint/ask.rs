@@ -1,0 +1,144 @@
+//! The server's side of `glmcheck endpoint`: the model it serves, one prompt asked of it, and
+//! its answer laid out as the reference's positions.
+
+use std::time::Instant;
+
+use anyhow::anyhow;
+
+use super::{EndpointSpec, Served};
+use crate::endpoint::client::Client;
+use crate::endpoint::openai::{completion_request, parse_answer, Answer, TopK};
+
+/// The first model the server lists (`/v1/models`), the name requests must give.
+pub(super) fn served_model(client: &Client) -> anyhow::Result<String> {
+    let url = client.url("/v1/models");
+    let text = client.get("/v1/models")?;
+    let list: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{url}: not JSON: {e}"))?;
+    list.pointer("/data/0/id")
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .ok_or_else(|| anyhow!("{url}: data[0].id: no model listed"))
+}
+
+/// One prompt asked of the server, its answer checked for what the comparison needs.
+pub(super) fn ask(
+    client: &Client,
+    served_model: &str,
+    tokens: Vec<u32>,
+    spec: &EndpointSpec,
+) -> anyhow::Result<Served> {
+    let url = client.url("/v1/completions");
+    let began = Instant::now();
+    let request = completion_request(served_model, &tokens, spec.top_k, spec.max_tokens);
+    let text = client.post_json("/v1/completions", &request)?;
+    let seconds = began.elapsed().as_secs_f64();
+    let answer = parse_answer(&text).map_err(|e| anyhow!("{url}: {e}"))?;
+    let positions = positions(&answer, &tokens).map_err(|e| anyhow!("{url}: {e}"))?;
+    Ok(Served {
+        tokens,
+        positions,
+        generated: answer.generated,
+        seconds,
+    })
+}
+
+/// The server's top-k per reference position (row `i` predicts token `i + 1`; the last prompt
+/// position's is the first generated token's), after checking that the server took the prompt
+/// as the ids sent.
+fn positions(answer: &Answer, tokens: &[u32]) -> Result<Vec<TopK>, String> {
+    let mismatch = |what: String| {
+        format!("{what}: the server did not take the token ids as sent (another tokenizer or vocabulary?)")
+    };
+    if let Some(ids) = &answer.prompt_ids {
+        if ids != tokens {
+            let at = ids.iter().zip(tokens).position(|(a, b)| a != b);
+            return Err(mismatch(match at {
+                Some(i) => format!(
+                    "prompt_token_ids[{i}] is {} where {} was sent",
+                    ids[i], tokens[i]
+                ),
+                None => format!(
+                    "prompt_token_ids holds {} ids where {} were sent",
+                    ids.len(),
+                    tokens.len()
+                ),
+            }));
+        }
+    }
+    if answer.prompt_top.is_empty() {
+        return Err(
+            "choices[0].prompt_logprobs: no prompt log-probabilities in the answer (the server does not honour vLLM's prompt_logprobs)"
+                .into(),
+        );
+    }
+    if answer.prompt_top.len() != tokens.len() {
+        return Err(mismatch(format!(
+            "choices[0].prompt_logprobs has {} entries for {} tokens sent",
+            answer.prompt_top.len(),
+            tokens.len()
+        )));
+    }
+    let mut rows = Vec::with_capacity(tokens.len());
+    for (i, top) in answer.prompt_top.iter().enumerate().skip(1) {
+        let Some(top) = top else {
+            return Err(format!("choices[0].prompt_logprobs[{i}]: null"));
+        };
+        if !top.iter().any(|(id, _)| *id == tokens[i]) {
+            return Err(mismatch(format!(
+                "choices[0].prompt_logprobs[{i}] lacks the prompt's token {}",
+                tokens[i]
+            )));
+        }
+        rows.push(top.clone());
+    }
+    if let Some(Some(last)) = answer.generated_top.first() {
+        rows.push(last.clone());
+    }
+    if rows.is_empty() {
+        return Err("a one-token prompt without the first generated token's log-probabilities: nothing to compare".into());
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(ids: Option<Vec<u32>>, top: Vec<Option<TopK>>) -> Answer {
+        Answer {
+            prompt_ids: ids,
+            prompt_top: top,
+            generated: vec![7],
+            generated_top: vec![Some(vec![(7, -0.1)])],
+        }
+    }
+
+    #[test]
+    fn rows_are_the_prompt_positions_then_the_first_generated_token() {
+        let top = vec![
+            None,
+            Some(vec![(3, -0.2), (5, -3.0)]),
+            Some(vec![(9, -0.5)]),
+        ];
+        let rows = positions(&answer(Some(vec![1, 5, 9]), top), &[1, 5, 9]).unwrap();
+        assert_eq!(
+            rows,
+            vec![vec![(3, -0.2), (5, -3.0)], vec![(9, -0.5)], vec![(7, -0.1)]]
+        );
+    }
+
+    #[test]
+    fn ids_not_taken_as_sent_or_missing_log_probabilities_cannot_be_judged() {
+        let top = vec![None, Some(vec![(3, -0.2)]), Some(vec![(9, -0.5)])];
+        let e = positions(&answer(Some(vec![1, 6, 9]), top.clone()), &[1, 5, 9]).unwrap_err();
+        assert!(
+            e.starts_with("prompt_token_ids[1] is 6 where 5 was sent"),
+            "{e}"
+        );
+        let e = positions(&answer(None, top), &[1, 5, 9]).unwrap_err();
+        assert!(e.contains("lacks the prompt's token 5"), "{e}");
+        let e = positions(&answer(None, vec![]), &[1, 5, 9]).unwrap_err();
+        assert!(e.contains("no prompt log-probabilities"), "{e}");
+    }
+}
