@@ -58,6 +58,10 @@ pub struct Answer {
     /// Per generated token, the top-k it was chosen from (the first: the last prompt
     /// position's distribution).
     pub generated_top: Vec<Option<TopK>>,
+    /// Whether every prompt position's list holds the prompt's own token at that position,
+    /// whatever its rank (vLLM's `prompt_logprobs` does; a plain top-k need not): when it does,
+    /// a missing one means the server did not take the ids as sent.
+    pub lists_prompt_token: bool,
 }
 
 #[derive(Deserialize)]
@@ -151,6 +155,7 @@ pub fn parse_answer(text: &str) -> Result<Answer, String> {
         prompt_top,
         generated: choice.token_ids.or(from_tokens).unwrap_or_default(),
         generated_top,
+        lists_prompt_token: true,
     })
 }
 

@@ -1,13 +1,15 @@
-//! The server's side of `glmcheck endpoint`: the model it serves, one prompt asked of it, and
-//! its answer laid out as the reference's positions.
+//! The server's side of `glmcheck endpoint`: the API it speaks and the model it serves, one
+//! prompt asked of it, and its answer laid out as the reference's positions.
 
 use std::time::Instant;
 
 use anyhow::anyhow;
 
 use super::{EndpointSpec, Served};
-use crate::endpoint::client::Client;
+use crate::endpoint::client::{CallError, Client};
+use crate::endpoint::llama_server::{self, COMPLETION, PROPS};
 use crate::endpoint::openai::{completion_request, parse_answer, Answer, TopK};
+use crate::endpoint::Api;
 
 /// The first model the server lists (`/v1/models`), the name requests must give.
 pub(super) fn served_model(client: &Client) -> anyhow::Result<String> {
@@ -21,19 +23,40 @@ pub(super) fn served_model(client: &Client) -> anyhow::Result<String> {
         .ok_or_else(|| anyhow!("{url}: data[0].id: no model listed"))
 }
 
-/// One prompt asked of the server, its answer checked for what the comparison needs.
+/// The API the server speaks: llama-server answers `/props` with its settings; an OpenAI
+/// server (vLLM) has no such endpoint and answers 4xx, or something else.
+pub(super) fn api(client: &Client) -> anyhow::Result<Api> {
+    match client.get(PROPS) {
+        Ok(text) if llama_server::is_props(&text) => Ok(Api::LlamaServer),
+        Ok(_) => Ok(Api::OpenAi),
+        Err(CallError::Status { status, .. }) if status < 500 => Ok(Api::OpenAi),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// One prompt asked of the server through `api`, its answer checked for what the comparison
+/// needs.
 pub(super) fn ask(
     client: &Client,
+    api: Api,
     served_model: &str,
     tokens: Vec<u32>,
     spec: &EndpointSpec,
 ) -> anyhow::Result<Served> {
-    let url = client.url("/v1/completions");
     let began = Instant::now();
-    let request = completion_request(served_model, &tokens, spec.top_k, spec.max_tokens);
-    let text = client.post_json("/v1/completions", &request)?;
+    let (answer, url) = match api {
+        Api::OpenAi => {
+            let url = client.url("/v1/completions");
+            let request = completion_request(served_model, &tokens, spec.top_k, spec.max_tokens);
+            let text = client.post_json("/v1/completions", &request)?;
+            (parse_answer(&text).map_err(|e| anyhow!("{url}: {e}"))?, url)
+        }
+        Api::LlamaServer => (
+            ask_llama_server(client, &tokens, spec)?,
+            client.url(COMPLETION),
+        ),
+    };
     let seconds = began.elapsed().as_secs_f64();
-    let answer = parse_answer(&text).map_err(|e| anyhow!("{url}: {e}"))?;
     let positions = positions(&answer, &tokens).map_err(|e| anyhow!("{url}: {e}"))?;
     Ok(Served {
         tokens,
@@ -41,6 +64,41 @@ pub(super) fn ask(
         generated: answer.generated,
         seconds,
     })
+}
+
+/// llama-server asked for each prompt position's next-token top-k, one request on each prefix
+/// of the prompt, then for the greedy continuation; an error names the position.
+fn ask_llama_server(
+    client: &Client,
+    tokens: &[u32],
+    spec: &EndpointSpec,
+) -> anyhow::Result<Answer> {
+    let url = client.url(COMPLETION);
+    if tokens.is_empty() {
+        return Err(anyhow!("{url}: an empty prompt: nothing to ask"));
+    }
+    let at = |position: usize| format!("position {position} of {}", tokens.len());
+    let mut next = Vec::with_capacity(tokens.len());
+    for end in 1..=tokens.len() {
+        let request = llama_server::next_token_request(&tokens[..end], spec.top_k);
+        let text = client
+            .post_json(COMPLETION, &request)
+            .map_err(|e| anyhow!("{e} (at {})", at(end - 1)))?;
+        let top = llama_server::parse_next_token(&text, end)
+            .map_err(|e| anyhow!("{url}: {}: {e}", at(end - 1)))?;
+        next.push(top);
+    }
+    let generated = if spec.max_tokens == 0 {
+        Vec::new()
+    } else {
+        let request = llama_server::continuation_request(tokens, spec.max_tokens);
+        let text = client
+            .post_json(COMPLETION, &request)
+            .map_err(|e| anyhow!("{e} (the continuation)"))?;
+        llama_server::parse_continuation(&text, tokens.len())
+            .map_err(|e| anyhow!("{url}: the continuation: {e}"))?
+    };
+    Ok(llama_server::answer(next, generated))
 }
 
 /// The server's top-k per reference position (row `i` predicts token `i + 1`; the last prompt
@@ -84,7 +142,7 @@ fn positions(answer: &Answer, tokens: &[u32]) -> Result<Vec<TopK>, String> {
         let Some(top) = top else {
             return Err(format!("choices[0].prompt_logprobs[{i}]: null"));
         };
-        if !top.iter().any(|(id, _)| *id == tokens[i]) {
+        if answer.lists_prompt_token && !top.iter().any(|(id, _)| *id == tokens[i]) {
             return Err(mismatch(format!(
                 "choices[0].prompt_logprobs[{i}] lacks the prompt's token {}",
                 tokens[i]
@@ -111,6 +169,7 @@ mod tests {
             prompt_top: top,
             generated: vec![7],
             generated_top: vec![Some(vec![(7, -0.1)])],
+            lists_prompt_token: true,
         }
     }
 
@@ -140,5 +199,15 @@ mod tests {
         assert!(e.contains("lacks the prompt's token 5"), "{e}");
         let e = positions(&answer(None, vec![]), &[1, 5, 9]).unwrap_err();
         assert!(e.contains("no prompt log-probabilities"), "{e}");
+    }
+
+    #[test]
+    fn a_top_k_that_need_not_list_the_prompts_token_is_taken_without_it() {
+        let top = vec![None, Some(vec![(3, -0.2)]), Some(vec![(9, -0.5)])];
+        let a = Answer {
+            lists_prompt_token: false,
+            ..answer(None, top)
+        };
+        assert_eq!(positions(&a, &[1, 5, 9]).unwrap().len(), 3);
     }
 }

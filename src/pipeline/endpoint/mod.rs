@@ -34,9 +34,10 @@ use crate::report::endpoint::{EndpointReport, PromptCheck};
 use crate::trace::{FullSelector, Trace};
 
 mod ask;
+mod concurrency;
 mod explain;
 
-use ask::{ask, served_model};
+use ask::{api, ask, served_model};
 use explain::{explain, nothing_to_explain};
 
 /// `--explain`: where the server runs, as far as the faults care.
@@ -58,8 +59,8 @@ pub struct EndpointSpec<'a> {
     pub model: &'a Path,
     /// Prompt texts, tokenized with the model's tokenizer.
     pub prompts: &'a [String],
-    /// A prompt as token ids (empty: none).
-    pub tokens: &'a [u32],
+    /// Prompts as token ids.
+    pub token_prompts: &'a [Vec<u32>],
     pub top_k: u32,
     pub max_tokens: u32,
     /// The longest the whole exchange with the server may take, retries included.
@@ -68,6 +69,8 @@ pub struct EndpointSpec<'a> {
     pub tolerance: f64,
     /// `--explain`: which catalogued fault explains the server.
     pub explain: Option<ExplainSpec>,
+    /// `--concurrency N`: each prompt asked again beside N requests of glmcheck's own.
+    pub concurrency: Option<usize>,
 }
 
 /// The server's answer for one prompt, before the reference runs.
@@ -89,9 +92,7 @@ pub fn check(spec: &EndpointSpec) -> anyhow::Result<EndpointReport> {
     for text in spec.prompts {
         prompts.push(prompt_tokens(&model.files, Some(text), &[])?.0);
     }
-    if !spec.tokens.is_empty() {
-        prompts.push(spec.tokens.to_vec());
-    }
+    prompts.extend(spec.token_prompts.iter().cloned());
     if prompts.is_empty() {
         bail!("give a prompt: --prompt TEXT or --tokens IDS");
     }
@@ -103,10 +104,25 @@ pub fn check(spec: &EndpointSpec) -> anyhow::Result<EndpointReport> {
     }
     let client = Client::new(spec.url, spec.timeout)?;
     let served_model = served_model(&client)?;
+    let api = api(&client)?;
     let served = prompts
         .into_iter()
-        .map(|tokens| ask(&client, &served_model, tokens, spec))
+        .map(|tokens| ask(&client, api, &served_model, tokens, spec))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let concurrency = match spec.concurrency {
+        Some(beside) => {
+            let load = concurrency::Load {
+                client: &client,
+                served_model: &served_model,
+                beside,
+                max_tokens: spec.max_tokens,
+                tolerance: spec.tolerance,
+            };
+            let again = |tokens| ask(&client, api, &served_model, tokens, spec);
+            Some(concurrency::check(&load, &served, &again)?)
+        }
+        None => None,
+    };
     let mut checks = Vec::new();
     for (i, s) in served.iter().enumerate() {
         checks.push(judge(&model, s, i + 1, spec)?);
@@ -127,7 +143,11 @@ pub fn check(spec: &EndpointSpec) -> anyhow::Result<EndpointReport> {
         }),
         None => None,
     };
+    let mut problems = problems;
+    problems.extend(concurrency.iter().flat_map(|c| c.problems.clone()));
     Ok(EndpointReport {
+        api,
+        concurrency,
         explanation,
         max_tokens: spec.max_tokens,
         model: spec.model.display().to_string(),
