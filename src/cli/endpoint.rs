@@ -2,11 +2,11 @@
 //! diagnosed from outside: its top-k log-probabilities at every prompt position against the
 //! reference forward of the model it serves.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{one_of, Outcome};
-use crate::compare::top_k::DEFAULT_TOLERANCE;
+use crate::compare::top_k::{KvType, DEFAULT_TOLERANCE};
 use crate::dtype::Precision;
 use crate::pipeline::endpoint::{check, EndpointSpec, ExplainSpec};
 use crate::report::endpoint::text;
@@ -22,8 +22,12 @@ pub struct EndpointArgs {
     #[arg(long)]
     pub prompt: Vec<String>,
     /// A prompt as token ids, comma-separated (`--tokens 1,5,9`).
-    #[arg(long, value_delimiter = ',', required_unless_present = "prompt")]
+    #[arg(long, value_delimiter = ',', required_unless_present_any = ["prompt", "prompts"])]
     pub tokens: Vec<u32>,
+    /// Prompts from a file, one per line (blank lines skipped); a line `tokens: 1,5,9` is a
+    /// prompt given as token ids.
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<PathBuf>,
     /// Log-probabilities asked for at each position (vLLM's `--max-logprobs`, 20 by default,
     /// caps it).
     #[arg(long, default_value_t = 20)]
@@ -37,9 +41,19 @@ pub struct EndpointArgs {
     #[arg(long, value_name = "SECS", default_value_t = 120,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
-    /// The largest |Δ log-probability| (nats) of a listed token that still agrees.
-    #[arg(long, value_name = "NATS", default_value_t = DEFAULT_TOLERANCE)]
-    pub tolerance: f64,
+    /// The largest |Δ log-probability| (nats) of a listed token that still agrees, with the
+    /// reference and, with --concurrency, between a prompt's answers alone and beside others
+    /// [default: --kv-type's, else 0.5]
+    #[arg(long, value_name = "NATS")]
+    pub tolerance: Option<f64>,
+    /// The server's KV-cache type, which sets the default --tolerance: f32 0.05, f16 0.1,
+    /// q8_0 0.2, bf16 0.5, fp8 and q4_0 1.0 nats.
+    #[arg(long, value_parser = one_of(&KvType::ALL, KvType::name))]
+    pub kv_type: Option<KvType>,
+    /// Ask each prompt again while N requests of glmcheck's own run beside it: a server whose
+    /// answer moves beyond the tolerance fails (concurrency_dependence).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub concurrency: Option<u64>,
     /// Where the server parts from the reference, which catalogued fault explains it best:
     /// each planted in turn in the reference (and none: the clean model), scored by how well it
     /// reproduces the server's log-probabilities.
@@ -63,18 +77,35 @@ pub struct EndpointArgs {
 }
 
 pub fn run(args: EndpointArgs) -> anyhow::Result<Outcome> {
-    if !(args.tolerance > 0.0 && args.tolerance.is_finite()) {
-        anyhow::bail!("--tolerance {}: a positive number of nats", args.tolerance);
+    let tolerance = args
+        .tolerance
+        .unwrap_or(args.kv_type.map_or(DEFAULT_TOLERANCE, KvType::tolerance));
+    if !(tolerance > 0.0 && tolerance.is_finite()) {
+        anyhow::bail!("--tolerance {tolerance}: a positive number of nats");
+    }
+    let mut texts = args.prompt.clone();
+    let mut token_prompts: Vec<Vec<u32>> = Vec::new();
+    if !args.tokens.is_empty() {
+        token_prompts.push(args.tokens.clone());
+    }
+    if let Some(file) = &args.prompts {
+        for prompt in read_prompts(file)? {
+            match prompt {
+                Prompt::Text(t) => texts.push(t),
+                Prompt::Tokens(t) => token_prompts.push(t),
+            }
+        }
     }
     let report = check(&EndpointSpec {
         url: &args.url,
         model: &args.model,
-        prompts: &args.prompt,
-        tokens: &args.tokens,
+        prompts: &texts,
+        token_prompts: &token_prompts,
         top_k: args.top_k,
         max_tokens: args.max_tokens,
         timeout: Duration::from_secs(args.timeout),
-        tolerance: args.tolerance,
+        tolerance,
+        concurrency: args.concurrency.map(|n| n as usize),
         explain: args.explain.then_some(ExplainSpec {
             tp: args.tp,
             dtype: args.dtype,
@@ -88,4 +119,62 @@ pub fn run(args: EndpointArgs) -> anyhow::Result<Outcome> {
         print!("{}", text(&report));
     }
     Ok(report.verdict.into())
+}
+
+/// One line of a `--prompts` file.
+#[derive(Debug, PartialEq)]
+enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The prompts of `file`: one per non-blank line, `tokens: 1,5,9` as ids.
+fn read_prompts(file: &Path) -> anyhow::Result<Vec<Prompt>> {
+    let text =
+        std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let prompts = parse_prompts(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    if prompts.is_empty() {
+        anyhow::bail!("{}: no prompt (every line is blank)", file.display());
+    }
+    Ok(prompts)
+}
+
+fn parse_prompts(text: &str) -> Result<Vec<Prompt>, String> {
+    let mut prompts = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match line.strip_prefix("tokens:") {
+            Some(ids) => {
+                let ids = ids
+                    .split(',')
+                    .map(|id| id.trim().parse::<u32>())
+                    .collect::<Result<Vec<u32>, _>>()
+                    .map_err(|e| format!("line {}: token ids: {e}", n + 1))?;
+                prompts.push(Prompt::Tokens(ids));
+            }
+            None => prompts.push(Prompt::Text(line.to_string())),
+        }
+    }
+    Ok(prompts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompts_file_holds_texts_and_token_lines_and_names_a_bad_line() {
+        let p = parse_prompts("The capital of France is\n\n  \ntokens: 1, 5,9\n").unwrap();
+        assert_eq!(
+            p,
+            vec![
+                Prompt::Text("The capital of France is".into()),
+                Prompt::Tokens(vec![1, 5, 9])
+            ]
+        );
+        let e = parse_prompts("a\ntokens: 1,x\n").unwrap_err();
+        assert!(e.starts_with("line 2: token ids:"), "{e}");
+    }
 }

@@ -27,6 +27,10 @@ pub enum FaultClass {
     NormEpsMismatch,
     FlatLogits,
     PrecisionLoss,
+    /// A server's answer for one request moves when other requests run beside it (`endpoint
+    /// --concurrency`): requests that see each other's tokens, or kernels wrong for some batch
+    /// shapes.
+    ConcurrencyDependence,
     Unknown,
 }
 
@@ -49,6 +53,7 @@ impl FaultClass {
             FaultClass::NormEpsMismatch => "norm_eps_mismatch",
             FaultClass::FlatLogits => "flat_logits",
             FaultClass::PrecisionLoss => "precision_loss",
+            FaultClass::ConcurrencyDependence => "concurrency_dependence",
             FaultClass::Unknown => "unknown",
         }
     }

@@ -7,6 +7,7 @@ pub mod fault;
 pub mod logits;
 pub mod metrics;
 pub mod parts;
+pub mod server_drift;
 pub mod stage_diff;
 pub mod top_k;
 pub mod unshard;

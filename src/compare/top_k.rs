@@ -27,6 +27,55 @@ use super::logits::{longest_run, MAX_REPEAT, MIN_TOP1_AGREEMENT};
 /// within it on a healthy model, a fault leaves it far behind.
 pub const DEFAULT_TOLERANCE: f64 = 0.5;
 
+/// The element type of a server's KV cache (`--kv-type`), which sets the default tolerance: the
+/// cache rounds every key and value the attention reads, and a cache coarser than the model's
+/// own arithmetic moves log-probabilities by more than the kernels do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Fp8,
+    Q4_0,
+}
+
+impl KvType {
+    pub const ALL: [KvType; 6] = [
+        KvType::F32,
+        KvType::F16,
+        KvType::Bf16,
+        KvType::Q8_0,
+        KvType::Fp8,
+        KvType::Q4_0,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Bf16 => "bf16",
+            KvType::Q8_0 => "q8_0",
+            KvType::Fp8 => "fp8",
+            KvType::Q4_0 => "q4_0",
+        }
+    }
+
+    /// The tolerance (nats) a server with this cache is held to: f32 far above the 1e-5 an f32
+    /// server was measured at, the 16-bit types above their rounding's reach on the listed
+    /// tail, bf16 at [`DEFAULT_TOLERANCE`] (a GPU serving in bf16), the 8- and 4-bit caches
+    /// looser; a fault moves log-probabilities by whole nats.
+    pub fn tolerance(self) -> f64 {
+        match self {
+            KvType::F32 => 0.05,
+            KvType::F16 => 0.1,
+            KvType::Q8_0 => 0.2,
+            KvType::Bf16 => DEFAULT_TOLERANCE,
+            KvType::Fp8 | KvType::Q4_0 => 1.0,
+        }
+    }
+}
+
 /// A server whose mean top-1 probability is below this many times 1/V is flat: its top choice
 /// is hardly more likely than a uniform draw.
 pub const FLAT_TOP1_TIMES_UNIFORM: f64 = 2.0;

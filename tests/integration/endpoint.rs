@@ -15,17 +15,17 @@ use serde_json::{json, Value};
 use crate::common;
 
 /// What the fake server does with a request.
-enum Reply {
+pub(crate) enum Reply {
     Answer(u16, String),
     /// Reads the request and never answers.
     Silent,
 }
 
-type Handler = dyn Fn(&str, &Value) -> Reply + Send + Sync;
+pub(crate) type Handler = dyn Fn(&str, &Value) -> Reply + Send + Sync;
 
 /// A server on a free local port answering every request by `handler(path, body)`; the
 /// number of requests it has had.
-fn serve(handler: Arc<Handler>) -> (String, Arc<AtomicUsize>) {
+pub(crate) fn serve(handler: Arc<Handler>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let count = Arc::new(AtomicUsize::new(0));
@@ -74,10 +74,12 @@ fn answer(mut stream: TcpStream, handler: &Handler) {
     }
 }
 
-const MODELS: &str = r#"{"object":"list","data":[{"id":"served","object":"model"}]}"#;
+pub(crate) const MODELS: &str = r#"{"object":"list","data":[{"id":"served","object":"model"}]}"#;
 
 /// A handler that lists the model and answers completions with `completion`.
-fn completions(completion: impl Fn(&Value) -> Reply + Send + Sync + 'static) -> Arc<Handler> {
+pub(crate) fn completions(
+    completion: impl Fn(&Value) -> Reply + Send + Sync + 'static,
+) -> Arc<Handler> {
     Arc::new(move |path, body| match path {
         "/v1/models" => Reply::Answer(200, MODELS.into()),
         "/v1/completions" => completion(body),
@@ -85,10 +87,10 @@ fn completions(completion: impl Fn(&Value) -> Reply + Send + Sync + 'static) -> 
     })
 }
 
-const TOKENS: [u32; 5] = [1, 5, 9, 14, 3];
+pub(crate) const TOKENS: [u32; 5] = [1, 5, 9, 14, 3];
 
 /// The tiny model and its reference logits on [`TOKENS`] (`[positions, vocab]`), the vocab.
-fn model_and_logits(dir: &Path) -> (std::path::PathBuf, Vec<f32>, usize) {
+pub(crate) fn model_and_logits(dir: &Path) -> (std::path::PathBuf, Vec<f32>, usize) {
     let model = dir.join("tiny.gguf");
     common::synth_tiny(&model, &[]);
     let (logits, vocab) = logits_of(&model, dir, &[]);
@@ -96,7 +98,7 @@ fn model_and_logits(dir: &Path) -> (std::path::PathBuf, Vec<f32>, usize) {
 }
 
 /// `glmcheck run` of `model` on [`TOKENS`] with `extra` arguments: its logits, the vocab.
-fn logits_of(model: &Path, dir: &Path, extra: &[&str]) -> (Vec<f32>, usize) {
+pub(crate) fn logits_of(model: &Path, dir: &Path, extra: &[&str]) -> (Vec<f32>, usize) {
     let trace = dir.join(format!("r{}.trace", extra.join("").replace(['-', '='], "")));
     let ids: Vec<String> = TOKENS.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
@@ -121,7 +123,7 @@ fn logits_of(model: &Path, dir: &Path, extra: &[&str]) -> (Vec<f32>, usize) {
 
 /// vLLM's answer as it would give it for these logits: each prompt position's top `k` and the
 /// prompt's own token, the last position's top `k` as the generated token's.
-fn vllm_answer(logits: &[f32], vocab: usize, k: usize) -> Value {
+pub(crate) fn vllm_answer(logits: &[f32], vocab: usize, k: usize) -> Value {
     let top = |row: usize, extra: Option<u32>| -> Vec<(u32, f64)> {
         let r = &logits[row * vocab..(row + 1) * vocab];
         let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -159,7 +161,7 @@ fn vllm_answer(logits: &[f32], vocab: usize, k: usize) -> Value {
         "token_ids": [last[0].0], "prompt_logprobs": prompt, "prompt_token_ids": TOKENS}]})
 }
 
-fn endpoint(url: &str, model: &Path, extra: &[&str]) -> std::process::Output {
+pub(crate) fn endpoint(url: &str, model: &Path, extra: &[&str]) -> std::process::Output {
     let mut args = vec![
         "endpoint",
         url,
@@ -376,7 +378,8 @@ fn servers_that_cannot_be_judged_end_with_one_line_and_exit_2() {
         &format!("{url}/v1/completions: HTTP 400: prompt_logprobs: too many"),
         minute,
     );
-    assert_eq!(count.load(Ordering::SeqCst), 2);
+    // /v1/models, /props (which API: a 404 is not llama-server) and /v1/completions once.
+    assert_eq!(count.load(Ordering::SeqCst), 3);
 
     let (url, _) = serve(completions(|_| {
         Reply::Answer(200, "<html>hello</html>".into())

@@ -9,6 +9,7 @@ mod bisect_faults;
 mod bisect_library;
 mod cli_shards;
 mod endpoint;
+mod endpoint_concurrency;
 mod gate;
 mod gate_reports;
 mod hostile_files;
