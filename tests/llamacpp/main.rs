@@ -1,9 +1,11 @@
 //! glmcheck against llama.cpp (built by `scripts/setup-llamacpp`): its converter, quantizer and
-//! imatrix, its logits, its metadata defaults, and the llama.cpp probe's traces bisected.
+//! imatrix, its logits, its metadata defaults, the llama.cpp probe's traces bisected, and its
+//! llama-server asked by `glmcheck endpoint`.
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod endpoint_llama_server;
 mod llamacpp_keys;
 mod llamacpp_oracle;
 mod probe_llamacpp;
