@@ -26,7 +26,9 @@ llamacpp-oracle:
 # reference executor against transformers on `small`, and its peak memory on glm5-dims with 2 and 6
 # layers (bench-results/reference.md); `verify` GB/s and peak RSS on glm5-dims with 2 and 4 layers
 # (bench-results/verify.md); bisect's check of an engine's file, on the path or whole, on glm5-dims
-# (bench-results/path-check.md). Writes and deletes multi-GB files in the temp dir.
+# (bench-results/path-check.md); endpoint --explain's seconds per hypothesis on glm5-dims against a
+# local server answering as vLLM with a planted fault, and the full GLM-5 on paper
+# (bench-results/explain.md). Writes and deletes multi-GB files in the temp dir.
 bench:
     scripts/setup-venv
     cargo bench --bench dequant
@@ -35,6 +37,7 @@ bench:
     .venv/bin/python benches/reference.py
     .venv/bin/python benches/verify.py
     .venv/bin/python benches/path_check.py
+    .venv/bin/python benches/explain.py
 
 # The demo: a tiny synthetic GLM-5 GGUF inspected, then a TP=4 candidate with a planted fault bisected.
 demo:
