@@ -20,7 +20,8 @@ The bench:
    logits reach about 1e7, so every hypothesis that does not reproduce the server exactly sits
    near the 30-nat cap; the fit is only a check that the planted fault comes first.
    `--real-weights` quantizes generated weights instead (scores as a real model gives them;
-   about 20 minutes for 256 experts on 2 cores, use `--experts 32` for a few).
+   half of the 256-expert file took 10 minutes on a loaded 2-core host, and `--experts 32`
+   11 minutes in all).
 2. The faulty server's logits: `glmcheck run MODEL --tp 2 --inject unsharded-column=kv_b` on the
    prompt (vLLM's ColumnParallel loader giving every rank rank 0's rows of `kv_b_proj`), read
    from its trace with numpy. Its `producer.layer_seconds` give the dense and the MoE layer's
@@ -255,8 +256,8 @@ def main() -> None:
     ap.add_argument("--tp8-budget", type=int, default=2, help="the --budget run at TP 8 (0: none)")
     ap.add_argument("--experts", type=int, default=256, help="routed experts (GLM-5: 256)")
     ap.add_argument("--real-weights", action="store_true",
-                    help="quantize generated weights instead of --fast's random blocks (about 20 "
-                         "minutes for 256 experts on 2 cores)")
+                    help="quantize generated weights instead of --fast's random blocks (slow: "
+                         "11 minutes for --experts 32 on 2 loaded cores)")
     ap.add_argument("--reps", type=int, default=2,
                     help="runs of the full --explain --tp 2 (each hypothesis' least seconds)")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "explain.md"))
