@@ -5,11 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
+
 use super::{one_of, Outcome};
 use crate::compare::top_k::{KvType, DEFAULT_TOLERANCE};
 use crate::dtype::Precision;
 use crate::pipeline::endpoint::{check, EndpointSpec, ExplainSpec};
-use crate::report::endpoint::text;
+use crate::report::endpoint::{html, markdown, text};
 
 #[derive(clap::Args, Debug)]
 pub struct EndpointArgs {
@@ -74,6 +76,13 @@ pub struct EndpointArgs {
     /// Machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Also write the report as GitHub-flavoured Markdown (a CI job summary).
+    #[arg(long, value_name = "OUT.md")]
+    pub markdown: Option<PathBuf>,
+    /// Also write the report as one self-contained HTML page (inline CSS and SVG charts, no
+    /// scripts, nothing fetched).
+    #[arg(long, value_name = "OUT.html")]
+    pub html: Option<PathBuf>,
 }
 
 pub fn run(args: EndpointArgs) -> anyhow::Result<Outcome> {
@@ -117,6 +126,16 @@ pub fn run(args: EndpointArgs) -> anyhow::Result<Outcome> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", text(&report));
+    }
+    // Written after stdout: a file that cannot be written ends in exit 2 without losing the
+    // report of a check that may have taken minutes of the server's and the reference's time.
+    if let Some(out) = &args.markdown {
+        std::fs::write(out, markdown(&report))
+            .with_context(|| format!("{}: writing the Markdown report", out.display()))?;
+    }
+    if let Some(out) = &args.html {
+        std::fs::write(out, html(&report))
+            .with_context(|| format!("{}: writing the HTML report", out.display()))?;
     }
     Ok(report.verdict.into())
 }

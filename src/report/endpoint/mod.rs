@@ -14,6 +14,8 @@ use crate::endpoint::Api;
 
 mod concurrency;
 mod explain;
+mod html;
+mod markdown;
 
 use concurrency::concurrency_text;
 pub use concurrency::{ConcurrencyCheck, PromptDrift};
@@ -21,6 +23,8 @@ use explain::explanation_text;
 pub use explain::{
     ExplainVerdict, Explanation, Hypothesis, EXPLAINS_VS_CLEAN, EXPLAINS_VS_RUNNER_UP, EXPLAIN_RULE,
 };
+pub use html::html;
+pub use markdown::markdown;
 
 /// The positions shown around the first parting in the terminal text.
 const SHOWN_POSITIONS: usize = 8;

@@ -10,9 +10,10 @@
 mod divergence;
 mod logits;
 mod page;
-mod svg;
+pub(crate) mod svg;
 mod tables;
 
+pub(crate) use page::CSS;
 pub use page::{esc, html};
 
 /// The `id` of the divergence plot's `<svg>`.

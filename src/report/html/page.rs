@@ -11,7 +11,8 @@ use crate::report::{headline, num, LogitsView};
 
 pub use crate::report::escape::markup as esc;
 
-const CSS: &str = r#"
+/// The style of every HTML report (diff's and endpoint's): one look, written once.
+pub(crate) const CSS: &str = r#"
 :root { color-scheme: light; }
 body { margin: 0; background: #fff; color: #1d2330;
   font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", sans-serif; }

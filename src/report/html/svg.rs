@@ -4,21 +4,21 @@
 use std::fmt::Write;
 
 /// The width of every plot, and its left and right margins.
-pub(super) const W: f64 = 960.0;
-pub(super) const LEFT: f64 = 78.0;
-pub(super) const RIGHT: f64 = 20.0;
+pub(crate) const W: f64 = 960.0;
+pub(crate) const LEFT: f64 = 78.0;
+pub(crate) const RIGHT: f64 = 20.0;
 
 /// New NaN/Inf and top-1 disagreements, in every plot.
-pub(super) const ALARM: &str = "#c1121f";
+pub(crate) const ALARM: &str = "#c1121f";
 
 /// `#rrggbb`.
-pub(super) fn hex(c: [u8; 3]) -> String {
+pub(crate) fn hex(c: [u8; 3]) -> String {
     format!("#{:02x}{:02x}{:02x}", c[0], c[1], c[2])
 }
 
 /// A value axis mapped onto `[top, top + height]` pixels (larger values up).
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Scale {
+pub(crate) enum Scale {
     Linear {
         lo: f64,
         hi: f64,
@@ -32,7 +32,7 @@ pub(super) enum Scale {
 
 impl Scale {
     /// A log axis over the positive finite values, in whole decades (at least two).
-    pub(super) fn log_of(values: impl Iterator<Item = f64>) -> Scale {
+    pub(crate) fn log_of(values: impl Iterator<Item = f64>) -> Scale {
         let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
         for v in values.filter(|v| v.is_finite() && *v > 0.0) {
             lo = lo.min(v.log10());
@@ -51,7 +51,7 @@ impl Scale {
 
     /// A linear axis over the finite values and `must` (padded by 8 %); a log axis when they
     /// are all positive and span more than 30×.
-    pub(super) fn linear_of(values: impl Iterator<Item = f64>, must: f64, min_span: f64) -> Scale {
+    pub(crate) fn linear_of(values: impl Iterator<Item = f64>, must: f64, min_span: f64) -> Scale {
         let finite: Vec<f64> = values.filter(|v| v.is_finite()).collect();
         let lo = finite.iter().copied().fold(must, f64::min);
         let hi = finite.iter().copied().fold(must, f64::max);
@@ -72,7 +72,7 @@ impl Scale {
     }
 
     /// Pixel y of `v`; values at or below a log axis's floor sit on its bottom edge.
-    pub(super) fn y(&self, v: f64, top: f64, height: f64) -> Option<f64> {
+    pub(crate) fn y(&self, v: f64, top: f64, height: f64) -> Option<f64> {
         if v.is_nan() {
             return None;
         }
@@ -93,7 +93,7 @@ impl Scale {
     }
 
     /// Tick values with their labels.
-    pub(super) fn ticks(&self) -> Vec<(f64, String)> {
+    pub(crate) fn ticks(&self) -> Vec<(f64, String)> {
         match *self {
             Scale::Log { lo, hi } => {
                 let decades = (hi - lo) as i64;
@@ -117,13 +117,13 @@ impl Scale {
         }
     }
 
-    pub(super) fn is_log(&self) -> bool {
+    pub(crate) fn is_log(&self) -> bool {
         matches!(self, Scale::Log { .. })
     }
 }
 
 /// 1, 2 or 5 times a power of ten, near `raw`.
-pub(super) fn nice_step(raw: f64) -> f64 {
+pub(crate) fn nice_step(raw: f64) -> f64 {
     if !(raw.is_finite() && raw > 0.0) {
         return 1.0;
     }
@@ -141,7 +141,7 @@ pub(super) fn nice_step(raw: f64) -> f64 {
 }
 
 /// Lines through consecutive points; a missing point breaks the line.
-pub(super) fn polyline(
+pub(crate) fn polyline(
     h: &mut String,
     pts: &[Option<(f64, f64, String)>],
     stroke: &str,
