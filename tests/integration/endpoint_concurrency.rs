@@ -64,7 +64,7 @@ fn a_server_whose_answer_moves_beside_other_requests_is_caught_and_a_steady_one_
         &endpoint(&url, &model, &["--concurrency", "3", "--json"]),
         1,
     );
-    assert_eq!(others.load(Ordering::SeqCst), 3 * 2, "3 beside, 2 rounds");
+    assert_eq!(others.load(Ordering::SeqCst), 3 * 3, "3 beside, 3 rounds");
     // Alone it agrees with the reference; beside others it moves.
     assert_eq!(v["prompts"][0]["verdict"], "pass", "{v:#}");
     assert_eq!(v["verdict"], "fail", "{v:#}");
@@ -72,7 +72,7 @@ fn a_server_whose_answer_moves_beside_other_requests_is_caught_and_a_steady_one_
     assert_eq!(c["class"], "concurrency_dependence");
     assert_eq!(
         (c["beside"].as_u64(), c["rounds"].as_u64()),
-        (Some(3), Some(2))
+        (Some(3), Some(3))
     );
     assert_eq!(c["verdict"], "fail");
     let d = &c["prompts"][0]["drift"];
@@ -86,7 +86,7 @@ fn a_server_whose_answer_moves_beside_other_requests_is_caught_and_a_steady_one_
     let text = endpoint(&url, &model, &["--concurrency", "3"]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
-        text.contains("concurrency: each prompt asked 2 time(s) beside 3 other requests"),
+        text.contains("concurrency: each prompt asked 3 time(s) beside 3 other requests"),
         "{text}"
     );
     assert!(
@@ -100,7 +100,7 @@ fn a_server_whose_answer_moves_beside_other_requests_is_caught_and_a_steady_one_
         &endpoint(&url, &model, &["--concurrency", "2", "--json"]),
         0,
     );
-    assert_eq!(others.load(Ordering::SeqCst), 2 * 2);
+    assert_eq!(others.load(Ordering::SeqCst), 2 * 3);
     let c = &v["concurrency"];
     assert_eq!(c["verdict"], "pass", "{c:#}");
     assert_eq!(c["prompts"][0]["drift"]["max_abs_delta_logprob"], 0.0);

@@ -8,6 +8,9 @@
 //! Every check runs with `--explain`: the honest server has nothing to explain; the story's
 //! unsharded `kv_b` at TP 2 is named by its catalogue twin, `unsharded-column=kv_b`, far ahead
 //! of the rest; the swapped expert halves have no twin in the catalogue, and none is named.
+//! With `--concurrency`, a server batching requests keeps each one's numbers (honest), or lets
+//! a request's attention reach the requests batched before it: alone it agrees, beside others
+//! it is caught.
 
 use std::path::Path;
 use std::time::Instant;
@@ -59,10 +62,18 @@ fn endpoint(server: &Server, hf: &Path, extra: &[&str], code: i32) -> Value {
     report
 }
 
-/// A server started, timed.
+/// A server started (batching requests where `batching`), timed.
 fn start(hf: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
+    launch(hf, tp, shards, fault, false)
+}
+
+fn launch(hf: &Path, tp: u64, shards: &Path, fault: &str, batching: bool) -> Server {
     let began = Instant::now();
-    let server = Server::start(hf, tp, shards, fault);
+    let server = if batching {
+        Server::start_batching(hf, tp, shards, fault)
+    } else {
+        Server::start(hf, tp, shards, fault)
+    };
     eprintln!(
         "vLLM's server at TP {tp} ({}): ready in {:.1} s",
         if fault.is_empty() { "honest" } else { fault },
@@ -72,11 +83,11 @@ fn start(hf: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
 }
 
 #[test]
-fn an_honest_vllm_server_agrees_with_the_reference() {
+fn an_honest_vllm_server_agrees_with_the_reference_alone_and_beside_other_requests() {
     let dir = common::scratch();
     let hf = model(dir.path());
-    let server = start(&hf, 1, &dir.path().join("shards"), "");
-    let v = endpoint(&server, &hf, &[], 0);
+    let server = launch(&hf, 1, &dir.path().join("shards"), "", true);
+    let v = endpoint(&server, &hf, &["--concurrency", "4"], 0);
     assert_eq!(v["verdict"], "pass", "{v:#}");
     for prompt in v["prompts"].as_array().unwrap() {
         let c = &prompt["comparison"];
@@ -87,6 +98,55 @@ fn an_honest_vllm_server_agrees_with_the_reference() {
     let e = &v["explanation"];
     assert_eq!(e["verdict"], "nothing_to_explain", "{e:#}");
     assert_eq!(e["ranking"], serde_json::json!([]));
+    // Batched with other requests its numbers stay (measured: 0 or 5.7e-6 nats).
+    let c = &v["concurrency"];
+    assert_eq!(c["verdict"], "pass", "{c:#}");
+    for p in c["prompts"].as_array().unwrap() {
+        assert!(
+            p["drift"]["max_abs_delta_logprob"].as_f64().unwrap() < 1e-4,
+            "{c:#}"
+        );
+    }
+}
+
+/// vLLM's sparse attention handed the batch as one sequence: a request attends to the
+/// requests batched before it. Alone each prompt agrees with the reference, and there is
+/// nothing to explain; beside four other requests its log-probabilities move by nats.
+#[test]
+fn a_vllm_server_whose_requests_share_attention_is_caught_beside_other_requests() {
+    let dir = common::scratch();
+    let hf = model(dir.path());
+    let server = launch(
+        &hf,
+        1,
+        &dir.path().join("shards"),
+        "requests-share-attention",
+        true,
+    );
+    let v = endpoint(&server, &hf, &["--concurrency", "4"], 1);
+    assert_eq!(v["verdict"], "fail", "{v:#}");
+    for prompt in v["prompts"].as_array().unwrap() {
+        assert_eq!(prompt["verdict"], "pass", "{prompt:#}");
+    }
+    assert_eq!(v["explanation"]["verdict"], "nothing_to_explain");
+    let c = &v["concurrency"];
+    assert_eq!(c["verdict"], "fail", "{c:#}");
+    assert_eq!(c["class"], "concurrency_dependence");
+    // Measured over 12 runs: the worst prompt moves by 1.5 to 2.7 nats.
+    let worst = c["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["drift"]["max_abs_delta_logprob"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(worst > 1.0, "{c:#}");
+    assert!(
+        v["problems"][0]
+            .as_str()
+            .unwrap()
+            .contains("concurrency_dependence: beside 4 other requests"),
+        "{v:#}"
+    );
 }
 
 /// vLLM's routed experts loaded with each expert's gate and up projections swapped: the MoE

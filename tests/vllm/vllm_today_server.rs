@@ -22,8 +22,18 @@ pub(crate) struct Server {
 impl Server {
     /// The server on `model` at `tp` with the probe's worker extension, vLLM's dev mode (which
     /// opens `/collective_rpc`), glmcheck's plugin writing shard manifests to `shards`, and the
-    /// tests' `fault` planted; ready when `/health` answers.
+    /// tests' `fault` planted, one request at a time; ready when `/health` answers.
     pub(crate) fn start(model: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
+        Server::launch(model, tp, shards, fault, 1)
+    }
+
+    /// [`Server::start`], batching up to 8 requests in a step (whole prompts: the prefills of
+    /// requests that arrive together run in one forward).
+    pub(crate) fn start_batching(model: &Path, tp: u64, shards: &Path, fault: &str) -> Server {
+        Server::launch(model, tp, shards, fault, 8)
+    }
+
+    fn launch(model: &Path, tp: u64, shards: &Path, fault: &str, max_num_seqs: u32) -> Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -43,7 +53,8 @@ impl Server {
             .args(["--enforce-eager", "--attention-backend", "CPU_MLA"])
             .args(["-cc", r#"{"custom_ops":["-rotary_embedding"]}"#])
             .args(["--max-model-len", "256", "--max-num-batched-tokens", "256"])
-            .args(["--max-num-seqs", "1", "--skip-tokenizer-init"])
+            .args(["--max-num-seqs", &max_num_seqs.to_string()])
+            .arg("--skip-tokenizer-init")
             .args([
                 "--worker-extension-cls",
                 "glmcheck_probe.vllm_worker.ProbeWorker",

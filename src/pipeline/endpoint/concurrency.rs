@@ -1,14 +1,16 @@
 //! `glmcheck endpoint --concurrency N`: each prompt asked again while N requests of glmcheck's
 //! own run beside it, and its answer held against the one it had alone.
 //!
-//! The other requests are released together with the prompt (one barrier), so that a server
-//! that batches what arrives together runs them in the same steps. Their prompts are made of
-//! the prompts' own token ids (valid ids for any server's vocabulary), shuffled, at half, once
-//! and one and a half times the prompt's length, and they ask for as many tokens as the prompt
-//! does. Each prompt is asked [`ROUNDS`] times beside others; the largest move counts.
+//! The other requests are released together (one barrier) and the prompt with them or a few
+//! milliseconds after ([`PROMPT_DELAYS`], one per round), so that a server that batches what
+//! arrives together runs the prompt in the same steps as some of them, and behind them in the
+//! batch's order: a request that leaks into others shows only in those batched after it. Their
+//! prompts are made of the prompts' own token ids (valid ids for any server's vocabulary),
+//! drawn at random, at half, once and one and a half times the prompt's length, and they ask
+//! for as many tokens as the prompt does. The largest move over the rounds counts.
 
 use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use serde_json::json;
@@ -19,8 +21,13 @@ use crate::endpoint::client::Client;
 use crate::report::endpoint::{ConcurrencyCheck, PromptDrift};
 use crate::rng::SplitMix;
 
-/// Times each prompt is asked beside other requests.
-pub const ROUNDS: usize = 2;
+/// Per round, how long after the other requests the prompt is sent: with them, then just
+/// behind them (queued in the same step), then later (beside their decoding, or the next step).
+pub const PROMPT_DELAYS: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_millis(5),
+    Duration::from_millis(20),
+];
 
 /// What `--concurrency` needs besides the served answers.
 pub(super) struct Load<'a> {
@@ -46,10 +53,10 @@ pub(super) fn check(
     let mut prompts = Vec::new();
     for (i, alone) in served.iter().enumerate() {
         let mut worst: Option<PromptDrift> = None;
-        for round in 1..=ROUNDS {
+        for (round, delay) in (1..).zip(PROMPT_DELAYS) {
             let seed = ((i as u64) << 32) | round as u64;
             let others = other_prompts(&pool, alone.tokens.len(), load.beside, seed);
-            let loaded = beside_others(load, &others, || ask(alone.tokens.clone()))
+            let loaded = beside_others(load, &others, delay, || ask(alone.tokens.clone()))
                 .map_err(|e| e.context(format!("--concurrency: prompt {} beside others", i + 1)))?;
             let candidate = PromptDrift {
                 index: i + 1,
@@ -73,7 +80,7 @@ pub(super) fn check(
     }
     Ok(ConcurrencyCheck::judge(
         load.beside,
-        ROUNDS,
+        PROMPT_DELAYS.len(),
         load.tolerance,
         prompts,
     ))
@@ -92,11 +99,12 @@ fn other_prompts(pool: &[u32], length: usize, count: usize, seed: u64) -> Vec<Ve
         .collect()
 }
 
-/// `probe()`'s answer, asked while `others` are sent to the server's completion API, all
+/// `probe()`'s answer, asked `delay` after `others` are sent to the server's completion API, all
 /// released together; an error if any of them fails.
 fn beside_others(
     load: &Load,
     others: &[Vec<u32>],
+    delay: Duration,
     probe: impl FnOnce() -> anyhow::Result<Served>,
 ) -> anyhow::Result<Served> {
     let start = Barrier::new(others.len() + 1);
@@ -118,6 +126,7 @@ fn beside_others(
             })
             .collect();
         start.wait();
+        std::thread::sleep(delay);
         let began = Instant::now();
         let answer = probe().map(|mut s| {
             s.seconds = began.elapsed().as_secs_f64();

@@ -22,7 +22,12 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
   loading each expert's gate projection (`w1`) into the up half of `w13_weight` and the up
   projection (`w3`) into the gate half;
 * `fused-shared-halves-swapped`: with the shared experts fused (`GLMCHECK_VLLM_FUSE_SHARED_EXPERTS`),
-  the same swap for the fused shared expert's slot only.
+  the same swap for the fused shared expert's slot only;
+* `requests-share-attention`: the sparse attention and the DSA indexer handed the whole batch as
+  one sequence (the per-request starts, `query_start_loc`, dropped), so that a request's
+  tokens attend to the requests batched before it: alone a request is unchanged, beside
+  others it is not. It changes glmcheck's own CPU stand-in for those kernels
+  (`glmcheck_probe.vllm_plugin.sequences`), the piece that reads the batch's sequence bounds.
 """
 
 import os
@@ -40,7 +45,7 @@ FUSE_SHARED_ENV = "GLMCHECK_VLLM_FUSE_SHARED_EXPERTS"
 GGUF_RANK_FIX_ENV = "GLMCHECK_VLLM_GGUF_RANK_FIX"
 
 FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "skip-o-proj-all-reduce",
-          "rope-positions-shifted", "w13-halves-swapped", "fused-shared-halves-swapped")
+          "rope-positions-shifted", "w13-halves-swapped", "fused-shared-halves-swapped", "requests-share-attention")
 
 
 def register() -> None:
@@ -189,3 +194,9 @@ def _w13_halves_swapped(fused_shared_only: bool = False) -> None:
 
 def _fused_shared_halves_swapped() -> None:
     _w13_halves_swapped(fused_shared_only=True)
+
+
+def _requests_share_attention() -> None:
+    from glmcheck_probe import vllm_plugin
+
+    vllm_plugin.sequences = lambda t: [(0, t)]
