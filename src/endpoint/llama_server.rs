@@ -174,6 +174,38 @@ pub fn answer(next: Vec<TopK>, generated: Vec<u32>) -> Answer {
 mod tests {
     use super::*;
 
+    /// llama-server's answer (llama.cpp of llama-cpp-python 0.3.36, F32 KV cache, flash
+    /// attention off) to `next_token_request(&[1, 5, 9], 3)` on glmcheck's synthetic GGUF.
+    const NEXT: &str = r#"{"index":0,"content":"a","tokens":[],"id_slot":0,"stop":true,"model":"syn.gguf","tokens_predicted":1,"tokens_evaluated":3,"generation_settings":{"seed":4294967295,"temperature":0.0,"dynatemp_range":0.0,"dynatemp_exponent":1.0,"top_k":1,"top_p":0.949999988079071,"min_p":0.05000000074505806,"top_n_sigma":-1.0,"xtc_probability":0.0,"xtc_threshold":0.10000000149011612,"typical_p":1.0,"repeat_last_n":64,"repeat_penalty":1.0,"presence_penalty":0.0,"frequency_penalty":0.0,"dry_multiplier":0.0,"dry_base":1.75,"dry_allowed_length":2,"dry_penalty_last_n":64,"dry_sequence_breakers":["\n",":","\"","*"],"mirostat":0,"mirostat_tau":5.0,"mirostat_eta":0.10000000149011612,"adaptive_target":-1.0,"adaptive_decay":0.8999999761581421,"stop":[],"max_tokens":1,"n_predict":1,"n_keep":0,"n_discard":0,"ignore_eos":false,"stream":false,"logit_bias":[{"bias":10000.0,"token":97}],"n_probs":3,"min_keep":0,"grammar":"","grammar_lazy":false,"grammar_triggers":[],"preserved_tokens":[],"chat_format":"Content-only","reasoning_format":"deepseek","reasoning_in_content":false,"generation_prompt":"","samplers":["penalties","dry","top_n_sigma","top_k","typ_p","top_p","min_p","xtc","temperature"],"speculative.types":"none","timings_per_token":false,"post_sampling_probs":false,"backend_sampling":false,"lora":[]},"prompt":"\u0001\u0005\t","has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":3,"timings":{"cache_n":0,"prompt_n":3,"prompt_ms":2182.679,"prompt_per_token_ms":727.5596666666667,"prompt_per_second":1.3744577191607195,"predicted_n":1,"predicted_ms":0.001,"predicted_per_token_ms":0.0,"predicted_per_second":0.0},"completion_probabilities":[{"id":97,"token":"a","bytes":[97],"logprob":-14.71304702758789,"top_logprobs":[{"id":10,"token":"\n","bytes":[10],"logprob":-0.00021549400116782635},{"id":104,"token":"h","bytes":[104],"logprob":-9.658727645874023},{"id":157,"token":"�","bytes":[157],"logprob":-10.878150939941406}]}]}"#;
+
+    /// Its answer to `continuation_request(&[1, 5, 9, 14], 3)` right after, on the same model.
+    const CONTINUATION: &str = r#"{"index":0,"content":"\u000f\u0010\u0011","tokens":[15,16,17],"id_slot":0,"stop":true,"model":"syn.gguf","tokens_predicted":3,"tokens_evaluated":4,"generation_settings":{"seed":4294967295,"temperature":0.0,"dynatemp_range":0.0,"dynatemp_exponent":1.0,"top_k":1,"top_p":0.949999988079071,"min_p":0.05000000074505806,"top_n_sigma":-1.0,"xtc_probability":0.0,"xtc_threshold":0.10000000149011612,"typical_p":1.0,"repeat_last_n":64,"repeat_penalty":1.0,"presence_penalty":0.0,"frequency_penalty":0.0,"dry_multiplier":0.0,"dry_base":1.75,"dry_allowed_length":2,"dry_penalty_last_n":64,"dry_sequence_breakers":["\n",":","\"","*"],"mirostat":0,"mirostat_tau":5.0,"mirostat_eta":0.10000000149011612,"adaptive_target":-1.0,"adaptive_decay":0.8999999761581421,"stop":[],"max_tokens":3,"n_predict":3,"n_keep":0,"n_discard":0,"ignore_eos":false,"stream":false,"logit_bias":[],"n_probs":0,"min_keep":0,"grammar":"","grammar_lazy":false,"grammar_triggers":[],"preserved_tokens":[],"chat_format":"Content-only","reasoning_format":"deepseek","reasoning_in_content":false,"generation_prompt":"","samplers":["penalties","dry","top_n_sigma","top_k","typ_p","top_p","min_p","xtc","temperature"],"speculative.types":"none","timings_per_token":false,"post_sampling_probs":false,"backend_sampling":false,"lora":[]},"prompt":"\u0001\u0005\t\u000e","has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":6,"timings":{"cache_n":3,"prompt_n":1,"prompt_ms":1331.204,"prompt_per_token_ms":1331.204,"prompt_per_second":0.7511996658663886,"predicted_n":3,"predicted_ms":1778.312,"predicted_per_token_ms":889.156,"predicted_per_second":1.1246620390572633}}"#;
+
+    /// Its `GET /props` answer.
+    const PROPS_ANSWER: &str = r#"{"default_generation_settings":{"params":{"seed":4294967295,"temperature":0.800000011920929,"dynatemp_range":0.0,"dynatemp_exponent":1.0,"top_k":40,"top_p":0.949999988079071,"min_p":0.05000000074505806,"top_n_sigma":-1.0,"xtc_probability":0.0,"xtc_threshold":0.10000000149011612,"typical_p":1.0,"repeat_last_n":64,"repeat_penalty":1.0,"presence_penalty":0.0,"frequency_penalty":0.0,"dry_multiplier":0.0,"dry_base":1.75,"dry_allowed_length":2,"dry_penalty_last_n":64,"mirostat":0,"mirostat_tau":5.0,"mirostat_eta":0.10000000149011612,"adaptive_target":-1.0,"adaptive_decay":0.8999999761581421,"max_tokens":-1,"n_predict":-1,"n_keep":0,"n_discard":0,"ignore_eos":false,"stream":false,"n_probs":0,"min_keep":0,"chat_format":"Content-only","reasoning_format":"none","reasoning_in_content":false,"generation_prompt":"","samplers":["penalties","dry","top_n_sigma","top_k","typ_p","top_p","min_p","xtc","temperature"],"speculative.types":"none","timings_per_token":false,"post_sampling_probs":false,"backend_sampling":false,"lora":[]},"n_ctx":256},"total_slots":1,"model_alias":"syn.gguf","model_ftype":"all F32","model_path":"syn.gguf","modalities":{"vision":false,"video":false,"audio":false},"media_marker":"<__media_egVqnzOsx0ysnWmee02eNRr52eue1KXQ__>","endpoint_slots":true,"endpoint_props":false,"endpoint_metrics":false,"ui":false,"ui_settings":{},"chat_template":"{%- for message in messages -%}\n  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n  {{- '<|im_start|>assistant\n' -}}\n{%- endif -%}","chat_template_caps":{"supports_object_arguments":false,"supports_parallel_tool_calls":false,"supports_preserve_reasoning":false,"supports_reasoning_effort":false,"supports_string_content":true,"supports_system_role":true,"supports_tool_calls":false,"supports_tools":false,"supports_typed_content":false},"bos_token":"[gMASK]","eos_token":"<|endoftext|>","build_info":"b575-cbf358e","is_sleeping":false,"cors_proxy_enabled":false}"#;
+
+    #[test]
+    fn a_real_props_answer_is_llama_servers() {
+        assert!(is_props(PROPS_ANSWER));
+    }
+
+    #[test]
+    fn a_real_answer_reads_as_the_raw_top_k_and_the_continuation_as_ids() {
+        // The forced "a" (id 97) was sampled; the listed tokens are the model's own top 3.
+        let top = parse_next_token(NEXT, 3).unwrap();
+        let ids: Vec<u32> = top.iter().map(|e| e.0).collect();
+        assert_eq!(ids, vec![10, 104, 157]);
+        assert_eq!(top[0].1, -0.00021549400116782635);
+        assert_eq!(top[2].1, -10.878150939941406);
+        assert!(parse_next_token(NEXT, 4)
+            .unwrap_err()
+            .starts_with("tokens_evaluated is 3 where 4 ids were sent"));
+        assert_eq!(
+            parse_continuation(CONTINUATION, 4).unwrap(),
+            vec![15, 16, 17]
+        );
+    }
+
     #[test]
     fn requests_ask_for_the_raw_top_k_of_one_forced_ascii_token() {
         let r = next_token_request(&[1, 5], 4);
