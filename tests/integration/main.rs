@@ -10,6 +10,7 @@ mod bisect_library;
 mod cli_shards;
 mod endpoint;
 mod endpoint_concurrency;
+mod endpoint_explain;
 mod endpoint_reports;
 mod gate;
 mod gate_reports;

@@ -1,4 +1,5 @@
-//! `glmcheck endpoint --explain`: which catalogued fault best explains what the server said.
+//! `glmcheck endpoint --explain`: which catalogued fault, or which config key read wrong, best
+//! explains what the server said.
 
 use std::time::Instant;
 
@@ -6,6 +7,7 @@ use anyhow::{anyhow, bail, Context};
 
 use super::super::record::{record, RunSpec};
 use super::super::Model;
+use super::misread::{misreads, Misread};
 use super::{ExplainSpec, Served};
 use crate::any_backend::BackendKind;
 use crate::compare::stage_diff::whole_values;
@@ -57,10 +59,32 @@ fn has_q4k(model: &Model) -> bool {
     })
 }
 
-/// The faults to try, likeliest and cheapest first, and the catalogue's faults left out with
-/// why. At TP ≥ 2 the ColumnParallel weights loaded whole (the story's loader bug) come first,
-/// then the loader's TP-free faults, the other shard layouts, the all-reduces, the ops.
-fn hypotheses(model: &Model, tp: Option<u64>, dtype: Precision) -> (Vec<Injection>, Vec<String>) {
+/// One hypothesis: the model as it is, a catalogued fault planted, or a config key read wrong.
+enum Run {
+    Clean,
+    Fault(Injection),
+    Config(Misread),
+}
+
+impl Run {
+    fn name(&self) -> String {
+        match self {
+            Run::Clean => "clean".into(),
+            Run::Fault(f) => f.spec(),
+            Run::Config(m) => m.name.clone(),
+        }
+    }
+}
+
+/// The catalogue's faults that take a layer, tried again at each layer (after every other
+/// hypothesis): which layer's all-reduce, which MoE layer's expert.
+const PER_LAYER: &[&str] = &["skip-all-reduce", "double-all-reduce", "nan-expert"];
+
+/// The hypotheses to try, likeliest and cheapest first, and the catalogue's faults left out
+/// with why. At TP ≥ 2 the ColumnParallel weights loaded whole (the story's loader bug) come
+/// first; then the loader's TP-free faults, the config keys a loader could misread, the other
+/// shard layouts, the all-reduces, the ops, and last the layer-taking faults at each layer.
+fn hypotheses(model: &Model, tp: Option<u64>, dtype: Precision) -> (Vec<Run>, Vec<String>) {
     let degree = tp.unwrap_or(1);
     let mut specs: Vec<String> = Vec::new();
     let mut not_tried = Vec::new();
@@ -94,24 +118,64 @@ fn hypotheses(model: &Model, tp: Option<u64>, dtype: Precision) -> (Vec<Injectio
             ));
         }
     }
+    // Each layer but the one the default already takes (nan-expert's first MoE layer; the
+    // all-reduces' every layer, the same as layer 0 in a one-layer model).
+    let (layers, first_moe) = (model.cfg.num_hidden_layers, model.cfg.first_k_dense_replace);
+    let per_layer: Vec<String> = PER_LAYER
+        .iter()
+        .filter(|name| specs.iter().any(|s| s == *name))
+        .flat_map(|name| {
+            (0..layers)
+                .filter(move |&l| match *name {
+                    "nan-expert" => l != first_moe,
+                    _ => layers > 1,
+                })
+                .map(move |l| format!("{name}={l}"))
+        })
+        .collect();
+    specs.extend(per_layer);
     let q4k = has_q4k(model);
     let mut chosen = Vec::new();
+    let mut layer_skips = 0;
     for spec in specs {
         let fault = Injection::parse(&spec).expect("every listed fault is in the catalogue");
         let e = fault.entry();
         if let Err(err) = fault.check(&model.cfg, degree as usize, dtype) {
-            not_tried.push(format!("{spec} not tried: {err}"));
+            // A layer-taking fault where it cannot be (a dense layer's expert) is no news.
+            if spec.contains('=') && PER_LAYER.contains(&e.name) {
+                layer_skips += 1;
+            } else {
+                not_tried.push(format!("{spec} not tried: {err}"));
+            }
         } else if matches!(fault, Injection::DequantQ4kScales) && !q4k {
             not_tried.push(format!(
                 "{} not tried: the model holds no Q4_K weight",
                 e.name
             ));
         } else {
-            chosen.push(fault);
+            chosen.push(Run::Fault(fault));
         }
     }
+    if layer_skips > 0 {
+        not_tried.push(format!(
+            "{layer_skips} per-layer hypotheses not tried: the layer has no such piece (a dense layer's experts)"
+        ));
+    }
+    // The config misreads go after the loader's faults that come first.
+    let loader_first = chosen
+        .iter()
+        .take_while(|r| match r {
+            Run::Fault(f) => LOADER_FIRST.contains(&f.entry().name),
+            _ => false,
+        })
+        .count();
+    let configs = misreads(&model.cfg).into_iter().map(Run::Config);
+    chosen.splice(loader_first..loader_first, configs);
     (chosen, not_tried)
 }
+
+/// The loader's faults tried before the config misreads.
+const LOADER_FIRST: &[&str] = &["unsharded-column", "kv-b-split-order", "dequant-q4k-scales"];
 
 /// A server that agrees with the reference: nothing run.
 pub(super) fn nothing_to_explain(e: &ExplainSpec) -> Explanation {
@@ -141,16 +205,10 @@ pub(super) fn explain(
 ) -> anyhow::Result<Explanation> {
     let tp = e.tp.unwrap_or(1);
     let (faults, mut not_tried) = hypotheses(model, e.tp, e.dtype);
-    let mut runs: Vec<Option<Injection>> = std::iter::once(None)
-        .chain(faults.into_iter().map(Some))
-        .collect();
+    let mut runs: Vec<Run> = std::iter::once(Run::Clean).chain(faults).collect();
     if let Some(budget) = e.budget {
         if runs.len() > budget {
-            let left: Vec<String> = runs[budget..]
-                .iter()
-                .flatten()
-                .map(Injection::spec)
-                .collect();
+            let left: Vec<String> = runs[budget..].iter().map(Run::name).collect();
             not_tried.push(format!(
                 "{} not tried: past --budget {budget} ({})",
                 left.len(),
@@ -163,17 +221,19 @@ pub(super) fn explain(
     let began = Instant::now();
     let mut ranking = Vec::new();
     let mut failed = Vec::new();
-    for inject in runs {
-        let name = inject.map_or_else(|| "clean".to_string(), |f| f.spec());
+    for run in runs {
+        let name = run.name();
         bar.set_message(format!("explain: {name}"));
         let started = Instant::now();
-        match score(model, served, inject, tp, e.dtype) {
+        match score(model, served, &run, tp, e.dtype) {
             Ok(score) => ranking.push(Hypothesis {
                 name,
                 score,
                 seconds: started.elapsed().as_secs_f64(),
             }),
-            Err(err) if inject.is_some() => failed.push(format!("{name} could not run: {err:#}")),
+            Err(err) if !matches!(run, Run::Clean) => {
+                failed.push(format!("{name} could not run: {err:#}"))
+            }
             Err(err) => return Err(err.context("--explain: the clean model's run")),
         }
         bar.inc(1);
@@ -200,15 +260,28 @@ pub(super) fn explain(
     })
 }
 
-/// One hypothesis's pooled fit over every served prompt: the model run with `inject` at `tp`
+/// One hypothesis's pooled fit over every served prompt: the model run as `run` says at `tp`
 /// and `dtype`, its prompt logits against the server's listed log-probabilities.
 fn score(
     model: &Model,
     served: &[Served],
-    inject: Option<Injection>,
+    run: &Run,
     tp: u64,
     dtype: Precision,
 ) -> anyhow::Result<f64> {
+    let misread;
+    let (model, inject) = match run {
+        Run::Clean => (model, None),
+        Run::Fault(f) => (model, Some(*f)),
+        Run::Config(m) => {
+            misread = Model {
+                files: model.files.clone(),
+                cfg: m.cfg.clone(),
+                family: model.family,
+            };
+            (&misread, None)
+        }
+    };
     let (mut sum, mut terms) = (0.0, 0);
     for s in served {
         let dir = tempfile::tempdir().context("a temporary folder for a hypothesis's trace")?;

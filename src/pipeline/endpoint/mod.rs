@@ -11,7 +11,7 @@
 //! `--explain` then asks which catalogued fault (`glmcheck bisect --list-faults`) best explains
 //! what the server said: the reference is run again with each fault planted that can exist at
 //! the server's TP and dtype, and with none ("clean", the baseline), on the same prompts, and
-//! each run scored by [`fit`] against the server's log-probabilities. The loader faults come
+//! each run scored by [`fit`](crate::compare::top_k::fit) against the server's log-probabilities. The loader faults come
 //! first (at TP ≥ 2 the ColumnParallel weights loaded whole, the story's bug), so a `--budget`
 //! spends its runs on the likeliest. A server that agrees with the reference has nothing to
 //! explain, and nothing is run.
@@ -36,6 +36,7 @@ use crate::trace::{FullSelector, Trace};
 mod ask;
 mod concurrency;
 mod explain;
+mod misread;
 
 use ask::{api, ask, served_model};
 use explain::{explain, nothing_to_explain};
