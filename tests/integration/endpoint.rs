@@ -466,3 +466,45 @@ fn servers_that_cannot_be_judged_end_with_one_line_and_exit_2() {
         minute,
     );
 }
+
+/// A server that allows fewer log-probabilities than asked (vLLM's `--max-logprobs`) refuses
+/// with its cap; it is asked again at the cap, and the report says so.
+#[test]
+fn a_server_capping_log_probabilities_is_asked_again_at_its_cap() {
+    let dir = common::scratch();
+    let (model, logits, vocab) = model_and_logits(dir.path());
+    let capped = vllm_answer(&logits, vocab, 3);
+    let (url, count) = serve(completions(move |body| {
+        match body["prompt_logprobs"].as_u64() {
+            Some(k) if k > 3 => Reply::Answer(
+                400,
+                format!(
+                    r#"{{"error":{{"message":"Requested prompt logprobs of {k}, which is greater than max allowed: 3","code":400}}}}"#
+                ),
+            ),
+            _ => Reply::Answer(200, capped.to_string()),
+        }
+    }));
+    let out = endpoint(&url, &model, &["--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["top_k"].as_u64(), report["top_k_served"].as_u64()),
+        (Some(4), Some(3))
+    );
+    // /v1/models, /props, the refused request and the one at the cap.
+    assert_eq!(count.load(Ordering::SeqCst), 4);
+    let text = endpoint(&url, &model, &[]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains(
+            "note: the server gives at most 3 log-probabilities per position (--top-k 4 asked)"
+        ),
+        "{text}"
+    );
+}

@@ -44,26 +44,71 @@ pub(super) fn ask(
     spec: &EndpointSpec,
 ) -> anyhow::Result<Served> {
     let began = Instant::now();
-    let (answer, url) = match api {
+    let (answer, url, top_k) = match api {
         Api::OpenAi => {
             let url = client.url("/v1/completions");
-            let request = completion_request(served_model, &tokens, spec.top_k, spec.max_tokens);
-            let text = client.post_json("/v1/completions", &request)?;
-            (parse_answer(&text).map_err(|e| anyhow!("{url}: {e}"))?, url)
+            let (text, k) = ask_openai(client, served_model, &tokens, spec.top_k, spec.max_tokens)?;
+            (
+                parse_answer(&text).map_err(|e| anyhow!("{url}: {e}"))?,
+                url,
+                k,
+            )
         }
         Api::LlamaServer => (
             ask_llama_server(client, &tokens, spec)?,
             client.url(COMPLETION),
+            spec.top_k,
         ),
     };
     let seconds = began.elapsed().as_secs_f64();
     let positions = positions(&answer, &tokens).map_err(|e| anyhow!("{url}: {e}"))?;
     Ok(Served {
+        top_k,
         tokens,
         positions,
         generated: answer.generated,
         seconds,
     })
+}
+
+/// The completion request's answer and the log-probabilities it asked for: `top_k`, or the
+/// server's cap where it refuses `top_k` as more than it allows (vLLM's `--max-logprobs`, 20
+/// by default) and is asked again.
+fn ask_openai(
+    client: &Client,
+    served_model: &str,
+    tokens: &[u32],
+    top_k: u32,
+    max_tokens: u32,
+) -> Result<(String, u32), CallError> {
+    let request = completion_request(served_model, tokens, top_k, max_tokens);
+    match client.post_json("/v1/completions", &request) {
+        Err(CallError::Status {
+            status: 400,
+            message,
+            ..
+        }) if logprobs_cap(&message).is_some_and(|cap| cap >= 1 && cap < top_k) => {
+            let cap = logprobs_cap(&message).unwrap_or(top_k);
+            let request = completion_request(served_model, tokens, cap, max_tokens);
+            Ok((client.post_json("/v1/completions", &request)?, cap))
+        }
+        other => other.map(|text| (text, top_k)),
+    }
+}
+
+/// The most log-probabilities a server allows, from its refusal ("Requested prompt logprobs of
+/// 50, which is greater than max allowed: 20", vLLM's words).
+fn logprobs_cap(message: &str) -> Option<u32> {
+    let (before, after) = message.split_once("max allowed:")?;
+    if !before.contains("logprobs") {
+        return None;
+    }
+    let digits: String = after
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
 }
 
 /// llama-server asked for each prompt position's next-token top-k, one request on each prefix
@@ -162,6 +207,14 @@ fn positions(answer: &Answer, tokens: &[u32]) -> Result<Vec<TopK>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_servers_cap_on_log_probabilities_is_read_from_its_refusal() {
+        let vllm = "Requested prompt logprobs of 50, which is greater than max allowed: 20";
+        assert_eq!(logprobs_cap(vllm), Some(20));
+        assert_eq!(logprobs_cap("max allowed: 20 requests"), None);
+        assert_eq!(logprobs_cap("prompt logprobs: too many"), None);
+    }
 
     fn answer(ids: Option<Vec<u32>>, top: Vec<Option<TopK>>) -> Answer {
         Answer {

@@ -76,6 +76,8 @@ pub struct EndpointSpec<'a> {
 
 /// The server's answer for one prompt, before the reference runs.
 struct Served {
+    /// The log-probabilities asked for per position: `--top-k`, or the server's cap.
+    top_k: u32,
     tokens: Vec<u32>,
     /// Per reference position, the server's top-k.
     positions: Vec<TopK>,
@@ -161,6 +163,7 @@ pub fn check(spec: &EndpointSpec) -> anyhow::Result<EndpointReport> {
         prompts: checks,
         served_model,
         top_k: spec.top_k,
+        top_k_served: served.iter().map(|s| s.top_k).min().unwrap_or(spec.top_k),
         url: spec.url.to_string(),
     })
 }

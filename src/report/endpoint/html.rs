@@ -54,7 +54,7 @@ pub fn html(r: &EndpointReport) -> String {
         api_words(r.api),
         esc(&r.served_model),
         esc(&r.model),
-        r.top_k
+        r.top_k_served
     );
     if let Some(t) = tolerance(r) {
         let _ = write!(h, " · tolerance {t} nats");

@@ -59,7 +59,7 @@ pub fn markdown(r: &EndpointReport) -> String {
         api_words(r.api),
         text(&r.served_model),
         text(&r.model),
-        r.top_k
+        r.top_k_served
     );
     if let Some(t) = tolerance(r) {
         let _ = write!(md, " · tolerance {t} nats");
@@ -401,6 +401,7 @@ pub(super) mod tests {
             }],
             served_model: served.into(),
             top_k: 4,
+            top_k_served: 4,
             url: "http://127.0.0.1:8000".into(),
             verdict: Status::Fail,
             explanation: Some(explanation),

@@ -47,6 +47,9 @@ pub struct EndpointReport {
     pub served_model: String,
     /// The log-probabilities asked for at each position.
     pub top_k: u32,
+    /// The log-probabilities the server gave at each position: `top_k`, or fewer where the
+    /// server caps them (vLLM's `--max-logprobs`) and was asked again at its cap.
+    pub top_k_served: u32,
     pub url: String,
     pub verdict: Status,
     /// `--explain`: which catalogued fault best explains the server's answer.
@@ -94,8 +97,15 @@ pub fn text(r: &EndpointReport) -> String {
         },
         r.served_model,
         r.model,
-        r.top_k
+        r.top_k_served
     );
+    if r.top_k_served < r.top_k {
+        let _ = writeln!(
+            out,
+            "note: the server gives at most {} log-probabilities per position (--top-k {} asked)",
+            r.top_k_served, r.top_k
+        );
+    }
     for p in &r.prompts {
         let c = &p.comparison;
         let h = &p.health;
