@@ -1,4 +1,4 @@
-//! `glmcheck endpoint URL MODEL --prompt TEXT`: a running OpenAI-compatible server (vLLM)
+//! `glmcheck endpoint URL MODEL --prompt TEXT`: a running server (vLLM's OpenAI API, or llama.cpp's llama-server)
 //! diagnosed from outside: its top-k log-probabilities at every prompt position against the
 //! reference forward of the model it serves.
 
@@ -30,8 +30,8 @@ pub struct EndpointArgs {
     /// prompt given as token ids.
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<PathBuf>,
-    /// Log-probabilities asked for at each position (vLLM's `--max-logprobs`, 20 by default,
-    /// caps it).
+    /// Log-probabilities asked for at each position (a server that allows fewer, vLLM's
+    /// --max-logprobs, 20 by default, is asked again at its cap).
     #[arg(long, default_value_t = 20)]
     pub top_k: u32,
     /// Greedy tokens generated after each prompt (its continuation is compared, and checked

@@ -31,6 +31,11 @@ impl Server {
     /// `llama-server -m GGUF` on one slot and two threads; `exact`: F32 KV cache and flash
     /// attention off, else the server's defaults. Ready when `/health` answers 200.
     fn start(gguf: &Path, exact: bool, log: &Path) -> Server {
+        Server::with_slots(gguf, exact, log, 1)
+    }
+
+    /// [`Server::start`] with `slots` sequences decoded together (`-np`).
+    fn with_slots(gguf: &Path, exact: bool, log: &Path, slots: u32) -> Server {
         let bin = common::root().join(".oracles/llama.cpp/build/tools/server/llama-server");
         assert!(
             bin.exists(),
@@ -45,7 +50,15 @@ impl Server {
         cmd.arg("-m")
             .arg(gguf)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["-c", "256", "-np", "1", "-t", "2", "--no-webui"]);
+            .args([
+                "-c",
+                "256",
+                "-np",
+                &slots.to_string(),
+                "-t",
+                "2",
+                "--no-webui",
+            ]);
         if exact {
             cmd.args([
                 "--cache-type-k",
@@ -195,6 +208,28 @@ fn an_honest_server_agrees_exactly_and_within_the_tolerance_on_its_defaults() {
         default_delta > exact_delta && default_delta < 1e-2,
         "defaults: max |Δ logprob| {default_delta} (F32: {exact_delta})"
     );
+}
+
+/// Four slots decoding together: the prompt's numbers beside three other requests are its
+/// numbers alone, so the server is not accused.
+#[test]
+fn a_server_decoding_several_requests_together_keeps_each_ones_numbers() {
+    let dir = common::scratch();
+    let gguf = synth(dir.path());
+    let server = Server::with_slots(&gguf, true, &dir.path().join("slots.log"), 4);
+    let r = endpoint(
+        &server,
+        &gguf,
+        &["--concurrency", "3", "--kv-type", "f32"],
+        0,
+    );
+    let c = &r["concurrency"];
+    assert_eq!(c["verdict"], "pass", "{c:#}");
+    let drift = c["prompts"][0]["drift"]["max_abs_delta_logprob"]
+        .as_f64()
+        .unwrap();
+    eprintln!("llama-server, 4 slots: largest move beside 3 others {drift:e} nats");
+    assert!(drift < 1e-3, "{c:#}");
 }
 
 #[test]

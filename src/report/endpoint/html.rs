@@ -9,7 +9,9 @@ use std::fmt::Write;
 
 use super::markdown::{api_words, explain_words, tolerance};
 use super::SHOWN_POSITIONS;
-use super::{ids, ConcurrencyCheck, EndpointReport, ExplainVerdict, Explanation, PromptCheck};
+use super::{
+    continuations, ConcurrencyCheck, EndpointReport, ExplainVerdict, Explanation, PromptCheck,
+};
 use crate::compare::top_k::PositionDiff;
 use crate::compare::Status;
 use crate::report::html::svg::{nice_step, polyline, Scale, ALARM, LEFT, RIGHT, W};
@@ -174,16 +176,7 @@ fn prompt(h: &mut String, p: &PromptCheck) {
             ),
         ),
         ("non-finite log-probabilities", hl.non_finite.to_string()),
-        (
-            "continuation: server / reference",
-            format!(
-                "{} / {}{}",
-                ids(&p.continuation),
-                ids(&p.reference_continuation),
-                p.continuation_differs_at
-                    .map_or(String::new(), |i| format!(" (differ from token {i})"))
-            ),
-        ),
+        ("continuation: server / reference", continuations(p)),
     ];
     let _ = write!(
         h,

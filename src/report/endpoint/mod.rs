@@ -159,16 +159,7 @@ pub fn text(r: &EndpointReport) -> String {
                     num(h.uniform)
                 ),
             ),
-            (
-                "continuation: server / reference".into(),
-                format!(
-                    "{} / {}{}",
-                    ids(&p.continuation),
-                    ids(&p.reference_continuation),
-                    p.continuation_differs_at
-                        .map_or(String::new(), |i| format!(" (differ from token {i})"))
-                ),
-            ),
+            ("continuation: server / reference".into(), continuations(p)),
         ];
         for (name, value) in rows {
             t.add_row(vec![name, value]);
@@ -216,6 +207,17 @@ pub fn text(r: &EndpointReport) -> String {
         explanation_text(&mut out, e);
     }
     out
+}
+
+/// The server's and the reference's continuations as ids, and where they differ.
+fn continuations(p: &PromptCheck) -> String {
+    format!(
+        "{} / {}{}",
+        ids(&p.continuation),
+        ids(&p.reference_continuation),
+        p.continuation_differs_at
+            .map_or(String::new(), |i| format!(" (differ from token {i})"))
+    )
 }
 
 fn ids(tokens: &[u32]) -> String {
