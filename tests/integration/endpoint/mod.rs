@@ -3,6 +3,10 @@
 //! server cannot be judged (a 5xx after the retries, garbage, silence past `--timeout`, no
 //! log-probabilities, ids not taken as sent, nothing listening): exit 2 with one line.
 
+mod concurrency;
+mod explain;
+mod reports;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! `glmcheck endpoint --markdown OUT --html OUT` against the tiny HTTP server of `endpoint.rs`:
+//! `glmcheck endpoint --markdown OUT --html OUT` against the tiny HTTP server of `mod.rs`:
 //! both files written beside `--json`, whose stdout stays the report, for a server that agrees
 //! (its model listed under a hostile name, escaped in both files) and for one that answers as
 //! the model with `rope-neox` planted (`--explain` names it, both files show where it parts).
@@ -9,10 +9,8 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::{completions, endpoint, logits_of, model_and_logits, serve, vllm_answer, Reply};
 use crate::common;
-use crate::endpoint::{
-    completions, endpoint, logits_of, model_and_logits, serve, vllm_answer, Reply,
-};
 
 /// A served model's name with HTML and Markdown markup in it.
 const HOSTILE: &str = "<script>|*_";

@@ -1,4 +1,4 @@
-//! `glmcheck endpoint --concurrency N` against the tiny HTTP server of `endpoint.rs`: a server
+//! `glmcheck endpoint --concurrency N` against the tiny HTTP server of `mod.rs`: a server
 //! whose answer for one request changes while others are in flight is caught (exit 1, the
 //! `concurrency_dependence` class, the position and the size of the move), one that keeps its
 //! answer is not accused, and a request beside the prompt that fails ends in exit 2. Also the
@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::common;
-use crate::endpoint::{
+use super::{
     completions, endpoint, logits_of, model_and_logits, serve, vllm_answer, Reply, TOKENS,
 };
+use crate::common;
 
 /// A server that answers the prompt ([`TOKENS`]) with `alone`, or with `crowded` when another
 /// request is in flight as it answers; every other request is answered after 300 ms, so that

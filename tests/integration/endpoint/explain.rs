@@ -1,12 +1,12 @@
 //! `glmcheck endpoint --explain` beyond the catalogue's defaults, against the tiny HTTP server of
-//! `endpoint.rs`: a server whose loader read a config key wrong (the model served with another
+//! `mod.rs`: a server whose loader read a config key wrong (the model served with another
 //! value of one key) is explained by that key's misread, and one whose all-reduce is left out
 //! at one layer only by that layer's hypothesis.
 
 use serde_json::Value;
 
+use super::{completions, endpoint, logits_of, serve, vllm_answer, Reply};
 use crate::common;
-use crate::endpoint::{completions, endpoint, logits_of, serve, vllm_answer, Reply};
 
 /// The explanation of a server answering with `logits`, run against `model` with `extra`.
 fn explanation(model: &std::path::Path, logits: &[f32], vocab: usize, extra: &[&str]) -> Value {
