@@ -271,18 +271,7 @@ fn chart(h: &mut String, p: &PromptCheck) {
         p.index,
         top - 8.0
     );
-    for (v, label) in scale.ticks() {
-        if let Some(y) = scale.y(v, top, ph) {
-            let _ = write!(
-                h,
-                "<line x1=\"{LEFT}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#e3e7ee\"/>\
-                 <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{label}</text>",
-                LEFT + pw,
-                LEFT - 6.0,
-                y + 4.0
-            );
-        }
-    }
+    scale.gridlines(h, LEFT, pw, top, ph);
     if let Some(y) = scale.y(c.tolerance, top, ph) {
         let _ = write!(
             h,

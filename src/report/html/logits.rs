@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::svg::{nice_step, polyline, Scale, ALARM, LEFT, RIGHT, W};
+use super::svg::{gridline, nice_step, polyline, Scale, ALARM, LEFT, RIGHT, W};
 use super::{esc, HISTOGRAM_ID};
 use crate::report::{num, LogitsSide, LogitsView};
 
@@ -192,15 +192,7 @@ fn histogram(h: &mut String, view: &LogitsView) {
     // Count ticks: 0, 1, 10, 100, …
     for e in 0..=decades as u32 + 1 {
         let c = if e == 0 { 0 } else { 10u64.pow(e - 1) };
-        let y = y_of(c);
-        let _ = write!(
-            h,
-            "<line x1=\"{left}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#e3e7ee\"/>\
-             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{c}</text>",
-            left + pw,
-            left - 6.0,
-            y + 4.0
-        );
+        gridline(h, left, pw, y_of(c), &c.to_string());
     }
     let scale = Scale::Linear { lo, hi };
     for (v, label) in scale.ticks() {
@@ -350,18 +342,7 @@ fn entropy_plot(h: &mut String, view: &LogitsView) {
          position (nats)</text>",
         top - 8.0
     );
-    for (v, label) in scale.ticks() {
-        if let Some(y) = scale.y(v, top, ph) {
-            let _ = write!(
-                h,
-                "<line x1=\"{left}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#e3e7ee\"/>\
-                 <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{label}</text>",
-                left + pw,
-                left - 6.0,
-                y + 4.0
-            );
-        }
-    }
+    scale.gridlines(h, left, pw, top, ph);
     if let Some(y) = scale.y(ln_v, top, ph) {
         let _ = write!(
             h,

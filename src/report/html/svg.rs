@@ -92,6 +92,16 @@ impl Scale {
         Some(top + height * (1.0 - t.clamp(0.0, 1.0)))
     }
 
+    /// A grid line and its label at every tick, across a plot of `width` from `left`, its
+    /// values between `top` and `top + height`.
+    pub(crate) fn gridlines(&self, h: &mut String, left: f64, width: f64, top: f64, height: f64) {
+        for (v, label) in self.ticks() {
+            if let Some(y) = self.y(v, top, height) {
+                gridline(h, left, width, y, &label);
+            }
+        }
+    }
+
     /// Tick values with their labels.
     pub(crate) fn ticks(&self) -> Vec<(f64, String)> {
         match *self {
@@ -120,6 +130,18 @@ impl Scale {
     pub(crate) fn is_log(&self) -> bool {
         matches!(self, Scale::Log { .. })
     }
+}
+
+/// One horizontal grid line at pixel `y` with its label left of the plot.
+pub(crate) fn gridline(h: &mut String, left: f64, width: f64, y: f64, label: &str) {
+    let _ = write!(
+        h,
+        "<line x1=\"{left}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#e3e7ee\"/>\
+         <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{label}</text>",
+        left + width,
+        left - 6.0,
+        y + 4.0
+    );
 }
 
 /// 1, 2 or 5 times a power of ten, near `raw`.
