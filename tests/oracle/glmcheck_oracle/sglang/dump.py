@@ -1,0 +1,169 @@
+"""Make an SGLang debug-dump folder with SGLang's own dumper: one prefill of TOKENS (one
+request) through the fixture's GLM-5 at TP ranks (gloo processes on this machine), the
+dumper in `all` non-intrusive mode registered on the model and stepped after each forward,
+as SGLang's model runner does (model_executor/model_runner.py:1394-1396, :1900-1901).
+
+Usage: python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS OUT_DIR TP
+           [--dtype bf16|f32] [--fault NAME] [--steps N]
+       python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS --check [--tp 1,2,4]
+
+Writes OUT_DIR/glmcheck/*.pt (DUMPER_DIR=OUT_DIR, DUMPER_EXP_NAME=glmcheck; an older
+OUT_DIR/glmcheck is removed first) and prints that folder. `--steps N` adds N-1 greedy
+decode steps of one token each, each its own dumper step. `--check` dumps nothing: it runs
+transformers' GlmMoeDsaForCausalLM and this model at each TP in f32 and prints, per TP, the
+largest logit difference over all positions relative to max|logit| and the difference from
+the first TP listed (one JSON line each), exiting 1 above 1e-4.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+
+EXP_NAME = "glmcheck"
+DTYPES = {"bf16": "bfloat16", "f32": "float32"}
+
+
+def _batch(forward_batch_cls, tokens, start, kv_cache):
+    """The ForwardBatch of one request's `tokens` at positions start.. (dtypes as SGLang's:
+    managers/schedule_batch.py:2786; rids are strings, forward_batch_info.py:636)."""
+    import torch
+
+    n = start + len(tokens)
+    return forward_batch_cls(
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.arange(start, n, dtype=torch.int64),
+        seq_lens=torch.tensor([n], dtype=torch.int64),
+        req_pool_indices=torch.tensor([0], dtype=torch.int64),
+        rids=["glmcheck-0"], kv_cache=kv_cache)
+
+
+def rank_main(rank, size, rendezvous, args, result_path):
+    """One TP rank: build the model, then dump (or, with --check, save every position's
+    logits to result_path)."""
+    import torch
+    import torch.distributed as dist
+
+    from glmcheck_oracle.sglang import standins
+
+    torch.set_num_threads(1)
+    sys.stdout = sys.stderr  # the dumper's log lines; stdout is left to the folder's path
+    dumper = None
+    if not args.check:
+        os.environ.update(DUMPER_ENABLE="1", DUMPER_NON_INTRUSIVE_MODE="all",
+                          DUMPER_DIR=args.out_dir, DUMPER_EXP_NAME=EXP_NAME,
+                          DUMPER_ENABLE_OUTPUT_CONSOLE="0")
+        standins.install(rank, size)
+        dumper = standins.load_dumper()
+    if size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                                world_size=size)
+    from glmcheck_oracle.sglang import model as glm, weights
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    cfg = weights.config(args.hf_dir)
+    model = glm.GlmMoeDsaForCausalLM(weights.load(args.hf_dir, cfg, dtype, args.fault), cfg,
+                                     dtype, args.fault)
+    tokens = [int(x) for x in args.tokens.split(",")]
+    with torch.no_grad():
+        if args.check:
+            batch = _batch(standins.ForwardBatch, tokens, 0, {})
+            hidden = model.model(batch.input_ids, batch.positions, batch)
+            logits = model.all_logits(hidden)  # a gather: every rank takes part
+            if rank == 0:
+                torch.save(logits, result_path)
+        else:
+            dumper.register_non_intrusive_dumper(model)
+            kv_cache, new, start = {}, tokens, 0
+            for _ in range(args.steps):
+                batch = _batch(standins.ForwardBatch, new, start, kv_cache)
+                out = model.forward(batch.input_ids, batch.positions, batch)
+                dumper.step()
+                start += len(new)
+                new = [int(out.next_token_logits[0].argmax())]
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def run_ranks(args, size, result_path=None):
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main,
+                             args=(r, size, os.path.join(tmp, "rendezvous"), args, result_path))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise SystemExit(f"TP {size}: ranks {failed} failed")
+
+
+def check(args):
+    """This model at each TP against transformers' GlmMoeDsaForCausalLM, f32, all positions."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = [int(x) for x in args.tokens.split(",")]
+    reference = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0].float()
+    scale = expected.abs().max().item()
+    worst, first = 0.0, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in [int(x) for x in args.tp.split(",")]:
+            path = os.path.join(tmp, f"logits.tp{size}.pt")
+            run_ranks(args, size, path)
+            got = torch.load(path)
+            first = got if first is None else first
+            diff = (got - expected).abs().max().item()
+            worst = max(worst, diff / scale)
+            print(json.dumps({"tp": size, "tokens": len(tokens), "max_abs_diff": diff,
+                              "max_abs_logit": scale, "relative": diff / scale,
+                              "vs_first_tp_max_abs_diff": (got - first).abs().max().item(),
+                              "same_argmax": bool((got.argmax(-1) == expected.argmax(-1)).all())}))
+    return 0 if worst <= 1e-4 else 1
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("hf_dir")
+    parser.add_argument("tokens", help="comma-separated token ids of the one request")
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("tp_size", nargs="?", type=int)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--fault")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="forward passes: the prefill, then greedy one-token decodes")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--tp", default="1,2,4", help="with --check: the TP sizes")
+    args = parser.parse_args(argv)
+    from glmcheck_oracle.sglang import model as glm, weights
+
+    cfg = weights.config(args.hf_dir)
+    n_tokens = len(args.tokens.split(",")) + args.steps - 1
+    if n_tokens > cfg["index_topk"]:
+        # SGLang prefills DSA with dense MHA only up to index_topk tokens
+        # (layers/attention/dsa_backend.py:4064, arg_groups/model_hook.py:290); beyond,
+        # it runs the absorbed MLA path with the indexer's top-k, which this fixture lacks.
+        parser.error(f"{n_tokens} tokens > index_topk {cfg['index_topk']}")
+    if args.check:
+        args.dtype = "f32"
+        return check(args)
+    if args.out_dir is None or args.tp_size is None:
+        parser.error("OUT_DIR and TP are required unless --check")
+    if args.fault is not None and args.fault not in glm.FAULTS:
+        parser.error(f"--fault must be one of {', '.join(glm.FAULTS)}")
+    args.out_dir = os.path.abspath(args.out_dir)
+    shutil.rmtree(os.path.join(args.out_dir, EXP_NAME), ignore_errors=True)
+    run_ranks(args, args.tp_size)
+    print(os.path.join(args.out_dir, EXP_NAME))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

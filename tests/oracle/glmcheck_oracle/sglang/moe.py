@@ -1,0 +1,126 @@
+"""GLM-5's feed-forward modules as SGLang 0.5.23 builds them on TP without EP
+(models/deepseek_v2.py, "dv2" below): the dense layers' DeepseekV2MLP and the MoE layers'
+DeepseekV2MoE (gate, topk, experts, shared_experts), each returning this rank's partial sum.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmcheck_oracle.sglang.layers import Linear, SiluAndMul
+
+class MLP(nn.Module):
+    """DeepseekV2MLP (dv2:283): `mlp(x, forward_batch, allocator)`; gate_up_proj, act_fn,
+    down_proj; its output is this rank's partial sum (reduce_results=False, dv2:675, 316)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.gate_up_proj = Linear(w["gate_up_proj"])
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(w["down_proj"])
+
+    def forward(self, x, forward_batch=None, gemm_output_zero_allocator=None,
+                gateup_pre_quant=None):
+        gate_up, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up))
+        return x
+
+
+class MoEGate(nn.Module):
+    """dv2:497: logits = x · W^T in f32 from a weight in the model dtype (dv2:505-511, 578);
+    the correction bias in f32 (dv2:515)."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, hidden_states, gemm_output_zero_allocator=None, forward_batch=None):
+        return F.linear(hidden_states.float(), self.weight.float())
+
+
+class StandardTopKOutput(NamedTuple):
+    """layers/moe/topk.py:363: a NamedTuple, so the dumper splits it into .0, .1, .2."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    router_logits: torch.Tensor
+
+
+class TopK(nn.Module):
+    """layers/moe/topk.py:1785 biased_grouped_topk: sigmoid scores, choice by score + bias
+    within the best groups (sum of each group's top 2), weights renormalized; the routed
+    scaling factor is left to the experts (dv2:793-797)."""
+
+    def __init__(self, cfg, bias, fault):
+        super().__init__()
+        self.k, self.groups, self.topk_group = (cfg["num_experts_per_tok"], cfg["n_group"],
+                                                cfg["topk_group"])
+        self.renormalize, self.bias, self.fault = cfg["norm_topk_prob"], bias, fault
+
+    def forward(self, hidden_states, router_logits):
+        scores = (router_logits.softmax(-1) if self.fault == "router-softmax"
+                  else router_logits.sigmoid())
+        choice = scores + self.bias
+        t, e = choice.shape
+        grouped = choice.view(t, self.groups, e // self.groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+        best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, 1), float("-inf"))
+        ids = choice.topk(self.k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return StandardTopKOutput(weights, ids.to(torch.int32), router_logits)
+
+
+class FusedMoE(nn.Module):
+    """layers/moe/fused_moe_triton: `experts(x, topk_output)`, each expert's intermediate
+    dim split over TP; routed_scaling_factor applied in the final reduce
+    (moe_runner/triton.py:111), so the output is scale·Σ w·expert(x), a partial sum."""
+
+    def __init__(self, w13, w2, scale):
+        super().__init__()
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        self.scale = scale
+
+    def forward(self, hidden_states, topk_output):
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+        for slot in range(topk_output.topk_ids.shape[1]):
+            for e in topk_output.topk_ids[:, slot].unique().tolist():
+                rows = (topk_output.topk_ids[:, slot] == e).nonzero()[:, 0]
+                gate_up = F.linear(hidden_states[rows], self.w13_weight[e])
+                d = gate_up.shape[-1] // 2
+                act = (F.silu(gate_up[:, :d].float()) * gate_up[:, d:].float()).to(gate_up.dtype)
+                y = F.linear(act, self.w2_weight[e]).float()
+                out[rows] += y * topk_output.topk_weights[rows, slot, None]
+        return (out * self.scale).to(hidden_states.dtype)
+
+
+class MoE(nn.Module):
+    """DeepseekV2MoE.forward_normal (dv2:1300): shared experts first (the runner is
+    in-place, moe_runner/base.py:57, so defer_shared is False), gate, topk, experts, then
+    routed + shared (mxfp4_flashinfer_trtllm_moe.py:569), a partial sum (reduce_results=False,
+    dv2:666)."""
+
+    def __init__(self, w, cfg, fault):
+        super().__init__()
+        self.gate = MoEGate(w["gate"], w["bias"])
+        self.topk = TopK(cfg, self.gate.e_score_correction_bias, fault)
+        self.experts = FusedMoE(w["w13"], w["w2"], cfg["routed_scaling_factor"])
+        self.shared_experts = MLP(w["shared"])
+        self.fault, self.scale = fault, cfg["routed_scaling_factor"]
+
+    def forward(self, hidden_states, forward_batch=None, gemm_output_zero_allocator=None):
+        shared = self.shared_experts(hidden_states,
+                                     gemm_output_zero_allocator=gemm_output_zero_allocator)
+        router_logits = self.gate(hidden_states, gemm_output_zero_allocator)
+        topk_output = self.topk(hidden_states, router_logits)
+        routed = self.experts(hidden_states, topk_output)
+        if self.fault == "routed-scale-twice":
+            routed = routed * self.scale
+        return routed + shared
