@@ -37,7 +37,8 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Module):
     """ReplicatedLinear / ColumnParallelLinear / RowParallelLinear with this rank's weight
     shard: called as `proj(x)`, returns `(output, bias=None)` (layers/linear.py). The row
-    parallel ones here all have reduce_results=False (dv2:2640, 2663, 2675, 316)."""
+    parallel ones here all have reduce_results=False (dv2:2639 → 2159 o_proj, 2674 → 318
+    down_proj)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -70,7 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """The indexer's k_norm: a LayerNorm with f32 parameters (dsa_indexer.py:369-377)."""
+    """The indexer's k_norm: a LayerNorm with f32 parameters (dsa_indexer.py:378)."""
 
     def __init__(self, weight, bias, eps=1e-6):
         super().__init__()
@@ -122,9 +123,9 @@ class SiluAndMul(nn.Module):
 
 class RadixAttention(nn.Module):
     """layers/radix_attention.py: `attn_mha(q, k, v, forward_batch, save_kv_cache=False,
-    key_value_num_tokens=...)` (forward_mha.py:303) → [T, heads·v_head_dim]; causal, the
+    key_value_num_tokens=...)` (forward_mha.py:305) → [T, heads·v_head_dim]; causal, the
     queries being the last T of the keys. `attn_mqa` (the absorbed MLA path) is built, as in
-    SGLang (dv2:2188), and never called on this path."""
+    SGLang (dv2:2183), and never called on this path."""
 
     def __init__(self, scaling: float):
         super().__init__()

@@ -23,9 +23,9 @@ FAULTS = ("skip-o-proj-all-reduce", "unsharded-kv-b", "rank-order-q-b", "rope-ne
 
 class Indexer(nn.Module):
     """layers/attention/dsa/dsa_indexer.py:267. On a prefill no longer than index_topk the
-    indexer only writes its K cache (`_forward_cuda_k_only`, :1711; chosen at :1961 by
+    indexer only writes its K cache (`_forward_cuda_k_only`, :1711; chosen at :1974 by
     `_should_skip_logits_computation`, :846) and returns None. With `indexer_rope_interleave`
-    (GPT-J rope) SGLang fuses wk and weights_proj into `wk_weights_proj` (:310, :337) and does
+    (GPT-J rope) SGLang fuses wk and weights_proj into `wk_weights_proj` (:352) and does
     k_norm and rope in one kernel (:1016); otherwise wk → k_norm → rotary_emb (:979)."""
 
     def __init__(self, w, cfg, dtype):
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         self.kv_b_proj = Linear(w["kv_b_proj"])
         self.o_proj = Linear(w["o_proj"])
         self.kv_a_layernorm = RMSNorm(w["kv_a_layernorm"], cfg["rms_norm_eps"])
-        # dv2:2168: is_neox_style = not rope_interleave (default True).
+        # dv2:2166: is_neox_style = not rope_interleave (default True).
         neox = not cfg.get("rope_interleave", True)
         self.rotary_emb = RotaryEmbedding(self.rope, cfg["rope_theta"],
                                           neox != (fault == "rope-neox"), dtype)
@@ -87,12 +87,12 @@ class Attention(nn.Module):
 
     def forward(self, positions, hidden_states, forward_batch, zero_allocator,
                 input_on_attn_tp_slices=False, llama_4_scaling=None, prev_topk_indices=None):
-        # dv2:2532 prepare_qkv_latent, fetched lazily inside the attention (forward_mha.py:189)
+        # dv2:2525 prepare_qkv_latent, fetched lazily inside the attention (forward_mha.py:191)
         latent = self.fused_qkv_a_proj_with_mqa(hidden_states)[0]
         q, latent_cache = latent.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
         q_lora = self.q_a_layernorm(q)
         q = self.q_b_proj(q_lora)[0].view(-1, self.local_heads, self.nope + self.rope)
-        if self.indexer is not None:  # forward_mha.py:213, :107
+        if self.indexer is not None:  # forward_mha.py:205, :107
             self.indexer(x=hidden_states, q_lora=q_lora, positions=positions,
                          forward_batch=forward_batch, layer_id=self.layer_id,
                          return_indices=False)
@@ -114,17 +114,17 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, self.local_heads, -1)], dim=-1)
         out = self.attn_mha(q, k, v, forward_batch, save_kv_cache=False,
                             key_value_num_tokens=k.shape[0])
-        return self.o_proj(out)[0]  # partial sum at TP > 1 (reduce_results=False, dv2:2640)
+        return self.o_proj(out)[0]  # partial sum at TP > 1 (reduce_results=False, dv2:2639)
 
 
 class DecoderLayer(nn.Module):
     """DeepseekV2DecoderLayer.forward (dv2:2794) with the layer_boundary residual stream of
     a TP prefill: the input norm adds the previous layer's completed output to the residual
-    (layer_boundary/residual/add_norm.py:198, `norm(h, residual, None)`; the first layer
-    `norm(h)`), the attention's partial sum is all-reduced before the FFN norm
-    (factories.py:743 always_partial; prepare.py:360), `norm(h, residual)` (add_norm.py:384),
+    (layer_boundary/residual/add_norm.py:190, `norm(h, residual, None)`; the first layer
+    `norm(h)`, :189), the attention's partial sum is all-reduced before the FFN norm
+    (factories.py:741 always_partial; prepare.py:359), `norm(h, residual)` (add_norm.py:419),
     and the FFN's all-reduce is deferred to the next layer's input: at TP > 1 the layer
-    returns `(OwedOutput, None)` (exit.py:315-330, stream.py:134), at TP 1 `(mlp output,
+    returns `(OwedOutput, None)` (exit.py:315-330, stream.py:175), at TP 1 `(mlp output,
     None)`, the residual staying in the stream (forward_batch.residual_stream)."""
 
     def __init__(self, w, cfg, layer_id, dtype, fault):
@@ -190,7 +190,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class LogitsProcessor(nn.Module):
     """layers/logits_processor.py: the last token of the request, `hidden · lm_head.weight^T`
-    in the model dtype (:1188, lm_head is read, never called), gathered over TP in rank
+    in the model dtype (:1200, lm_head is read, never called), gathered over TP in rank
     order, cut to the vocabulary and made f32 (:1347, :1368)."""
 
     def __init__(self, vocab_size):
@@ -206,7 +206,7 @@ class LogitsProcessor(nn.Module):
 class DeepseekV2Model(nn.Module):
     """dv2:2925/3094: embed, the layers (each `layer(positions, h, forward_batch,
     zero_allocator, gemm_output_zero_allocator, llama_4_scaling, prev_topk_indices=,
-    captured_last_layer_outputs=, next_full_attention_layer_id=)`, dv2:3175), the final
+    captured_last_layer_outputs=, next_full_attention_layer_id=)`, dv2:3185), the final
     norm on the completed output and the residual (residual/batch.py:135, access.py:51)."""
 
     def __init__(self, w, cfg, dtype, fault):

@@ -13,7 +13,7 @@ from glmcheck_oracle.sglang.layers import Linear, SiluAndMul
 
 class MLP(nn.Module):
     """DeepseekV2MLP (dv2:283): `mlp(x, forward_batch, allocator)`; gate_up_proj, act_fn,
-    down_proj; its output is this rank's partial sum (reduce_results=False, dv2:675, 316)."""
+    down_proj; its output is this rank's partial sum (reduce_results=False, dv2:2674, 318)."""
 
     def __init__(self, w):
         super().__init__()
@@ -29,8 +29,8 @@ class MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """dv2:497: logits = x · W^T in f32 from a weight in the model dtype (dv2:505-511, 578);
-    the correction bias in f32 (dv2:515)."""
+    """dv2:497: logits = x · W^T in f32 from a weight in the model dtype (dv2:514, 593);
+    the correction bias in f32 (dv2:520)."""
 
     def __init__(self, weight, bias):
         super().__init__()
@@ -50,9 +50,9 @@ class StandardTopKOutput(NamedTuple):
 
 
 class TopK(nn.Module):
-    """layers/moe/topk.py:1785 biased_grouped_topk: sigmoid scores, choice by score + bias
+    """layers/moe/topk.py:1780 biased_grouped_topk_impl: sigmoid scores, choice by score + bias
     within the best groups (sum of each group's top 2), weights renormalized; the routed
-    scaling factor is left to the experts (dv2:793-797)."""
+    scaling factor is left to the experts (dv2:761, 797)."""
 
     def __init__(self, cfg, bias, fault):
         super().__init__()
@@ -103,9 +103,9 @@ class FusedMoE(nn.Module):
 
 class MoE(nn.Module):
     """DeepseekV2MoE.forward_normal (dv2:1300): shared experts first (the runner is
-    in-place, moe_runner/base.py:57, so defer_shared is False), gate, topk, experts, then
+    in-place, moe_runner/base.py:57, so defer_shared is False, dv2:1315), gate, topk, experts, then
     routed + shared (mxfp4_flashinfer_trtllm_moe.py:569), a partial sum (reduce_results=False,
-    dv2:666)."""
+    dv2:2662, 1292)."""
 
     def __init__(self, w, cfg, fault):
         super().__init__()

@@ -65,7 +65,7 @@ class Contribution:
 
 @dataclass(frozen=True)
 class OwedOutput:
-    """layer_boundary/residual/stream.py:81: the handle a decoder layer returns when its FFN
+    """layer_boundary/residual/stream.py:80: the handle a decoder layer returns when its FFN
     all-reduce is deferred to the next layer's input; the dumper dumps
     `.contribution.value`, this rank's partial sum (dumper.py:1789-1791)."""
 
