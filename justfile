@@ -51,7 +51,7 @@ golden:
 gate-golden:
     scripts/gate-golden
 
-# Fuzz a target (gguf_header, safetensors_header, trace_manifest, shard_manifest) for SECONDS; needs nightly and cargo-fuzz (fuzz/README.md).
+# Fuzz a target (gguf_header, safetensors_header, trace_manifest, shard_manifest, sglang_dump) for SECONDS; needs nightly and cargo-fuzz (fuzz/README.md).
 fuzz target="gguf_header" seconds="300":
     scripts/setup-venv
     .venv/bin/python fuzz/make_seeds.py

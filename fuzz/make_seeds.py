@@ -84,6 +84,18 @@ def shard_seed(path: Path, with_hash: bool) -> None:
                                 "tp": 2, "ep": False, "ranks": ranks}))
 
 
+def sglang_seeds(folder: Path) -> None:
+    """Files as SGLang's dumper writes them: a bf16 tensor, a transposed f32 view, int64 ids."""
+    meta = {"name": "non_intrusive__model.layers.0.self_attn.o_proj.output", "step": 0,
+            "rank": 0, "dump_index": 1, "layer_id": 0, "world_rank": 0, "world_size": 1,
+            "sglang_parallel_info": {"tp_rank": 0, "tp_size": 1, "attn_dp_enabled": False}}
+    values = {"bf16.pt": torch.randn(2, 4).to(torch.bfloat16),
+              "view.pt": torch.randn(3, 2).t(),
+              "ids.pt": torch.arange(6, dtype=torch.int64)}
+    for name, value in values.items():
+        torch.save({"value": value, "meta": meta}, folder / name)
+
+
 def main(corpus: Path) -> None:
     rng = np.random.default_rng(0)
     gguf_dir = corpus / "gguf_header"
@@ -103,7 +115,10 @@ def main(corpus: Path) -> None:
     shard_dir.mkdir(parents=True, exist_ok=True)
     shard_seed(shard_dir / "stats.json", False)
     shard_seed(shard_dir / "hashed.json", True)
-    for d in (gguf_dir, st_dir, trace_dir, shard_dir):
+    sglang_dir = corpus / "sglang_dump"
+    sglang_dir.mkdir(parents=True, exist_ok=True)
+    sglang_seeds(sglang_dir)
+    for d in (gguf_dir, st_dir, trace_dir, shard_dir, sglang_dir):
         for f in sorted(d.iterdir()):
             print(f"{f}: {f.stat().st_size} bytes")
 

@@ -65,3 +65,13 @@ pub fn read_shard_manifest(data: &[u8]) {
         assert!(msg.contains(&path.display().to_string()), "unnamed: {msg}");
     }
 }
+
+/// Read `data` as one file of an SGLang dump (a `torch.save` archive whose pickle is read as
+/// data only): any outcome but a panic.
+pub fn read_sglang_file(data: &[u8]) {
+    let path = scratch()
+        .path()
+        .join("step=0___rank=0___dump_index=1___name=input_ids.pt");
+    std::fs::write(&path, data).expect("write the dump file");
+    let _ = glmcheck::trace::sglang::pt::read(&path);
+}

@@ -9,7 +9,7 @@ use anyhow::Context;
 use super::Outcome;
 use crate::compare::{diff, DiffOptions};
 use crate::report::{self, LogitsView};
-use crate::trace::Trace;
+use crate::trace::{sglang, Trace};
 
 #[derive(clap::Args, Debug)]
 pub struct DiffArgs {
@@ -41,7 +41,8 @@ pub struct DiffArgs {
 }
 
 pub fn run(args: DiffArgs) -> anyhow::Result<Outcome> {
-    let (reference, candidate) = (Trace::open(&args.reference)?, Trace::open(&args.candidate)?);
+    let reference = Trace::open(&args.reference)?;
+    let candidate = sglang::open_against(&args.candidate, &reference)?;
     let envelope = args.envelope.as_deref().map(Trace::open).transpose()?;
     let opts = DiffOptions {
         tolerance: args.tolerance,

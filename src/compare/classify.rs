@@ -296,9 +296,10 @@ fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
     None
 }
 
-/// A residual add whose inputs agree but whose sum weighs them otherwise: the candidate's sum
-/// fitted as `a·u + b·v` on the reference's inputs (the attention output and the stream for
-/// `attn_resid`, the FFN output and `attn_resid` for `out`). A good fit away from 1:1 is one
+/// A sum whose inputs agree but which weighs them otherwise: the candidate's sum fitted as
+/// `a·u + b·v` on the reference's inputs (the attention output and the stream for
+/// `attn_resid`, the FFN output and `attn_resid` for `out`, the routed and shared experts for a
+/// MoE layer's `ffn.out`). A good fit away from 1:1 is one
 /// operand scaled and not the other — an fp16 guard that divides the stream by
 /// `routed_scaling_factor` on one side only.
 fn residual_fault(
@@ -317,9 +318,17 @@ fn residual_fault(
             Stage::layer_stage(l, "ffn.out"),
             Stage::layer_stage(l, "attn_resid"),
         ),
+        // A MoE layer's output: the routed experts' and the shared experts' sum.
+        (Some(l), "ffn.out") => (
+            Stage::layer_stage(l, "moe.routed"),
+            Stage::layer_stage(l, "moe.shared"),
+        ),
         _ => return Ok(None),
     };
     let (u, v) = (u.to_string(), v.to_string());
+    if [&u, &v].iter().any(|n| reference.stage(n, None).is_none()) {
+        return Ok(None);
+    }
     if [&u, &v]
         .iter()
         .any(|n| input(stages, i, n).is_some_and(|p| p.status != Status::Pass))
@@ -368,7 +377,7 @@ fn residual_fault(
     Ok(Some(fault(
         FaultClass::ScaleMismatch,
         format!(
-            "{}: the residual add weighs its inputs {wa:.4} : {wb:.4}, not 1 : 1",
+            "{}: the sum of {u} and {v} weighs them {wa:.4} : {wb:.4}, not 1 : 1",
             s.stage
         ),
         vec![
@@ -378,8 +387,9 @@ fn residual_fault(
                 s.stage
             ),
             format!(
-                "one operand is {:.4}× the other: a rescale of the residual stream applied to \
-                 one side only (vLLM's fp16 guard divides both by routed_scaling_factor)",
+                "one operand is {:.4}× the other: a scale applied to one side only (a \
+                 routed_scaling_factor applied again; vLLM's fp16 guard divides both residual \
+                 operands by it)",
                 (wb / wa).max(wa / wb)
             ),
         ],

@@ -366,6 +366,18 @@ type Pair<'t> = (
 
 /// Compare `candidate` against `reference`.
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport> {
+    // An engine that computed some stages at some positions only (SGLang's logits) is compared
+    // with the reference's same positions.
+    let cut_reference = reference.at_rows_of(candidate)?;
+    let reference = cut_reference.as_ref().unwrap_or(reference);
+    let cut_envelope = match opts.envelope {
+        Some(e) => e.at_rows_of(candidate)?,
+        None => None,
+    };
+    let opts = &DiffOptions {
+        envelope: cut_envelope.as_ref().or(opts.envelope),
+        ..*opts
+    };
     let cand_dtype = candidate.manifest().dtype.clone();
     let default = opts
         .tolerance
@@ -441,7 +453,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         }),
         fault,
         reference: reference.dir().display().to_string(),
-        candidate: candidate.dir().display().to_string(),
+        candidate: candidate.shown().display().to_string(),
         candidate_dtype: cand_dtype,
         tolerance_source: match (opts.tolerance, opts.envelope) {
             (Some(t), _) => format!("--tolerance {t:e}"),

@@ -13,7 +13,7 @@ use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
 use crate::exec::forward::HF_LATENT_NORM_EPS;
 use crate::gate::{self, check::GateReport, Baseline};
-use crate::trace::{manifest::MANIFEST_NAME, FullSelector, Trace, DEFAULT_FULL};
+use crate::trace::{FullSelector, Trace, DEFAULT_FULL};
 
 /// How a model candidate runs; each `None` takes the baseline's value (else the default).
 #[derive(Clone, Debug, Default)]
@@ -48,10 +48,7 @@ impl ModelRun {
     }
 }
 
-/// Whether `path` is a trace folder rather than a model.
-pub fn is_trace(path: &Path) -> bool {
-    path.join(MANIFEST_NAME).is_file()
-}
+pub use crate::trace::is_trace;
 
 /// The candidate's trace folder: `candidate` itself when it is a trace, else the model run as
 /// `run` and the baseline say, into `run.out` or `scratch`.

@@ -6,6 +6,7 @@ pub mod error;
 pub mod manifest;
 pub mod reader;
 pub mod select;
+pub mod sglang;
 pub mod stats;
 pub mod writer;
 
@@ -15,3 +16,9 @@ pub use reader::Trace;
 pub use select::{FullSelector, DEFAULT_FULL};
 pub use stats::TensorStats;
 pub use writer::{OwnedStage, Stage, StageLater, TraceHeader, TraceWriter};
+
+/// Whether `path` is a trace rather than a model: a folder holding `manifest.json`, or an
+/// SGLang dump folder, read as one.
+pub fn is_trace(path: &std::path::Path) -> bool {
+    path.join(manifest::MANIFEST_NAME).is_file() || sglang::is_dump(path)
+}

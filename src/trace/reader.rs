@@ -1,6 +1,9 @@
 //! Opens a trace: the manifest is read and checked at once, tensors only when asked for.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+use serde_json::Value;
 
 use crate::weights::quant::dequantize;
 use crate::weights::safetensors::SafetensorsSet;
@@ -8,12 +11,20 @@ use crate::weights::{Encoding, GgmlType, TensorEntry};
 
 use super::error::{Result, TraceError};
 use super::manifest::{Manifest, StageRecord, MANIFEST_NAME};
+use super::stats::TensorStats;
 
 /// A trace folder opened for reading.
 #[derive(Debug)]
 pub struct Trace {
     dir: PathBuf,
     manifest: Manifest,
+    /// The scratch folder `dir` lies in, for a trace made from another tool's files (an SGLang
+    /// dump): removed when the trace is dropped.
+    scratch: Option<tempfile::TempDir>,
+    /// The files it was made from, for a trace made from another tool's files.
+    origin: Option<PathBuf>,
+    /// Stages cut to another trace's token positions ([`Trace::at_rows_of`]), held here.
+    cut: HashMap<String, Vec<f32>>,
 }
 
 impl Trace {
@@ -25,7 +36,22 @@ impl Trace {
         Ok(Trace {
             dir: dir.to_path_buf(),
             manifest,
+            scratch: None,
+            origin: None,
+            cut: HashMap::new(),
         })
+    }
+
+    /// This trace, made from the files at `origin` and written into `scratch`, which it owns.
+    pub(crate) fn made_from(mut self, origin: &Path, scratch: tempfile::TempDir) -> Trace {
+        self.scratch = Some(scratch);
+        self.origin = Some(origin.to_path_buf());
+        self
+    }
+
+    /// The path to name the trace by: its folder, or the files it was made from.
+    pub fn shown(&self) -> &Path {
+        self.origin.as_deref().unwrap_or(&self.dir)
     }
 
     pub fn dir(&self) -> &Path {
@@ -63,6 +89,9 @@ impl Trace {
     /// The stage's values as f32 (i32 and f64 stages converted), or None when only its stats were
     /// recorded. A stage the trace does not hold is an error.
     pub fn tensor(&self, name: &str, rank: Option<u32>) -> Result<Option<Vec<f32>>> {
+        if let (Some(values), None) = (self.cut.get(name), rank) {
+            return Ok(Some(values.clone()));
+        }
         self.read(name, rank, |set, t| match &t.encoding {
             Encoding::Ggml(GgmlType::I32) => Ok(i32s(set.bytes(t)).map(|v| v as f32).collect()),
             // An f64 reference run, narrowed: comparisons work at f32 resolution.
@@ -78,6 +107,60 @@ impl Trace {
             }
             other => Err(format!("stored as {other}, not a number")),
         })
+    }
+
+    /// This trace seen at the token positions `other` holds of its stages: a whole record of
+    /// `other` with `rows` (the positions an engine computed, such as SGLang's logits of the
+    /// prompt's last token) stands for those rows of this trace's stage, which are cut out and
+    /// held in memory. None where `other` records every stage at every position.
+    pub fn at_rows_of(&self, other: &Trace) -> Result<Option<Trace>> {
+        let mut cut = HashMap::new();
+        let mut manifest = self.manifest.clone();
+        for theirs in other.stages().iter().filter(|s| s.rank.is_none()) {
+            let Some(rows) = theirs.extra.get("rows").and_then(Value::as_array) else {
+                continue;
+            };
+            let Some(mine) = manifest
+                .stages
+                .iter_mut()
+                .find(|s| s.name == theirs.name && s.rank.is_none())
+                .filter(|s| !self.cut.contains_key(&s.name))
+            else {
+                continue;
+            };
+            let bad = |why: String| {
+                TraceError::field(other.dir(), format!("stage \"{}\" rows", theirs.name), why)
+            };
+            let Some(values) = self.tensor(&mine.name, None)? else {
+                return Err(bad(format!(
+                    "{} keeps only its statistics",
+                    self.dir.display()
+                )));
+            };
+            let n = mine.shape.first().copied().unwrap_or(0).max(1);
+            let width = values.len() / n as usize;
+            let mut kept = Vec::with_capacity(rows.len() * width);
+            for row in rows {
+                match row.as_u64().filter(|&r| r < n) {
+                    Some(r) => kept.extend_from_slice(&values[r as usize * width..][..width]),
+                    None => return Err(bad(format!("{row} is not a row of {n}"))),
+                }
+            }
+            mine.shape[0] = rows.len() as u64;
+            mine.stats = TensorStats::of(&kept);
+            (mine.file, mine.tensor) = (None, None);
+            cut.insert(mine.name.clone(), kept);
+        }
+        if cut.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Trace {
+            dir: self.dir.clone(),
+            manifest,
+            scratch: None,
+            origin: self.origin.clone(),
+            cut,
+        }))
     }
 
     /// The values of an i32 stage (top-k ids, positions), or None when only its stats were

@@ -15,6 +15,7 @@ mod probe_transformers;
 mod probe_transformers_tp;
 mod run_deepseek_classes;
 mod run_reference;
+mod sglang_dumps;
 mod synth_forms;
 mod synth_tokenizer;
 mod verify_hf;

@@ -39,10 +39,7 @@ pub use weights::WeightCheck;
 /// The prompt when none is given.
 pub const DEFAULT_PROMPT: &str = "The capital of France is";
 
-/// A trace folder holds `manifest.json`.
-pub fn is_trace(p: &Path) -> bool {
-    p.join("manifest.json").is_file()
-}
+pub use crate::trace::is_trace;
 
 /// Run both sides, compare, drill down.
 pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
@@ -70,7 +67,9 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
                 None => Ok((vec![0], None)),
             },
         )?;
-    let engine = engine_trace.map(Trace::open).transpose()?;
+    let engine = engine_trace
+        .map(|p| crate::trace::sglang::open_candidate(p, cfg))
+        .transpose()?;
     if let Some(t) = &engine {
         tokens = t.manifest().tokens.clone();
     }
@@ -217,6 +216,18 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     };
     bar.inc(1);
     bar.set_message("compare and drill down");
+    // An engine's stages computed at some positions only are judged at those (the drill-down too).
+    if let Some(cut) = reference.at_rows_of(&candidate)? {
+        reference = cut;
+    }
+    if let Some(cut) = envelope
+        .as_ref()
+        .map(|e| e.at_rows_of(&candidate))
+        .transpose()?
+        .flatten()
+    {
+        envelope = Some(cut);
+    }
     let opts = DiffOptions {
         tolerance: None,
         envelope: envelope.as_ref(),

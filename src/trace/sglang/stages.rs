@@ -1,0 +1,304 @@
+//! The stages of an SGLang dump, in the forward's order: each stage's files read (one stage at
+//! a time, so memory holds one stage of every rank, whatever the model's size), cut to the
+//! stage's shape, its ranks joined, and recorded.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+
+use crate::model::stage::{layer_of, Stage as StageName};
+use crate::model::stages::stage_names;
+use crate::model::Glm5Config;
+use crate::trace::error::{Result, TraceError};
+use crate::trace::{Stage, TensorStats, TraceWriter};
+
+use super::names::Split;
+use super::pt::{PtTensor, Values};
+use super::scan::Entry;
+use super::tensor_of;
+
+/// Which part of a hook's tensor a stage is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// All of it, its ranks related as `Split` says.
+    Whole(Split),
+    /// Columns `from..to` of its last axis (a fused projection's share), replicated.
+    Columns(u64, u64),
+}
+
+/// One rank's file of a stage.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub entry: Entry,
+    pub cut: Cut,
+}
+
+/// What writing found out beside the stages.
+pub struct Written {
+    pub producer: Vec<(String, Value)>,
+    /// The token positions the logits hold, where they are not every position's.
+    pub logits_rows: Option<Vec<u64>>,
+}
+
+/// The manifest dtype of the dump's floating-point values (the embedding's).
+pub fn dump_dtype(by_stage: &BTreeMap<String, Vec<Source>>) -> Result<String> {
+    let Some(first) = by_stage.get("embed").and_then(|s| s.first()) else {
+        return Ok("bf16".into());
+    };
+    let (t, _) = tensor_of(&first.entry)?;
+    Ok(match t.dtype {
+        "float32" => "f32",
+        "float64" => "f64",
+        "float16" => "f16",
+        _ => "bf16",
+    }
+    .into())
+}
+
+/// The stage's whole shape for `t` tokens (`k` the width of a top-k stage as dumped).
+fn whole_shape(cfg: &Glm5Config, kind: &str, t: u64, k: u64) -> Vec<u64> {
+    let (nh, rope) = (cfg.num_attention_heads, cfg.qk_rope_head_dim);
+    match kind {
+        "attn.q_a" | "attn.q_a_norm" => vec![t, cfg.q_lora_rank],
+        "attn.kv_a" => vec![t, cfg.kv_lora_rank + rope],
+        "attn.kv_a_norm" => vec![t, cfg.kv_lora_rank],
+        "attn.q" => vec![t, nh, cfg.qk_nope_head_dim + rope],
+        "attn.kv" => vec![t, nh, cfg.qk_nope_head_dim + cfg.v_head_dim],
+        "attn.q_rope" => vec![t, nh, rope],
+        "attn.k_rope" => vec![t, rope],
+        "attn.ctx" => vec![t, nh, cfg.v_head_dim],
+        "attn.index_topk" => vec![t, k],
+        "moe.router_logits" => vec![t, cfg.n_routed_experts],
+        "moe.topk_ids" | "moe.topk_weights" => vec![t, cfg.num_experts_per_tok],
+        "logits" => vec![t, cfg.vocab_size],
+        _ => vec![t, cfg.hidden_size],
+    }
+}
+
+/// The dims spec of a whole record of stage `kind`.
+fn whole_dims(kind: &str) -> &'static str {
+    match kind {
+        "attn.q" | "attn.kv" | "attn.q_rope" | "attn.ctx" => "t h(tp) d",
+        "attn.index_topk" | "moe.topk_ids" | "moe.topk_weights" => "t k",
+        "moe.router_logits" => "t e",
+        "logits" => "t v(tp)",
+        _ => "t d",
+    }
+}
+
+/// One rank's values of a stage, cut.
+fn cut_values(src: &Source, t: PtTensor) -> Result<Values> {
+    let Cut::Columns(from, to) = src.cut else {
+        return Ok(t.values);
+    };
+    let width = t.shape.last().copied().unwrap_or(1).max(1);
+    if to > width {
+        let why = format!(
+            "{:?}: fewer than the {to} columns the config's q_lora_rank + kv_lora_rank + \
+             qk_rope_head_dim make",
+            t.shape
+        );
+        return Err(TraceError::field(&src.entry.path, "value", why));
+    }
+    let take = |v: &[f32]| -> Vec<f32> {
+        v.chunks(width as usize)
+            .flat_map(|row| row[from as usize..to as usize].iter().copied())
+            .collect()
+    };
+    match t.values {
+        Values::F32(v) => Ok(Values::F32(take(&v))),
+        Values::I32(_) => Err(TraceError::field(&src.entry.path, "value", "integers")),
+    }
+}
+
+fn len(v: &Values) -> u64 {
+    match v {
+        Values::F32(v) => v.len() as u64,
+        Values::I32(v) => v.len() as u64,
+    }
+}
+
+fn view(v: &Values) -> Stage<'_> {
+    match v {
+        Values::F32(v) => Stage::F32(v),
+        Values::I32(v) => Stage::I32(v),
+    }
+}
+
+fn stats(v: &Values) -> TensorStats {
+    match v {
+        Values::F32(v) => TensorStats::of(v),
+        Values::I32(v) => TensorStats::of(v),
+    }
+}
+
+/// SGLang's DSA indexer row: key positions, -1 padded, to `k` columns (the reference keeps
+/// `min(index_topk, tokens)`); None where the ids are not positions (KV-cache slots, which
+/// SGLang returns unless `SGLANG_DSA_FUSE_TOPK=0`).
+fn positions(ids: &[i32], width: usize, t: u64, k: usize) -> Option<Vec<i32>> {
+    let mut out = Vec::with_capacity(ids.len() / width.max(1) * k);
+    for row in ids.chunks(width.max(1)) {
+        let mut keep: Vec<i32> = row.iter().copied().filter(|&i| i >= 0).collect();
+        if keep.iter().any(|&i| i as u64 >= t) || keep.len() > k {
+            return None;
+        }
+        keep.resize(k, -1);
+        out.extend(keep);
+    }
+    Some(out)
+}
+
+/// Multiply every value by `factor`.
+fn scale(v: &mut Values, factor: f64) {
+    if let Values::F32(v) = v {
+        v.iter_mut()
+            .for_each(|x| *x = (f64::from(*x) * factor) as f32);
+    }
+}
+
+/// Whether routing weights (rows of `k`) leave `routed_scaling_factor` to the experts' output,
+/// as SGLang does unless it fuses the factor into its top-k: normalized rows then sum to 1.
+fn factor_left_out(cfg: &Glm5Config, weights: &Values) -> bool {
+    let Values::F32(w) = weights else {
+        return true;
+    };
+    if !cfg.norm_topk_prob {
+        return true;
+    }
+    let k = cfg.num_experts_per_tok.max(1) as usize;
+    let rows = (w.len() / k).max(1);
+    let mean: f64 = w
+        .chunks(k)
+        .map(|r| r.iter().map(|&x| f64::from(x)).sum::<f64>())
+        .sum::<f64>()
+        / rows as f64;
+    (mean - 1.0).abs() < (mean - cfg.routed_scaling_factor).abs()
+}
+
+/// Record every stage the dump holds, in the forward's order.
+pub fn write(
+    writer: &mut TraceWriter,
+    cfg: &Glm5Config,
+    by_stage: &BTreeMap<String, Vec<Source>>,
+    t: u64,
+    tp: u32,
+) -> Result<Written> {
+    let mut disagree = Vec::new();
+    let mut not_dumped = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    let mut logits_rows = None;
+    for name in stage_names(cfg) {
+        let Some(srcs) = by_stage.get(&name) else {
+            not_dumped.push(name);
+            continue;
+        };
+        let parsed = StageName::parse(&name).filter(|s| layer_of(&s.to_string()).is_some());
+        let kind = parsed.as_ref().map_or(name.as_str(), |s| s.kind());
+        let mut parts: Vec<(Values, &Source, Vec<u64>)> = Vec::new();
+        for rank in 0..tp {
+            let Some(src) = srcs.iter().find(|s| s.entry.rank == rank) else {
+                let why = format!(
+                    "no file of rank {rank} for {name} ({} has one)",
+                    srcs[0].entry.path.display()
+                );
+                return Err(TraceError::field(&srcs[0].entry.path, "rank", why));
+            };
+            let (tensor, _) = tensor_of(&src.entry)?;
+            let dumped_shape = tensor.shape.clone();
+            parts.push((cut_values(src, tensor)?, src, dumped_shape));
+        }
+        let width = parts[0].2.last().copied().unwrap_or(1);
+        let k_index = cfg.index_topk.min(t);
+        let mut whole = whole_shape(cfg, kind, t, k_index);
+        if kind == "attn.index_topk" {
+            let mut rows = Vec::new();
+            for (v, _, _) in &parts {
+                let Values::I32(ids) = v else {
+                    let why = "the indexer's output is not integer ids";
+                    return Err(TraceError::field(&srcs[0].entry.path, "value", why));
+                };
+                rows.push(positions(ids, width as usize, t, k_index as usize));
+            }
+            if rows.iter().any(Option::is_none) {
+                notes.push(format!(
+                    "{name}: the indexer returned KV-cache slots, not key positions \
+                     (SGLANG_DSA_FUSE_TOPK=0 makes it return positions); not compared"
+                ));
+                not_dumped.push(name);
+                continue;
+            }
+            for (p, r) in parts.iter_mut().zip(rows) {
+                p.0 = Values::I32(r.expect("checked"));
+            }
+        }
+        if kind == "logits" && len(&parts[0].0) == cfg.vocab_size && t > 1 {
+            // The logits processor computes the sampled position's row only.
+            whole = vec![1, cfg.vocab_size];
+            logits_rows = Some(vec![t - 1]);
+        }
+        // SGLang's experts apply the factor themselves (their output is glmcheck's
+        // `moe.routed`); its top-k weights leave it out unless fused into the top-k.
+        let rescale = kind == "moe.topk_weights" && cfg.routed_scaling_factor != 1.0;
+        if rescale && factor_left_out(cfg, &parts[0].0) {
+            for p in parts.iter_mut() {
+                scale(&mut p.0, cfg.routed_scaling_factor);
+            }
+        }
+        let split = match srcs[0].cut {
+            Cut::Whole(s) => s,
+            Cut::Columns(..) => Split::Replicated,
+        };
+        let numel = |s: &[u64]| s.iter().product::<u64>();
+        let heads_split = split == Split::Heads && tp > 1;
+        let part_shape = if heads_split {
+            if !cfg.num_attention_heads.is_multiple_of(u64::from(tp)) {
+                let why = format!(
+                    "{} heads do not split over {tp} ranks",
+                    cfg.num_attention_heads
+                );
+                return Err(TraceError::field(&srcs[0].entry.path, "value", why));
+            }
+            let mut s = whole.clone();
+            s[1] /= u64::from(tp);
+            s
+        } else {
+            whole.clone()
+        };
+        for (v, src, dumped) in &parts {
+            if len(v) != numel(&part_shape) {
+                let why = format!(
+                    "{dumped:?} holds {} values; {name} at TP {tp} takes {part_shape:?}",
+                    len(v)
+                );
+                return Err(TraceError::field(&src.entry.path, "value", why));
+            }
+        }
+        let same = parts.iter().all(|p| p.0 == parts[0].0);
+        let dims = whole_dims(kind);
+        if heads_split || (split == Split::MaybePartial && !same) {
+            let part_dims = if heads_split {
+                "t h(tp) d"
+            } else {
+                "t d partial(tp)"
+            };
+            for (rank, (v, _, _)) in parts.iter().enumerate() {
+                writer.record(&name, &part_shape, part_dims, Some(rank as u32), view(v))?;
+            }
+            continue;
+        }
+        writer.record(&name, &whole, dims, None, view(&parts[0].0))?;
+        for (rank, (v, _, _)) in parts.iter().enumerate().skip(1) {
+            if *v != parts[0].0 {
+                disagree.push(json!({"stage": name, "rank": rank, "stats": stats(v)}));
+            }
+        }
+    }
+    Ok(Written {
+        producer: vec![
+            ("disagree".into(), Value::Array(disagree)),
+            ("not_dumped".into(), json!(not_dumped)),
+            ("notes".into(), json!(notes)),
+        ],
+        logits_rows,
+    })
+}
