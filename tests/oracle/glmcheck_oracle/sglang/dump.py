@@ -4,18 +4,30 @@ dumper in `all` non-intrusive mode registered on the model and stepped after eac
 as SGLang's model runner does (model_executor/model_runner.py:1394-1396, :1900-1901).
 
 Usage: python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS OUT_DIR TP
-           [--dtype bf16|f32] [--fault NAME] [--steps N]
+           [--dtype bf16|f32] [--fault NAME] [--steps N] [--mechanism dumper|tensor-hook]
        python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS --check [--tp 1,2,4]
 
 Writes OUT_DIR/glmcheck/*.pt (DUMPER_DIR=OUT_DIR, DUMPER_EXP_NAME=glmcheck; an older
 OUT_DIR/glmcheck is removed first) and prints that folder. `--steps N` adds N-1 greedy
-decode steps of one token each, each its own dumper step. `--check` dumps nothing: it runs
+decode steps of one token each, each its own dumper step.
+
+`--mechanism tensor-hook` uses SGLang's older mechanism instead, the one behind
+`--debug-tensor-dump-output-folder OUT_DIR` (debug_utils/tensor_dump_forward_hook.py, real and
+unmodified, registered on each rank's model after loading as the model runner does:
+model_runner.py:1385 → load_model_utils.py:176-197, `register_forward_hook_for_model(model,
+OUT_DIR, None, tp_size, tp_rank, pp_rank=0)`, all layers). It writes
+OUT_DIR/TP{r}_PP0_Rank{r}_pid{pid}/Pass{NNNNN}.pt, one per forward per rank, each saved when
+the top-level `model` (DeepseekV2Model) returns: its own output and the logits processor's,
+which come after, land in the next pass's file, and the last forward's never (as in SGLang,
+which writes nothing at exit). Older TP*_PP*_Rank*_pid* folders in OUT_DIR are removed first;
+prints OUT_DIR. `--check` dumps nothing: it runs
 transformers' GlmMoeDsaForCausalLM and this model at each TP in f32 and prints, per TP, the
 largest logit difference over all positions relative to max|logit| and the difference from
 the first TP listed (one JSON line each), exiting 1 above 1e-4.
 """
 
 import argparse
+import glob
 import json
 import multiprocessing
 import os
@@ -51,8 +63,11 @@ def rank_main(rank, size, rendezvous, args, result_path):
 
     torch.set_num_threads(1)
     sys.stdout = sys.stderr  # the dumper's log lines; stdout is left to the folder's path
-    dumper = None
-    if not args.check:
+    dumper = hook = None
+    if not args.check and args.mechanism == "tensor-hook":
+        standins.install(rank, size)
+        hook = standins.load_tensor_hook()
+    elif not args.check:
         os.environ.update(DUMPER_ENABLE="1", DUMPER_NON_INTRUSIVE_MODE="all",
                           DUMPER_DIR=args.out_dir, DUMPER_EXP_NAME=EXP_NAME,
                           DUMPER_ENABLE_OUTPUT_CONSOLE="0")
@@ -76,12 +91,19 @@ def rank_main(rank, size, rendezvous, args, result_path):
             if rank == 0:
                 torch.save(logits, result_path)
         else:
-            dumper.register_non_intrusive_dumper(model)
+            if hook is not None:
+                # load_model_utils.py:190: (model, folder, debug_tensor_dump_layers=None,
+                # tp_size, tp_rank, pp_rank), the root being the model runner's self.model.
+                hook.register_forward_hook_for_model(model, args.out_dir, None, size, rank, 0)
+            else:
+                dumper.register_non_intrusive_dumper(model)
             kv_cache, new, start = {}, tokens, 0
             for _ in range(args.steps):
                 batch = _batch(standins.ForwardBatch, new, start, kv_cache)
+                # runner/eager_runner.py:361: model.forward(input_ids, positions, forward_batch)
                 out = model.forward(batch.input_ids, batch.positions, batch)
-                dumper.step()
+                if dumper is not None:
+                    dumper.step()
                 start += len(new)
                 new = [int(out.next_token_logits[0].argmax())]
     if size > 1:
@@ -139,6 +161,8 @@ def main(argv=None):
     parser.add_argument("--fault")
     parser.add_argument("--steps", type=int, default=1,
                         help="forward passes: the prefill, then greedy one-token decodes")
+    parser.add_argument("--mechanism", choices=("dumper", "tensor-hook"), default="dumper",
+                        help="SGLang's dumper.py, or its --debug-tensor-dump-output-folder hooks")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--tp", default="1,2,4", help="with --check: the TP sizes")
     args = parser.parse_args(argv)
@@ -159,6 +183,12 @@ def main(argv=None):
     if args.fault is not None and args.fault not in glm.FAULTS:
         parser.error(f"--fault must be one of {', '.join(glm.FAULTS)}")
     args.out_dir = os.path.abspath(args.out_dir)
+    if args.mechanism == "tensor-hook":
+        for old in glob.glob(os.path.join(args.out_dir, "TP*_PP*_Rank*_pid*")):
+            shutil.rmtree(old, ignore_errors=True)
+        run_ranks(args, args.tp_size)
+        print(args.out_dir)
+        return 0
     shutil.rmtree(os.path.join(args.out_dir, EXP_NAME), ignore_errors=True)
     run_ranks(args, args.tp_size)
     print(os.path.join(args.out_dir, EXP_NAME))

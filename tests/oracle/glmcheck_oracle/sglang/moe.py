@@ -77,16 +77,26 @@ class TopK(nn.Module):
         return StandardTopKOutput(weights, ids.to(torch.int32), router_logits)
 
 
+class UnquantizedFusedMoEMethod(nn.Module):
+    """quantization/unquant.py:757: holds no weights (they are the FusedMoE's); here only
+    its place in the module tree."""
+
+
 class FusedMoE(nn.Module):
     """layers/moe/fused_moe_triton: `experts(x, topk_output)`, each expert's intermediate
     dim split over TP; routed_scaling_factor applied in the final reduce
-    (moe_runner/triton.py:111), so the output is scale·Σ w·expert(x), a partial sum."""
+    (moe_runner/triton.py:111), so the output is scale·Σ w·expert(x), a partial sum.
+    Unquantized, its `quant_method` is an UnquantizedFusedMoEMethod, an nn.Module
+    (quantization/unquant.py:757, a BaseFusedOp) and so a child (fused_moe_triton/layer.py:502)
+    that is never called as a module (`.apply` → `self.forward`, unquant.py:1231): `experts`
+    is not a leaf, which tensor_dump_forward_hook.py's leaf-only hooks see."""
 
     def __init__(self, w13, w2, scale):
         super().__init__()
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
         self.scale = scale
+        self.quant_method = UnquantizedFusedMoEMethod()
 
     def forward(self, hidden_states, topk_output):
         out = torch.zeros(hidden_states.shape, dtype=torch.float32)

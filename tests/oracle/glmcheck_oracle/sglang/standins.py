@@ -21,6 +21,10 @@ import torch
 SGLANG_VERSION = "0.5.23"
 _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 DEFAULT_DUMPER = os.path.join(_REPO, ".oracles", f"sglang-{SGLANG_VERSION}", "dumper.py")
+# SGLang's older dump mechanism (--debug-tensor-dump-output-folder), from the same wheel;
+# $GLMCHECK_SGLANG_TENSOR_HOOK overrides.
+DEFAULT_TENSOR_HOOK = os.path.join(_REPO, ".oracles", f"sglang-{SGLANG_VERSION}",
+                                   "tensor_dump_forward_hook.py")
 
 
 @dataclass
@@ -164,3 +168,22 @@ def load_dumper(path: Optional[str] = None):
     spec.loader.exec_module(module)
     sys.modules["sglang.srt.debug_utils"].dumper = module
     return module.dumper
+
+
+def load_tensor_hook(path: Optional[str] = None):
+    """Import the pinned tensor_dump_forward_hook.py as
+    `sglang.srt.debug_utils.tensor_dump_forward_hook` (it imports LogitsProcessorOutput,
+    ForwardBatch and PPProxyTensors from the stand-ins, so `install` first) and return the
+    module; SGLang calls its `register_forward_hook_for_model`."""
+    path = path or os.environ.get("GLMCHECK_SGLANG_TENSOR_HOOK") or DEFAULT_TENSOR_HOOK
+    if not os.path.isfile(path):
+        raise SystemExit(f"SGLang's tensor_dump_forward_hook.py not found at {path}: run "
+                         "scripts/setup-venv (scripts/setup-sglang-dumper) or set "
+                         "GLMCHECK_SGLANG_TENSOR_HOOK")
+    name = "sglang.srt.debug_utils.tensor_dump_forward_hook"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    sys.modules["sglang.srt.debug_utils"].tensor_dump_forward_hook = module
+    return module
