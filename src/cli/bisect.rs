@@ -43,8 +43,8 @@ pub struct BisectArgs {
     #[arg(long, value_name = "FAULT[=ARG]", value_parser = Injection::parse)]
     pub inject: Option<Injection>,
     /// The candidate: another MODEL (a conversion of the reference: HF folder against its GGUF)
-    /// run with the options above, or a TRACE an engine probe wrote (then the prompt is the
-    /// trace's tokens).
+    /// run with the options above, a TRACE an engine probe wrote, or a folder of SGLang's own
+    /// dumps (probes/sglang/README.md); for a trace or dump the prompt is its tokens.
     #[arg(long, value_name = "MODEL|TRACE")]
     pub candidate: Option<PathBuf>,
     /// Prompt text (default "The capital of France is"), through the model's tokenizer.

@@ -15,7 +15,8 @@ use crate::trace::{sglang, Trace};
 pub struct DiffArgs {
     /// The reference trace (`NAME.trace`).
     pub reference: PathBuf,
-    /// The candidate trace.
+    /// The candidate trace, or a folder of SGLang's own dumps (read against the reference's
+    /// config).
     pub candidate: PathBuf,
     /// The reference run again at the candidate's dtype: each stage may depart 10× as far as
     /// this envelope does.

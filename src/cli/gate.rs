@@ -11,10 +11,11 @@ use crate::dtype::Precision;
 use crate::exec::faults::inject::Injection;
 use crate::gate::Baseline;
 use crate::pipeline::gate::{candidate_trace, check, ModelRun};
+use crate::pipeline::Model;
 use crate::report::gate::junit::junit;
 use crate::report::gate::markdown::markdown;
 use crate::report::gate::{text, Updated};
-use crate::trace::Trace;
+use crate::trace::{sglang, Trace};
 
 #[derive(clap::Args, Debug)]
 pub struct GateArgs {
@@ -64,6 +65,10 @@ pub struct GateArgs {
     /// Model candidate: keep its trace here (`NAME.trace`) instead of a temporary folder.
     #[arg(long, value_name = "NAME.trace")]
     pub out: Option<PathBuf>,
+    /// SGLang dump candidate: the checkpoint SGLang served, whose config cuts the ranks' parts
+    /// (default: the model the baseline names).
+    #[arg(long, value_name = "MODEL")]
+    pub model: Option<PathBuf>,
 }
 
 pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
@@ -85,7 +90,17 @@ pub fn run(args: GateArgs) -> anyhow::Result<Outcome> {
     };
     let scratch = tempfile::tempdir().context("a temporary folder for the candidate's trace")?;
     let trace_dir = candidate_trace(&args.candidate, &run, baseline.as_ref(), scratch.path())?;
-    let trace = Trace::open(&trace_dir)?;
+    let trace = match sglang::is_dump(&trace_dir) {
+        true => {
+            let named = baseline.as_ref().map(|b| PathBuf::from(&b.model.source));
+            let path = args.model.clone().or(named).context(
+                "an SGLang dump is read against the checkpoint SGLang served: give --model MODEL",
+            )?;
+            let model = Model::open(&path)?;
+            sglang::open_candidate(&trace_dir, &model.cfg, model.run_info())?
+        }
+        false => Trace::open(&trace_dir)?,
+    };
 
     let Some(baseline) = baseline else {
         let made = Baseline::from_trace(&trace, &args.candidate.display().to_string())?;

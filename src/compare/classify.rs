@@ -9,6 +9,7 @@ use super::logits::LogitsHealth;
 use super::metrics::Metrics;
 use super::parts::{from_disagreement, from_parts};
 use super::stage_diff::{whole_values, Basis, StageDiff, Status};
+use super::sum_fit::sum_fault;
 use crate::model::Stage;
 use crate::trace::Trace;
 
@@ -25,7 +26,7 @@ fn dtype_max(dtype: &str) -> f64 {
     }
 }
 
-fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
+pub(super) fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
     Fault {
         class,
         summary,
@@ -91,7 +92,7 @@ pub fn classify(
     if let Some(f) = op_fault(stages, i) {
         return Ok(f);
     }
-    if let Some(f) = residual_fault(reference, candidate, stages, i)? {
+    if let Some(f) = sum_fault(reference, candidate, stages, i)? {
         return Ok(f);
     }
     // Another top-k choice earlier in this layer explains what follows it.
@@ -243,7 +244,7 @@ fn vocab_blocks_moved(x: &[f32], y: &[f32], vocab: usize, tp: usize) -> Option<V
 }
 
 /// The stage right before `stages[i]` named `name` (whole tensors only).
-fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageDiff> {
+pub(super) fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageDiff> {
     stages[..i]
         .iter()
         .rev()
@@ -294,106 +295,6 @@ fn op_fault(stages: &[StageDiff], i: usize) -> Option<Fault> {
         ));
     }
     None
-}
-
-/// A sum whose inputs agree but which weighs them otherwise: the candidate's sum fitted as
-/// `a·u + b·v` on the reference's inputs (the attention output and the stream for
-/// `attn_resid`, the FFN output and `attn_resid` for `out`, the routed and shared experts for a
-/// MoE layer's `ffn.out`). A good fit away from 1:1 is one
-/// operand scaled and not the other — an fp16 guard that divides the stream by
-/// `routed_scaling_factor` on one side only.
-fn residual_fault(
-    reference: &Trace,
-    candidate: &Trace,
-    stages: &[StageDiff],
-    i: usize,
-) -> Result<Option<Fault>> {
-    let s = &stages[i];
-    let Some(stage) = Stage::parse(&s.stage) else {
-        return Ok(None);
-    };
-    let (u, v) = match (stage.layer(), stage.kind()) {
-        (Some(l), "attn_resid") => (Stage::layer_stage(l, "attn.out"), Stage::layer_input(l)),
-        (Some(l), "out") => (
-            Stage::layer_stage(l, "ffn.out"),
-            Stage::layer_stage(l, "attn_resid"),
-        ),
-        // A MoE layer's output: the routed experts' and the shared experts' sum.
-        (Some(l), "ffn.out") => (
-            Stage::layer_stage(l, "moe.routed"),
-            Stage::layer_stage(l, "moe.shared"),
-        ),
-        _ => return Ok(None),
-    };
-    let (u, v) = (u.to_string(), v.to_string());
-    if [&u, &v].iter().any(|n| reference.stage(n, None).is_none()) {
-        return Ok(None);
-    }
-    if [&u, &v]
-        .iter()
-        .any(|n| input(stages, i, n).is_some_and(|p| p.status != Status::Pass))
-    {
-        return Ok(None);
-    }
-    let (Some((y, _)), Some((a, _)), Some((b, _))) = (
-        whole_values(candidate, &s.stage)?,
-        whole_values(reference, &u)?,
-        whole_values(reference, &v)?,
-    ) else {
-        return Ok(None);
-    };
-    if y.len() != a.len() || a.len() != b.len() {
-        return Ok(None);
-    }
-    let dot = |p: &[f32], q: &[f32]| -> f64 {
-        p.iter()
-            .zip(q)
-            .map(|(&x, &z)| f64::from(x) * f64::from(z))
-            .sum()
-    };
-    let (aa, bb, ab, ay, by, yy) = (
-        dot(&a, &a),
-        dot(&b, &b),
-        dot(&a, &b),
-        dot(&a, &y),
-        dot(&b, &y),
-        dot(&y, &y),
-    );
-    let det = aa * bb - ab * ab;
-    if det <= 1e-9 * aa * bb || yy == 0.0 {
-        return Ok(None);
-    }
-    let (wa, wb) = ((ay * bb - by * ab) / det, (by * aa - ay * ab) / det);
-    let misfit: f64 = y
-        .iter()
-        .zip(a.iter().zip(&b))
-        .map(|(&y, (&x, &z))| (f64::from(y) - wa * f64::from(x) - wb * f64::from(z)).powi(2))
-        .sum();
-    let misfit = (misfit / yy).sqrt();
-    let balanced = (wa - 1.0).abs() < 1e-2 && (wb - 1.0).abs() < 1e-2;
-    if misfit > 1e-2 || balanced {
-        return Ok(None);
-    }
-    Ok(Some(fault(
-        FaultClass::ScaleMismatch,
-        format!(
-            "{}: the sum of {u} and {v} weighs them {wa:.4} : {wb:.4}, not 1 : 1",
-            s.stage
-        ),
-        vec![
-            format!(
-                "{} = {wa:.4}·{u} + {wb:.4}·{v} (fitted on the reference's inputs, which the \
-                 candidate's agree with; relative misfit {misfit:.1e})",
-                s.stage
-            ),
-            format!(
-                "one operand is {:.4}× the other: a scale applied to one side only (a \
-                 routed_scaling_factor applied again; vLLM's fp16 guard divides both residual \
-                 operands by it)",
-                (wb / wa).max(wa / wb)
-            ),
-        ],
-    )))
 }
 
 /// A reference gap at most this share of its layer's largest is a near tie, which a run in a

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod parts;
 pub mod server_drift;
 pub mod stage_diff;
+pub mod sum_fit;
 pub mod top_k;
 pub mod unshard;
 

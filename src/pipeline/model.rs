@@ -49,6 +49,16 @@ impl Model {
         self.files.path.clone()
     }
 
+    /// These weights as a trace names the model it ran: path and fingerprint, no config (for a
+    /// trace made from another tool's files, such as an SGLang dump of these weights).
+    pub fn run_info(&self) -> crate::trace::ModelInfo {
+        crate::trace::ModelInfo {
+            source: self.path().display().to_string(),
+            fingerprint: super::record::fingerprint(&self.files),
+            ..Default::default()
+        }
+    }
+
     /// A weight source over these files.
     pub fn source(&self) -> WeightSource {
         WeightSource::new(self.files.clone(), self.cfg.clone(), self.family)

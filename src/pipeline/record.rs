@@ -30,7 +30,7 @@ use rayon::prelude::*;
 
 /// A digest of the weights' names, types and shapes (not their bytes: reading 402 GB to name a
 /// trace would defeat the point).
-fn fingerprint(files: &ModelFiles) -> String {
+pub(crate) fn fingerprint(files: &ModelFiles) -> String {
     let listing: Vec<u8> = files
         .tensors()
         .iter()

@@ -52,6 +52,12 @@ pub struct BisectInfo {
     /// An engine trace's first divergence: the stages behind it the trace does not hold, and
     /// the weights and metadata keys checked for them.
     pub path: Option<PathInfo>,
+    /// The forward's stages an engine trace does not hold, so never compared (its logits where
+    /// SGLang's older dump hook wrote none), and what its reader noted about them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_recorded: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub candidate_notes: Vec<String>,
     /// `--mode logits`: the hybrid runs of the search, in the order they ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hybrids: Vec<HybridRun>,
@@ -208,6 +214,23 @@ pub fn text(report: &BisectReport) -> String {
             .unwrap_or_default()
     );
     let _ = writeln!(out, "{setup}");
+    if !b.not_recorded.is_empty() {
+        const SHOWN: usize = 8;
+        let more = b.not_recorded.len().saturating_sub(SHOWN);
+        let _ = writeln!(
+            out,
+            "not in the candidate's trace, never compared: {}{}",
+            b.not_recorded[..b.not_recorded.len().min(SHOWN)].join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        );
+    }
+    for note in &b.candidate_notes {
+        let _ = writeln!(out, "  · {note}");
+    }
     if let Some(e) = &b.envelope {
         let stored = if b.conversion {
             format!(", every weight stored as {} stores it", b.candidate)

@@ -16,6 +16,7 @@ mod probe_transformers_tp;
 mod run_deepseek_classes;
 mod run_reference;
 mod sglang_dumps;
+mod sglang_passes;
 mod synth_forms;
 mod synth_tokenizer;
 mod verify_hf;

@@ -28,13 +28,13 @@ fn dump(hf: &Path, out: &Path, tp: &str, extra: &[&str]) {
     dump_tokens(hf, TOKENS, out, tp, extra)
 }
 
-fn dump_tokens(hf: &Path, tokens: &str, out: &Path, tp: &str, extra: &[&str]) {
+pub fn dump_tokens(hf: &Path, tokens: &str, out: &Path, tp: &str, extra: &[&str]) {
     let mut args = vec![hf.to_str().unwrap(), tokens, out.to_str().unwrap(), tp];
     args.extend(extra);
     common::run_oracle("sglang.dump", &args);
 }
 
-fn tiny_hf(dir: &Path) -> std::path::PathBuf {
+pub fn tiny_hf(dir: &Path) -> std::path::PathBuf {
     let hf = dir.join("hf");
     common::synth_tiny(&hf, &["--format", "hf"]);
     hf
@@ -85,32 +85,42 @@ fn clean_dumps_pass_at_every_tensor_parallel_degree() {
     }
 }
 
-#[test]
-fn faults_planted_in_the_sglang_model_are_located_and_classed() {
+/// Each `(fault, stage, class)` planted in the SGLang-named model at TP 2 and dumped with
+/// `extra`: bisect locates it at `stage` and names `class`.
+pub fn faults_located(tokens: &str, extra: &[&str], table: &[(&str, &str, &str)]) {
     let dir = common::scratch();
     let hf = tiny_hf(dir.path());
-    for (fault, stage, class) in [
-        (
-            "skip-o-proj-all-reduce",
-            "L1.attn_resid",
-            "missing_all_reduce",
-        ),
-        ("unsharded-kv-b", "L0.attn.kv", "unsharded_weight"),
-        ("rank-order-q-b", "L0.attn.q", "wrong_shard_layout"),
-        ("rope-neox", "L0.attn.q_rope", "rope_mismatch"),
-        ("router-softmax", "L1.moe.topk_weights", "router_mismatch"),
-        ("routed-scale-twice", "L1.ffn.out", "scale_mismatch"),
-    ] {
+    for (fault, stage, class) in table {
         let out = dir.path().join(fault);
-        dump(&hf, &out, "2", &["--fault", fault]);
+        let args = [extra, &["--fault", fault]].concat();
+        dump_tokens(&hf, tokens, &out, "2", &args);
         let j = common::bisect_candidate(&hf, &out, &[], 1);
         assert_eq!(
-            j["first_divergence"]["stage"], stage,
+            j["first_divergence"]["stage"], *stage,
             "{fault}: {:#}",
             j["fault"]
         );
-        assert_eq!(j["fault"]["class"], class, "{fault}: {:#}", j["fault"]);
+        assert_eq!(j["fault"]["class"], *class, "{fault}: {:#}", j["fault"]);
     }
+}
+
+/// The faults both dump mechanisms show at the same stage: (fault, stage, class).
+pub const FAULTS_EITHER_SHOWS: [(&str, &str, &str); 5] = [
+    (
+        "skip-o-proj-all-reduce",
+        "L1.attn_resid",
+        "missing_all_reduce",
+    ),
+    ("unsharded-kv-b", "L0.attn.kv", "unsharded_weight"),
+    ("rank-order-q-b", "L0.attn.q", "wrong_shard_layout"),
+    ("rope-neox", "L0.attn.q_rope", "rope_mismatch"),
+    ("router-softmax", "L1.moe.topk_weights", "router_mismatch"),
+];
+
+#[test]
+fn faults_planted_in_the_sglang_model_are_located_and_classed() {
+    let scale = ("routed-scale-twice", "L1.ffn.out", "scale_mismatch");
+    faults_located(TOKENS, &[], &[&FAULTS_EITHER_SHOWS[..], &[scale]].concat());
 }
 
 /// `bisect MODEL --candidate DUMP`'s one-line error (exit 2).
@@ -227,4 +237,61 @@ fn a_dump_filtered_to_the_files_glmcheck_reads_passes() {
             let _ = glmcheck::trace::sglang::pt::read(&bad);
         }
     }
+}
+
+#[test]
+fn gate_holds_sglang_dumps_to_a_baseline_made_from_one() {
+    let dir = common::scratch();
+    let hf = tiny_hf(dir.path());
+    let (clean, again, fault) = (
+        dir.path().join("clean"),
+        dir.path().join("again"),
+        dir.path().join("fault"),
+    );
+    dump(&hf, &clean, "2", &[]);
+    dump(&hf, &again, "2", &[]);
+    dump(&hf, &fault, "2", &["--fault", "rope-neox"]);
+    let baseline = dir.path().join("sglang.baseline.json");
+    let gate = |candidate: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "gate",
+            "--baseline",
+            baseline.to_str().unwrap(),
+            candidate.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        common::glmcheck_output(&args)
+    };
+    let made = gate(&clean, &["--update", "--model", hf.to_str().unwrap()]);
+    assert_eq!(
+        made.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    // The baseline names the checkpoint: later dumps need no --model.
+    assert_eq!(gate(&again, &[]).status.code(), Some(0));
+    let broke = gate(&fault, &["--json"]);
+    assert_eq!(broke.status.code(), Some(1));
+    let j: serde_json::Value = serde_json::from_slice(&broke.stdout).unwrap();
+    let first = j["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["status"] == "fail")
+        .unwrap();
+    assert_eq!(first["stage"], "L0.attn.q_rope", "{first:#}");
+
+    // A rank's file missing: the stage and the file of the other rank named, exit 2.
+    let q = std::fs::read_dir(again.join("glmcheck"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            let n = p.to_string_lossy();
+            n.contains("rank=1___") && n.contains("layers.1.self_attn.kv_b_proj.output")
+        })
+        .unwrap();
+    std::fs::remove_file(&q).unwrap();
+    let err = refused(&hf, &again);
+    assert!(err.contains("no file of rank 1 for L1.attn.kv"), "{err}");
 }

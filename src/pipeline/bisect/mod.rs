@@ -25,6 +25,7 @@ use crate::model::names::WeightId;
 use crate::model::stage::Stage;
 use crate::model::stages::{layer_weights, stage_weights, weights_up_to};
 use crate::model::tokenize;
+use crate::model::Glm5Config;
 use crate::progress::progress;
 pub use crate::report::bisect::{
     BisectInfo, BisectReport, HybridRun, PathInfo, Replay, WeightsInfo,
@@ -67,8 +68,9 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
                 None => Ok((vec![0], None)),
             },
         )?;
+    // An SGLang dump is read as a run of the reference's weights.
     let engine = engine_trace
-        .map(|p| crate::trace::sglang::open_candidate(p, cfg))
+        .map(|p| crate::trace::sglang::open_candidate(p, cfg, reference_model.run_info()))
         .transpose()?;
     if let Some(t) = &engine {
         tokens = t.manifest().tokens.clone();
@@ -347,6 +349,16 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
             classified_by,
             weights: weight_check,
             path,
+            not_recorded: match cand_run {
+                Some(_) => Vec::new(),
+                None => not_recorded(cfg, &candidate),
+            },
+            candidate_notes: candidate
+                .manifest()
+                .producer
+                .get("notes")
+                .and_then(|n| serde_json::from_value(n.clone()).ok())
+                .unwrap_or_default(),
             hybrids,
             replay,
             reference_text: text(&ref_run.generated)?,
@@ -358,6 +370,14 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         diff: report,
     };
     Ok(out)
+}
+
+/// The forward's stages `trace` holds neither whole nor as rank parts.
+fn not_recorded(cfg: &Glm5Config, trace: &Trace) -> Vec<String> {
+    crate::model::stages::stage_names(cfg)
+        .into_iter()
+        .filter(|n| !trace.stages().iter().any(|s| s.name == *n))
+        .collect()
 }
 
 /// The candidate's model, where glmcheck runs the candidate.

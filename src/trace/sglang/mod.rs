@@ -8,14 +8,15 @@
 //! tensors and plain data only and refuses any other class.
 
 pub mod names;
+pub mod passes;
 pub mod pickle;
 pub mod pt;
 pub mod scan;
 
 mod stages;
 
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
@@ -25,17 +26,18 @@ use crate::trace::{FullSelector, ModelInfo, Trace, TraceHeader, TraceWriter};
 
 use names::{Hook, Target};
 use pickle::Obj;
-use pt::{DumpFile, Values};
+use pt::Values;
 use scan::Entry;
 use stages::Source;
 
 pub use scan::is_dump;
 
-/// Open `path`: a trace folder, or an SGLang dump folder read against `cfg` (the reference's
-/// config, which says the widths the ranks' parts are cut to).
-pub fn open_candidate(path: &Path, cfg: &Glm5Config) -> Result<Trace> {
-    match scan::dump_folder(path)? {
-        Some(dir) => import(&dir, cfg),
+/// Open `path`: a trace folder, or an SGLang dump folder read against `cfg` (the config of the
+/// weights SGLang ran, which says the widths the ranks' parts are cut to) and recorded as a run
+/// of `model` (their source and fingerprint).
+pub fn open_candidate(path: &Path, cfg: &Glm5Config, model: ModelInfo) -> Result<Trace> {
+    match scan::layout(path)? {
+        Some(layout) => import(path, &layout, cfg, model),
         None => Trace::open(path),
     }
 }
@@ -52,25 +54,64 @@ pub fn open_against(path: &Path, reference: &Trace) -> Result<Trace> {
                    (compare it with a trace glmcheck recorded, or use bisect MODEL --candidate)";
         TraceError::field(reference.dir(), "model.config", why)
     })?;
-    open_candidate(path, &cfg)
+    let model = ModelInfo {
+        config: Value::Null,
+        ..reference.manifest().model.clone()
+    };
+    open_candidate(path, &cfg, model)
 }
 
-/// Read a dump file, errors naming it.
-fn read(e: &Entry) -> Result<DumpFile> {
-    pt::read(&e.path).map_err(|why| TraceError::field(&e.path, "contents", why))
+/// Reads the dump's tensors: a dumper file whole each time, a pass file's archive opened once
+/// (its pickle indexes the whole pass).
+#[derive(Default)]
+pub(crate) struct Reader {
+    passes: HashMap<PathBuf, pt::Archive>,
 }
 
-/// A dump file's tensor, or an error naming the file.
-fn tensor_of(e: &Entry) -> Result<(pt::PtTensor, Obj)> {
-    let file = read(e)?;
-    match file.value {
-        Some(t) => Ok((t, file.meta)),
-        None => Err(TraceError::field(&e.path, "value", "not a tensor")),
+impl Reader {
+    /// `e`'s tensor and metadata (a pass file's entries have none), errors naming the file.
+    pub(crate) fn tensor(&mut self, e: &Entry) -> Result<(pt::PtTensor, Obj)> {
+        let bad = |why: String| TraceError::field(&e.path, "contents", why);
+        let Some((key, index)) = &e.item else {
+            let file = pt::read(&e.path).map_err(bad)?;
+            return match file.value {
+                Some(t) => Ok((t, file.meta)),
+                None => Err(TraceError::field(&e.path, "value", "not a tensor")),
+            };
+        };
+        if !self.passes.contains_key(&e.path) {
+            let archive = pt::Archive::open(&e.path).map_err(bad)?;
+            self.passes.insert(e.path.clone(), archive);
+        }
+        let archive = self.passes.get_mut(&e.path).expect("inserted above");
+        let value = archive.top.get(key).cloned();
+        let item = match (value, index) {
+            (Some(v), None) => Some(v),
+            (Some(v), Some(i)) => v.as_seq().and_then(|l| l.get(*i)).cloned(),
+            (None, _) => None,
+        };
+        let field = format!(
+            "{key}{}",
+            index.map(|i| format!("[{i}]")).unwrap_or_default()
+        );
+        let not_tensor = || TraceError::field(&e.path, &field, "not a tensor");
+        let tensor = match item {
+            Some(obj) => archive
+                .tensor(&obj)
+                .map_err(|why| TraceError::field(&e.path, &field, why))?,
+            None => None,
+        };
+        Ok((tensor.ok_or_else(not_tensor)?, pickle::Obj::empty_dict()))
     }
 }
 
 /// The prompt's token ids, the same on every rank, and rank 0's metadata.
-fn prompt(dir: &Path, entries: &[Entry], ranks: u32) -> Result<(Vec<u32>, Obj)> {
+fn prompt(
+    reader: &mut Reader,
+    dir: &Path,
+    entries: &[Entry],
+    ranks: u32,
+) -> Result<(Vec<u32>, Obj)> {
     let mut tokens: Option<Vec<u32>> = None;
     let mut meta = None;
     for rank in 0..ranks {
@@ -84,7 +125,7 @@ fn prompt(dir: &Path, entries: &[Entry], ranks: u32) -> Result<(Vec<u32>, Obj)> 
             );
             return Err(TraceError::field(dir, "input_ids", why));
         };
-        let (t, m) = tensor_of(e)?;
+        let (t, m) = reader.tensor(e)?;
         let Values::I32(ids) = t.values else {
             return Err(TraceError::field(
                 &e.path,
@@ -103,7 +144,7 @@ fn prompt(dir: &Path, entries: &[Entry], ranks: u32) -> Result<(Vec<u32>, Obj)> 
         meta.get_or_insert(m);
     }
     if let Some(e) = entries.iter().find(|e| e.name == "seq_lens") {
-        let (t, _) = tensor_of(e)?;
+        let (t, _) = reader.tensor(e)?;
         if t.shape.iter().product::<u64>() != 1 {
             let why = format!(
                 "a batch of {} requests; glmcheck reads one request's forward (send one request \
@@ -231,8 +272,12 @@ fn sources(cfg: &Glm5Config, entries: &[Entry]) -> Result<BTreeMap<String, Vec<S
 }
 
 /// Read the dump folder `dir` and write it as a trace in a scratch folder.
-fn import(dir: &Path, cfg: &Glm5Config) -> Result<Trace> {
-    let entries = scan::one_forward(dir)?;
+fn import(dir: &Path, layout: &scan::Layout, cfg: &Glm5Config, model: ModelInfo) -> Result<Trace> {
+    let (entries, mechanism) = match layout {
+        scan::Layout::Dumper(files) => (scan::one_forward(files)?, "SGLang's dumper"),
+        scan::Layout::Passes(ranks) => (passes::first_forward(ranks)?, "SGLang's tensor dump hook"),
+    };
+    let mut reader = Reader::default();
     let ranks = entries.iter().map(|e| e.rank).max().unwrap_or(0) + 1;
     for r in 0..ranks {
         if !entries.iter().any(|e| e.rank == r) {
@@ -240,7 +285,7 @@ fn import(dir: &Path, cfg: &Glm5Config) -> Result<Trace> {
             return Err(TraceError::field(dir, "rank", why));
         }
     }
-    let (tokens, meta) = prompt(dir, &entries, ranks)?;
+    let (tokens, meta) = prompt(&mut reader, dir, &entries, ranks)?;
     let info = meta
         .get("sglang_parallel_info")
         .map(to_json)
@@ -250,25 +295,44 @@ fn import(dir: &Path, cfg: &Glm5Config) -> Result<Trace> {
     let scratch = tempfile::tempdir().map_err(|e| TraceError::io(dir, e))?;
     let out = scratch.path().join("sglang.trace");
     let mut producer = Map::new();
-    producer.insert("tool".into(), json!("SGLang's dumper"));
+    producer.insert("tool".into(), json!(mechanism));
     producer.insert("dump".into(), json!(dir.display().to_string()));
     producer.insert("ranks".into(), json!(tp));
     producer.insert("sglang_parallel_info".into(), info);
+    if let Some(path) = meta.get("tokenizer_path").and_then(Obj::as_str) {
+        producer.insert("tokenizer_path".into(), json!(path));
+    }
     let header = TraceHeader {
         producer,
+        // SGLang's dump does not say which config it read: none is recorded, none compared.
         model: ModelInfo {
-            source: dir.display().to_string(),
-            ..ModelInfo::default()
+            config: Value::Null,
+            ..model
         },
         tokens: tokens.clone(),
         backend: "sglang".into(),
-        dtype: stages::dump_dtype(&by_stage)?,
+        dtype: stages::dump_dtype(&mut reader, &by_stage)?,
         tp,
     };
     let all = FullSelector::new(&["**"])?;
     let mut writer = TraceWriter::create(&out, header, all)?;
-    let written = stages::write(&mut writer, cfg, &by_stage, tokens.len() as u64, tp)?;
-    for (key, value) in written.producer {
+    let written = stages::write(
+        &mut reader,
+        &mut writer,
+        cfg,
+        &by_stage,
+        (tokens.len() as u64, tp),
+    )?;
+    for (key, mut value) in written.producer {
+        let passes = matches!(layout, scan::Layout::Passes(_));
+        if let (true, "notes", Value::Array(notes)) = (passes, key.as_str(), &mut value) {
+            if !by_stage.contains_key("logits") {
+                notes.push(json!(
+                    "logits: SGLang's tensor dump hook writes a pass's logits into the next \
+                     pass's file; generate two tokens (max_new_tokens 2) to have them"
+                ));
+            }
+        }
         writer.set_producer(&key, value);
     }
     let mut manifest = writer.finish()?;

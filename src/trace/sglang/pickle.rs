@@ -88,6 +88,11 @@ impl Obj {
         })
     }
 
+    /// `{}`: the metadata of a tensor that came without any.
+    pub fn empty_dict() -> Obj {
+        Obj::leaf(Value::Dict(Vec::new()))
+    }
+
     pub fn as_str(&self) -> Option<&str> {
         match &self.value {
             Value::Str(s) => Some(s),

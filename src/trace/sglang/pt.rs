@@ -11,8 +11,9 @@ use half::{bf16, f16};
 
 use super::pickle::{self, Obj, Value};
 
-/// The pickle of a dump file is its metadata, a few KB; this bounds what is read of it.
-const MAX_PICKLE_BYTES: u64 = 1 << 20;
+/// The pickle of a dumper file is its metadata, a few KB; of an older per-pass file, an index of
+/// the pass's tensors (about 400 KB for GLM-5). This bounds what is read of it.
+const MAX_PICKLE_BYTES: u64 = 16 << 20;
 
 /// A tensor's values: floating point as f32, integers (ids, positions) as i32.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,43 +38,66 @@ pub struct DumpFile {
     pub value: Option<PtTensor>,
 }
 
-/// Read `path`; the error is the reason, for the caller to put beside the file's name.
-pub fn read(path: &Path) -> Result<DumpFile, String> {
-    let file = File::open(path).map_err(|e| e.to_string())?;
-    let mut zip =
-        zip::ZipArchive::new(file).map_err(|e| format!("not a torch.save archive: {e}"))?;
-    let pkl_names: Vec<String> = zip
-        .file_names()
-        .filter_map(|n| n.ok().map(|n| n.into_owned()))
-        .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
-        .collect();
-    let [pkl_name] = pkl_names.as_slice() else {
-        return Err(format!("{} data.pkl records, not one", pkl_names.len()));
-    };
-    let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
-    let pickled = {
-        let entry = zip.by_name(pkl_name).map_err(|e| e.to_string())?;
-        if entry.size() > MAX_PICKLE_BYTES {
-            return Err(format!("data.pkl of {} bytes", entry.size()));
+/// An opened `torch.save` archive: its pickle read, its storage records read when asked.
+pub struct Archive {
+    zip: zip::ZipArchive<File>,
+    /// The archive's folder (`archive/`, or the file's stem in older torch).
+    prefix: String,
+    pub top: Obj,
+}
+
+impl Archive {
+    /// Open `path`; the error is the reason, for the caller to put beside the file's name.
+    pub fn open(path: &Path) -> Result<Archive, String> {
+        let file = File::open(path).map_err(|e| e.to_string())?;
+        let mut zip =
+            zip::ZipArchive::new(file).map_err(|e| format!("not a torch.save archive: {e}"))?;
+        let pkl_names: Vec<String> = zip
+            .file_names()
+            .filter_map(|n| n.ok().map(|n| n.into_owned()))
+            .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+            .collect();
+        let [pkl_name] = pkl_names.as_slice() else {
+            return Err(format!("{} data.pkl records, not one", pkl_names.len()));
+        };
+        let prefix = pkl_name.trim_end_matches("data.pkl").to_string();
+        let pickled = {
+            let entry = zip.by_name(pkl_name).map_err(|e| e.to_string())?;
+            if entry.size() > MAX_PICKLE_BYTES {
+                return Err(format!("data.pkl of {} bytes", entry.size()));
+            }
+            let mut bytes = Vec::new();
+            entry
+                .take(MAX_PICKLE_BYTES)
+                .read_to_end(&mut bytes)
+                .map_err(|e| format!("data.pkl: {e}"))?;
+            bytes
+        };
+        let top = pickle::read(&pickled).map_err(|e| format!("data.pkl: {e}"))?;
+        Ok(Archive { zip, prefix, top })
+    }
+
+    /// The tensor `obj` (part of [`Archive::top`]) describes; None where it is no tensor.
+    pub fn tensor(&mut self, obj: &Obj) -> Result<Option<PtTensor>, String> {
+        match tensor_call(obj) {
+            Some(args) => tensor(&mut self.zip, &self.prefix, args).map(Some),
+            None => Ok(None),
         }
-        let mut bytes = Vec::new();
-        entry
-            .take(MAX_PICKLE_BYTES)
-            .read_to_end(&mut bytes)
-            .map_err(|e| format!("data.pkl: {e}"))?;
-        bytes
-    };
-    let top = pickle::read(&pickled).map_err(|e| format!("data.pkl: {e}"))?;
+    }
+}
+
+/// Read a file of SGLang's dumper; the error is the reason, for the caller to put beside the
+/// file's name.
+pub fn read(path: &Path) -> Result<DumpFile, String> {
+    let mut archive = Archive::open(path)?;
+    let top = archive.top.clone();
     let (Some(value), Some(meta)) = (top.get("value"), top.get("meta")) else {
         return Err("data.pkl: not a {\"value\", \"meta\"} dict of SGLang's dumper".into());
     };
     if !matches!(meta.value, Value::Dict(_)) {
         return Err("data.pkl: meta is not a dict".into());
     }
-    let value = match tensor_call(value) {
-        Some(args) => Some(tensor(&mut zip, &prefix, args).map_err(|e| format!("value: {e}"))?),
-        None => None,
-    };
+    let value = archive.tensor(value).map_err(|e| format!("value: {e}"))?;
     Ok(DumpFile {
         meta: meta.clone(),
         value,

@@ -18,6 +18,9 @@ pub struct Entry {
     /// The `layer_id` tag the dumper's context gave (a layer's modules, and modules shared by
     /// every layer such as a cached rotary embedding, which only this tag places).
     pub layer_id: Option<u64>,
+    /// In a pass file of the older mechanism: the tensor's key, and its index where the key
+    /// holds a list; None for a file of the dumper, which holds one tensor.
+    pub item: Option<(String, Option<usize>)>,
 }
 
 /// Parse a file name of SGLang's dumper; None for any other name.
@@ -62,23 +65,40 @@ fn entries_in(dir: &Path) -> Result<Vec<Entry>> {
             dump_index,
             name,
             layer_id,
+            item: None,
         });
     }
     out.sort_by_key(|e| (e.step, e.rank, e.dump_index));
     Ok(out)
 }
 
-/// Whether `dir` (or its one experiment folder, as `DUMPER_DIR` holds it) holds dump files.
-pub fn is_dump(dir: &Path) -> bool {
-    dump_folder(dir).is_ok_and(|d| d.is_some())
+/// Which of SGLang's two mechanisms wrote a dump, and where its files are.
+pub enum Layout {
+    /// The dumper's files: `dir`, or `dir`'s only subfolder holding them (the dumper writes
+    /// into `DUMPER_DIR/EXP_NAME/`).
+    Dumper(PathBuf),
+    /// The older per-pass files: each tensor-parallel rank's folder.
+    Passes(BTreeMap<u32, PathBuf>),
 }
 
-/// The folder holding the dump files: `dir`, or `dir`'s only subfolder that holds them (the
-/// dumper writes into `DUMPER_DIR/EXP_NAME/`). None where there are none.
-pub fn dump_folder(dir: &Path) -> Result<Option<PathBuf>> {
+/// Whether `dir` holds an SGLang dump of either kind.
+pub fn is_dump(dir: &Path) -> bool {
+    layout(dir).is_ok_and(|d| d.is_some())
+}
+
+/// The dump at `dir`; None where it is no SGLang dump (a trace folder, a model).
+pub fn layout(dir: &Path) -> Result<Option<Layout>> {
     if !dir.is_dir() || dir.join("manifest.json").exists() {
         return Ok(None);
     }
+    if let Some(ranks) = super::passes::rank_folders(dir)? {
+        return Ok(Some(Layout::Passes(ranks)));
+    }
+    Ok(dumper_folder(dir)?.map(Layout::Dumper))
+}
+
+/// The folder holding the dumper's files, if any.
+fn dumper_folder(dir: &Path) -> Result<Option<PathBuf>> {
     let has_pt = |d: &Path| -> Result<bool> {
         let items = std::fs::read_dir(d).map_err(|e| TraceError::io(d, e))?;
         Ok(items

@@ -15,7 +15,7 @@ use crate::trace::{Stage, TensorStats, TraceWriter};
 use super::names::Split;
 use super::pt::{PtTensor, Values};
 use super::scan::Entry;
-use super::tensor_of;
+use super::Reader;
 
 /// Which part of a hook's tensor a stage is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,11 +41,11 @@ pub struct Written {
 }
 
 /// The manifest dtype of the dump's floating-point values (the embedding's).
-pub fn dump_dtype(by_stage: &BTreeMap<String, Vec<Source>>) -> Result<String> {
+pub fn dump_dtype(reader: &mut Reader, by_stage: &BTreeMap<String, Vec<Source>>) -> Result<String> {
     let Some(first) = by_stage.get("embed").and_then(|s| s.first()) else {
         return Ok("bf16".into());
     };
-    let (t, _) = tensor_of(&first.entry)?;
+    let (t, _) = reader.tensor(&first.entry)?;
     Ok(match t.dtype {
         "float32" => "f32",
         "float64" => "f64",
@@ -177,11 +177,11 @@ fn factor_left_out(cfg: &Glm5Config, weights: &Values) -> bool {
 
 /// Record every stage the dump holds, in the forward's order.
 pub fn write(
+    reader: &mut Reader,
     writer: &mut TraceWriter,
     cfg: &Glm5Config,
     by_stage: &BTreeMap<String, Vec<Source>>,
-    t: u64,
-    tp: u32,
+    (t, tp): (u64, u32),
 ) -> Result<Written> {
     let mut disagree = Vec::new();
     let mut not_dumped = Vec::new();
@@ -203,7 +203,7 @@ pub fn write(
                 );
                 return Err(TraceError::field(&srcs[0].entry.path, "rank", why));
             };
-            let (tensor, _) = tensor_of(&src.entry)?;
+            let (tensor, _) = reader.tensor(&src.entry)?;
             let dumped_shape = tensor.shape.clone();
             parts.push((cut_values(src, tensor)?, src, dumped_shape));
         }
