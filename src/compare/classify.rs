@@ -26,7 +26,7 @@ fn dtype_max(dtype: &str) -> f64 {
     }
 }
 
-pub(super) fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
+fn fault(class: FaultClass, summary: String, evidence: Vec<String>) -> Fault {
     Fault {
         class,
         summary,
@@ -241,14 +241,6 @@ fn vocab_blocks_moved(x: &[f32], y: &[f32], vocab: usize, tp: usize) -> Option<V
         })
         .collect::<Option<_>>()?;
     map.iter().enumerate().any(|(b, q)| b != *q).then_some(map)
-}
-
-/// The stage right before `stages[i]` named `name` (whole tensors only).
-pub(super) fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageDiff> {
-    stages[..i]
-        .iter()
-        .rev()
-        .find(|p| p.stage == name && p.rank.is_none())
 }
 
 /// Faults of one op whose input still agrees: the rotary embedding, and the routing weights

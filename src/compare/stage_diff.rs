@@ -124,3 +124,11 @@ pub fn whole_values(trace: &Trace, name: &str) -> Result<Option<(Vec<f32>, Vec<u
         unshard(&sharding, &parts, &shapes).with_context(|| format!("stage {name}"))?,
     ))
 }
+
+/// The stage right before `stages[i]` named `name` (whole tensors only).
+pub fn input<'s>(stages: &'s [StageDiff], i: usize, name: &str) -> Option<&'s StageDiff> {
+    stages[..i]
+        .iter()
+        .rev()
+        .find(|p| p.stage == name && p.rank.is_none())
+}

@@ -5,9 +5,8 @@
 
 use anyhow::Result;
 
-use super::classify::{fault, input};
 use super::fault::{Fault, FaultClass};
-use super::stage_diff::{whole_values, StageDiff, Status};
+use super::stage_diff::{input, whole_values, StageDiff, Status};
 use crate::model::Stage;
 use crate::trace::Trace;
 
@@ -134,16 +133,16 @@ pub fn sum_fault(
     let (lo, hi) = w
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-    Ok(Some(fault(
-        FaultClass::ScaleMismatch,
-        format!(
+    Ok(Some(Fault {
+        class: FaultClass::ScaleMismatch,
+        summary: format!(
             "{}: the sum of {} and {} weighs them {}, not {ones}",
             s.stage,
             names[..names.len() - 1].join(", "),
             names[names.len() - 1],
             weights.join(" : ")
         ),
-        vec![
+        evidence: vec![
             format!(
                 "{} = {} (fitted on the reference's inputs, which the candidate's agree with; \
                  relative misfit {misfit:.1e})",
@@ -157,7 +156,8 @@ pub fn sum_fault(
                 (hi / lo).max(lo / hi).abs()
             ),
         ],
-    )))
+        weight: None,
+    }))
 }
 
 #[cfg(test)]

@@ -85,15 +85,15 @@ fn clean_dumps_pass_at_every_tensor_parallel_degree() {
     }
 }
 
-/// Each `(fault, stage, class)` planted in the SGLang-named model at TP 2 and dumped with
+/// Each `(fault, stage, class)` planted in the SGLang-named model at `tp` ranks and dumped with
 /// `extra`: bisect locates it at `stage` and names `class`.
-pub fn faults_located(tokens: &str, extra: &[&str], table: &[(&str, &str, &str)]) {
+pub fn faults_located(tokens: &str, tp: &str, extra: &[&str], table: &[(&str, &str, &str)]) {
     let dir = common::scratch();
     let hf = tiny_hf(dir.path());
     for (fault, stage, class) in table {
         let out = dir.path().join(fault);
         let args = [extra, &["--fault", fault]].concat();
-        dump_tokens(&hf, tokens, &out, "2", &args);
+        dump_tokens(&hf, tokens, &out, tp, &args);
         let j = common::bisect_candidate(&hf, &out, &[], 1);
         assert_eq!(
             j["first_divergence"]["stage"], *stage,
@@ -120,7 +120,13 @@ pub const FAULTS_EITHER_SHOWS: [(&str, &str, &str); 5] = [
 #[test]
 fn faults_planted_in_the_sglang_model_are_located_and_classed() {
     let scale = ("routed-scale-twice", "L1.ffn.out", "scale_mismatch");
-    faults_located(TOKENS, &[], &[&FAULTS_EITHER_SHOWS[..], &[scale]].concat());
+    faults_located(
+        TOKENS,
+        "2",
+        &[],
+        &[&FAULTS_EITHER_SHOWS[..], &[scale]].concat(),
+    );
+    faults_located(TOKENS, "4", &[], &FAULTS_EITHER_SHOWS);
 }
 
 /// `bisect MODEL --candidate DUMP`'s one-line error (exit 2).

@@ -60,9 +60,6 @@ fn faults_in_pass_files_are_located_and_classed() {
     // The MoE block's output is not shown: the layer's output is fitted on its terms.
     let scale = ("routed-scale-twice", "L1.out", "scale_mismatch");
     let table = [&FAULTS_EITHER_SHOWS[..], &[scale]].concat();
-    faults_located(
-        TOKENS,
-        &["--mechanism", "tensor-hook", "--steps", "2"],
-        &table,
-    );
+    let args = ["--mechanism", "tensor-hook", "--steps", "2"];
+    faults_located(TOKENS, "2", &args, &table);
 }

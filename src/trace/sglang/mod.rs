@@ -30,13 +30,36 @@ use pt::Values;
 use scan::Entry;
 use stages::Source;
 
-pub use scan::is_dump;
+/// Which of SGLang's two mechanisms wrote a dump, and where its files are.
+pub enum Layout {
+    /// The dumper's files: `dir`, or `dir`'s only subfolder holding them (the dumper writes
+    /// into `DUMPER_DIR/EXP_NAME/`).
+    Dumper(PathBuf),
+    /// The older per-pass files: each tensor-parallel rank's folder.
+    Passes(BTreeMap<u32, PathBuf>),
+}
+
+/// Whether `dir` holds an SGLang dump of either kind.
+pub fn is_dump(dir: &Path) -> bool {
+    layout(dir).is_ok_and(|d| d.is_some())
+}
+
+/// The dump at `dir`; None where it is no SGLang dump (a trace folder, a model).
+pub fn layout(dir: &Path) -> Result<Option<Layout>> {
+    if !dir.is_dir() || dir.join("manifest.json").exists() {
+        return Ok(None);
+    }
+    if let Some(ranks) = passes::rank_folders(dir)? {
+        return Ok(Some(Layout::Passes(ranks)));
+    }
+    Ok(scan::dumper_folder(dir)?.map(Layout::Dumper))
+}
 
 /// Open `path`: a trace folder, or an SGLang dump folder read against `cfg` (the config of the
 /// weights SGLang ran, which says the widths the ranks' parts are cut to) and recorded as a run
 /// of `model` (their source and fingerprint).
 pub fn open_candidate(path: &Path, cfg: &Glm5Config, model: ModelInfo) -> Result<Trace> {
-    match scan::layout(path)? {
+    match layout(path)? {
         Some(layout) => import(path, &layout, cfg, model),
         None => Trace::open(path),
     }
@@ -272,10 +295,10 @@ fn sources(cfg: &Glm5Config, entries: &[Entry]) -> Result<BTreeMap<String, Vec<S
 }
 
 /// Read the dump folder `dir` and write it as a trace in a scratch folder.
-fn import(dir: &Path, layout: &scan::Layout, cfg: &Glm5Config, model: ModelInfo) -> Result<Trace> {
+fn import(dir: &Path, layout: &Layout, cfg: &Glm5Config, model: ModelInfo) -> Result<Trace> {
     let (entries, mechanism) = match layout {
-        scan::Layout::Dumper(files) => (scan::one_forward(files)?, "SGLang's dumper"),
-        scan::Layout::Passes(ranks) => (passes::first_forward(ranks)?, "SGLang's tensor dump hook"),
+        Layout::Dumper(files) => (scan::one_forward(files)?, "SGLang's dumper"),
+        Layout::Passes(ranks) => (passes::first_forward(ranks)?, "SGLang's tensor dump hook"),
     };
     let mut reader = Reader::default();
     let ranks = entries.iter().map(|e| e.rank).max().unwrap_or(0) + 1;
@@ -324,7 +347,7 @@ fn import(dir: &Path, layout: &scan::Layout, cfg: &Glm5Config, model: ModelInfo)
         (tokens.len() as u64, tp),
     )?;
     for (key, mut value) in written.producer {
-        let passes = matches!(layout, scan::Layout::Passes(_));
+        let passes = matches!(layout, Layout::Passes(_));
         if let (true, "notes", Value::Array(notes)) = (passes, key.as_str(), &mut value) {
             if !by_stage.contains_key("logits") {
                 notes.push(json!(

@@ -72,33 +72,9 @@ fn entries_in(dir: &Path) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-/// Which of SGLang's two mechanisms wrote a dump, and where its files are.
-pub enum Layout {
-    /// The dumper's files: `dir`, or `dir`'s only subfolder holding them (the dumper writes
-    /// into `DUMPER_DIR/EXP_NAME/`).
-    Dumper(PathBuf),
-    /// The older per-pass files: each tensor-parallel rank's folder.
-    Passes(BTreeMap<u32, PathBuf>),
-}
-
-/// Whether `dir` holds an SGLang dump of either kind.
-pub fn is_dump(dir: &Path) -> bool {
-    layout(dir).is_ok_and(|d| d.is_some())
-}
-
-/// The dump at `dir`; None where it is no SGLang dump (a trace folder, a model).
-pub fn layout(dir: &Path) -> Result<Option<Layout>> {
-    if !dir.is_dir() || dir.join("manifest.json").exists() {
-        return Ok(None);
-    }
-    if let Some(ranks) = super::passes::rank_folders(dir)? {
-        return Ok(Some(Layout::Passes(ranks)));
-    }
-    Ok(dumper_folder(dir)?.map(Layout::Dumper))
-}
-
-/// The folder holding the dumper's files, if any.
-fn dumper_folder(dir: &Path) -> Result<Option<PathBuf>> {
+/// The folder holding the dumper's files, if any: `dir`, or `dir`'s only subfolder holding
+/// them (the dumper writes into `DUMPER_DIR/EXP_NAME/`).
+pub fn dumper_folder(dir: &Path) -> Result<Option<PathBuf>> {
     let has_pt = |d: &Path| -> Result<bool> {
         let items = std::fs::read_dir(d).map_err(|e| TraceError::io(d, e))?;
         Ok(items

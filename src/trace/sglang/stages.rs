@@ -175,6 +175,72 @@ fn factor_left_out(cfg: &Glm5Config, weights: &Values) -> bool {
     (mean - 1.0).abs() < (mean - cfg.routed_scaling_factor).abs()
 }
 
+/// One rank's values of a stage, with the file and the shape it was dumped with.
+type Part<'a> = (Values, &'a Source, Vec<u64>);
+
+/// Every rank's values of stage `name`, read and cut; a rank without a file is an error.
+fn read_parts<'a>(
+    reader: &mut Reader,
+    srcs: &'a [Source],
+    name: &str,
+    tp: u32,
+) -> Result<Vec<Part<'a>>> {
+    let mut parts = Vec::new();
+    for rank in 0..tp {
+        let Some(src) = srcs.iter().find(|s| s.entry.rank == rank) else {
+            let first = &srcs[0].entry.path;
+            let why = format!(
+                "no file of rank {rank} for {name} ({} has one)",
+                first.display()
+            );
+            return Err(TraceError::field(first, "rank", why));
+        };
+        let (tensor, _) = reader.tensor(&src.entry)?;
+        let dumped = tensor.shape.clone();
+        parts.push((cut_values(src, tensor)?, src, dumped));
+    }
+    Ok(parts)
+}
+
+/// The indexer's ids of every rank as key positions, -1 padded to `k`; false where they are
+/// KV-cache slots.
+fn to_positions(parts: &mut [Part], t: u64, k: u64) -> Result<bool> {
+    for p in parts.iter_mut() {
+        let width = p.2.last().copied().unwrap_or(1) as usize;
+        let Values::I32(ids) = &p.0 else {
+            let why = "the indexer's output is not integer ids";
+            return Err(TraceError::field(&p.1.entry.path, "value", why));
+        };
+        match positions(ids, width, t, k as usize) {
+            Some(kept) => p.0 = Values::I32(kept),
+            None => return Ok(false),
+        }
+    }
+    Ok(true)
+}
+
+/// A rank's part of a stage of `whole` shape: its heads where they are split.
+fn part_shape(
+    cfg: &Glm5Config,
+    whole: &[u64],
+    heads_split: bool,
+    tp: u32,
+    src: &Source,
+) -> Result<Vec<u64>> {
+    let mut s = whole.to_vec();
+    if heads_split {
+        if !cfg.num_attention_heads.is_multiple_of(u64::from(tp)) {
+            let why = format!(
+                "{} heads do not split over {tp} ranks",
+                cfg.num_attention_heads
+            );
+            return Err(TraceError::field(&src.entry.path, "value", why));
+        }
+        s[1] /= u64::from(tp);
+    }
+    Ok(s)
+}
+
 /// Record every stage the dump holds, in the forward's order.
 pub fn write(
     reader: &mut Reader,
@@ -194,42 +260,16 @@ pub fn write(
         };
         let parsed = StageName::parse(&name).filter(|s| layer_of(&s.to_string()).is_some());
         let kind = parsed.as_ref().map_or(name.as_str(), |s| s.kind());
-        let mut parts: Vec<(Values, &Source, Vec<u64>)> = Vec::new();
-        for rank in 0..tp {
-            let Some(src) = srcs.iter().find(|s| s.entry.rank == rank) else {
-                let why = format!(
-                    "no file of rank {rank} for {name} ({} has one)",
-                    srcs[0].entry.path.display()
-                );
-                return Err(TraceError::field(&srcs[0].entry.path, "rank", why));
-            };
-            let (tensor, _) = reader.tensor(&src.entry)?;
-            let dumped_shape = tensor.shape.clone();
-            parts.push((cut_values(src, tensor)?, src, dumped_shape));
-        }
-        let width = parts[0].2.last().copied().unwrap_or(1);
+        let mut parts = read_parts(reader, srcs, &name, tp)?;
         let k_index = cfg.index_topk.min(t);
         let mut whole = whole_shape(cfg, kind, t, k_index);
-        if kind == "attn.index_topk" {
-            let mut rows = Vec::new();
-            for (v, _, _) in &parts {
-                let Values::I32(ids) = v else {
-                    let why = "the indexer's output is not integer ids";
-                    return Err(TraceError::field(&srcs[0].entry.path, "value", why));
-                };
-                rows.push(positions(ids, width as usize, t, k_index as usize));
-            }
-            if rows.iter().any(Option::is_none) {
-                notes.push(format!(
-                    "{name}: the indexer returned KV-cache slots, not key positions \
-                     (SGLANG_DSA_FUSE_TOPK=0 makes it return positions); not compared"
-                ));
-                not_dumped.push(name);
-                continue;
-            }
-            for (p, r) in parts.iter_mut().zip(rows) {
-                p.0 = Values::I32(r.expect("checked"));
-            }
+        if kind == "attn.index_topk" && !to_positions(&mut parts, t, k_index)? {
+            notes.push(format!(
+                "{name}: the indexer returned KV-cache slots, not key positions \
+                 (SGLANG_DSA_FUSE_TOPK=0 makes it return positions); not compared"
+            ));
+            not_dumped.push(name);
+            continue;
         }
         if kind == "logits" && len(&parts[0].0) == cfg.vocab_size && t > 1 {
             // The logits processor computes the sampled position's row only.
@@ -248,45 +288,30 @@ pub fn write(
             Cut::Whole(s) => s,
             Cut::Columns(..) => Split::Replicated,
         };
-        let numel = |s: &[u64]| s.iter().product::<u64>();
         let heads_split = split == Split::Heads && tp > 1;
-        let part_shape = if heads_split {
-            if !cfg.num_attention_heads.is_multiple_of(u64::from(tp)) {
-                let why = format!(
-                    "{} heads do not split over {tp} ranks",
-                    cfg.num_attention_heads
-                );
-                return Err(TraceError::field(&srcs[0].entry.path, "value", why));
-            }
-            let mut s = whole.clone();
-            s[1] /= u64::from(tp);
-            s
-        } else {
-            whole.clone()
-        };
+        let part = part_shape(cfg, &whole, heads_split, tp, &srcs[0])?;
         for (v, src, dumped) in &parts {
-            if len(v) != numel(&part_shape) {
+            if len(v) != part.iter().product::<u64>() {
                 let why = format!(
-                    "{dumped:?} holds {} values; {name} at TP {tp} takes {part_shape:?}",
+                    "{dumped:?} holds {} values; {name} at TP {tp} takes {part:?}",
                     len(v)
                 );
                 return Err(TraceError::field(&src.entry.path, "value", why));
             }
         }
         let same = parts.iter().all(|p| p.0 == parts[0].0);
-        let dims = whole_dims(kind);
         if heads_split || (split == Split::MaybePartial && !same) {
-            let part_dims = if heads_split {
+            let dims = if heads_split {
                 "t h(tp) d"
             } else {
                 "t d partial(tp)"
             };
             for (rank, (v, _, _)) in parts.iter().enumerate() {
-                writer.record(&name, &part_shape, part_dims, Some(rank as u32), view(v))?;
+                writer.record(&name, &part, dims, Some(rank as u32), view(v))?;
             }
             continue;
         }
-        writer.record(&name, &whole, dims, None, view(&parts[0].0))?;
+        writer.record(&name, &whole, whole_dims(kind), None, view(&parts[0].0))?;
         for (rank, (v, _, _)) in parts.iter().enumerate().skip(1) {
             if *v != parts[0].0 {
                 disagree.push(json!({"stage": name, "rank": rank, "stats": stats(v)}));
