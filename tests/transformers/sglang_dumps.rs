@@ -301,3 +301,24 @@ fn gate_holds_sglang_dumps_to_a_baseline_made_from_one() {
     let err = refused(&hf, &again);
     assert!(err.contains("no file of rank 1 for L1.attn.kv"), "{err}");
 }
+
+#[test]
+fn the_sglang_named_model_computes_what_transformers_does() {
+    // The fixture must be GLM-5 before its dumps can test glmcheck: every position's logits
+    // against transformers' GlmMoeDsaForCausalLM, at each TP, in f32.
+    let dir = common::scratch();
+    let hf = tiny_hf(dir.path());
+    let out = common::run_oracle(
+        "sglang.dump",
+        &[hf.to_str().unwrap(), TOKENS, "--check", "--tp", "1,2,4"],
+    );
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line per TP"))
+        .collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    for r in &rows {
+        assert!(r["relative"].as_f64().unwrap() < 1e-5, "{r}");
+        assert_eq!(r["same_argmax"], true, "{r}");
+    }
+}
