@@ -5,11 +5,21 @@ as SGLang's model runner does (model_executor/model_runner.py:1394-1396, :1900-1
 
 Usage: python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS OUT_DIR TP
            [--dtype bf16|f32] [--fault NAME] [--steps N] [--mechanism dumper|tensor-hook]
+           [--fuse-shared-experts]
        python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS --check [--tp 1,2,4]
+           [--fuse-shared-experts]
 
 Writes OUT_DIR/glmcheck/*.pt (DUMPER_DIR=OUT_DIR, DUMPER_EXP_NAME=glmcheck; an older
 OUT_DIR/glmcheck is removed first) and prints that folder. `--steps N` adds N-1 greedy
 decode steps of one token each, each its own dumper step.
+
+`--fuse-shared-experts` builds the MoE layers as SGLang does by default for GLM-5 on CUDA
+(models/deepseek_v2.py:3319-3390 with glm4_moe.py:1285; the fixture skips the allow-list of
+256/384 routed experts as --enforce-shared-experts-fusion does): no `mlp.shared_experts`; the
+shared expert is `mlp.experts`' expert n_routed_experts (w13/w2 one longer, split over TP as
+the routed ones); `mlp.topk` returns top_k+1 columns, the last with id n_routed_experts and
+weight 1/routed_scaling_factor, the routed weights renormalized among themselves; so
+`mlp.experts` returns routed_scaling_factor·Σ w·expert(x) + shared(x), which `mlp` returns.
 
 `--mechanism tensor-hook` uses SGLang's older mechanism instead, the one behind
 `--debug-tensor-dump-output-folder OUT_DIR` (debug_utils/tensor_dump_forward_hook.py, real and
@@ -80,6 +90,8 @@ def rank_main(rank, size, rendezvous, args, result_path):
 
     dtype = getattr(torch, DTYPES[args.dtype])
     cfg = weights.config(args.hf_dir)
+    if args.fuse_shared_experts:
+        cfg["num_fused_shared_experts"] = cfg["n_shared_experts"]
     model = glm.GlmMoeDsaForCausalLM(weights.load(args.hf_dir, cfg, dtype, args.fault), cfg,
                                      dtype, args.fault)
     tokens = [int(x) for x in args.tokens.split(",")]
@@ -163,6 +175,9 @@ def main(argv=None):
                         help="forward passes: the prefill, then greedy one-token decodes")
     parser.add_argument("--mechanism", choices=("dumper", "tensor-hook"), default="dumper",
                         help="SGLang's dumper.py, or its --debug-tensor-dump-output-folder hooks")
+    parser.add_argument("--fuse-shared-experts", action="store_true",
+                        help="SGLang's default on CUDA for GLM-5: the shared expert fused into "
+                        "the routed experts as expert n_routed_experts")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--tp", default="1,2,4", help="with --check: the TP sizes")
     args = parser.parse_args(argv)
@@ -170,6 +185,11 @@ def main(argv=None):
 
     cfg = weights.config(args.hf_dir)
     n_tokens = len(args.tokens.split(",")) + args.steps - 1
+    if args.fuse_shared_experts and cfg.get("n_shared_experts") != 1:
+        # deepseek_weight_loader.py:287-288 (and the allow-list, dv2:3357-3369, which the
+        # fixture bypasses for its 8 experts as --enforce-shared-experts-fusion does, :3340)
+        parser.error(f"--fuse-shared-experts needs n_shared_experts 1, not "
+                     f"{cfg.get('n_shared_experts')}")
     if n_tokens > cfg["index_topk"]:
         # SGLang prefills DSA with dense MHA only up to index_topk tokens
         # (layers/attention/dsa_backend.py:4064, arg_groups/model_hook.py:290); beyond,

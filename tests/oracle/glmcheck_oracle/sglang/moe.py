@@ -59,6 +59,8 @@ class TopK(nn.Module):
         self.k, self.groups, self.topk_group = (cfg["num_experts_per_tok"], cfg["n_group"],
                                                 cfg["topk_group"])
         self.renormalize, self.bias, self.fault = cfg["norm_topk_prob"], bias, fault
+        self.fused = cfg.get("num_fused_shared_experts", 0)
+        self.scale = cfg["routed_scaling_factor"]
 
     def forward(self, hidden_states, router_logits):
         scores = (router_logits.softmax(-1) if self.fault == "router-softmax"
@@ -70,11 +72,32 @@ class TopK(nn.Module):
         best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
         choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, 1), float("-inf"))
+        if self.fused:
+            return self._fused(scores, choice, e, router_logits)
         ids = choice.topk(self.k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return StandardTopKOutput(weights, ids.to(torch.int32), router_logits)
+
+    def _fused(self, scores, choice, e, router_logits):
+        """The same router with the shared expert fused (--fuse-shared-experts), as
+        biased_grouped_topk_impl does with num_fused_shared_experts=1 (topk.py:1817-1853):
+        top_k = k + 1 (topk.py:733, dv2:703) chosen sorted, the last column's id overwritten
+        with the shared expert's, n_routed_experts (:1826-1833, randint over [e, e+1)), the
+        routed weights renormalized over the routed columns only (:1836-1844), and the last
+        column's weight 1/routed_scaling_factor (:1848-1852, fused_shared_expert_weight
+        :2473, the factor not being applied in top-k for the unquantized Triton runner), so
+        that the experts' final scaling makes the shared expert's weight 1. GLM-5's 256
+        experts at top-k 9 take the JIT router instead (topk.py:2175-2183), which writes the
+        same columns (kernels/ops/moe/moe_fused_gate.py:297-302)."""
+        ids = choice.topk(self.k + self.fused, dim=-1, sorted=True)[1]
+        weights = scores.gather(1, ids)
+        ids[:, -1] = e
+        if self.renormalize:
+            weights = weights / weights[:, :-1].sum(-1, keepdim=True)
+        weights[:, -1] = 1.0 / self.scale
+        return StandardTopKOutput(weights.float(), ids.to(torch.int32), router_logits)
 
 
 class UnquantizedFusedMoEMethod(nn.Module):
@@ -122,15 +145,20 @@ class MoE(nn.Module):
         self.gate = MoEGate(w["gate"], w["bias"])
         self.topk = TopK(cfg, self.gate.e_score_correction_bias, fault)
         self.experts = FusedMoE(w["w13"], w["w2"], cfg["routed_scaling_factor"])
-        self.shared_experts = MLP(w["shared"])
+        # Fused (--fuse-shared-experts): no shared_experts module (dv2:862-869, the
+        # attribute stays None), the shared expert being `experts`' last expert.
+        self.shared_experts = MLP(w["shared"]) if "shared" in w else None
         self.fault, self.scale = fault, cfg["routed_scaling_factor"]
 
     def forward(self, hidden_states, forward_batch=None, gemm_output_zero_allocator=None):
-        shared = self.shared_experts(hidden_states,
-                                     gemm_output_zero_allocator=gemm_output_zero_allocator)
+        shared = None
+        if self.shared_experts is not None:  # dv2:1745 _forward_shared_experts
+            shared = self.shared_experts(hidden_states,
+                                         gemm_output_zero_allocator=gemm_output_zero_allocator)
         router_logits = self.gate(hidden_states, gemm_output_zero_allocator)
         topk_output = self.topk(hidden_states, router_logits)
         routed = self.experts(hidden_states, topk_output)
         if self.fault == "routed-scale-twice":
             routed = routed * self.scale
-        return routed + shared
+        # mxfp4_flashinfer_trtllm_moe.py:569-571: with no shared output, routed as it is.
+        return routed if shared is None else routed + shared

@@ -139,7 +139,9 @@ def load(hf_dir: str, cfg: dict, dtype, fault=None) -> dict:
 
 def _moe(t, m, cfg, rank, size, cast):
     """DeepseekV2MoE's shards: every expert's intermediate dim split over TP (FusedMoE
-    w13 = [gate rows; up rows], w2 = down's columns), the shared expert as a TP MLP."""
+    w13 = [gate rows; up rows], w2 = down's columns), the shared expert as a TP MLP, or,
+    with cfg's num_fused_shared_experts (dump.py --fuse-shared-experts), as expert
+    n_routed_experts of w13/w2."""
     e = cfg["n_routed_experts"]
     if m + "experts.gate_up_proj" in t:  # transformers' fused layout
         gate_up, down = t[m + "experts.gate_up_proj"], t[m + "experts.down_proj"]
@@ -152,8 +154,16 @@ def _moe(t, m, cfg, rank, size, cast):
                         size) for j in range(e)]
         w2 = [_cols(t[f"{x}{j}.down_proj.weight"], rank, size) for j in range(e)]
     s = m + "shared_experts."
-    return {"gate": cast(t[m + "gate.weight"]), "bias": t[m + "gate.e_score_correction_bias"],
-            "w13": cast(torch.stack(w13)), "w2": cast(torch.stack(w2)),
-            "shared": {"gate_up_proj": cast(_gate_up(t[s + "gate_proj.weight"],
-                                                     t[s + "up_proj.weight"], rank, size)),
-                       "down_proj": cast(_cols(t[s + "down_proj.weight"], rank, size))}}
+    shared_w13 = _gate_up(t[s + "gate_proj.weight"], t[s + "up_proj.weight"], rank, size)
+    shared_w2 = _cols(t[s + "down_proj.weight"], rank, size)
+    out = {"gate": cast(t[m + "gate.weight"]), "bias": t[m + "gate.e_score_correction_bias"]}
+    if cfg.get("num_fused_shared_experts", 0):
+        # deepseek_weight_loader.py:311-315: mlp.shared_experts.* is renamed
+        # mlp.experts.{n_routed_experts}.* and loaded by FusedMoE's expert mapping
+        # (:265-270, num_experts = n_routed + 1) as one more expert, its intermediate dim
+        # split over TP as the routed experts' are (fused_moe_triton/layer.py:383-416).
+        w13, w2 = w13 + [shared_w13], w2 + [shared_w2]
+    else:
+        out["shared"] = {"gate_up_proj": cast(shared_w13), "down_proj": cast(shared_w2)}
+    out.update({"w13": cast(torch.stack(w13)), "w2": cast(torch.stack(w2))})
+    return out
