@@ -322,3 +322,31 @@ fn the_sglang_named_model_computes_what_transformers_does() {
         assert_eq!(r["same_argmax"], true, "{r}");
     }
 }
+
+#[test]
+fn shared_experts_fused_into_the_routed_ones_are_read_as_sglang_runs_glm5() {
+    // SGLang's default for GLM-5 and DeepSeek-V3 on GPUs: no shared-experts module, a top-k
+    // column more (ids past the routed experts), and the experts' output holding both.
+    let dir = common::scratch();
+    let hf = tiny_hf(dir.path());
+    let clean = dir.path().join("fused");
+    dump(&hf, &clean, "2", &["--fuse-shared-experts"]);
+    let j = common::bisect_candidate(&hf, &clean, &[], 0);
+    assert_eq!(j["verdict"], "pass", "{:#}", j["fault"]);
+    let missing = j["bisect"]["not_recorded"].to_string();
+    assert!(
+        missing.contains("L1.moe.routed") && missing.contains("L1.moe.shared"),
+        "{missing}"
+    );
+    let notes = j["bisect"]["candidate_notes"].to_string();
+    assert!(notes.contains("fused the shared experts"), "{notes}");
+    faults_located(
+        TOKENS,
+        "2",
+        &["--fuse-shared-experts"],
+        &[
+            ("router-softmax", "L1.moe.topk_weights", "router_mismatch"),
+            ("routed-scale-twice", "L1.ffn.out", "scale_mismatch"),
+        ],
+    );
+}

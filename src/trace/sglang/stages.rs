@@ -219,6 +219,34 @@ fn to_positions(parts: &mut [Part], t: u64, k: u64) -> Result<bool> {
     Ok(true)
 }
 
+/// The first `k` columns of every rank's rows: the routed experts' share of a top-k whose
+/// further columns are the shared experts SGLang fuses into the routed experts' kernel.
+fn first_columns(parts: &mut [Part], k: usize) {
+    for p in parts.iter_mut() {
+        let width = p.2.last().copied().unwrap_or(1).max(1) as usize;
+        p.0 = match &p.0 {
+            Values::F32(v) => Values::F32(v.chunks(width).flat_map(|r| r[..k].to_vec()).collect()),
+            Values::I32(v) => Values::I32(v.chunks(width).flat_map(|r| r[..k].to_vec()).collect()),
+        };
+    }
+}
+
+/// Whether the top-k ids hold the shared experts SGLang fuses in (its default for GLM-5 and
+/// DeepSeek-V3 on GPUs): columns past `k` whose ids are past the routed experts.
+fn shared_fused_in(cfg: &Glm5Config, parts: &[Part]) -> bool {
+    let k = cfg.num_experts_per_tok as usize;
+    parts.iter().all(|(v, _, dumped)| {
+        let width = dumped.last().copied().unwrap_or(1).max(1) as usize;
+        let Values::I32(ids) = v else {
+            return false;
+        };
+        width > k
+            && ids
+                .chunks(width)
+                .all(|r| r[k..].iter().all(|&id| id as u64 >= cfg.n_routed_experts))
+    })
+}
+
 /// A rank's part of a stage of `whole` shape: its heads where they are split.
 fn part_shape(
     cfg: &Glm5Config,
@@ -253,6 +281,8 @@ pub fn write(
     let mut not_dumped = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     let mut logits_rows = None;
+    // MoE layers whose top-k holds the shared experts fused in.
+    let mut fused = std::collections::BTreeSet::new();
     for name in stage_names(cfg) {
         let Some(srcs) = by_stage.get(&name) else {
             not_dumped.push(name);
@@ -270,6 +300,23 @@ pub fn write(
             ));
             not_dumped.push(name);
             continue;
+        }
+        let layer = crate::model::stage::layer_of(&name);
+        if kind == "moe.topk_ids" && shared_fused_in(cfg, &parts) {
+            fused.extend(layer);
+            notes.push(format!(
+                "{name}: SGLang fused the shared experts into the routed experts (its default \
+                 for GLM-5 and DeepSeek-V3 on GPUs): their top-k columns are left out, and the \
+                 experts' output, routed and shared experts together, is compared as ffn.out"
+            ));
+        }
+        let in_fused = layer.is_some_and(|l| fused.contains(&l));
+        if in_fused && kind == "moe.routed" {
+            not_dumped.push(name);
+            continue;
+        }
+        if in_fused && matches!(kind, "moe.topk_ids" | "moe.topk_weights") {
+            first_columns(&mut parts, cfg.num_experts_per_tok as usize);
         }
         if kind == "logits" && len(&parts[0].0) == cfg.vocab_size && t > 1 {
             // The logits processor computes the sampled position's row only.
