@@ -75,11 +75,13 @@ fn entries_in(dir: &Path) -> Result<Vec<Entry>> {
 /// The folder holding the dumper's files, if any: `dir`, or `dir`'s only subfolder holding
 /// them (the dumper writes into `DUMPER_DIR/EXP_NAME/`).
 pub fn dumper_folder(dir: &Path) -> Result<Option<PathBuf>> {
+    // A file named as the dumper names them: a model folder's own `.pt` files do not make it a
+    // dump.
     let has_pt = |d: &Path| -> Result<bool> {
         let items = std::fs::read_dir(d).map_err(|e| TraceError::io(d, e))?;
         Ok(items
             .flatten()
-            .any(|i| i.file_name().to_string_lossy().ends_with(".pt")))
+            .any(|i| parse_name(&i.file_name().to_string_lossy()).is_some()))
     };
     if has_pt(dir)? {
         return Ok(Some(dir.to_path_buf()));
@@ -156,5 +158,21 @@ mod tests {
             parse_name("step=x___rank=0___dump_index=1___name=a.pt"),
             None
         );
+    }
+
+    #[test]
+    fn a_folder_is_a_dump_by_the_dumpers_file_names_only() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("optimizer.pt"), b"").unwrap();
+        assert_eq!(
+            dumper_folder(dir.path()).unwrap(),
+            None,
+            "a model's own .pt"
+        );
+        let exp = dir.path().join("exp");
+        std::fs::create_dir(&exp).unwrap();
+        let name = "step=0___rank=0___dump_index=1___name=input_ids.pt";
+        std::fs::write(exp.join(name), b"").unwrap();
+        assert_eq!(dumper_folder(dir.path()).unwrap(), Some(exp));
     }
 }
