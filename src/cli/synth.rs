@@ -1,4 +1,5 @@
-//! `glmcheck synth`: write a synthetic GLM-5-architecture model as GGUF or a Hugging Face folder.
+//! `glmcheck synth`: write a synthetic model of the MLA/MoE family (GLM-5 by default) as GGUF
+//! or a Hugging Face folder.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,13 +11,15 @@ use crate::model::schema::ExpertForm;
 use crate::report::synth::{text, SynthReport};
 use crate::synth::mix::{parse_override, Mix};
 use crate::synth::weights::check_massive;
-use crate::synth::{preset::apply_overrides, Massive, Preset, SynthSpec};
+use crate::synth::{preset::apply_overrides, Massive, Preset, SynthFamily, SynthSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
-    /// llama.cpp's `glm-dsa` GGUF (split attn_k_b/attn_v_b, stacked experts, MTP layer).
+    /// llama.cpp's GGUF (`glm-dsa`; `deepseek2` or `deepseek32` for the other members): split
+    /// attn_k_b/attn_v_b, stacked experts, MTP layer.
     Gguf,
-    /// A Hugging Face folder: config.json for GlmMoeDsaForCausalLM, safetensors, tokenizer.
+    /// A Hugging Face folder: config.json for the member's transformers class, safetensors,
+    /// tokenizer.
     Hf,
 }
 
@@ -35,6 +38,13 @@ pub struct SynthArgs {
     /// and `--experts`).
     #[arg(long, default_value = "tiny", value_parser = one_of(&Preset::ALL, Preset::name))]
     pub preset: Preset,
+    /// Member of the MLA/MoE family, at the preset's widths with the member's own switches:
+    /// `glm5`, `glm-4.7-flash`, `deepseek-v2` (softmax, group-limited, no bias),
+    /// `deepseek-v2-lite` (no q LoRA), `deepseek-v3` (grouped noaux_tc, YaRN), `deepseek-v3.2`
+    /// (V3 with the DSA indexer rotating NeoX halves), `kimi-k2` (one group, YaRN ×32). GGUF
+    /// output uses llama.cpp's architecture for it (`deepseek2`, `deepseek32`).
+    #[arg(long, default_value = "glm5", value_parser = one_of(&SynthFamily::ALL, SynthFamily::name))]
+    pub family: SynthFamily,
     /// Number of forward layers (the MTP layer comes on top).
     #[arg(long)]
     pub layers: Option<u64>,
@@ -100,7 +110,8 @@ pub fn spec(args: &SynthArgs) -> anyhow::Result<SynthSpec> {
     if let Some(e) = args.experts {
         sets.insert(0, format!("n_routed_experts={e}"));
     }
-    let cfg = apply_overrides(&args.preset.config(), &sets).context("--set")?;
+    let base = args.family.apply(args.preset.config());
+    let cfg = apply_overrides(&base, &sets).context("--set")?;
     let mut spec = SynthSpec::new(cfg, args.seed);
     for q in &args.quant {
         if q.contains('=') {

@@ -8,7 +8,7 @@
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 
 use crate::exec::backend::{Backend, HeadCut};
 use crate::exec::mat::{Mat, Queue};
@@ -92,8 +92,8 @@ impl<E> KvCache<E> {
 
 /// The stages attention produces, for the caller to record.
 pub struct AttentionOut<E> {
-    pub q_a: Mat<E>,
-    pub q_a_norm: Mat<E>,
+    /// The q LoRA's down-projection and its norm; None where the model has none.
+    pub q_a: Option<(Mat<E>, Mat<E>)>,
     /// Before RoPE.
     pub q: Mat<E>,
     pub kv_a: Mat<E>,
@@ -172,8 +172,6 @@ pub fn attention<B: Backend>(
         cfg.v_head_dim as usize,
     );
     let (qk, kvl) = (nope + rope_d, cfg.kv_lora_rank as usize);
-    let q_a = be.linear(hn, &*matrix(QA)?)?;
-    let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps)?;
     // ColumnParallel up-projections: each rank its whole heads.
     let up = |x: &Mat<B::E>, role| -> Result<WithParts<B::E>> {
         if tp == 1 {
@@ -182,7 +180,18 @@ pub fn attention<B: Backend>(
         let parts = column_parallel(be, x, &LazyWeight::layer(src, l, role), sharder)?;
         Ok((concat_columns(&parts), parts))
     };
-    let (q, q_parts) = up(&q_a_norm, QB)?;
+    let q_a = match cfg.has_q_lora() {
+        true => {
+            let q_a = be.linear(hn, &*matrix(QA)?)?;
+            let q_a_norm = be.rms_norm(&q_a, &vector(QANorm)?, latent_norm_eps)?;
+            Some((q_a, q_a_norm))
+        }
+        false => None,
+    };
+    let (q, q_parts) = match &q_a {
+        Some((_, q_a_norm)) => up(q_a_norm, QB)?,
+        None => up(hn, QProj)?,
+    };
     let kv_a = be.linear(hn, &*matrix(KvA)?)?;
     // kv_a's row: the latent, then the shared RoPE key (one head of the whole row).
     let kv_a_cut = |from, len| HeadCut {
@@ -230,7 +239,11 @@ pub fn attention<B: Backend>(
             (Some(IndexerKind::Shared), None) => {
                 bail!("layer {l} shares the DSA selection but no earlier layer made one")
             }
-            _ => Some(indexer(step, hn, &q_a_norm, cache, &rope)?),
+            _ => {
+                // `validate` refuses DSA without a q LoRA.
+                let (_, q_a_norm) = q_a.as_ref().context("the DSA indexer needs the q LoRA")?;
+                Some(indexer(step, hn, q_a_norm, cache, &rope)?)
+            }
         }
     };
     cache.len += t;
@@ -274,7 +287,6 @@ pub fn attention<B: Backend>(
     };
     Ok(AttentionOut {
         q_a,
-        q_a_norm,
         q,
         kv_a,
         kv_a_norm,

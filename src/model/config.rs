@@ -1,10 +1,11 @@
-//! The GLM-5 configuration: one struct, filled from a Hugging Face `config.json` or from the
-//! `glm-dsa.*` metadata of a GGUF. Defaults are transformers' `GlmMoeDsaConfig` defaults.
+//! The configuration of a family member: one struct, filled from a Hugging Face `config.json`
+//! or from a GGUF's `ARCH.*` metadata. A key left out takes the member's transformers config
+//! default (`config.json`) or llama.cpp's loader default (GGUF).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
-use crate::weights::gguf::{GgufModel, Value};
+pub use super::family::{Member, TopkMethod};
 
 /// How a layer's DSA indexer runs: its own top-k (`Full`) or the previous full layer's (`Shared`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -14,9 +15,18 @@ pub enum IndexerKind {
     Shared,
 }
 
-/// The `model_type`s of config.json the executor runs: GLM-5 and the DeepSeek MLA models whose
-/// transformers classes exercise its NeoX RoPE, YaRN and dense-attention paths.
-pub const HF_MODEL_TYPES: [&str; 3] = ["glm_moe_dsa", "deepseek_v3", "deepseek_v32"];
+/// The `model_type`s of config.json the executor runs: every member of the family.
+pub const HF_MODEL_TYPES: [&str; 6] = [
+    "glm_moe_dsa",
+    "glm4_moe_lite",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "kimi_k2",
+];
+
+/// The GGUF architectures llama.cpp converts the family to.
+pub const GGUF_ARCHS: [&str; 3] = ["glm-dsa", "deepseek2", "deepseek32"];
 
 /// GLM-5.2's indexer types (llama.cpp's default for a glm-dsa GGUF whose context is 1048576 or
 /// more and which has no `attention.indexer.types`): layers 0 and 1 full, then one full layer
@@ -47,9 +57,12 @@ pub struct Yarn {
     pub truncate: bool,
 }
 
-/// Everything the GLM-5 forward needs to know about a checkpoint.
+/// Everything the forward needs to know about a checkpoint of the family.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Glm5Config {
+    /// Which published model this is (GLM-5 where a trace predates the family).
+    #[serde(default)]
+    pub member: Member,
     pub vocab_size: u64,
     pub hidden_size: u64,
     /// Dense MLP width (the first `first_k_dense_replace` layers).
@@ -60,6 +73,7 @@ pub struct Glm5Config {
     /// MTP (next-token prediction) layers stored after the forward's layers.
     pub num_nextn_predict_layers: u64,
     pub num_attention_heads: u64,
+    /// 0: no q LoRA, `q_proj` straight from the hidden state (DeepSeek-V2-Lite).
     pub q_lora_rank: u64,
     pub kv_lora_rank: u64,
     pub qk_nope_head_dim: u64,
@@ -75,6 +89,8 @@ pub struct Glm5Config {
     pub norm_topk_prob: bool,
     /// `sigmoid` (GLM-5) or `softmax`.
     pub scoring_func: String,
+    #[serde(default)]
+    pub topk_method: TopkMethod,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_interleave: bool,
@@ -97,7 +113,7 @@ pub struct ConfigError {
     pub reason: String,
 }
 
-fn cfg_err(field: &str, reason: impl Into<String>) -> ConfigError {
+pub(super) fn cfg_err(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
         reason: reason.into(),
@@ -109,6 +125,7 @@ impl Glm5Config {
     pub fn glm5() -> Self {
         let layers = 78;
         Glm5Config {
+            member: Member::Glm5,
             vocab_size: 154880,
             hidden_size: 6144,
             intermediate_size: 12288,
@@ -130,6 +147,7 @@ impl Glm5Config {
             routed_scaling_factor: 2.5,
             norm_topk_prob: true,
             scoring_func: "sigmoid".into(),
+            topk_method: TopkMethod::NoauxTc,
             rms_norm_eps: 1e-5,
             rope_theta: 1e6,
             rope_interleave: true,
@@ -163,42 +181,69 @@ impl Glm5Config {
         self.has_dsa() && self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
     }
 
-    /// Parse a Hugging Face `config.json`: `GlmMoeDsaForCausalLM`, or the DeepSeek MLA
-    /// models transformers implements beside it, read as transformers' classes run them —
-    /// `deepseek_v3` has no DSA indexer; `deepseek_v32`'s indexer rotates NeoX halves and never
-    /// shares its selection.
+    /// Whether the attention has a q LoRA (`q_a_proj`, its norm, `q_b_proj`).
+    pub fn has_q_lora(&self) -> bool {
+        self.q_lora_rank > 0
+    }
+
+    /// Parse a Hugging Face `config.json` of any member, read as its transformers class runs
+    /// it: DeepSeek-V2 always softmax-scores and rotates interleaved pairs and never
+    /// renormalizes its top-k weights; every class but V2's routes with `noaux_tc`; only GLM-5
+    /// and DeepSeek-V3.2 have the DSA indexer, V3.2's rotating NeoX halves on every layer.
     pub fn from_hf_json(text: &str) -> Result<Self, ConfigError> {
         let j: Json = serde_json::from_str(text).map_err(|e| cfg_err("(json)", e.to_string()))?;
         let model_type = j
             .get("model_type")
             .and_then(Json::as_str)
             .unwrap_or("glm_moe_dsa");
-        let mut cfg = Self::from_glm_json(&j)?;
-        match model_type {
-            "glm_moe_dsa" => {}
-            "deepseek_v3" => {
-                cfg.index_n_heads = 0;
-                cfg.index_topk = 0;
-                cfg.indexer_types.clear();
+        let member = Member::from_model_type(model_type).ok_or_else(|| {
+            cfg_err(
+                "model_type",
+                format!("`{model_type}` is none of {}", HF_MODEL_TYPES.join(", ")),
+            )
+        })?;
+        let mut cfg = Self::from_family_json(&j, member)?;
+        if !member.has_indexer() {
+            cfg.index_n_heads = 0;
+            cfg.index_head_dim = 0;
+            cfg.index_topk = 0;
+            cfg.indexer_types.clear();
+        }
+        match member {
+            Member::DeepseekV2 => {
+                cfg.rope_interleave = true;
+                cfg.norm_topk_prob = false;
+                cfg.topk_method = match j.get("topk_method").and_then(Json::as_str) {
+                    None => TopkMethod::Greedy,
+                    Some(m) => TopkMethod::parse(m)
+                        .filter(|m| !m.has_bias())
+                        .ok_or_else(|| {
+                            cfg_err(
+                                "topk_method",
+                                format!(
+                                    "`{m}`: DeepseekV2 routes `greedy` or `group_limited_greedy`"
+                                ),
+                            )
+                        })?,
+                };
             }
-            "deepseek_v32" => {
+            Member::DeepseekV32 => {
                 cfg.indexer_rope_interleave = false;
                 cfg.indexer_types = vec![IndexerKind::Full; cfg.num_hidden_layers as usize];
             }
-            other => {
-                return Err(cfg_err(
-                    "model_type",
-                    format!("`{other}` is not glm_moe_dsa, deepseek_v3 or deepseek_v32"),
-                ))
+            Member::Glm47Flash => {
+                cfg.first_k_dense_replace = leading_dense_layers(&j, cfg.num_hidden_layers)?
+                    .unwrap_or(cfg.first_k_dense_replace);
             }
+            Member::Glm5 | Member::DeepseekV3 | Member::KimiK2 => {}
         }
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// The fields of a `GlmMoeDsaForCausalLM` config.json, GLM-5's values where absent.
-    fn from_glm_json(j: &Json) -> Result<Self, ConfigError> {
-        let d = Glm5Config::glm5();
+    /// The fields of a member's config.json, its config class's defaults where absent.
+    fn from_family_json(j: &Json, member: Member) -> Result<Self, ConfigError> {
+        let d = member.hf_defaults();
         let u = |k: &str, default: u64| {
             json_field(j, k, default, Json::as_u64, "a non-negative integer")
         };
@@ -215,7 +260,14 @@ impl Glm5Config {
             })?,
             None => f("rope_theta", 10000.0)?,
         };
+        // `"q_lora_rank": null` is how V2-Lite says it has none; only a missing key takes the
+        // class default.
+        let q_lora_rank = match j.get("q_lora_rank") {
+            Some(Json::Null) => 0,
+            _ => u("q_lora_rank", d.q_lora_rank)?,
+        };
         Ok(Glm5Config {
+            member,
             vocab_size: u("vocab_size", d.vocab_size)?,
             hidden_size: u("hidden_size", d.hidden_size)?,
             intermediate_size: u("intermediate_size", d.intermediate_size)?,
@@ -223,7 +275,7 @@ impl Glm5Config {
             num_hidden_layers: layers,
             num_nextn_predict_layers: u("num_nextn_predict_layers", 0)?,
             num_attention_heads: u("num_attention_heads", d.num_attention_heads)?,
-            q_lora_rank: u("q_lora_rank", d.q_lora_rank)?,
+            q_lora_rank,
             kv_lora_rank: u("kv_lora_rank", d.kv_lora_rank)?,
             qk_nope_head_dim: u("qk_nope_head_dim", d.qk_nope_head_dim)?,
             qk_rope_head_dim: u("qk_rope_head_dim", d.qk_rope_head_dim)?,
@@ -239,12 +291,13 @@ impl Glm5Config {
             scoring_func: j
                 .get("scoring_func")
                 .and_then(Json::as_str)
-                .unwrap_or("sigmoid")
+                .unwrap_or(&d.scoring_func)
                 .to_string(),
+            topk_method: d.topk_method,
             rms_norm_eps: f("rms_norm_eps", d.rms_norm_eps)?,
             rope_theta,
             rope_interleave: b("rope_interleave", true)?,
-            indexer_rope_interleave: b("indexer_rope_interleave", true)?,
+            indexer_rope_interleave: b("indexer_rope_interleave", d.indexer_rope_interleave)?,
             yarn: rope.map(yarn_from_json).transpose()?.flatten(),
             index_n_heads: u("index_n_heads", d.index_n_heads)?,
             index_head_dim: u("index_head_dim", d.index_head_dim)?,
@@ -255,8 +308,8 @@ impl Glm5Config {
         })
     }
 
-    /// The `config.json` transformers' `GlmMoeDsaForCausalLM` loads for this config (the
-    /// inverse of [`Self::from_hf_json`]).
+    /// The `config.json` the member's transformers class loads for this config (the inverse of
+    /// [`Self::from_hf_json`]).
     pub fn to_hf_json(&self) -> Json {
         let rope = match &self.yarn {
             None => serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta}),
@@ -277,12 +330,39 @@ impl Glm5Config {
         let o = j.as_object_mut().expect("a struct serializes to an object");
         o.remove("yarn");
         o.remove("rope_theta");
+        o.remove("member");
         o.insert("rope_parameters".into(), rope);
         o.insert(
             "architectures".into(),
-            serde_json::json!(["GlmMoeDsaForCausalLM"]),
+            serde_json::json!([self.member.architecture()]),
         );
-        o.insert("model_type".into(), "glm_moe_dsa".into());
+        o.insert("model_type".into(), self.member.model_type().into());
+        if !self.has_q_lora() {
+            o.insert("q_lora_rank".into(), Json::Null);
+        }
+        if !self.member.has_indexer() {
+            for k in [
+                "index_n_heads",
+                "index_head_dim",
+                "index_topk",
+                "indexer_types",
+            ] {
+                o.remove(k);
+            }
+            o.remove("indexer_rope_interleave");
+        }
+        if self.member == Member::Glm47Flash {
+            let kinds: Vec<&str> = (0..self.num_hidden_layers)
+                .map(|l| {
+                    if self.is_moe_layer(l) {
+                        "sparse"
+                    } else {
+                        "dense"
+                    }
+                })
+                .collect();
+            o.insert("mlp_layer_types".into(), serde_json::json!(kinds));
+        }
         o.insert(
             "num_key_value_heads".into(),
             self.num_attention_heads.into(),
@@ -290,130 +370,9 @@ impl Glm5Config {
         o.insert("head_dim".into(), self.qk_rope_head_dim.into());
         o.insert("qk_head_dim".into(), self.qk_head_dim().into());
         o.insert("hidden_act".into(), "silu".into());
-        o.insert("topk_method".into(), "noaux_tc".into());
+        o.insert("topk_method".into(), self.topk_method.name().into());
         o.insert("attention_bias".into(), false.into());
         j
-    }
-
-    /// Read the `glm-dsa.*` metadata a llama.cpp conversion writes.
-    pub fn from_gguf(model: &GgufModel) -> Result<Self, ConfigError> {
-        let arch = model.architecture().unwrap_or("glm-dsa").to_string();
-        let key = |k: &str| format!("{arch}.{k}");
-        let get = |k: &str| model.get(&key(k));
-        let u = |k: &str| -> Result<Option<u64>, ConfigError> {
-            get(k)
-                .map(|v| {
-                    v.as_u64()
-                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a count")))
-                })
-                .transpose()
-        };
-        let req = |k: &str| -> Result<u64, ConfigError> {
-            u(k)?.ok_or_else(|| cfg_err(&key(k), "missing from the GGUF metadata"))
-        };
-        let f = |k: &str| -> Result<Option<f64>, ConfigError> {
-            get(k)
-                .map(|v| {
-                    v.as_f64()
-                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a number")))
-                })
-                .transpose()
-        };
-        let d = Glm5Config::glm5();
-        let nextn = u("nextn_predict_layers")?.unwrap_or(0);
-        let blocks = req("block_count")?;
-        let layers = blocks.checked_sub(nextn).ok_or_else(|| {
-            cfg_err(
-                &key("nextn_predict_layers"),
-                format!("{nextn} exceeds block_count {blocks}"),
-            )
-        })?;
-        let rope = req("rope.dimension_count")?;
-        let key_mla = u("attention.key_length_mla")?.unwrap_or(d.qk_head_dim());
-        let vocab = match u("vocab_size")? {
-            Some(v) => v,
-            None => model
-                .get("tokenizer.ggml.tokens")
-                .and_then(Value::as_array)
-                .map(|a| a.len() as u64)
-                .unwrap_or(0),
-        };
-        let scoring = match u("expert_gating_func")? {
-            None | Some(2) => "sigmoid",
-            Some(1) => "softmax",
-            Some(other) => {
-                return Err(cfg_err(
-                    &key("expert_gating_func"),
-                    format!("unknown gating function {other}"),
-                ))
-            }
-        };
-        let indexer_types = match get("attention.indexer.types").and_then(Value::as_array) {
-            Some(items) => items
-                .iter()
-                .take(layers as usize)
-                .map(
-                    |v| match v.as_bool().or_else(|| v.as_u64().map(|n| n != 0)) {
-                        Some(true) => Ok(IndexerKind::Full),
-                        Some(false) => Ok(IndexerKind::Shared),
-                        None => Err(cfg_err(
-                            &key("attention.indexer.types"),
-                            format!("{v} is not a bool"),
-                        )),
-                    },
-                )
-                .collect::<Result<Vec<_>, _>>()?,
-            // GLM-5 and 5.1 (a context below 1048576) run every indexer; past it llama.cpp
-            // takes GLM-5.2's pattern.
-            None => match u("context_length")?.unwrap_or(0) < 1 << 20 {
-                true => vec![IndexerKind::Full; layers as usize],
-                false => glm_5_2_indexer_types(layers as usize),
-            },
-        };
-        let cfg = Glm5Config {
-            vocab_size: vocab,
-            hidden_size: req("embedding_length")?,
-            intermediate_size: u("feed_forward_length")?.unwrap_or(0),
-            moe_intermediate_size: u("expert_feed_forward_length")?.unwrap_or(0),
-            num_hidden_layers: layers,
-            num_nextn_predict_layers: nextn,
-            num_attention_heads: req("attention.head_count")?,
-            q_lora_rank: req("attention.q_lora_rank")?,
-            kv_lora_rank: req("attention.kv_lora_rank")?,
-            qk_nope_head_dim: key_mla.checked_sub(rope).ok_or_else(|| {
-                cfg_err(
-                    &key("attention.key_length_mla"),
-                    format!("{key_mla} is smaller than the rope dims {rope}"),
-                )
-            })?,
-            qk_rope_head_dim: rope,
-            v_head_dim: u("attention.value_length_mla")?.unwrap_or(d.v_head_dim),
-            n_routed_experts: u("expert_count")?.unwrap_or(0),
-            n_shared_experts: u("expert_shared_count")?.unwrap_or(0),
-            num_experts_per_tok: u("expert_used_count")?.unwrap_or(0),
-            first_k_dense_replace: u("leading_dense_block_count")?.unwrap_or(0),
-            n_group: u("expert_group_count")?.unwrap_or(1),
-            topk_group: u("expert_group_used_count")?.unwrap_or(1),
-            routed_scaling_factor: f("expert_weights_scale")?.unwrap_or(1.0),
-            norm_topk_prob: get("expert_weights_norm")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            scoring_func: scoring.into(),
-            rms_norm_eps: f("attention.layer_norm_rms_epsilon")?.unwrap_or(d.rms_norm_eps),
-            rope_theta: f("rope.freq_base")?.unwrap_or(10000.0),
-            // llama.cpp runs glm-dsa with NORM (adjacent-pair) RoPE for both MLA and the indexer.
-            rope_interleave: true,
-            indexer_rope_interleave: true,
-            yarn: gguf_yarn(&f, &u)?,
-            index_n_heads: u("attention.indexer.head_count")?.unwrap_or(0),
-            index_head_dim: u("attention.indexer.key_length")?.unwrap_or(0),
-            index_topk: u("attention.indexer.top_k")?.unwrap_or(0),
-            indexer_types,
-            max_position_embeddings: u("context_length")?.unwrap_or(0),
-            tie_word_embeddings: false,
-        };
-        cfg.validate()?;
-        Ok(cfg)
     }
 
     /// Checks that keep later arithmetic (shapes, divisions, shard sizes) meaningful.
@@ -421,7 +380,6 @@ impl Glm5Config {
         let positive = [
             ("hidden_size", self.hidden_size),
             ("num_attention_heads", self.num_attention_heads),
-            ("q_lora_rank", self.q_lora_rank),
             ("kv_lora_rank", self.kv_lora_rank),
             ("qk_rope_head_dim", self.qk_rope_head_dim),
             ("v_head_dim", self.v_head_dim),
@@ -446,6 +404,18 @@ impl Glm5Config {
                      qk_rope_head_dim values of each of its heads",
                     self.index_head_dim, self.qk_rope_head_dim
                 ),
+            ));
+        }
+        if self.has_dsa() && !self.has_q_lora() {
+            return Err(cfg_err(
+                "q_lora_rank",
+                "is 0, but the DSA indexer projects its queries from the q LoRA",
+            ));
+        }
+        if self.n_routed_experts > 0 && self.num_experts_per_tok == 0 {
+            return Err(cfg_err(
+                "num_experts_per_tok",
+                "must be positive where the model has routed experts",
             ));
         }
         if self.num_experts_per_tok > self.n_routed_experts {
@@ -538,27 +508,24 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
     }))
 }
 
-type NumGetter<'a, T> = dyn Fn(&str) -> Result<Option<T>, ConfigError> + 'a;
-
-fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, ConfigError> {
-    let Some(factor) = f("rope.scaling.factor")? else {
+/// GLM-4.7-Flash's `mlp_layer_types` ("dense"/"sparse" per layer) as the number of leading
+/// dense layers; the forward runs only dense-then-sparse schedules.
+fn leading_dense_layers(j: &Json, layers: u64) -> Result<Option<u64>, ConfigError> {
+    let Some(kinds) = j.get("mlp_layer_types").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
-    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier and no mscale;
-    // DeepSeek's checkpoints set both equal, which leaves cos/sin unscaled.
-    let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
-        .map(|m| m / 0.1)
-        .filter(|&m| m != 0.0);
-    Ok(Some(Yarn {
-        factor,
-        original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
-        attention_factor: None,
-        mscale: mscale_all_dim,
-        mscale_all_dim,
-        beta_fast: f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-        beta_slow: f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-        truncate: true,
-    }))
+    let kinds: Vec<&str> = kinds
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_str().unwrap_or("?")).collect())
+        .unwrap_or_default();
+    let dense = kinds.iter().take_while(|&&k| k == "dense").count();
+    if kinds.len() as u64 != layers || kinds[dense..].iter().any(|&k| k != "sparse") {
+        return Err(cfg_err(
+            "mlp_layer_types",
+            format!("{kinds:?} is not {layers} layers of \"dense\" followed by \"sparse\""),
+        ));
+    }
+    Ok(Some(dense as u64))
 }
 
 /// transformers' rule: explicit `indexer_types`, else `index_topk_pattern` ("FFS…"), else

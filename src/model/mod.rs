@@ -1,12 +1,16 @@
-//! The GLM-5 model description: configuration, weight names, tensor schema, kv_b layout, stage
-//! names and catalogue.
+//! The model description of the MLA/MoE family (GLM-5 and its DeepSeek relatives):
+//! configuration, family members, weight names, tensor schema, kv_b layout, stage names and
+//! catalogue.
 
 pub mod config;
+pub mod family;
+mod gguf_config;
 pub mod kv_b;
 pub mod names;
 pub mod schema;
 pub mod stage;
 pub mod stages;
+pub mod switches;
 pub mod tokenize;
 
 pub use config::Glm5Config;

@@ -1,4 +1,4 @@
-//! The GLM-5 weights by role, and their names in GGUF (llama.cpp) and Hugging Face checkpoints.
+//! The family's weights by role, and their names in GGUF (llama.cpp) and Hugging Face checkpoints.
 //!
 //! One table pairs each per-layer role with both names, so the two directions cannot drift apart.
 
@@ -8,6 +8,8 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum LayerWeight {
     AttnNorm,
+    /// The whole query projection of a model without q LoRA (DeepSeek-V2-Lite).
+    QProj,
     QA,
     QANorm,
     QB,
@@ -68,6 +70,7 @@ use LayerWeight::*;
 /// (role, GGUF name after `blk.N.`, HF name after `model.layers.N.`).
 const LAYER_NAMES: &[(LayerWeight, &str, &str)] = &[
     (AttnNorm, "attn_norm.weight", "input_layernorm.weight"),
+    (QProj, "attn_q.weight", "self_attn.q_proj.weight"),
     (QA, "attn_q_a.weight", "self_attn.q_a_proj.weight"),
     (
         QANorm,

@@ -183,16 +183,21 @@ fn layer_weights(
     let nh = cfg.num_attention_heads;
     let (nope, rope, vd) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
     let (ql, kvl) = (cfg.q_lora_rank, cfg.kv_lora_rank);
-    let mut w = vec![
-        (AttnNorm, vec![h], false),
-        (QA, vec![ql, h], false),
-        (QANorm, vec![ql], false),
-        (QB, vec![nh * (nope + rope), ql], false),
+    let mut w = vec![(AttnNorm, vec![h], false)];
+    match cfg.has_q_lora() {
+        true => w.extend([
+            (QA, vec![ql, h], false),
+            (QANorm, vec![ql], false),
+            (QB, vec![nh * (nope + rope), ql], false),
+        ]),
+        false => w.push((QProj, vec![nh * (nope + rope), h], false)),
+    }
+    w.extend([
         (KvA, vec![kvl + rope, h], false),
         (KvANorm, vec![kvl], false),
         (AttnOut, vec![h, nh * vd], false),
         (FfnNorm, vec![h], false),
-    ];
+    ]);
     match layout.kv_b {
         KvBForm::Whole => w.push((KvB, vec![nh * (nope + vd), kvl], false)),
         KvBForm::Split => {
@@ -218,7 +223,9 @@ fn layer_weights(
     if cfg.is_moe_layer(l) {
         let (e, ie) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         w.push((Router, vec![e, h], false));
-        w.push((RouterBias, vec![e], false));
+        if cfg.topk_method.has_bias() {
+            w.push((RouterBias, vec![e], false));
+        }
         if layout.experts == ExpertForm::FusedGateUp {
             w.push((ExpertsGateUp, vec![e, 2 * ie, h], false));
         } else {

@@ -7,7 +7,8 @@ use super::stage::{layer_of, Place, Stage};
 use super::Glm5Config;
 
 /// A layer's stages (after `L{n}.`) in the order the forward records them, docs/design.md §4's names
-/// (`attn.index_topk` only with DSA; `moe.*` only in MoE layers).
+/// (`attn.q_a*` only with a q LoRA; `attn.index_topk` only with DSA; `moe.*` only in MoE
+/// layers).
 pub const LAYER_STAGES: &[&str] = &[
     "attn_norm",
     "attn.q_a",
@@ -42,6 +43,7 @@ pub fn stage_names(cfg: &Glm5Config) -> Vec<String> {
                 .iter()
                 .filter(|s| moe || !s.starts_with("moe."))
                 .filter(|s| cfg.has_dsa() || **s != "attn.index_topk")
+                .filter(|s| cfg.has_q_lora() || !s.starts_with("attn.q_a"))
                 .map(|s| Stage::layer_stage(l, s).to_string()),
         );
     }
@@ -65,7 +67,8 @@ pub fn stage_weights(cfg: &Glm5Config, stage: &str) -> Vec<WeightId> {
         "attn_norm" => &[AttnNorm],
         "attn.q_a" => &[QA],
         "attn.q_a_norm" => &[QANorm],
-        "attn.q" => &[QB],
+        "attn.q" if cfg.has_q_lora() => &[QB],
+        "attn.q" => &[QProj],
         "attn.kv_a" => &[KvA],
         "attn.kv_a_norm" => &[KvANorm],
         "attn.kv" => &[KvB],
@@ -148,7 +151,8 @@ pub fn stage_inputs(cfg: &Glm5Config, stage: &str) -> Vec<String> {
         "attn_norm" => return vec![Stage::layer_input(l).to_string()],
         "attn.q_a" | "attn.kv_a" => &["attn_norm"],
         "attn.q_a_norm" => &["attn.q_a"],
-        "attn.q" => &["attn.q_a_norm"],
+        "attn.q" if cfg.has_q_lora() => &["attn.q_a_norm"],
+        "attn.q" => &["attn_norm"],
         "attn.kv_a_norm" => &["attn.kv_a"],
         "attn.kv" => &["attn.kv_a_norm"],
         "attn.q_rope" => &["attn.q"],

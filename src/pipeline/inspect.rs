@@ -1,4 +1,5 @@
-//! `glmcheck inspect`: what a checkpoint holds and whether it is a complete GLM-5.
+//! `glmcheck inspect`: what a checkpoint holds, which member of the family it is, and whether
+//! it is complete.
 
 use std::collections::BTreeMap;
 
@@ -7,7 +8,10 @@ use anyhow::Result;
 use super::model::glm5_config;
 use crate::model::names::WeightId;
 use crate::model::schema::{self, Family};
-use crate::report::inspect::{InspectReport, QuantType, RankBytes, SchemaCheck, Tensor};
+use crate::model::switches;
+use crate::report::inspect::{
+    FamilyView, InspectReport, QuantType, RankBytes, SchemaCheck, Tensor,
+};
 use crate::shard::bytes_per_rank;
 use crate::weights::ModelFiles;
 
@@ -75,6 +79,11 @@ pub fn inspect(files: &ModelFiles) -> Result<InspectReport> {
             .and_then(|g| g.architecture())
             .map(str::to_string),
         bytes_per_rank: rank_bytes(files, family),
+        family: config.as_ref().map(|(c, _)| FamilyView {
+            member: c.member.model_type().into(),
+            name: c.member.name().into(),
+            differences: switches::differences(c),
+        }),
         config: config.map(|c| c.0),
         files: files.files(),
         format: files.format(),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 
 use crate::exec::source::WeightSource;
-use crate::model::config::HF_MODEL_TYPES;
+use crate::model::config::{GGUF_ARCHS, HF_MODEL_TYPES};
 use crate::model::schema::Family;
 use crate::model::Glm5Config;
 use crate::weights::ModelFiles;
@@ -28,8 +28,10 @@ impl Model {
         let files = ModelFiles::open(path)?;
         let Some((cfg, family)) = glm5_config(&files)? else {
             bail!(
-                "{}: not a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json)",
-                path.display()
+                "{}: not a checkpoint of the MLA/MoE family (GGUF architecture none of {}, config.json model_type none of {})",
+                path.display(),
+                GGUF_ARCHS.join(", "),
+                HF_MODEL_TYPES.join(", ")
             );
         };
         Ok(Model {
@@ -65,10 +67,10 @@ impl Model {
     }
 }
 
-/// The checkpoint's GLM-5 config, if it is a GLM-5 checkpoint.
+/// The checkpoint's config, if it is a checkpoint of the family.
 pub fn glm5_config(files: &ModelFiles) -> anyhow::Result<Option<(Glm5Config, Family)>> {
     if let Some(g) = files.gguf() {
-        if g.architecture() != Some("glm-dsa") {
+        if !g.architecture().is_some_and(|a| GGUF_ARCHS.contains(&a)) {
             return Ok(None);
         }
         let cfg = Glm5Config::from_gguf(g).with_context(|| files.path.display().to_string())?;

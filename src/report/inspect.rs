@@ -11,6 +11,7 @@ use super::sorted_keys;
 use super::terminal::{bytes, shape, table};
 use crate::model::config::IndexerKind;
 use crate::model::schema::SchemaReport;
+use crate::model::switches::Switch;
 use crate::model::Glm5Config;
 
 /// Terminal listings stop after this many tensors, metadata keys or schema findings unless
@@ -24,9 +25,11 @@ pub struct InspectReport {
     /// A GGUF's `general.architecture`.
     pub architecture: Option<String>,
     pub bytes_per_rank: Vec<RankBytes>,
-    /// `None` when the checkpoint is no GLM-5.
+    /// `None` when the checkpoint is no member of the family.
     #[serde(serialize_with = "sorted_keys")]
     pub config: Option<Glm5Config>,
+    /// Which member it is and how it runs otherwise than GLM-5.
+    pub family: Option<FamilyView>,
     pub files: Vec<PathBuf>,
     /// `GGUF v3, 2 files`, `safetensors, 1 file`.
     pub format: String,
@@ -42,6 +45,17 @@ pub struct InspectReport {
     /// for safetensors.
     #[serde(skip)]
     pub metadata_text: Option<Vec<(String, String)>>,
+}
+
+/// The member of the MLA/MoE family a checkpoint is.
+#[derive(Clone, Debug, Serialize)]
+pub struct FamilyView {
+    /// Its `model_type` (`deepseek_v3`, `kimi_k2`, …).
+    pub member: String,
+    /// `DeepSeek-V3`, `Kimi-K2`, …
+    pub name: String,
+    /// The switches of the forward it sets otherwise than GLM-5.
+    pub differences: Vec<Switch>,
 }
 
 /// The bytes each rank holds at one tensor-parallel degree under vLLM's plan.
@@ -107,7 +121,12 @@ pub fn text(r: &InspectReport, all: bool) -> String {
     }
     match &r.config {
         Some(c) => {
-            out.push_str("\nGLM-5 config\n");
+            let _ = writeln!(out, "\n{} config ({})", c.member.name(), c.member.model_type());
+            if let Some(f) = &r.family {
+                for d in &f.differences {
+                    let _ = writeln!(out, "  unlike GLM-5: {} = {} (GLM-5: {})", d.name, d.value, d.glm5);
+                }
+            }
             let v = serde_json::to_value(c).unwrap_or_default();
             for (k, val) in v.as_object().into_iter().flatten().filter(|(k, _)| *k != "indexer_types") {
                 let _ = writeln!(out, "  {k} = {val}");
@@ -115,7 +134,7 @@ pub fn text(r: &InspectReport, all: bool) -> String {
             let shared = c.indexer_types.iter().filter(|k| **k == IndexerKind::Shared).count();
             let _ = writeln!(out, "  indexer layers = {} full, {shared} shared", c.indexer_types.len() - shared);
         }
-        None => out.push_str("\nnot a GLM-5 checkpoint (no glm-dsa architecture, no glm_moe_dsa or deepseek_v3/v32 config.json): schema check skipped\n"),
+        None => out.push_str("\nnot a checkpoint of the MLA/MoE family (GGUF glm-dsa/deepseek2/deepseek32, or a config.json model_type glmcheck runs): schema check skipped\n"),
     }
     let mut t = table(&["tensor", "type", "shape", "bytes"]);
     for e in r.tensors.iter().take(limit) {

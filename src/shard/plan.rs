@@ -56,9 +56,9 @@ pub fn placement(id: &WeightId, ep: bool) -> Placement {
             _ => rows,
         },
         WeightId::Layer(_, w) => match w {
-            // Whole heads: q_b and kv_b rows are head-major; llama.cpp's split k_b / v_b carry
+            // Whole heads: q_proj, q_b and kv_b rows are head-major; llama.cpp's split k_b / v_b carry
             // the head as their outer axis.
-            QB | KvB | KB | VB | Gate | Up | SharedGate | SharedUp => rows,
+            QProj | QB | KvB | KB | VB | Gate | Up | SharedGate | SharedUp => rows,
             AttnOut | Down | SharedDown => Placement::Split { axis: 1, parts: 1 },
             ExpertsGate | ExpertsUp | ExpertsGateUp | ExpertsDown if ep => Placement::Experts,
             ExpertsGate | ExpertsUp => Placement::Split { axis: 1, parts: 1 },

@@ -2,6 +2,7 @@
 //! the Hugging Face checkpoint, any size from CI-tiny to GLM-5's real widths, deterministic from
 //! a seed, with weights that make a meaningful reference (see [`weights`]).
 
+pub mod family;
 mod fp8;
 pub mod mix;
 mod plan;
@@ -18,6 +19,7 @@ use crate::weights::gguf::{Value, ValueType};
 use crate::weights::safetensors_writer::StoreAs;
 use crate::weights::GgmlType;
 
+pub use family::SynthFamily;
 pub use mix::{Mix, Override};
 pub use plan::Planned;
 pub use preset::Preset;
@@ -128,19 +130,26 @@ impl SynthSpec {
     }
 }
 
-/// The `glm-dsa.*` metadata llama.cpp's converter writes for the model.
+/// The `ARCH.*` metadata llama.cpp's converter writes for the model (`glm-dsa` for GLM-5,
+/// `deepseek2` for the other members): the q LoRA rank only where there is one, the indexer
+/// keys only with DSA, the YaRN keys only with YaRN.
 pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(String, Value)> {
     let cfg = &spec.cfg;
+    let arch = cfg.member.gguf_arch();
     let u = |v: u64| Value::U32(v as u32);
     let f = |v: f64| Value::F32(v as f32);
     let mut md = vec![
         (
             "general.architecture".to_string(),
-            Value::String("glm-dsa".into()),
+            Value::String(arch.into()),
         ),
         (
             "general.name".to_string(),
-            Value::String(format!("glmcheck synthetic GLM-5 (seed {})", spec.seed)),
+            Value::String(format!(
+                "glmcheck synthetic {} (seed {})",
+                cfg.member.name(),
+                spec.seed
+            )),
         ),
         ("general.quantization_version".to_string(), u(2)),
         (
@@ -148,7 +157,7 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
             u(spec.mix.file_type() as u64),
         ),
     ];
-    let fields = [
+    let mut fields = vec![
         (
             "block_count",
             u(cfg.num_hidden_layers + cfg.num_nextn_predict_layers),
@@ -165,7 +174,6 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
         ("attention.value_length", u(cfg.kv_lora_rank)),
         ("attention.key_length_mla", u(cfg.qk_head_dim())),
         ("attention.value_length_mla", u(cfg.v_head_dim)),
-        ("attention.q_lora_rank", u(cfg.q_lora_rank)),
         ("attention.kv_lora_rank", u(cfg.kv_lora_rank)),
         ("attention.layer_norm_rms_epsilon", f(cfg.rms_norm_eps)),
         ("rope.dimension_count", u(cfg.qk_rope_head_dim)),
@@ -184,12 +192,33 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
         ("expert_group_count", u(cfg.n_group)),
         ("expert_group_used_count", u(cfg.topk_group)),
         ("nextn_predict_layers", u(cfg.num_nextn_predict_layers)),
-        ("attention.indexer.head_count", u(cfg.index_n_heads)),
-        ("attention.indexer.key_length", u(cfg.index_head_dim)),
-        ("attention.indexer.top_k", u(cfg.index_topk)),
         ("vocab_size", u(cfg.vocab_size)),
     ];
-    md.extend(fields.into_iter().map(|(k, v)| (format!("glm-dsa.{k}"), v)));
+    if cfg.has_q_lora() {
+        fields.push(("attention.q_lora_rank", u(cfg.q_lora_rank)));
+    }
+    if cfg.has_dsa() {
+        fields.extend([
+            ("attention.indexer.head_count", u(cfg.index_n_heads)),
+            ("attention.indexer.key_length", u(cfg.index_head_dim)),
+            ("attention.indexer.top_k", u(cfg.index_topk)),
+        ]);
+    }
+    if let Some(y) = &cfg.yarn {
+        fields.extend([
+            ("rope.scaling.type", Value::String("yarn".into())),
+            ("rope.scaling.factor", f(y.factor)),
+            (
+                "rope.scaling.original_context_length",
+                u(y.original_max_position_embeddings),
+            ),
+            (
+                "rope.scaling.yarn_log_multiplier",
+                f(0.1 * y.mscale_all_dim.unwrap_or(0.0)),
+            ),
+        ]);
+    }
+    md.extend(fields.into_iter().map(|(k, v)| (format!("{arch}.{k}"), v)));
     // llama.cpp reads a file of a 1M context without the key as GLM-5.2's pattern.
     if cfg.indexer_types.contains(&IndexerKind::Shared) || cfg.max_position_embeddings >= 1 << 20 {
         let types = cfg
@@ -198,7 +227,7 @@ pub fn gguf_metadata(spec: &SynthSpec, tokenizer: &SynthTokenizer) -> Vec<(Strin
             .map(|k| Value::Bool(*k == IndexerKind::Full))
             .collect();
         md.push((
-            "glm-dsa.attention.indexer.types".into(),
+            format!("{arch}.attention.indexer.types"),
             Value::Array(ValueType::Bool, types),
         ));
     }

@@ -150,7 +150,7 @@ pub fn plan<'a>(
                 return Err(Skip::NotInReference(id.to_string()));
             }
             let per_head = match id {
-                WeightId::Layer(_, LayerWeight::QB) => {
+                WeightId::Layer(_, LayerWeight::QB | LayerWeight::QProj) => {
                     Some(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
                 }
                 _ => None,

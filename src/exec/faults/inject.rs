@@ -205,6 +205,7 @@ pub const CATALOGUE: &[Entry] = &[
 
 /// The short weight names ARG takes.
 const WEIGHTS: &[(&str, LayerWeight)] = &[
+    ("q_proj", QProj),
     ("q_b", QB),
     ("kv_b", KvB),
     ("o_proj", AttnOut),
@@ -216,7 +217,7 @@ const WEIGHTS: &[(&str, LayerWeight)] = &[
     ("shared_down", SharedDown),
 ];
 
-const COLUMN_PARALLEL: &[LayerWeight] = &[QB, KvB, Gate, Up, SharedGate, SharedUp];
+const COLUMN_PARALLEL: &[LayerWeight] = &[QProj, QB, KvB, Gate, Up, SharedGate, SharedUp];
 
 fn weight_arg(name: &str, arg: Option<&str>, column_only: bool) -> Result<LayerWeight> {
     let arg = arg.unwrap_or("kv_b");

@@ -526,8 +526,10 @@ impl<B: Backend> Layer<'_, B> {
             ties: self.opts.ties,
         };
         let a = attention(step, hn, self.cache, prev)?;
-        self.rec_mat("attn.q_a", &[t, a.q_a.cols], "t d", &a.q_a)?;
-        self.rec_mat("attn.q_a_norm", &[t, a.q_a_norm.cols], "t d", &a.q_a_norm)?;
+        if let Some((q_a, q_a_norm)) = &a.q_a {
+            self.rec_mat("attn.q_a", &[t, q_a.cols], "t d", q_a)?;
+            self.rec_mat("attn.q_a_norm", &[t, q_a_norm.cols], "t d", q_a_norm)?;
+        }
         let q_tail = [nh, nope + rope_d];
         self.rec_parts("attn.q", &a.q, &a.parts.q, &q_tail, "t h(tp) d")?;
         self.rec_mat("attn.kv_a", &[t, a.kv_a.cols], "t d", &a.kv_a)?;

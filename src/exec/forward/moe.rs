@@ -16,6 +16,7 @@ use crate::exec::real::Real;
 use crate::exec::source::lazy_weight::LazyWeight;
 use crate::exec::source::sharder::Sharder;
 use crate::exec::source::WeightSource;
+use crate::model::config::TopkMethod;
 use crate::model::names::LayerWeight::*;
 use crate::model::names::WeightId;
 use crate::shard::plan::expert_rank;
@@ -29,8 +30,12 @@ impl<B: Backend> Layer<'_, B> {
         let (be, tp) = (self.be, self.opts.tp);
         let logits = be.linear_exact(x, &*self.matrix(Router)?)?;
         self.rec_mat("moe.router_logits", &[t, e], "t e", &logits)?;
-        // Engines keep the expert-choice bias in f32, as the checkpoint stores it.
-        let bias = be.hold_exact(self.src.vector(self.w(RouterBias))?);
+        // Engines keep the expert-choice bias in f32, as the checkpoint stores it; a router
+        // without one (DeepSeek-V2) chooses by the scores alone.
+        let bias = match cfg.topk_method.has_bias() {
+            true => be.hold_exact(self.src.vector(self.w(RouterBias))?),
+            false => vec![B::E::lit(0.0); e],
+        };
         let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
         let (ties, l, start) = (self.opts.ties, self.l, self.start);
         // The logits come back (once, where the backend left them on its device) while the
@@ -325,6 +330,8 @@ fn routed_experts<B: Backend>(
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice
 /// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
+/// Group limits follow `topk_method`: a group scores its two best biased scores (`noaux_tc`)
+/// or its single best (`group_limited_greedy`); `greedy` ignores groups.
 fn route<E: Real>(
     cfg: &crate::model::Glm5Config,
     softmax_scores: bool,
@@ -344,11 +351,16 @@ fn route<E: Real>(
         cfg.n_group as usize,
         cfg.n_routed_experts as usize / cfg.n_group as usize,
     );
-    if groups > 1 {
-        // A group's score is the sum of its two best; only the best `topk_group` groups compete.
+    let best_of_group = match cfg.topk_method {
+        TopkMethod::NoauxTc => 2,
+        TopkMethod::GroupLimitedGreedy => 1,
+        TopkMethod::Greedy => 0,
+    };
+    if groups > 1 && best_of_group > 0 {
+        // Only the best `topk_group` groups compete.
         let group_score: Vec<E> = choice
             .chunks(per)
-            .map(|g| topk(g, 2).iter().map(|&i| g[i]).sum())
+            .map(|g| topk(g, best_of_group).iter().map(|&i| g[i]).sum())
             .collect();
         let keep = topk(&group_score, cfg.topk_group as usize);
         for (g, chunk) in choice.chunks_mut(per).enumerate() {

@@ -1,6 +1,9 @@
-"""Build a tiny random DeepSeek MLA model with transformers' own classes and save it.
+"""Build a tiny random member of the MLA/MoE family with transformers' own class and save it.
 
-Usage: python -m glmcheck_oracle.hf.deepseek_model OUT {v3|v32} [--neox] [--yarn]
+Usage: python -m glmcheck_oracle.hf.deepseek_model OUT ARCH [--neox] [--yarn] [--set KEY=JSON]...
+ARCH: v2 (DeepseekV2: softmax, group_limited_greedy, no bias), v2-lite (no q LoRA, greedy),
+v3, v32, kimi-k2 (DeepseekV3 in one group, saved with Kimi-K2's `model_type: kimi_k2`),
+glm-4.7-flash (Glm4MoeLite). `--set` overrides a config field (e.g. `--set n_group=4`).
 
 transformers' GLM-5 class always rotates interleaved pairs; its DeepSeek-V3 class rotates NeoX
 halves when `rope_interleave` is false, and its DeepSeek-V3.2 indexer always does: these models
@@ -11,11 +14,13 @@ gives logits so flat that top-1 would hinge on rounding.
 """
 
 import argparse
+import json
+import os
 
 import torch
 
 
-def build(arch: str, neox: bool, yarn: bool):
+def build(arch: str, neox: bool, yarn: bool, sets: dict):
     import transformers as tf
 
     common = dict(
@@ -34,9 +39,29 @@ def build(arch: str, neox: bool, yarn: bool):
                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                 "mscale": 0.707, "mscale_all_dim": 1.0}
     common["rope_parameters"] = rope
-    if arch == "v3":
+    if arch == "v2":
+        common.update(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                      routed_scaling_factor=16.0, norm_topk_prob=False)
+    elif arch == "v2-lite":
+        common.update(q_lora_rank=None, topk_method="greedy", n_group=None, topk_group=None,
+                      routed_scaling_factor=1.0, norm_topk_prob=False)
+    elif arch == "kimi-k2":
+        common.update(n_group=1, topk_group=1, routed_scaling_factor=2.827)
+    elif arch == "glm-4.7-flash":
+        del common["first_k_dense_replace"]
+        common.update(mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=1.8)
+    common.update(sets)
+    if arch in ("v2", "v2-lite"):
+        for key in ("rope_interleave",):
+            common.pop(key)
+        cfg = tf.DeepseekV2Config(**common)
+        cls = tf.DeepseekV2ForCausalLM
+    elif arch in ("v3", "kimi-k2"):
         cfg = tf.DeepseekV3Config(**common)
         cls = tf.DeepseekV3ForCausalLM
+    elif arch == "glm-4.7-flash":
+        cfg = tf.Glm4MoeLiteConfig(**common)
+        cls = tf.Glm4MoeLiteForCausalLM
     else:
         cfg = tf.DeepseekV32Config(**common, index_n_heads=16, index_head_dim=32, index_topk=4)
         cls = tf.DeepseekV32ForCausalLM
@@ -64,11 +89,21 @@ def build(arch: str, neox: bool, yarn: bool):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("arch", choices=["v3", "v32"])
+    ap.add_argument("arch", choices=["v2", "v2-lite", "v3", "v32", "kimi-k2", "glm-4.7-flash"])
     ap.add_argument("--neox", action="store_true")
     ap.add_argument("--yarn", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
     a = ap.parse_args()
-    build(a.arch, a.neox, a.yarn).save_pretrained(a.out)
+    sets = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    build(a.arch, a.neox, a.yarn, sets).save_pretrained(a.out)
+    if a.arch == "kimi-k2":
+        # Kimi-K2's own config.json: its model_type on DeepSeek-V3's class.
+        path = os.path.join(a.out, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["model_type"] = "kimi_k2"
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
 
 
 if __name__ == "__main__":

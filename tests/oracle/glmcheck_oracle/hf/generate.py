@@ -5,12 +5,12 @@ import json
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from glmcheck_oracle.hf.load import causal_lm
 
 
 def main() -> None:
     folder, tokens, n = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = causal_lm(folder)
     with torch.no_grad():
         out = model.generate(torch.tensor([tokens]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     print(json.dumps(out[0, len(tokens):].tolist()))

@@ -8,12 +8,12 @@ import json
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from glmcheck_oracle.hf.load import causal_lm
 
 
 def main() -> None:
     folder, tokens = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = causal_lm(folder)
     with torch.no_grad():
         logits = model(torch.tensor([tokens]), use_cache=False).logits[0]
     print(json.dumps({"shape": list(logits.shape), "logits": logits.reshape(-1).tolist()}))

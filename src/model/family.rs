@@ -1,0 +1,255 @@
+//! The MLA/MoE family: GLM-5 and the published models built from the same blocks (MLA
+//! attention, sigmoid- or softmax-routed MoE with shared experts, optionally a DSA indexer).
+//! One forward runs them all; a [`Member`] names which one a config describes and supplies
+//! the defaults its own config class gives a missing key.
+
+use serde::{Deserialize, Serialize};
+
+use super::config::{Glm5Config, Yarn};
+
+/// A published model of the family, by the `model_type` of its `config.json`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Member {
+    /// GLM-5 / 5.1 / 5.2 (`glm_moe_dsa`): MLA with a DSA indexer, one expert group.
+    #[default]
+    #[serde(rename = "glm_moe_dsa")]
+    Glm5,
+    /// GLM-4.7-Flash (`glm4_moe_lite`): GLM-5 without the indexer.
+    #[serde(rename = "glm4_moe_lite")]
+    Glm47Flash,
+    /// DeepSeek-V2 / V2.5 / V2-Lite (`deepseek_v2`): softmax routing without a bias, greedy or
+    /// group-limited by each group's best score; V2-Lite has no q LoRA.
+    #[serde(rename = "deepseek_v2")]
+    DeepseekV2,
+    /// DeepSeek-V3 / R1 / V3.1 (`deepseek_v3`): sigmoid routing with a correction bias, eight
+    /// groups of which four compete, YaRN.
+    #[serde(rename = "deepseek_v3")]
+    DeepseekV3,
+    /// DeepSeek-V3.2 (`deepseek_v32`): V3 with a DSA indexer that rotates NeoX halves.
+    #[serde(rename = "deepseek_v32")]
+    DeepseekV32,
+    /// Kimi-K2 (`kimi_k2`): the DeepSeek-V3 class with 384 experts in one group.
+    #[serde(rename = "kimi_k2")]
+    KimiK2,
+}
+
+/// How the router picks a token's experts (transformers' and DeepSeek's `topk_method`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TopkMethod {
+    /// The best `k` scores.
+    Greedy,
+    /// Only the `topk_group` groups with the best single score compete (DeepSeek-V2).
+    GroupLimitedGreedy,
+    /// Scores plus the correction bias choose; a group's score is the sum of its two best
+    /// (DeepSeek-V3, GLM): the only method with a bias tensor.
+    #[default]
+    NoauxTc,
+}
+
+impl TopkMethod {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "greedy" => Self::Greedy,
+            "group_limited_greedy" => Self::GroupLimitedGreedy,
+            "noaux_tc" => Self::NoauxTc,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Greedy => "greedy",
+            Self::GroupLimitedGreedy => "group_limited_greedy",
+            Self::NoauxTc => "noaux_tc",
+        }
+    }
+
+    /// Whether the router stores `e_score_correction_bias` (`exp_probs_b`).
+    pub fn has_bias(self) -> bool {
+        self == Self::NoauxTc
+    }
+}
+
+impl Member {
+    pub const ALL: [Member; 6] = [
+        Member::Glm5,
+        Member::Glm47Flash,
+        Member::DeepseekV2,
+        Member::DeepseekV3,
+        Member::DeepseekV32,
+        Member::KimiK2,
+    ];
+
+    /// The `model_type` of its `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Member::Glm5 => "glm_moe_dsa",
+            Member::Glm47Flash => "glm4_moe_lite",
+            Member::DeepseekV2 => "deepseek_v2",
+            Member::DeepseekV3 => "deepseek_v3",
+            Member::DeepseekV32 => "deepseek_v32",
+            Member::KimiK2 => "kimi_k2",
+        }
+    }
+
+    pub fn from_model_type(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.model_type() == s)
+    }
+
+    /// What people call it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Member::Glm5 => "GLM-5",
+            Member::Glm47Flash => "GLM-4.7-Flash",
+            Member::DeepseekV2 => "DeepSeek-V2",
+            Member::DeepseekV3 => "DeepSeek-V3",
+            Member::DeepseekV32 => "DeepSeek-V3.2",
+            Member::KimiK2 => "Kimi-K2",
+        }
+    }
+
+    /// The transformers class that runs it (Kimi-K2 ships DeepSeek-V3's).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Member::Glm5 => "GlmMoeDsaForCausalLM",
+            Member::Glm47Flash => "Glm4MoeLiteForCausalLM",
+            Member::DeepseekV2 => "DeepseekV2ForCausalLM",
+            Member::DeepseekV3 | Member::KimiK2 => "DeepseekV3ForCausalLM",
+            Member::DeepseekV32 => "DeepseekV32ForCausalLM",
+        }
+    }
+
+    /// llama.cpp's GGUF architecture for it: every member but GLM-5 and V3.2 converts to
+    /// `deepseek2`.
+    pub fn gguf_arch(self) -> &'static str {
+        match self {
+            Member::Glm5 => "glm-dsa",
+            Member::DeepseekV32 => "deepseek32",
+            _ => "deepseek2",
+        }
+    }
+
+    /// The member a GGUF describes: its architecture, and for `deepseek2` (which several
+    /// members share) the converter's tokenizer (`glm4`, `kimi-k2`) or model name, else the
+    /// gating (softmax: V2). Only naming depends on it: the forward reads the metadata.
+    pub fn from_gguf(
+        arch: &str,
+        pre: Option<&str>,
+        name: Option<&str>,
+        softmax: bool,
+    ) -> Option<Self> {
+        let name = name.unwrap_or_default().to_ascii_lowercase();
+        Some(match arch {
+            "glm-dsa" => Member::Glm5,
+            "deepseek32" => Member::DeepseekV32,
+            "deepseek2" => match pre {
+                Some("glm4") => Member::Glm47Flash,
+                Some("kimi-k2") => Member::KimiK2,
+                _ if name.contains("glm-4") || name.contains("glm4") => Member::Glm47Flash,
+                _ if name.contains("kimi") => Member::KimiK2,
+                _ if softmax => Member::DeepseekV2,
+                _ => Member::DeepseekV3,
+            },
+            _ => return None,
+        })
+    }
+
+    /// Whether attention carries the DSA indexer.
+    pub fn has_indexer(self) -> bool {
+        matches!(self, Member::Glm5 | Member::DeepseekV32)
+    }
+
+    /// The values its transformers config class gives a key `config.json` leaves out.
+    pub fn hf_defaults(self) -> Glm5Config {
+        let glm = Glm5Config::glm5();
+        let no_indexer = |c: Glm5Config| Glm5Config {
+            index_n_heads: 0,
+            index_head_dim: 0,
+            index_topk: 0,
+            indexer_types: Vec::new(),
+            ..c
+        };
+        let v3 = no_indexer(Glm5Config {
+            member: Member::DeepseekV3,
+            vocab_size: 129280,
+            hidden_size: 7168,
+            intermediate_size: 18432,
+            num_hidden_layers: 61,
+            num_attention_heads: 128,
+            q_lora_rank: 1536,
+            qk_nope_head_dim: 128,
+            v_head_dim: 128,
+            n_group: 8,
+            topk_group: 4,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 4096,
+            ..glm.clone()
+        });
+        match self {
+            Member::Glm5 => glm,
+            Member::Glm47Flash => no_indexer(Glm5Config {
+                member: self,
+                hidden_size: 2048,
+                intermediate_size: 10240,
+                moe_intermediate_size: 1536,
+                num_hidden_layers: 47,
+                num_nextn_predict_layers: 0,
+                num_attention_heads: 20,
+                q_lora_rank: 768,
+                n_routed_experts: 64,
+                num_experts_per_tok: 4,
+                first_k_dense_replace: 1,
+                routed_scaling_factor: 1.8,
+                ..glm
+            }),
+            Member::DeepseekV2 => Glm5Config {
+                member: self,
+                vocab_size: 102400,
+                hidden_size: 4096,
+                intermediate_size: 11008,
+                moe_intermediate_size: 1407,
+                num_hidden_layers: 32,
+                num_attention_heads: 32,
+                n_routed_experts: 64,
+                n_shared_experts: 2,
+                num_experts_per_tok: 0,
+                first_k_dense_replace: 0,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 1.0,
+                norm_topk_prob: false,
+                scoring_func: "softmax".into(),
+                topk_method: TopkMethod::Greedy,
+                max_position_embeddings: 2048,
+                ..v3
+            },
+            Member::DeepseekV3 => v3,
+            Member::KimiK2 => Glm5Config { member: self, ..v3 },
+            Member::DeepseekV32 => Glm5Config {
+                member: self,
+                index_n_heads: 64,
+                index_head_dim: 128,
+                index_topk: 2048,
+                indexer_rope_interleave: false,
+                max_position_embeddings: 163840,
+                ..v3
+            },
+        }
+    }
+}
+
+/// The real DeepSeek-V3 / Kimi-K2 YaRN settings' shape (mscale equal to mscale_all_dim, so
+/// cos/sin stay unscaled and only the softmax scale grows), for synthetic members.
+pub fn deepseek_yarn(factor: f64, original: u64) -> Yarn {
+    Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        attention_factor: None,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+    }
+}

@@ -1,0 +1,177 @@
+//! A GGUF's `ARCH.*` metadata as a family config, read the way llama.cpp's loader reads it:
+//! its defaults for the keys a file leaves out.
+
+use super::config::{
+    cfg_err, glm_5_2_indexer_types, ConfigError, Glm5Config, IndexerKind, Member, TopkMethod, Yarn,
+};
+use crate::weights::gguf::{GgufModel, Value};
+
+impl Glm5Config {
+    /// Read the `ARCH.*` metadata a llama.cpp conversion writes (`glm-dsa`, `deepseek2`,
+    /// `deepseek32`), with llama.cpp's loader defaults for the keys a file leaves out.
+    pub fn from_gguf(model: &GgufModel) -> Result<Self, ConfigError> {
+        let arch = model.architecture().unwrap_or("glm-dsa").to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let get = |k: &str| model.get(&key(k));
+        let u = |k: &str| -> Result<Option<u64>, ConfigError> {
+            get(k)
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a count")))
+                })
+                .transpose()
+        };
+        let req = |k: &str| -> Result<u64, ConfigError> {
+            u(k)?.ok_or_else(|| cfg_err(&key(k), "missing from the GGUF metadata"))
+        };
+        let f = |k: &str| -> Result<Option<f64>, ConfigError> {
+            get(k)
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| cfg_err(&key(k), format!("{v} is not a number")))
+                })
+                .transpose()
+        };
+        let d = Glm5Config::glm5();
+        let nextn = u("nextn_predict_layers")?.unwrap_or(0);
+        let blocks = req("block_count")?;
+        let layers = blocks.checked_sub(nextn).ok_or_else(|| {
+            cfg_err(
+                &key("nextn_predict_layers"),
+                format!("{nextn} exceeds block_count {blocks}"),
+            )
+        })?;
+        let rope = req("rope.dimension_count")?;
+        let key_mla = u("attention.key_length_mla")?.unwrap_or(d.qk_head_dim());
+        let vocab = match u("vocab_size")? {
+            Some(v) => v,
+            None => model
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+                .map(|a| a.len() as u64)
+                .unwrap_or(0),
+        };
+        let scoring = match u("expert_gating_func")? {
+            // llama.cpp's deepseek2 loader keeps the V2/V2.5 files (written before the key
+            // existed) working by reading a missing key as softmax; glm-dsa's as sigmoid.
+            None if arch == "deepseek2" => "softmax",
+            None | Some(2) => "sigmoid",
+            Some(1) => "softmax",
+            Some(other) => {
+                return Err(cfg_err(
+                    &key("expert_gating_func"),
+                    format!("unknown gating function {other}"),
+                ))
+            }
+        };
+        let indexer_types = match get("attention.indexer.types").and_then(Value::as_array) {
+            Some(items) => items
+                .iter()
+                .take(layers as usize)
+                .map(
+                    |v| match v.as_bool().or_else(|| v.as_u64().map(|n| n != 0)) {
+                        Some(true) => Ok(IndexerKind::Full),
+                        Some(false) => Ok(IndexerKind::Shared),
+                        None => Err(cfg_err(
+                            &key("attention.indexer.types"),
+                            format!("{v} is not a bool"),
+                        )),
+                    },
+                )
+                .collect::<Result<Vec<_>, _>>()?,
+            // GLM-5 and 5.1 (a context below 1048576) run every indexer; past it llama.cpp
+            // takes GLM-5.2's pattern.
+            None => match u("context_length")?.unwrap_or(0) < 1 << 20 {
+                true => vec![IndexerKind::Full; layers as usize],
+                false => glm_5_2_indexer_types(layers as usize),
+            },
+        };
+        let pre = model.get("tokenizer.ggml.pre").and_then(Value::as_str);
+        let name = model.get("general.name").and_then(Value::as_str);
+        let member =
+            Member::from_gguf(&arch, pre, name, scoring == "softmax").ok_or_else(|| {
+                cfg_err(
+                    "general.architecture",
+                    format!("`{arch}` is not glm-dsa, deepseek2 or deepseek32"),
+                )
+            })?;
+        let n_group = u("expert_group_count")?.unwrap_or(1);
+        // Sigmoid gating chooses with the correction bias (`exp_probs_b`); softmax gating is
+        // DeepSeek-V2's, which has none.
+        let topk_method = match (scoring, n_group) {
+            ("sigmoid", _) => TopkMethod::NoauxTc,
+            (_, 1) => TopkMethod::Greedy,
+            _ => TopkMethod::GroupLimitedGreedy,
+        };
+        let cfg = Glm5Config {
+            member,
+            vocab_size: vocab,
+            hidden_size: req("embedding_length")?,
+            intermediate_size: u("feed_forward_length")?.unwrap_or(0),
+            moe_intermediate_size: u("expert_feed_forward_length")?.unwrap_or(0),
+            num_hidden_layers: layers,
+            num_nextn_predict_layers: nextn,
+            num_attention_heads: req("attention.head_count")?,
+            q_lora_rank: u("attention.q_lora_rank")?.unwrap_or(0),
+            kv_lora_rank: req("attention.kv_lora_rank")?,
+            qk_nope_head_dim: key_mla.checked_sub(rope).ok_or_else(|| {
+                cfg_err(
+                    &key("attention.key_length_mla"),
+                    format!("{key_mla} is smaller than the rope dims {rope}"),
+                )
+            })?,
+            qk_rope_head_dim: rope,
+            v_head_dim: u("attention.value_length_mla")?.unwrap_or(d.v_head_dim),
+            n_routed_experts: u("expert_count")?.unwrap_or(0),
+            n_shared_experts: u("expert_shared_count")?.unwrap_or(0),
+            num_experts_per_tok: u("expert_used_count")?.unwrap_or(0),
+            first_k_dense_replace: u("leading_dense_block_count")?.unwrap_or(0),
+            n_group,
+            topk_group: u("expert_group_used_count")?.unwrap_or(1),
+            routed_scaling_factor: f("expert_weights_scale")?.unwrap_or(1.0),
+            norm_topk_prob: get("expert_weights_norm")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            scoring_func: scoring.into(),
+            topk_method,
+            rms_norm_eps: f("attention.layer_norm_rms_epsilon")?.unwrap_or(d.rms_norm_eps),
+            rope_theta: f("rope.freq_base")?.unwrap_or(10000.0),
+            // llama.cpp runs its MLA archs with NORM (adjacent-pair) RoPE; glm-dsa's indexer too,
+            // DeepSeek-V3.2's rotates NeoX halves as DeepSeek's reference does.
+            rope_interleave: true,
+            indexer_rope_interleave: member != Member::DeepseekV32,
+            yarn: gguf_yarn(&f, &u)?,
+            index_n_heads: u("attention.indexer.head_count")?.unwrap_or(0),
+            index_head_dim: u("attention.indexer.key_length")?.unwrap_or(0),
+            index_topk: u("attention.indexer.top_k")?.unwrap_or(0),
+            indexer_types,
+            max_position_embeddings: u("context_length")?.unwrap_or(0),
+            tie_word_embeddings: false,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+type NumGetter<'a, T> = dyn Fn(&str) -> Result<Option<T>, ConfigError> + 'a;
+
+fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, ConfigError> {
+    let Some(factor) = f("rope.scaling.factor")? else {
+        return Ok(None);
+    };
+    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier and no mscale;
+    // DeepSeek's checkpoints set both equal, which leaves cos/sin unscaled.
+    let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
+        .map(|m| m / 0.1)
+        .filter(|&m| m != 0.0);
+    Ok(Some(Yarn {
+        factor,
+        original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
+        attention_factor: None,
+        mscale: mscale_all_dim,
+        mscale_all_dim,
+        beta_fast: f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+        beta_slow: f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        truncate: true,
+    }))
+}
