@@ -77,7 +77,8 @@ pub struct SchemaReport {
     pub missing: Vec<String>,
     pub unexpected: Vec<String>,
     pub wrong_shape: Vec<WrongShape>,
-    /// Layers stored after the forward's layers (MTP): recognised, not run.
+    /// Layers stored after the forward's layers (MTP): recognised, not run. A Hugging Face
+    /// folder may leave them all out (transformers saves none).
     pub mtp_layers: Vec<u64>,
 }
 
@@ -269,11 +270,21 @@ pub fn check(cfg: &Glm5Config, family: Family, tensors: &[TensorEntry]) -> Schem
     let found: BTreeMap<&str, &TensorEntry> =
         tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let known: BTreeSet<&str> = exp.iter().map(|e| e.name.as_str()).collect();
+    // transformers' classes have no MTP module, so a folder they saved holds none of the MTP
+    // layers its config counts: such a layer is absent, not incomplete.
+    let stored_mtp: BTreeSet<u64> = exp
+        .iter()
+        .filter(|e| e.mtp && found.contains_key(e.name.as_str()))
+        .filter_map(|e| e.id.layer())
+        .collect();
+    let absent = |e: &Expected| {
+        family == Family::Hf && e.mtp && !e.id.layer().is_some_and(|l| stored_mtp.contains(&l))
+    };
     let mut missing = Vec::new();
     let mut wrong_shape = Vec::new();
     for e in &exp {
         match found.get(e.name.as_str()) {
-            None if !e.optional => missing.push(e.name.clone()),
+            None if !e.optional && !absent(e) => missing.push(e.name.clone()),
             Some(t) if t.shape != e.shape => wrong_shape.push(WrongShape {
                 name: e.name.clone(),
                 expected: e.shape.clone(),
@@ -288,8 +299,9 @@ pub fn check(cfg: &Glm5Config, family: Family, tensors: &[TensorEntry]) -> Schem
         .filter(|n| !known.contains(n) && !is_companion(n, &known))
         .map(String::from)
         .collect();
-    let mtp_layers =
-        (cfg.num_hidden_layers..cfg.num_hidden_layers + cfg.num_nextn_predict_layers).collect();
+    let mtp_layers = (cfg.num_hidden_layers..cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        .filter(|l| family == Family::Gguf || stored_mtp.contains(l))
+        .collect();
     SchemaReport {
         layout,
         expected: exp.len(),

@@ -1,9 +1,13 @@
-//! The reference executor against transformers' DeepSeek MLA classes, which exercise the paths
-//! its GLM-5 class never takes: NeoX-half RoPE in MLA (`rope_interleave: false`), YaRN
-//! frequencies, cos/sin scale and softmax mscale, dense attention without an indexer
-//! (DeepSeek-V3), and an indexer that rotates NeoX halves (DeepSeek-V3.2, 16 heads so that
-//! scores have no exact ties, sequence longer than `index_topk`). On each: logits within
-//! 1e-4 × max|logit|, the same top-1 at every position, 16 identical greedy tokens.
+//! The reference executor against transformers' own class of every other member of the
+//! MLA/MoE family, each exercising switches GLM-5's class never takes: NeoX-half RoPE in MLA
+//! (`rope_interleave: false`), YaRN frequencies, cos/sin scale and softmax mscale, dense
+//! attention without an indexer (DeepSeek-V3), an indexer that rotates NeoX halves
+//! (DeepSeek-V3.2, 16 heads so that scores have no exact ties, sequence longer than
+//! `index_topk`), softmax routing without a correction bias, greedy or limited to the groups with
+//! the best single score (DeepSeek-V2), `q_proj` without q LoRA (V2-Lite), Kimi-K2's
+//! `model_type` on DeepSeek-V3's class with one group, and GLM-4.7-Flash's `mlp_layer_types`.
+//! On each: logits within 1e-4 × max|logit|, the same top-1 at every position, 16 identical
+//! greedy tokens.
 
 use crate::common;
 
@@ -12,8 +16,15 @@ use serde_json::Value;
 
 const TOKENS: &str = "1,7,42,300,5,99,123,64,17,250,3,8";
 
+/// Our trace of the model transformers agreed with, and the model (alive while this is).
+struct Agreed {
+    trace: Trace,
+    model: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
 /// Build `arch` with transformers into `dir/model`, run both sides and compare.
-fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Trace {
+fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Agreed {
     let dir = common::scratch();
     let model = dir.path().join("model");
     let model_s = model.to_str().unwrap();
@@ -77,14 +88,31 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Trace {
         ours["generated"], generated,
         "{arch} {flags:?}: 16 greedy tokens"
     );
-    trace
+    Agreed {
+        trace,
+        model,
+        _dir: dir,
+    }
+}
+
+/// The member `glmcheck inspect` names the folder, and the switches it lists as unlike GLM-5.
+fn inspected(model: &std::path::Path) -> (String, Vec<String>) {
+    let j = common::glmcheck_json(["inspect", model.to_str().unwrap(), "--json"], 0);
+    assert_eq!(j["schema"]["ok"], true, "{}", j["schema"]);
+    let names = j["family"]["differences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect();
+    (j["family"]["member"].as_str().unwrap().to_string(), names)
 }
 
 #[test]
 fn deepseek_v3_neox_rope_with_yarn_agrees_with_transformers() {
-    let trace = agrees_with_transformers("v3", &["--neox", "--yarn"]);
+    let run = agrees_with_transformers("v3", &["--neox", "--yarn"]);
     assert!(
-        trace.stage("L0.attn.index_topk", None).is_none(),
+        run.trace.stage("L0.attn.index_topk", None).is_none(),
         "DeepSeek-V3 attends densely: no DSA selection"
     );
 }
@@ -96,7 +124,62 @@ fn deepseek_v3_interleaved_rope_agrees_with_transformers() {
 
 #[test]
 fn deepseek_v32_neox_indexer_agrees_with_transformers() {
-    let trace = agrees_with_transformers("v32", &["--yarn"]);
-    let stage = trace.stage("L2.attn.index_topk", None).unwrap();
+    let run = agrees_with_transformers("v32", &["--yarn"]);
+    let stage = run.trace.stage("L2.attn.index_topk", None).unwrap();
     assert_eq!(stage.shape, vec![12, 4], "index_topk 4 of 12 positions");
+}
+
+#[test]
+fn deepseek_v2_softmax_routing_limited_to_the_best_groups_agrees_with_transformers() {
+    let run = agrees_with_transformers("v2", &["--yarn"]);
+    let (member, unlike) = inspected(&run.model);
+    assert_eq!(member, "deepseek_v2");
+    for switch in [
+        "scoring",
+        "topk_method",
+        "correction_bias",
+        "norm_topk_prob",
+    ] {
+        assert!(unlike.iter().any(|u| u == switch), "{switch} in {unlike:?}");
+    }
+}
+
+#[test]
+fn deepseek_v2_lite_without_q_lora_agrees_with_transformers() {
+    let run = agrees_with_transformers("v2-lite", &[]);
+    assert!(
+        run.trace.stage("L0.attn.q_a", None).is_none(),
+        "no q LoRA: q_proj reads the normed hidden state"
+    );
+    assert!(run.trace.stage("L0.attn.q", None).is_some());
+    let (member, unlike) = inspected(&run.model);
+    assert_eq!(member, "deepseek_v2");
+    assert!(unlike.iter().any(|u| u == "query"), "{unlike:?}");
+}
+
+#[test]
+fn kimi_k2_on_deepseek_v3s_class_agrees_with_transformers() {
+    let run = agrees_with_transformers("kimi-k2", &["--yarn"]);
+    let (member, _) = inspected(&run.model);
+    assert_eq!(member, "kimi_k2");
+}
+
+#[test]
+fn glm_4_7_flash_dense_then_sparse_layers_agrees_with_transformers() {
+    let run = agrees_with_transformers("glm-4.7-flash", &[]);
+    assert!(
+        run.trace.stage("L0.moe.router_logits", None).is_none(),
+        "L0 dense"
+    );
+    assert!(
+        run.trace.stage("L1.moe.router_logits", None).is_some(),
+        "L1 sparse"
+    );
+    let (member, unlike) = inspected(&run.model);
+    assert_eq!(member, "glm4_moe_lite");
+    assert_eq!(
+        unlike,
+        ["attention", "indexer_rope", "expert_groups"],
+        "GLM-5 without DSA, in the oracle's two groups"
+    );
 }

@@ -95,13 +95,21 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
     a = ap.parse_args()
     sets = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
-    build(a.arch, a.neox, a.yarn, sets).save_pretrained(a.out)
-    if a.arch == "kimi-k2":
+    save(build(a.arch, a.neox, a.yarn, sets), a.arch, a.out)
+
+
+def save(model, arch: str, out, **config_keys) -> None:
+    """`save_pretrained` into OUT, then give config.json what the real checkpoint's has and
+    transformers' class does not write: Kimi-K2's `model_type`, and any `config_keys`."""
+    model.save_pretrained(out)
+    if arch == "kimi-k2":
         # Kimi-K2's own config.json: its model_type on DeepSeek-V3's class.
-        path = os.path.join(a.out, "config.json")
+        config_keys = {"model_type": "kimi_k2", **config_keys}
+    if config_keys:
+        path = os.path.join(out, "config.json")
         with open(path) as f:
             cfg = json.load(f)
-        cfg["model_type"] = "kimi_k2"
+        cfg.update(config_keys)
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
 

@@ -125,11 +125,12 @@ def tokenizer():
     return fast
 
 
-def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32") -> None:
+def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32", pre: str = "glm4") -> None:
     """Run the vendored convert_hf_to_gguf.py (`--outtype OUTTYPE`) in this process. Its pre-tokenizer check hashes the
     tokens of a fixed text and knows only real tokenizers; for the toy one it raises
-    NotImplementedError, and only then this says `glm4` (what GLM-5's own tokenizer maps to). The
-    ids are fed directly, so the pre-tokenizer never runs. Nothing in the converter is edited."""
+    NotImplementedError, and only then this says `pre` (`glm4`: what GLM-5's own tokenizer maps
+    to; another member passes its own). The ids are fed directly, so the pre-tokenizer never
+    runs. Nothing in the converter is edited."""
     sys.path.insert(0, str(llama_cpp))
     import convert_hf_to_gguf
     from conversion import TextModel
@@ -140,7 +141,7 @@ def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32") -> None
         try:
             return known(self, tok)
         except NotImplementedError:
-            return "glm4"
+            return pre
 
     TextModel.get_vocab_base_pre = vocab_base_pre
     sys.argv = ["convert_hf_to_gguf.py", str(hf), "--outtype", outtype, "--outfile", str(gguf)]
