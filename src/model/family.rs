@@ -131,8 +131,9 @@ impl Member {
     }
 
     /// The member a GGUF describes: its architecture, and for `deepseek2` (which several
-    /// members share) the converter's tokenizer (`glm4`, `kimi-k2`) or model name, else the
-    /// gating (softmax: V2). Only naming depends on it: the forward reads the metadata.
+    /// members share) the converter's tokenizer (`glm4`, `kimi-k2`, `deepseek-v3`,
+    /// `deepseek-llm`) or model name, else the gating (softmax: V2). Only naming depends on it:
+    /// the forward reads the metadata.
     pub fn from_gguf(
         arch: &str,
         pre: Option<&str>,
@@ -146,6 +147,10 @@ impl Member {
             "deepseek2" => match pre {
                 Some("glm4") => Member::Glm47Flash,
                 Some("kimi-k2") => Member::KimiK2,
+                // The converter's names for DeepSeek-V3's and DeepSeek-V2's own tokenizers: the
+                // gating says less (a V3 file whose gating key went missing reads as softmax).
+                Some("deepseek-v3") => Member::DeepseekV3,
+                Some("deepseek-llm") => Member::DeepseekV2,
                 _ if name.contains("glm-4") || name.contains("glm4") => Member::Glm47Flash,
                 _ if name.contains("kimi") => Member::KimiK2,
                 _ if softmax => Member::DeepseekV2,
@@ -236,6 +241,18 @@ impl Member {
                 ..v3
             },
         }
+    }
+}
+
+/// The routing scores llama.cpp's loader gives a GGUF of `arch` without `expert_gating_func`:
+/// glm-dsa's and deepseek32's sigmoid; deepseek2's softmax (its V2/V2.5 files predate the key),
+/// except for a file shaped as GLM-4.7-Flash (47 or 48 blocks, vocabulary 154880), which it
+/// takes for sigmoid. Any other deepseek2 sigmoid model without the key runs softmax there.
+pub fn llama_cpp_default_gating(arch: &str, block_count: u64, vocab: u64) -> &'static str {
+    let glm_4_7_flash = matches!(block_count, 47 | 48) && vocab == 154880;
+    match arch == "deepseek2" && !glm_4_7_flash {
+        true => "softmax",
+        false => "sigmoid",
     }
 }
 

@@ -1,10 +1,11 @@
-//! A GGUF's metadata as llama.cpp's glm-dsa loader reads it (its defaults where a key is
+//! A GGUF's metadata as llama.cpp's loader for its arch reads it (its defaults where a key is
 //! absent), against the reference's config.
 
 use serde_json::{Map, Value};
 
 use super::{Mismatch, KEYS};
 use crate::model::config::{glm_5_2_indexer_types, IndexerKind};
+use crate::model::family::llama_cpp_default_gating;
 use crate::model::Glm5Config;
 
 /// The recorded GGUF metadata of an engine trace, if it has any.
@@ -189,9 +190,16 @@ pub(super) fn gguf_mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Ve
         );
         add("expert_group_count", found);
     }
-    // glm-dsa: absent or 0 reads as sigmoid; 1 softmax, 2 sigmoid, 3 softmax over the chosen.
+    // 1 softmax, 2 sigmoid, 3 softmax over the chosen; absent or 0 as the arch's loader
+    // defaults it (deepseek2: softmax, but for GLM-4.7-Flash's shape).
+    let default = llama_cpp_default_gating(
+        arch,
+        count("block_count").unwrap_or(0),
+        count("vocab_size").unwrap_or(cfg.vocab_size),
+    );
     let gating = match get("expert_gating_func").and_then(Value::as_u64) {
-        None | Some(0) | Some(2) => "sigmoid",
+        None | Some(0) => default,
+        Some(2) => "sigmoid",
         Some(1) => "softmax",
         Some(3) => "softmax_weight",
         Some(_) => "unknown",

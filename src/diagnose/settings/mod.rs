@@ -343,6 +343,37 @@ mod tests {
         assert_eq!(keys_found(&[("rope.freq_base", None)]), ["rope.freq_base"]);
     }
 
+    /// llama.cpp's deepseek2 loader reads a missing gating key as softmax (V2's), except on
+    /// GLM-4.7-Flash's shape: a GLM-4.7-Flash file converted before the key was written (its
+    /// real bug) is named unless it has that shape; a DeepSeek-V2 file is fine without it.
+    #[test]
+    fn a_deepseek2_file_without_its_gating_key_runs_softmax_unless_shaped_as_glm_4_7_flash() {
+        let flash = Glm5Config::from_hf_json(r#"{"model_type": "glm4_moe_lite"}"#).unwrap();
+        let found = |blocks: u64, vocab: u64, cfg: &Glm5Config| -> Vec<&'static str> {
+            let meta: Map<String, Value> = serde_json::from_value(serde_json::json!({
+                "general.architecture": "deepseek2",
+                "deepseek2.block_count": blocks,
+                "deepseek2.vocab_size": vocab,
+                "deepseek2.rope.freq_base": cfg.rope_theta,
+                "deepseek2.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+                "deepseek2.expert_weights_scale": cfg.routed_scaling_factor,
+                "deepseek2.expert_weights_norm": cfg.norm_topk_prob,
+                "deepseek2.expert_used_count": cfg.num_experts_per_tok,
+            }))
+            .unwrap();
+            gguf_mismatches(&meta, cfg)
+                .iter()
+                .map(|m| m.spec.key.expect("a GGUF key"))
+                .collect()
+        };
+        assert_eq!(found(48, 154880, &flash), Vec::<&str>::new());
+        assert_eq!(found(4, 154880, &flash), ["expert_gating_func"]);
+        let v2 =
+            Glm5Config::from_hf_json(r#"{"model_type": "deepseek_v2", "num_experts_per_tok": 6}"#)
+                .unwrap();
+        assert_eq!(found(4, 154880, &v2), Vec::<&str>::new());
+    }
+
     #[test]
     fn counts_and_group_limits_are_compared_as_llama_cpp_applies_them() {
         let set = |k: &'static str, v: u64| (k, Some(Value::from(v)));
