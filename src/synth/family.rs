@@ -67,14 +67,21 @@ impl SynthFamily {
             yarn: Some(deepseek_yarn(40.0, 4096)),
             ..c
         };
+        // V2 chooses 6 experts from the best 3 groups by their best score: fewer groups than
+        // experts chosen, or the limit would change nothing.
+        let (v2_groups, v2_open) = [8, 4, 2]
+            .into_iter()
+            .map(|g| (g, k.div_ceil(2).max(1)))
+            .find(|&(g, open)| e % g == 0 && open < g && open * (e / g) >= k)
+            .unwrap_or((1, 1));
         let v2 = |c: Glm5Config| Glm5Config {
             member: Member::DeepseekV2,
             scoring_func: "softmax".into(),
             topk_method: TopkMethod::GroupLimitedGreedy,
             norm_topk_prob: false,
             routed_scaling_factor: 16.0,
-            n_group: groups,
-            topk_group: open,
+            n_group: v2_groups,
+            topk_group: v2_open,
             rms_norm_eps: 1e-6,
             ..no_indexer(c)
         };
@@ -132,5 +139,11 @@ mod tests {
         assert!(!v3.has_dsa());
         let lite = SynthFamily::DeepseekV2Lite.apply(Preset::Tiny.config());
         assert!(!lite.has_q_lora() && !lite.topk_method.has_bias());
+        let v2 = SynthFamily::DeepseekV2.apply(Preset::Tiny.config());
+        assert_eq!(
+            (v2.n_group, v2.topk_group),
+            (4, 1),
+            "top-2 from the best group of 2"
+        );
     }
 }

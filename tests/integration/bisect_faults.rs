@@ -8,6 +8,7 @@ use crate::common;
 
 use std::path::Path;
 
+use glmcheck::dtype::Precision;
 use glmcheck::exec::faults::inject::{Injection, CATALOGUE};
 use glmcheck::model::stages::{stage_names, stage_weights};
 use glmcheck::model::Glm5Config;
@@ -95,14 +96,26 @@ fn the_fault_matrix_names_stage_and_class() {
         tiny(&d, &["--fp16-overflow", "1"])
     };
     let (cfg, first_q4k) = config_and_first_q4k(&model);
+    let hot_cfg = config_and_first_q4k(&hot).0;
     assert_eq!(first_q4k.as_deref(), Some("embed"), "token_embd is Q4_K");
     let mut cases = Vec::new();
     for tp in [1, 2, 4, 8] {
         cases.extend(fault_matrix(&model, tp, "f32,bf16", &[]));
         cases.extend(fault_matrix(&hot, tp, "f16", &["fp16-overflow"]));
     }
+    // The faults of expert groups need a model that limits them (GLM-5 has one group): the
+    // family's matrix below plants them.
+    let applies = |e: &&glmcheck::exec::faults::inject::Entry| {
+        let dtype = Precision::from_name(e.dtype.unwrap_or("f32")).unwrap();
+        let hot = if e.dtype.is_some() { &hot_cfg } else { &cfg };
+        Injection::parse(e.name)
+            .unwrap()
+            .check(hot, 8, dtype)
+            .is_ok()
+    };
     let planted = CATALOGUE
         .iter()
+        .filter(applies)
         .map(|e| (if e.needs_tp { 3 } else { 4 }) * if e.dtype.is_some() { 1 } else { 2 })
         .sum::<usize>();
     assert_eq!(
@@ -135,6 +148,43 @@ fn the_fault_matrix_names_stage_and_class() {
         cases.len()
     );
     assert_eq!(right, cases.len(), "{}", table.join("\n"));
+}
+
+/// The family's own faults and the rest of the catalogue on every other member (Q4_K_M GGUFs
+/// of `synth --family`, TP 2, f32 and bf16): each planted fault that exists on the member is
+/// located and classed, the clean runs pass; the expert-group faults exist on DeepSeek-V2 (groups
+/// ranked by their best score) and V3 (by their two best) and are planted there.
+#[test]
+fn the_fault_matrix_holds_on_every_member_of_the_family() {
+    let dir = common::scratch();
+    let mut missed = Vec::new();
+    let mut grouped = 0;
+    for family in [
+        "deepseek-v2",
+        "deepseek-v2-lite",
+        "deepseek-v3",
+        "deepseek-v3.2",
+        "kimi-k2",
+        "glm-4.7-flash",
+    ] {
+        let model = dir.path().join(format!("{family}.gguf"));
+        common::synth_tiny(&model, &["--family", family, "--quant", "q4_k_m"]);
+        let cases = fault_matrix(model.to_str().unwrap(), 2, "f32,bf16", &[]);
+        assert!(cases.len() > 20, "{family}: {} cases", cases.len());
+        for c in &cases {
+            let name = c["fault"].as_str().unwrap();
+            grouped += usize::from(name.starts_with("group-"));
+            if c["ok"] != true {
+                missed.push(format!("{family} {name} {}: {c}", c["dtype"]));
+            }
+        }
+    }
+    assert!(missed.is_empty(), "{}", missed.join("\n"));
+    assert_eq!(
+        grouped,
+        2 * 2 * 3,
+        "two group faults, two dtypes, V2, V3 and V3.2"
+    );
 }
 
 #[test]

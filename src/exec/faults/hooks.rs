@@ -8,6 +8,7 @@ use anyhow::Result;
 use crate::exec::backend::Backend;
 use crate::exec::faults::inject::{k_then_v_rows, Injection, Injection::*};
 use crate::exec::mat::Mat;
+use crate::model::config::TopkMethod;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::Glm5Config;
 
@@ -38,6 +39,22 @@ impl Hooks {
     /// Whether the router scores with softmax: as configured (`router-softmax`: always).
     pub fn router_softmax(self, scoring_func: &str) -> bool {
         scoring_func == "softmax" || self.0 == Some(RouterSoftmax)
+    }
+
+    /// How many of a group's best scores rank it, as the model's `topk_method` says (0: groups
+    /// do not limit); `group-limit-ignored` drops the limit, `group-score-swapped` takes the
+    /// other method's count.
+    pub fn group_rank_scores(self, method: TopkMethod) -> usize {
+        let own = match method {
+            TopkMethod::NoauxTc => 2,
+            TopkMethod::GroupLimitedGreedy => 1,
+            TopkMethod::Greedy => 0,
+        };
+        match self.0 {
+            Some(GroupLimitIgnored) => 0,
+            Some(GroupScoreSwapped) if own > 0 => 3 - own,
+            _ => own,
+        }
     }
 
     /// Whether layer `l`'s first chosen expert writes a NaN (`nan-expert`).

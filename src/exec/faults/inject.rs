@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::compare::fault::FaultClass;
 use crate::dtype::Precision;
+use crate::model::config::TopkMethod;
 use crate::model::names::LayerWeight::{self, *};
 use crate::model::stages::stage_of;
 use crate::model::Glm5Config;
@@ -38,6 +39,11 @@ pub enum Injection {
     RouterSoftmax,
     /// `routed_scaling_factor` applied to the routed output a second time.
     RoutedScaleTwice,
+    /// The expert-group limit left out: every group competes (`n_group`/`topk_group` unread).
+    GroupLimitIgnored,
+    /// Groups ranked by the other rule: their best score where the model sums their two best
+    /// (`noaux_tc`), or the reverse (`group_limited_greedy`).
+    GroupScoreSwapped,
     /// kv_b assembled as every head's K rows, then every head's V rows, instead of per head.
     KvBSplitOrder,
     /// lm_head never loaded: all zeros.
@@ -170,6 +176,23 @@ pub const CATALOGUE: &[Entry] = &[
         "routing scores by softmax instead of sigmoid",
     ),
     entry(
+        "group-limit-ignored",
+        "none (the model needs expert groups: DeepSeek-V2/V3)",
+        FaultClass::RouterMismatch,
+        "L{first MoE}.moe.topk_ids (topk_weights where no choice changes)",
+        false,
+        "the router chooses among every expert group, not only the best topk_group",
+    ),
+    entry(
+        "group-score-swapped",
+        "none (the model needs expert groups: DeepSeek-V2/V3)",
+        FaultClass::RouterMismatch,
+        "L{first MoE}.moe.topk_ids (topk_weights where no choice changes)",
+        false,
+        "expert groups ranked by their best score where the model sums their two best \
+         (noaux_tc, DeepSeek-V3), or the reverse (DeepSeek-V2's group_limited_greedy)",
+    ),
+    entry(
         "routed-scale-twice",
         "none",
         FaultClass::ScaleMismatch,
@@ -268,6 +291,8 @@ impl Injection {
             "indexer-rope-neox" => no_arg(Injection::IndexerRopeNeox),
             "router-softmax" => no_arg(Injection::RouterSoftmax),
             "routed-scale-twice" => no_arg(Injection::RoutedScaleTwice),
+            "group-limit-ignored" => no_arg(Injection::GroupLimitIgnored),
+            "group-score-swapped" => no_arg(Injection::GroupScoreSwapped),
             "kv-b-split-order" => no_arg(Injection::KvBSplitOrder),
             "flat-lm-head" => no_arg(Injection::FlatLmHead),
             _ => bail!(
@@ -294,6 +319,8 @@ impl Injection {
             Injection::IndexerRopeNeox => "indexer-rope-neox",
             Injection::RouterSoftmax => "router-softmax",
             Injection::RoutedScaleTwice => "routed-scale-twice",
+            Injection::GroupLimitIgnored => "group-limit-ignored",
+            Injection::GroupScoreSwapped => "group-score-swapped",
             Injection::KvBSplitOrder => "kv-b-split-order",
             Injection::FlatLmHead => "flat-lm-head",
             Injection::NanExpert(_) => "nan-expert",
@@ -352,6 +379,41 @@ impl Injection {
             {
                 bail!("--inject {}: the model has no MoE layer", e.name)
             }
+            Injection::RoutedScaleTwice if cfg.routed_scaling_factor == 1.0 => {
+                bail!("--inject routed-scale-twice: routed_scaling_factor is 1, twice is once")
+            }
+            Injection::RouterSoftmax if cfg.scoring_func == "softmax" => {
+                bail!("--inject router-softmax: the model already scores with softmax")
+            }
+            // Ranked by their best score, the best `topk_group` groups hold the best
+            // `topk_group` experts: with no more chosen, the limit changes nothing.
+            Injection::GroupLimitIgnored
+                if cfg.topk_method == TopkMethod::GroupLimitedGreedy
+                    && cfg.num_experts_per_tok <= cfg.topk_group =>
+            {
+                bail!(
+                    "--inject {}: with {} experts chosen from the best {} groups by their best \
+                     score, the limit never changes a choice",
+                    e.name,
+                    cfg.num_experts_per_tok,
+                    cfg.topk_group
+                )
+            }
+            Injection::GroupLimitIgnored | Injection::GroupScoreSwapped
+                if cfg.n_group < 2
+                    || cfg.topk_group >= cfg.n_group
+                    || cfg.topk_method == TopkMethod::Greedy
+                    || cfg.first_k_dense_replace >= layers =>
+            {
+                bail!(
+                    "--inject {}: the model limits no expert groups (n_group {}, topk_group {}, \
+                     topk_method {})",
+                    e.name,
+                    cfg.n_group,
+                    cfg.topk_group,
+                    cfg.topk_method.name()
+                )
+            }
             Injection::IndexerRopeNeox if !cfg.has_indexer(0) => {
                 bail!(
                     "--inject {}: the model has no DSA indexer in layer 0",
@@ -403,10 +465,13 @@ impl Injection {
             // In bf16 the few choices it changes on a small model can be ones the dtype's own
             // rounding flips too (near ties, taken): the attention they feed is where it shows.
             Injection::IndexerRopeNeox => [at(0, "attn.index_topk"), at(0, "attn.ctx")].concat(),
-            Injection::RouterSoftmax => {
+            Injection::RoutedScaleTwice => at(moe, "moe.routed"),
+            // In bf16 the weights, whose ids near ties round alike, may show it first.
+            Injection::RouterSoftmax
+            | Injection::GroupLimitIgnored
+            | Injection::GroupScoreSwapped => {
                 [at(moe, "moe.topk_ids"), at(moe, "moe.topk_weights")].concat()
             }
-            Injection::RoutedScaleTwice => at(moe, "moe.routed"),
             Injection::KvBSplitOrder => at(0, "attn.kv"),
             Injection::FlatLmHead => vec!["logits".into()],
             Injection::NanExpert(l) => at(l.unwrap_or(moe), "moe.routed"),

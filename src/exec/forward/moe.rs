@@ -16,7 +16,6 @@ use crate::exec::real::Real;
 use crate::exec::source::lazy_weight::LazyWeight;
 use crate::exec::source::sharder::Sharder;
 use crate::exec::source::WeightSource;
-use crate::model::config::TopkMethod;
 use crate::model::names::LayerWeight::*;
 use crate::model::names::WeightId;
 use crate::shard::plan::expert_rank;
@@ -36,7 +35,9 @@ impl<B: Backend> Layer<'_, B> {
             true => be.hold_exact(self.src.vector(self.w(RouterBias))?),
             false => vec![B::E::lit(0.0); e],
         };
-        let softmax = self.src.hooks().router_softmax(&cfg.scoring_func);
+        let hooks = self.src.hooks();
+        let softmax = hooks.router_softmax(&cfg.scoring_func);
+        let group_best = hooks.group_rank_scores(cfg.topk_method);
         let (ties, l, start) = (self.opts.ties, self.l, self.start);
         // The logits come back (once, where the backend left them on its device) while the
         // device runs the shared expert, which needs no routing: the host's routing overlaps
@@ -54,7 +55,7 @@ impl<B: Backend> Layer<'_, B> {
                 .enumerate()
                 .map(|(s, row)| {
                     let tie = ties.and_then(|ties| ties.moe_at(l, start + s));
-                    route(cfg, softmax, row, &bias, tie)
+                    route(cfg, (softmax, group_best), row, &bias, tie)
                 })
                 .collect()
         });
@@ -330,11 +331,11 @@ fn routed_experts<B: Backend>(
 
 /// One token's expert choice from its router logits: expert ids, their weights, and the choice
 /// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
-/// Group limits follow `topk_method`: a group scores its two best biased scores (`noaux_tc`)
-/// or its single best (`group_limited_greedy`); `greedy` ignores groups.
+/// Scores are softmax or sigmoid; groups rank by the sum of their `group_best` best choice
+/// scores (2 for `noaux_tc`, 1 for `group_limited_greedy`, 0: no group limit).
 fn route<E: Real>(
     cfg: &crate::model::Glm5Config,
-    softmax_scores: bool,
+    (softmax_scores, group_best): (bool, usize),
     logits: &[E],
     bias: &[E],
     tie: Option<&[i32]>,
@@ -351,16 +352,11 @@ fn route<E: Real>(
         cfg.n_group as usize,
         cfg.n_routed_experts as usize / cfg.n_group as usize,
     );
-    let best_of_group = match cfg.topk_method {
-        TopkMethod::NoauxTc => 2,
-        TopkMethod::GroupLimitedGreedy => 1,
-        TopkMethod::Greedy => 0,
-    };
-    if groups > 1 && best_of_group > 0 {
+    if groups > 1 && group_best > 0 {
         // Only the best `topk_group` groups compete.
         let group_score: Vec<E> = choice
             .chunks(per)
-            .map(|g| topk(g, best_of_group).iter().map(|&i| g[i]).sum())
+            .map(|g| topk(g, group_best).iter().map(|&i| g[i]).sum())
             .collect();
         let keep = topk(&group_score, cfg.topk_group as usize);
         for (g, chunk) in choice.chunks_mut(per).enumerate() {

@@ -40,7 +40,9 @@ def build(arch: str, neox: bool, yarn: bool, sets: dict):
                 "mscale": 0.707, "mscale_all_dim": 1.0}
     common["rope_parameters"] = rope
     if arch == "v2":
-        common.update(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        # Two experts from the one best of four groups of two: the limit by each group's best
+        # score changes choices (with topk_group >= num_experts_per_tok it never would).
+        common.update(topk_method="group_limited_greedy", n_group=4, topk_group=1,
                       routed_scaling_factor=16.0, norm_topk_prob=False)
     elif arch == "v2-lite":
         common.update(q_lora_rank=None, topk_method="greedy", n_group=None, topk_group=None,
