@@ -18,8 +18,8 @@ use crate::report::bisect::{catalogue_text, text};
 
 #[derive(clap::Args, Debug)]
 pub struct BisectArgs {
-    /// A GLM-5 GGUF or Hugging Face folder: the reference, and the candidate unless
-    /// `--candidate` names another.
+    /// A GGUF or Hugging Face folder of the family (GLM-5, DeepSeek-V2/V3/V3.2, Kimi-K2,
+    /// GLM-4.7-Flash): the reference, and the candidate unless `--candidate` names another.
     #[arg(required_unless_present = "list_faults")]
     pub model: Option<PathBuf>,
     /// The candidate's tensor-parallel degree (vLLM's split, ranks on the CPU).

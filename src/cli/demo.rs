@@ -1,4 +1,5 @@
-//! `glmcheck demo`: the embedded default. It builds a tiny Q4_K_M GLM-5 GGUF in a temporary
+//! `glmcheck demo`: the embedded default. It builds a tiny Q4_K_M GLM-5 GGUF (or another
+//! member of the family, `--family`) in a temporary
 //! folder, shows `inspect` and `dequant` on it, then `bisect`s a TP=4 candidate with the seed
 //! story's bug planted (kv_b_proj loaded whole on every rank, each rank using rank 0's rows):
 //! the reference and candidate runs, the first divergence, the diagnosis with its evidence, and
@@ -6,18 +7,23 @@
 
 use super::dequant::{self, DequantArgs};
 use super::inspect::{self, InspectArgs};
-use super::{ModelArg, Outcome};
+use super::{one_of, ModelArg, Outcome};
 use crate::exec::faults::inject::Injection;
 use crate::model::names::LayerWeight;
 use crate::pipeline::bisect::{bisect, BisectOptions, Candidate, RunAs, DEFAULT_PROMPT};
 use crate::report::bisect::text;
-use crate::synth::{Mix, Preset, SynthSpec};
+use crate::synth::{Mix, Preset, SynthFamily, SynthSpec};
 
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
     /// Seed of the synthetic model's weights.
     #[arg(long, default_value_t = 5)]
     pub seed: u64,
+    /// The member of the MLA/MoE family to build (as `synth --family`): `glm5`,
+    /// `glm-4.7-flash`, `deepseek-v2`, `deepseek-v2-lite`, `deepseek-v3`, `deepseek-v3.2`,
+    /// `kimi-k2`.
+    #[arg(long, default_value = "glm5", value_parser = one_of(&SynthFamily::ALL, SynthFamily::name))]
+    pub family: SynthFamily,
     /// Machine-readable JSON on stdout (the inspect and dequant reports, one per line).
     #[arg(long)]
     pub json: bool,
@@ -25,8 +31,9 @@ pub struct DemoArgs {
 
 pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
     let dir = tempfile::tempdir()?;
-    let path = dir.path().join("glm5-tiny.gguf");
-    let mut spec = SynthSpec::new(Preset::Tiny.config(), args.seed);
+    let file = format!("{}-tiny.gguf", args.family.name());
+    let path = dir.path().join(&file);
+    let mut spec = SynthSpec::new(args.family.apply(Preset::Tiny.config()), args.seed);
     spec.mix = Mix::Q4KM;
     spec.write_gguf(&path)?;
     let cfg = &spec.cfg;
@@ -36,12 +43,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         }
     };
     say(&format!(
-        "built a tiny GLM-5 ({} layers + MTP, {} experts) at {}",
+        "built a tiny {} ({} layers + MTP, {} experts) at {}",
+        cfg.member.name(),
         cfg.num_hidden_layers,
         cfg.n_routed_experts,
         path.display()
     ));
-    say("glmcheck inspect glm5-tiny.gguf");
+    say(&format!("glmcheck inspect {file}"));
     let model = || ModelArg {
         model: path.clone(),
         json: args.json,
@@ -50,14 +58,16 @@ pub fn run(args: DemoArgs) -> anyhow::Result<Outcome> {
         model: model(),
         all: false,
     })?;
-    say("glmcheck dequant glm5-tiny.gguf --tensor 'blk.1.*'");
+    say(&format!("glmcheck dequant {file} --tensor 'blk.1.*'"));
     let checked = dequant::run(DequantArgs {
         model: model(),
         tensors: vec!["blk.1.*".into()],
         dump: None,
         device: dequant::Device::Cpu,
     })?;
-    say("glmcheck bisect glm5-tiny.gguf --tp 4 --inject unsharded-column");
+    say(&format!(
+        "glmcheck bisect {file} --tp 4 --inject unsharded-column"
+    ));
     let fault = Injection::UnshardedColumn(LayerWeight::KvB);
     let report = bisect(&BisectOptions {
         candidate: Candidate::Run(RunAs {

@@ -1,4 +1,5 @@
-//! `glmcheck inspect MODEL`: what a checkpoint holds and whether it is a complete GLM-5.
+//! `glmcheck inspect MODEL`: what a checkpoint holds, which member of the family it is, and
+//! whether it is complete.
 
 use super::{ModelArg, Outcome};
 use crate::pipeline::inspect::inspect;

@@ -67,10 +67,12 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// A tiny GLM-5 GGUF in a temporary folder: inspect, dequant, then bisect a TP=4 candidate
-    /// with kv_b_proj loaded unsharded (the diagnosis, its evidence, both sides' text).
+    /// A tiny GLM-5 GGUF (`--family`: another member) in a temporary folder: inspect, dequant,
+    /// then bisect a TP=4 candidate with kv_b_proj loaded unsharded (the diagnosis, its
+    /// evidence, both sides' text).
     Demo(demo::DemoArgs),
-    /// Format, metadata, GLM-5 config, tensor table, schema check, quant histogram, bytes per TP rank.
+    /// Format, metadata, the family member and how it differs from GLM-5, config, tensor table,
+    /// schema check, quant histogram, bytes per TP rank.
     Inspect(inspect::InspectArgs),
     /// Dequantize weights to f32 and check their health (NaN/Inf, fp16/bf16 range, outliers);
     /// with `--device cuda`, every tensor's GPU dequantization against the CPU's.
@@ -101,7 +103,8 @@ pub enum Command {
     /// storage type gives; a departure is named by its relation (a scalar multiple, experts,
     /// heads or rows in another order, a transpose, zeros, NaN, another tensor's bytes, garbage).
     Verify(verify::VerifyArgs),
-    /// Write a synthetic GLM-5-architecture model (GGUF or Hugging Face), deterministic from a seed.
+    /// Write a synthetic model of the family (GLM-5, or `--family` DeepSeek-V2/V3/V3.2, Kimi-K2,
+    /// GLM-4.7-Flash; GGUF or Hugging Face), deterministic from a seed.
     Synth(synth::SynthArgs),
     /// Every backend op (GEMM, an expert's whole MLP, norms, SiLU, add, rounding, RoPE, MLA
     /// attention, the DSA indexer's scores, all-reduce) on random inputs against f64 on the CPU:

@@ -17,7 +17,8 @@ use crate::trace::FullSelector;
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// A GLM-5 GGUF or Hugging Face folder.
+    /// A GGUF or Hugging Face folder of the MLA/MoE family (GLM-5, GLM-4.7-Flash, DeepSeek-V2,
+    /// V3, V3.2, Kimi-K2).
     pub model: PathBuf,
     /// Prompt token ids, comma-separated (`--tokens 1,5,9`).
     #[arg(
