@@ -42,7 +42,17 @@ impl Glm5Config {
             )
         })?;
         let rope = req("rope.dimension_count")?;
-        let key_mla = u("attention.key_length_mla")?.unwrap_or(d.qk_head_dim());
+        // A legacy deepseek2 file (whole `attn_kv_b`, written before MLA absorption) has no
+        // `*_mla` keys: its per-head sizes are `key_length`/`value_length`, which llama.cpp's
+        // `n_embd_head_k_mla()`/`n_embd_head_v_mla()` fall back to.
+        let key_mla = match u("attention.key_length_mla")? {
+            Some(k) => k,
+            None => u("attention.key_length")?.unwrap_or(d.qk_head_dim()),
+        };
+        let value_mla = match u("attention.value_length_mla")? {
+            Some(v) => v,
+            None => u("attention.value_length")?.unwrap_or(d.v_head_dim),
+        };
         let vocab = match u("vocab_size")? {
             Some(v) => v,
             None => model
@@ -51,10 +61,13 @@ impl Glm5Config {
                 .map(|a| a.len() as u64)
                 .unwrap_or(0),
         };
+        // llama.cpp's deepseek2 loader keeps the V2/V2.5 files (written before the key existed)
+        // working by reading a missing key as softmax, except GLM-4.7-Flash's shape (47 layers
+        // past the MTP ones, or 48, and its 154880-token vocabulary), which it reads as sigmoid;
+        // glm-dsa's as sigmoid.
+        let glm47_flash_shape = matches!(layers, 47 | 48) && vocab == 154880;
         let scoring = match u("expert_gating_func")? {
-            // llama.cpp's deepseek2 loader keeps the V2/V2.5 files (written before the key
-            // existed) working by reading a missing key as softmax; glm-dsa's as sigmoid.
-            None if arch == "deepseek2" => "softmax",
+            None if arch == "deepseek2" && !glm47_flash_shape => "softmax",
             None | Some(2) => "sigmoid",
             Some(1) => "softmax",
             Some(other) => {
@@ -96,11 +109,19 @@ impl Glm5Config {
                 )
             })?;
         let n_group = u("expert_group_count")?.unwrap_or(1);
-        // Sigmoid gating chooses with the correction bias (`exp_probs_b`); softmax gating is
-        // DeepSeek-V2's, which has none.
-        let topk_method = match (scoring, n_group) {
-            ("sigmoid", _) => TopkMethod::NoauxTc,
-            (_, 1) => TopkMethod::Greedy,
+        // llama.cpp chooses with the correction bias wherever the file holds `exp_probs_b`,
+        // whatever the gating (a V3 file whose gating key went missing runs softmax with it), and
+        // then ranks groups by their two best scores (noaux_tc). Without a bias it is
+        // DeepSeek-V2's router: groups ranked by their best score, as DeepSeek's reference and
+        // transformers do (llama.cpp sums the two best there too: a difference of llama.cpp's,
+        // which the reference does not copy).
+        let has_bias = model
+            .tensors
+            .iter()
+            .any(|t| t.name.contains(".exp_probs_b."));
+        let topk_method = match (scoring, has_bias, n_group) {
+            ("sigmoid", _, _) | (_, true, _) => TopkMethod::NoauxTc,
+            (_, false, 1) => TopkMethod::Greedy,
             _ => TopkMethod::GroupLimitedGreedy,
         };
         let cfg = Glm5Config {
@@ -121,7 +142,7 @@ impl Glm5Config {
                 )
             })?,
             qk_rope_head_dim: rope,
-            v_head_dim: u("attention.value_length_mla")?.unwrap_or(d.v_head_dim),
+            v_head_dim: value_mla,
             n_routed_experts: u("expert_count")?.unwrap_or(0),
             n_shared_experts: u("expert_shared_count")?.unwrap_or(0),
             num_experts_per_tok: u("expert_used_count")?.unwrap_or(0),

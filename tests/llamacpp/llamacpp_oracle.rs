@@ -26,12 +26,12 @@ const SHORT: &str = "5,77,300";
 /// Longer than `index_topk`: the indexer really selects.
 const MEDIUM: &str = "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16";
 /// Greedy tokens generated after each sequence.
-const GENERATE: usize = 16;
+pub(super) const GENERATE: usize = 16;
 /// Logit agreement asked of every pair, relative to the reference position's max|logit|.
-const TOLERANCE: f64 = 1e-4;
+pub(super) const TOLERANCE: f64 = 1e-4;
 
 /// 64 token ids below the vocabulary size (512), from a fixed linear congruential sequence.
-fn long_sequence() -> String {
+pub(super) fn long_sequence() -> String {
     let mut x: u64 = 12345;
     (0..64)
         .map(|_| {
@@ -45,7 +45,7 @@ fn long_sequence() -> String {
 }
 
 /// The oracle folder that scripts/setup-llamacpp builds.
-fn llama_cpp() -> PathBuf {
+pub(super) fn llama_cpp() -> PathBuf {
     let dir = common::root().join(".oracles/llama.cpp");
     assert!(
         dir.join("build/dump_logits").exists() && dir.join("src/convert_hf_to_gguf.py").exists(),
@@ -54,7 +54,7 @@ fn llama_cpp() -> PathBuf {
     dir
 }
 
-fn read_f32(path: &Path) -> Vec<f32> {
+pub(super) fn read_f32(path: &Path) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     bytes
         .chunks_exact(4)
@@ -62,7 +62,7 @@ fn read_f32(path: &Path) -> Vec<f32> {
         .collect()
 }
 
-fn tokens_of(ids: &str) -> Vec<u64> {
+pub(super) fn tokens_of(ids: &str) -> Vec<u64> {
     ids.split(',').map(|t| t.parse().unwrap()).collect()
 }
 
@@ -110,7 +110,12 @@ fn make_model(dir: &Path, rms_norm_eps: &str, sequences: &[&str]) -> Model {
 }
 
 /// llama.cpp's logits of every prompt position and its greedy tokens after the prompt.
-fn run_llama_cpp(gguf: &Path, ids: &str, mode: &str, out: &Path) -> (Vec<f32>, serde_json::Value) {
+pub(super) fn run_llama_cpp(
+    gguf: &Path,
+    ids: &str,
+    mode: &str,
+    out: &Path,
+) -> (Vec<f32>, serde_json::Value) {
     let bin = llama_cpp().join("build/dump_logits");
     let run = Command::new(&bin)
         .arg(gguf)
@@ -186,7 +191,7 @@ fn argmax(row: &[f32]) -> usize {
 
 /// Max |x − reference| over all positions, after asserting at every position that it is within
 /// TOLERANCE × that position's max|reference| and that the top-1 tokens agree.
-fn agree(what: &str, x: &[f32], reference: &[f32], vocab: usize) -> f64 {
+pub(super) fn agree(what: &str, x: &[f32], reference: &[f32], vocab: usize) -> f64 {
     assert_eq!(x.len(), reference.len(), "{what}: sizes");
     let mut worst = 0f64;
     for (pos, (a, b)) in x.chunks(vocab).zip(reference.chunks(vocab)).enumerate() {

@@ -6,6 +6,7 @@
 mod common;
 
 mod endpoint_llama_server;
+mod llamacpp_family;
 mod llamacpp_keys;
 mod llamacpp_oracle;
 mod probe_llamacpp;

@@ -51,8 +51,9 @@ SCORING = {"v2": "softmax", "v2-lite": "softmax", "v3": "sigmoid", "kimi-k2": "s
 
 
 def sizes(arch: str, yarn: bool) -> dict:
-    """Overrides of deepseek_model's config that llama.cpp needs (see the module doc)."""
-    out = {"bos_token_id": glm.GMASK_ID, "eos_token_id": glm.EOS_ID, "pad_token_id": glm.EOS_ID}
+    """Overrides of deepseek_model's config: GLM-5's oracle vocabulary (512, so the tests share
+    its token sequences) and what llama.cpp needs (see the module doc)."""
+    out = {"vocab_size": 512, "bos_token_id": glm.GMASK_ID, "eos_token_id": glm.EOS_ID, "pad_token_id": glm.EOS_ID}
     if arch == "v2-lite":
         out["num_hidden_layers"] = 27
     if yarn:
