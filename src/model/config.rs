@@ -181,6 +181,17 @@ impl Glm5Config {
         self.has_dsa() && self.indexer_types.get(l as usize) != Some(&IndexerKind::Shared)
     }
 
+    /// The same model without the DSA indexer: dense MLA (every member but GLM-5 and V3.2).
+    pub fn without_indexer(self) -> Self {
+        Glm5Config {
+            index_n_heads: 0,
+            index_head_dim: 0,
+            index_topk: 0,
+            indexer_types: Vec::new(),
+            ..self
+        }
+    }
+
     /// Whether the attention has a q LoRA (`q_a_proj`, its norm, `q_b_proj`).
     pub fn has_q_lora(&self) -> bool {
         self.q_lora_rank > 0
@@ -204,10 +215,7 @@ impl Glm5Config {
         })?;
         let mut cfg = Self::from_family_json(&j, member)?;
         if !member.has_indexer() {
-            cfg.index_n_heads = 0;
-            cfg.index_head_dim = 0;
-            cfg.index_topk = 0;
-            cfg.indexer_types.clear();
+            cfg = cfg.without_indexer();
         }
         match member {
             Member::DeepseekV2 => {

@@ -168,14 +168,7 @@ impl Member {
     /// The values its transformers config class gives a key `config.json` leaves out.
     pub fn hf_defaults(self) -> Glm5Config {
         let glm = Glm5Config::glm5();
-        let no_indexer = |c: Glm5Config| Glm5Config {
-            index_n_heads: 0,
-            index_head_dim: 0,
-            index_topk: 0,
-            indexer_types: Vec::new(),
-            ..c
-        };
-        let v3 = no_indexer(Glm5Config {
+        let v3 = Glm5Config {
             member: Member::DeepseekV3,
             vocab_size: 129280,
             hidden_size: 7168,
@@ -190,10 +183,11 @@ impl Member {
             rms_norm_eps: 1e-6,
             max_position_embeddings: 4096,
             ..glm.clone()
-        });
+        }
+        .without_indexer();
         match self {
             Member::Glm5 => glm,
-            Member::Glm47Flash => no_indexer(Glm5Config {
+            Member::Glm47Flash => Glm5Config {
                 member: self,
                 hidden_size: 2048,
                 intermediate_size: 10240,
@@ -207,7 +201,8 @@ impl Member {
                 first_k_dense_replace: 1,
                 routed_scaling_factor: 1.8,
                 ..glm
-            }),
+            }
+            .without_indexer(),
             Member::DeepseekV2 => Glm5Config {
                 member: self,
                 vocab_size: 102400,
@@ -246,10 +241,11 @@ impl Member {
 
 /// The routing scores llama.cpp's loader gives a GGUF of `arch` without `expert_gating_func`:
 /// glm-dsa's and deepseek32's sigmoid; deepseek2's softmax (its V2/V2.5 files predate the key),
-/// except for a file shaped as GLM-4.7-Flash (47 or 48 blocks, vocabulary 154880), which it
-/// takes for sigmoid. Any other deepseek2 sigmoid model without the key runs softmax there.
-pub fn llama_cpp_default_gating(arch: &str, block_count: u64, vocab: u64) -> &'static str {
-    let glm_4_7_flash = matches!(block_count, 47 | 48) && vocab == 154880;
+/// except for a file shaped as GLM-4.7-Flash (47 or 48 layers past the MTP ones, vocabulary
+/// 154880), which it takes for sigmoid. Any other deepseek2 sigmoid model without the key runs
+/// softmax there.
+pub fn llama_cpp_default_gating(arch: &str, layers: u64, vocab: u64) -> &'static str {
+    let glm_4_7_flash = matches!(layers, 47 | 48) && vocab == 154880;
     match arch == "deepseek2" && !glm_4_7_flash {
         true => "softmax",
         false => "sigmoid",

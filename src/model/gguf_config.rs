@@ -4,6 +4,7 @@
 use super::config::{
     cfg_err, glm_5_2_indexer_types, ConfigError, Glm5Config, IndexerKind, Member, TopkMethod, Yarn,
 };
+use super::family::llama_cpp_default_gating;
 use crate::weights::gguf::{GgufModel, Value};
 
 impl Glm5Config {
@@ -61,14 +62,9 @@ impl Glm5Config {
                 .map(|a| a.len() as u64)
                 .unwrap_or(0),
         };
-        // llama.cpp's deepseek2 loader keeps the V2/V2.5 files (written before the key existed)
-        // working by reading a missing key as softmax, except GLM-4.7-Flash's shape (47 layers
-        // past the MTP ones, or 48, and its 154880-token vocabulary), which it reads as sigmoid;
-        // glm-dsa's as sigmoid.
-        let glm47_flash_shape = matches!(layers, 47 | 48) && vocab == 154880;
         let scoring = match u("expert_gating_func")? {
-            None if arch == "deepseek2" && !glm47_flash_shape => "softmax",
-            None | Some(2) => "sigmoid",
+            None => llama_cpp_default_gating(&arch, layers, vocab),
+            Some(2) => "sigmoid",
             Some(1) => "softmax",
             Some(other) => {
                 return Err(cfg_err(

@@ -49,15 +49,8 @@ impl SynthFamily {
         let (groups, open) = [8, 4, 2]
             .into_iter()
             .map(|g| (g, g / 2))
-            .find(|&(g, open)| e % g == 0 && e / g >= 2 && open * (e / g) >= k)
+            .find(|&(g, open)| e.is_multiple_of(g) && e / g >= 2 && open * (e / g) >= k)
             .unwrap_or((1, 1));
-        let no_indexer = |c: Glm5Config| Glm5Config {
-            index_n_heads: 0,
-            index_head_dim: 0,
-            index_topk: 0,
-            indexer_types: Vec::new(),
-            ..c
-        };
         let v3 = |member, c: Glm5Config| Glm5Config {
             member,
             n_group: groups,
@@ -72,7 +65,7 @@ impl SynthFamily {
         let (v2_groups, v2_open) = [8, 4, 2]
             .into_iter()
             .map(|g| (g, k.div_ceil(2).max(1)))
-            .find(|&(g, open)| e % g == 0 && open < g && open * (e / g) >= k)
+            .find(|&(g, open)| e.is_multiple_of(g) && open < g && open * (e / g) >= k)
             .unwrap_or((1, 1));
         let v2 = |c: Glm5Config| Glm5Config {
             member: Member::DeepseekV2,
@@ -83,14 +76,14 @@ impl SynthFamily {
             n_group: v2_groups,
             topk_group: v2_open,
             rms_norm_eps: 1e-6,
-            ..no_indexer(c)
+            ..c.without_indexer()
         };
         match self {
             SynthFamily::Glm5 => cfg,
             SynthFamily::Glm47Flash => Glm5Config {
                 member: Member::Glm47Flash,
                 routed_scaling_factor: 1.8,
-                ..no_indexer(cfg)
+                ..cfg.without_indexer()
             },
             SynthFamily::DeepseekV2 => v2(cfg),
             SynthFamily::DeepseekV2Lite => Glm5Config {
@@ -101,7 +94,7 @@ impl SynthFamily {
                 routed_scaling_factor: 1.0,
                 ..v2(cfg)
             },
-            SynthFamily::DeepseekV3 => no_indexer(v3(Member::DeepseekV3, cfg)),
+            SynthFamily::DeepseekV3 => v3(Member::DeepseekV3, cfg).without_indexer(),
             SynthFamily::DeepseekV32 => {
                 let layers = cfg.num_hidden_layers as usize;
                 Glm5Config {
@@ -115,7 +108,7 @@ impl SynthFamily {
                 topk_group: 1,
                 routed_scaling_factor: 2.827,
                 yarn: Some(deepseek_yarn(32.0, 4096)),
-                ..no_indexer(v3(Member::KimiK2, cfg))
+                ..v3(Member::KimiK2, cfg).without_indexer()
             },
         }
     }

@@ -27,24 +27,17 @@
 
 use crate::common;
 use crate::llamacpp_oracle::{
-    agree, llama_cpp, long_sequence, read_f32, run_llama_cpp, tokens_of, GENERATE, TOLERANCE,
+    agree, llama_cpp, long_sequence, oracle_model, run_llama_cpp, tokens_of, Model, GENERATE,
+    TOLERANCE,
 };
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use glmcheck::trace::Trace;
 
 const SHORT: &str = "5,77,300";
 const MEDIUM: &str = "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16";
-
-/// What the Python oracle made: the GGUF and, per sequence, transformers' logits and tokens.
-struct Model {
-    gguf: PathBuf,
-    vocab: usize,
-    hf_logits: Vec<Vec<f32>>,
-    hf_generated: Vec<serde_json::Value>,
-}
 
 fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&str]) -> Model {
     let (src, n) = (llama_cpp().join("src"), GENERATE.to_string());
@@ -57,23 +50,7 @@ fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&str]) -> Mod
         &n,
     ];
     args.extend(extra);
-    for s in sequences {
-        args.extend(["--tokens", s]);
-    }
-    let stdout = common::run_oracle("llamacpp.family", &args);
-    let json: serde_json::Value =
-        serde_json::from_str(stdout.lines().last().expect("llamacpp.family prints JSON")).unwrap();
-    let seqs = json["sequences"].as_array().unwrap();
-    assert_eq!(seqs.len(), sequences.len());
-    Model {
-        gguf: PathBuf::from(json["gguf"].as_str().unwrap()),
-        vocab: json["vocab_size"].as_u64().unwrap() as usize,
-        hf_logits: seqs
-            .iter()
-            .map(|s| read_f32(Path::new(s["logits"].as_str().unwrap())))
-            .collect(),
-        hf_generated: seqs.iter().map(|s| s["generated"].clone()).collect(),
-    }
+    oracle_model("llamacpp.family", args, sequences)
 }
 
 /// glmcheck's logits of every position and its greedy tokens.

@@ -67,35 +67,26 @@ pub(super) fn tokens_of(ids: &str) -> Vec<u64> {
 }
 
 /// What the Python oracle made: the F32 GGUF and, per sequence, transformers' logits and tokens.
-struct Model {
-    gguf: PathBuf,
-    vocab: usize,
-    hf_logits: Vec<Vec<f32>>,
-    hf_generated: Vec<serde_json::Value>,
+pub(super) struct Model {
+    pub(super) gguf: PathBuf,
+    pub(super) vocab: usize,
+    pub(super) hf_logits: Vec<Vec<f32>>,
+    pub(super) hf_generated: Vec<serde_json::Value>,
 }
 
-fn make_model(dir: &Path, rms_norm_eps: &str, sequences: &[&str]) -> Model {
-    let llama = llama_cpp();
-    let (out, src, n) = (
-        dir.to_str().unwrap(),
-        llama.join("src"),
-        GENERATE.to_string(),
-    );
-    let mut args = vec![
-        out,
-        "--llama-cpp",
-        src.to_str().unwrap(),
-        "--rms-norm-eps",
-        rms_norm_eps,
-        "--generate",
-        &n,
-    ];
+/// Run the oracle `module` (`llamacpp.model`, `llamacpp.family`) with `args` and one `--tokens`
+/// per sequence, and read what it made.
+pub(super) fn oracle_model<'a>(
+    module: &str,
+    mut args: Vec<&'a str>,
+    sequences: &[&'a str],
+) -> Model {
     for s in sequences {
         args.extend(["--tokens", s]);
     }
-    let stdout = common::run_oracle("llamacpp.model", &args);
+    let stdout = common::run_oracle(module, &args);
     let json: serde_json::Value =
-        serde_json::from_str(stdout.lines().last().expect("llamacpp.model prints JSON")).unwrap();
+        serde_json::from_str(stdout.lines().last().expect("the oracle prints JSON")).unwrap();
     let seqs = json["sequences"].as_array().unwrap();
     assert_eq!(seqs.len(), sequences.len());
     Model {
@@ -107,6 +98,25 @@ fn make_model(dir: &Path, rms_norm_eps: &str, sequences: &[&str]) -> Model {
             .collect(),
         hf_generated: seqs.iter().map(|s| s["generated"].clone()).collect(),
     }
+}
+
+fn make_model(dir: &Path, rms_norm_eps: &str, sequences: &[&str]) -> Model {
+    let llama = llama_cpp();
+    let (out, src, n) = (
+        dir.to_str().unwrap(),
+        llama.join("src"),
+        GENERATE.to_string(),
+    );
+    let args = vec![
+        out,
+        "--llama-cpp",
+        src.to_str().unwrap(),
+        "--rms-norm-eps",
+        rms_norm_eps,
+        "--generate",
+        &n,
+    ];
+    oracle_model("llamacpp.model", args, sequences)
 }
 
 /// llama.cpp's logits of every prompt position and its greedy tokens after the prompt.

@@ -192,11 +192,11 @@ pub(super) fn gguf_mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Ve
     }
     // 1 softmax, 2 sigmoid, 3 softmax over the chosen; absent or 0 as the arch's loader
     // defaults it (deepseek2: softmax, but for GLM-4.7-Flash's shape).
-    let default = llama_cpp_default_gating(
-        arch,
-        count("block_count").unwrap_or(0),
-        count("vocab_size").unwrap_or(cfg.vocab_size),
-    );
+    let layers = count("block_count")
+        .unwrap_or(0)
+        .saturating_sub(count("nextn_predict_layers").unwrap_or(0));
+    let default =
+        llama_cpp_default_gating(arch, layers, count("vocab_size").unwrap_or(cfg.vocab_size));
     let gating = match get("expert_gating_func").and_then(Value::as_u64) {
         None | Some(0) => default,
         Some(2) => "sigmoid",

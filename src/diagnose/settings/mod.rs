@@ -446,7 +446,10 @@ mod tests {
     fn indexer_types_follow_llama_cpp_s_context_rule() {
         // GLM-5 runs every indexer: a 1M context without the key reads as GLM-5.2's pattern.
         let long = ("context_length", Some(Value::from(1u64 << 20)));
-        assert_eq!(keys_found(&[long.clone()]), ["attention.indexer.types"]);
+        assert_eq!(
+            keys_found(std::slice::from_ref(&long)),
+            ["attention.indexer.types"]
+        );
         let all_full = Value::from(vec![1u64; 78]);
         assert!(keys_found(&[long, ("attention.indexer.types", Some(all_full))]).is_empty());
         let short = ("context_length", Some(Value::from(202752u64)));
@@ -464,16 +467,7 @@ mod tests {
     #[test]
     fn yarn_factor_and_original_context_are_compared_under_yarn() {
         let mut cfg = Glm5Config::glm5();
-        cfg.yarn = Some(crate::model::config::Yarn {
-            factor: 40.0,
-            original_max_position_embeddings: 4096,
-            attention_factor: None,
-            mscale: Some(1.0),
-            mscale_all_dim: Some(1.0),
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            truncate: true,
-        });
+        cfg.yarn = Some(crate::model::family::deepseek_yarn(40.0, 4096));
         let meta = |factor: f64, original: u64| -> Map<String, Value> {
             serde_json::from_value(serde_json::json!({
                 "general.architecture": "glm-dsa",

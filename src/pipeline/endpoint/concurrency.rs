@@ -69,7 +69,7 @@ pub(super) fn check(
                     .position(|(a, b)| a != b),
                 seconds: loaded.seconds,
             };
-            let larger = worst.as_ref().map_or(true, |w| {
+            let larger = worst.as_ref().is_none_or(|w| {
                 candidate.drift.max_abs_delta_logprob > w.drift.max_abs_delta_logprob
             });
             if larger {

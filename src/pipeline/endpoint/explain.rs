@@ -63,7 +63,7 @@ fn has_q4k(model: &Model) -> bool {
 enum Run {
     Clean,
     Fault(Injection),
-    Config(Misread),
+    Config(Box<Misread>),
 }
 
 impl Run {
@@ -169,7 +169,9 @@ fn hypotheses(model: &Model, tp: Option<u64>, dtype: Precision) -> (Vec<Run>, Ve
             _ => false,
         })
         .count();
-    let configs = misreads(&model.cfg).into_iter().map(Run::Config);
+    let configs = misreads(&model.cfg)
+        .into_iter()
+        .map(|m| Run::Config(Box::new(m)));
     chosen.splice(loader_first..loader_first, configs);
     (chosen, not_tried)
 }
