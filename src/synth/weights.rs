@@ -32,6 +32,8 @@ use crate::rng::SplitMix;
 
 /// Gain of the projections that write into the residual stream.
 const OUTPUT_GAIN: f32 = 0.3;
+/// The routed scaling factor the experts' output gain is designed for (GLM-5's).
+const GLM5_ROUTED_SCALE: f32 = 2.5;
 /// The residual channel the fp16-overflow knob drives.
 const MASSIVE_CHANNEL: usize = 0;
 /// Its value in every embedding row, so a layer can amplify it.
@@ -259,7 +261,15 @@ impl WeightGen {
     ) {
         let fan_in = row.len() as f32;
         let writes_residual = matches!(w, AttnOut | Down | SharedDown | ExpertsDown);
-        let gain = if writes_residual { OUTPUT_GAIN } else { 1.0 };
+        let gain = match w {
+            AttnOut | Down | SharedDown => OUTPUT_GAIN,
+            // The routed sum is scaled by `routed_scaling_factor`: past GLM-5's 2.5 (DeepSeek-V2's
+            // 16 on unnormalized weights) the experts write less, so the sublayer keeps its scale.
+            ExpertsDown => {
+                OUTPUT_GAIN * (GLM5_ROUTED_SCALE / self.cfg.routed_scaling_factor as f32).min(1.0)
+            }
+            _ => 1.0,
+        };
         row.iter_mut()
             .for_each(|x| *x = gain * rng.normal() / fan_in.sqrt());
         let Some(m) = self.massive else { return };

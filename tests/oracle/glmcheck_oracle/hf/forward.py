@@ -1,4 +1,4 @@
-"""Load a synthetic Hugging Face GLM-5 folder with transformers and run a forward.
+"""Load a synthetic Hugging Face folder of the family with transformers and run a forward.
 
 Usage: python -m glmcheck_oracle.hf.forward FOLDER TOKENS(comma-separated) [--fp16-layer L]
 Prints JSON: per position the argmax and the entropy of the next-token distribution, ln V,
@@ -10,12 +10,12 @@ import math
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from glmcheck_oracle.hf.load import causal_lm
 
 
 def main() -> None:
     folder, tokens = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = causal_lm(folder)
     ids = torch.tensor([tokens])
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
