@@ -5,8 +5,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{Glm5Config, Yarn};
-
 /// A published model of the family, by the `model_type` of its `config.json`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Member {
@@ -164,79 +162,6 @@ impl Member {
     pub fn has_indexer(self) -> bool {
         matches!(self, Member::Glm5 | Member::DeepseekV32)
     }
-
-    /// The values its transformers config class gives a key `config.json` leaves out.
-    pub fn hf_defaults(self) -> Glm5Config {
-        let glm = Glm5Config::glm5();
-        let v3 = Glm5Config {
-            member: Member::DeepseekV3,
-            vocab_size: 129280,
-            hidden_size: 7168,
-            intermediate_size: 18432,
-            num_hidden_layers: 61,
-            num_attention_heads: 128,
-            q_lora_rank: 1536,
-            qk_nope_head_dim: 128,
-            v_head_dim: 128,
-            n_group: 8,
-            topk_group: 4,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 4096,
-            ..glm.clone()
-        }
-        .without_indexer();
-        match self {
-            Member::Glm5 => glm,
-            Member::Glm47Flash => Glm5Config {
-                member: self,
-                hidden_size: 2048,
-                intermediate_size: 10240,
-                moe_intermediate_size: 1536,
-                num_hidden_layers: 47,
-                num_nextn_predict_layers: 0,
-                num_attention_heads: 20,
-                q_lora_rank: 768,
-                n_routed_experts: 64,
-                num_experts_per_tok: 4,
-                first_k_dense_replace: 1,
-                routed_scaling_factor: 1.8,
-                ..glm
-            }
-            .without_indexer(),
-            Member::DeepseekV2 => Glm5Config {
-                member: self,
-                vocab_size: 102400,
-                hidden_size: 4096,
-                intermediate_size: 11008,
-                moe_intermediate_size: 1407,
-                num_hidden_layers: 32,
-                num_attention_heads: 32,
-                n_routed_experts: 64,
-                n_shared_experts: 2,
-                num_experts_per_tok: 0,
-                first_k_dense_replace: 0,
-                n_group: 1,
-                topk_group: 1,
-                routed_scaling_factor: 1.0,
-                norm_topk_prob: false,
-                scoring_func: "softmax".into(),
-                topk_method: TopkMethod::Greedy,
-                max_position_embeddings: 2048,
-                ..v3
-            },
-            Member::DeepseekV3 => v3,
-            Member::KimiK2 => Glm5Config { member: self, ..v3 },
-            Member::DeepseekV32 => Glm5Config {
-                member: self,
-                index_n_heads: 64,
-                index_head_dim: 128,
-                index_topk: 2048,
-                indexer_rope_interleave: false,
-                max_position_embeddings: 163840,
-                ..v3
-            },
-        }
-    }
 }
 
 /// The routing scores llama.cpp's loader gives a GGUF of `arch` without `expert_gating_func`:
@@ -249,20 +174,5 @@ pub fn llama_cpp_default_gating(arch: &str, layers: u64, vocab: u64) -> &'static
     match arch == "deepseek2" && !glm_4_7_flash {
         true => "softmax",
         false => "sigmoid",
-    }
-}
-
-/// The real DeepSeek-V3 / Kimi-K2 YaRN settings' shape (mscale equal to mscale_all_dim, so
-/// cos/sin stay unscaled and only the softmax scale grows), for synthetic members.
-pub fn deepseek_yarn(factor: f64, original: u64) -> Yarn {
-    Yarn {
-        factor,
-        original_max_position_embeddings: original,
-        attention_factor: None,
-        mscale: Some(1.0),
-        mscale_all_dim: Some(1.0),
-        beta_fast: 32.0,
-        beta_slow: 1.0,
-        truncate: true,
     }
 }

@@ -1,8 +1,7 @@
 //! `synth --family`: a preset's widths with one member's switches, set as that member's
 //! published config sets them (its routing, groups, scales, query path, RoPE and YaRN).
 
-use crate::model::config::{Glm5Config, IndexerKind, Member, TopkMethod};
-use crate::model::family::deepseek_yarn;
+use crate::model::config::{Glm5Config, IndexerKind, Member, TopkMethod, Yarn};
 
 /// A member as `synth --family` names it (V2-Lite apart from V2: it has no q LoRA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,7 +56,7 @@ impl SynthFamily {
             topk_group: open,
             routed_scaling_factor: 2.5,
             rms_norm_eps: 1e-6,
-            yarn: Some(deepseek_yarn(40.0, 4096)),
+            yarn: Some(Yarn::deepseek(40.0, 4096)),
             ..c
         };
         // V2 chooses 6 experts from the best 3 groups by their best score: fewer groups than
@@ -107,7 +106,7 @@ impl SynthFamily {
                 n_group: 1,
                 topk_group: 1,
                 routed_scaling_factor: 2.827,
-                yarn: Some(deepseek_yarn(32.0, 4096)),
+                yarn: Some(Yarn::deepseek(32.0, 4096)),
                 ..v3(Member::KimiK2, cfg).without_indexer()
             },
         }

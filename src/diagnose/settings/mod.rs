@@ -467,7 +467,7 @@ mod tests {
     #[test]
     fn yarn_factor_and_original_context_are_compared_under_yarn() {
         let mut cfg = Glm5Config::glm5();
-        cfg.yarn = Some(crate::model::family::deepseek_yarn(40.0, 4096));
+        cfg.yarn = Some(crate::model::config::Yarn::deepseek(40.0, 4096));
         let meta = |factor: f64, original: u64| -> Map<String, Value> {
             serde_json::from_value(serde_json::json!({
                 "general.architecture": "glm-dsa",
