@@ -27,14 +27,11 @@
 
 use crate::common;
 use crate::llamacpp_oracle::{
-    agree, llama_cpp, long_sequence, oracle_model, run_llama_cpp, tokens_of, Model, GENERATE,
-    TOLERANCE,
+    agree, llama_cpp, long_sequence, oracle_model, run_glmcheck, run_llama_cpp, tokens_of, Model,
+    GENERATE, TOLERANCE,
 };
 
 use std::path::Path;
-use std::process::Command;
-
-use glmcheck::trace::Trace;
 
 const SHORT: &str = "5,77,300";
 const MEDIUM: &str = "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16";
@@ -51,29 +48,6 @@ fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&str]) -> Mod
     ];
     args.extend(extra);
     oracle_model("llamacpp.family", args, sequences)
-}
-
-/// glmcheck's logits of every position and its greedy tokens.
-fn run_glmcheck(gguf: &Path, ids: &str, out: &Path) -> (Vec<f32>, serde_json::Value) {
-    let run = Command::new(common::glmcheck_bin())
-        .arg("run")
-        .arg(gguf)
-        .args(["--tokens", ids, "--generate", &GENERATE.to_string()])
-        .args(["--full", "logits", "--json", "--out"])
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "glmcheck run failed:\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
-    let trace = Trace::open(out).unwrap();
-    (
-        trace.tensor("logits", None).unwrap().unwrap(),
-        json["generated"].clone(),
-    )
 }
 
 /// `glmcheck inspect`: the member it names, and the schema check passed.
@@ -93,7 +67,12 @@ struct Runs {
 
 fn run_both(dir: &Path, model: &Model, k: usize, ids: &str) -> Runs {
     Runs {
-        ours: run_glmcheck(&model.gguf, ids, &dir.join(format!("{k}.trace"))),
+        // The models' rms_norm_eps is 1e-6, the latent norms' eps of both llama.cpp and
+        // transformers.
+        ours: {
+            let o = run_glmcheck(&model.gguf, ids, "1e-6", &dir.join(format!("{k}.trace")));
+            (o.logits, o.generated)
+        },
         llama: run_llama_cpp(
             &model.gguf,
             ids,

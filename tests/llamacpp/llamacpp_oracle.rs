@@ -148,13 +148,13 @@ pub(super) fn run_llama_cpp(
 /// glmcheck's logits, its greedy tokens, and the smallest score gap at a DSA top-k boundary
 /// (where a near-tie could flip a selection between two implementations; None when nothing is
 /// selected).
-struct Ours {
-    logits: Vec<f32>,
-    generated: serde_json::Value,
+pub(super) struct Ours {
+    pub(super) logits: Vec<f32>,
+    pub(super) generated: serde_json::Value,
     min_index_gap: Option<f32>,
 }
 
-fn run_glmcheck(gguf: &Path, ids: &str, latent_norm_eps: &str, out: &Path) -> Ours {
+pub(super) fn run_glmcheck(gguf: &Path, ids: &str, latent_norm_eps: &str, out: &Path) -> Ours {
     let run = Command::new(common::glmcheck_bin())
         .arg("run")
         .arg(gguf)

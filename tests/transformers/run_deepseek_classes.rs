@@ -16,6 +16,30 @@ use serde_json::Value;
 
 const TOKENS: &str = "1,7,42,300,5,99,123,64,17,250,3,8";
 
+/// transformers' float32 logits of `tokens` on `model` (`hf.logits`), and the vocabulary size.
+pub(crate) fn hf_logits(model: &std::path::Path, tokens: &str) -> (Vec<f32>, usize) {
+    let theirs: Value = serde_json::from_str(&common::run_oracle(
+        "hf.logits",
+        &[model.to_str().unwrap(), tokens],
+    ))
+    .unwrap();
+    let y = theirs["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    (y, theirs["shape"][1].as_u64().unwrap() as usize)
+}
+
+/// Our logits `x` within 1e-4 × max|logit| of transformers' `y` at every position.
+pub(crate) fn assert_logits_agree(what: &str, x: &[f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "{what}");
+    let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = x.iter().zip(y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(err <= 1e-4 * scale, "{what}: max |Δlogit| {err} of {scale}");
+}
+
 /// Our trace of the model transformers agreed with, and the model (alive while this is).
 struct Agreed {
     trace: Trace,
@@ -49,25 +73,8 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Agreed {
     );
     let trace = Trace::open(&trace_dir).unwrap();
     let x = trace.tensor("logits", None).unwrap().unwrap();
-    let theirs: Value =
-        serde_json::from_str(&common::run_oracle("hf.logits", &[model_s, TOKENS])).unwrap();
-    let y: Vec<f32> = theirs["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
-    assert_eq!(x.len(), y.len());
-    let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let err = x
-        .iter()
-        .zip(&y)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= 1e-4 * scale,
-        "{arch} {flags:?}: max |Δlogit| {err} of {scale}"
-    );
-    let vocab = theirs["shape"][1].as_u64().unwrap() as usize;
+    let (y, vocab) = hf_logits(&model, TOKENS);
+    assert_logits_agree(&format!("{arch} {flags:?}"), &x, &y);
     let argmax = |v: &[f32]| -> Vec<usize> {
         v.chunks_exact(vocab)
             .map(|row| {

@@ -4,6 +4,7 @@
 //! reads the GGUF, and the same seed gives the same bytes.
 
 use crate::common;
+use crate::run_deepseek_classes::{assert_logits_agree, hf_logits};
 
 use std::path::Path;
 use std::process::Command;
@@ -138,11 +139,7 @@ fn every_member_s_hf_form_runs_in_its_own_transformers_class() {
         assert_predicts_pattern(&spec, &hf_forward(&folder, &tokens), &tokens);
         let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
         let ids = ids.join(",");
-        let theirs: Json = serde_json::from_str(&common::run_oracle(
-            "hf.logits",
-            &[folder.to_str().unwrap(), &ids],
-        ))
-        .unwrap();
+        let (theirs, _) = hf_logits(&folder, &ids);
         let trace = dir.path().join(format!("{}.trace", family.name()));
         common::glmcheck_json(
             [
@@ -161,22 +158,7 @@ fn every_member_s_hf_form_runs_in_its_own_transformers_class() {
             .tensor("logits", None)
             .unwrap()
             .unwrap();
-        let y: Vec<f32> = theirs["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
-        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let err = ours
-            .iter()
-            .zip(&y)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            err <= 1e-4 * scale,
-            "{}: max |Δlogit| {err} of {scale}",
-            family.name()
-        );
+        assert_logits_agree(family.name(), &ours, &theirs);
     }
 }
 
