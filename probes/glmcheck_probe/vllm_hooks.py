@@ -11,7 +11,7 @@ import torch
 
 from .trace import DEFAULT_FULL, TraceWriter, fingerprint
 from .vllm_model import (ATTENTION, COLUMN, CUDA_ATTENTION, CUDA_LAYER, CUDA_MODEL, DTYPES, EMBED,
-                         FUSED_MOE, GATE, INDEXER, LAYER, LM_HEAD, LOGITS, MERGED, MLP, MOE,
+                         FUSED_MOE, GATE, INDEXER, LAYER, LM_HEAD, LOGITS, MERGED, MLP, MODEL, MOE,
                          REPLICATED, RMS_NORM, ROPE, ROW, UnknownModel, _class, _config,
                          _model_dtype, _require, _vllm_version)
 
@@ -136,8 +136,7 @@ class Probe:
 
     def install(self) -> "Probe":
         cfg, model = self.cfg, self.model
-        _require("model", getattr(model, "model", None),
-                 {"DeepseekV2Model", "GlmMoeDsaModel"} | CUDA_MODEL)
+        _require("model", getattr(model, "model", None), MODEL | CUDA_MODEL)
         inner = model.model
         self.cuda_tree = _class(inner) in CUDA_MODEL
         _require("model.embed_tokens", getattr(inner, "embed_tokens", None), EMBED)
@@ -261,10 +260,12 @@ class Probe:
         # `_maybe_apply_routed_scale_to_output`): recorded in the reference's units.
         fp16_guard = self.dtype == "f16" and not cuda
         held = float(getattr(cfg, "routed_scaling_factor", 1.0)) if fp16_guard else 1.0
+        # Without a q LoRA (DeepSeek-V2-Lite) `q_proj` makes the query from the hidden state.
+        q_lora = bool(getattr(cfg, "q_lora_rank", None))
         self.expected += [L + s for s in (
             "attn_norm", "attn.q_a", "attn.kv_a", "attn.q_a_norm", "attn.q", "attn.kv_a_norm",
             "attn.q_rope", "attn.k_rope", "attn.ctx", "attn.out", "attn_resid",
-            "ffn_norm", "ffn.out", "out")]
+            "ffn_norm", "ffn.out", "out") if q_lora or not s.startswith("attn.q_a")]
         heads = cfg.num_attention_heads // self.tp
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self._pre(layer, lambda _a: setattr(self, "layer", n))
@@ -276,25 +277,28 @@ class Probe:
         fused = getattr(attn, "fused_qkv_a_proj", None)
         if fused is not None:
             _require(f"{at}.self_attn.fused_qkv_a_proj", fused, MERGED)
-            q_lora = cfg.q_lora_rank
+            rank = cfg.q_lora_rank
 
             def qkv_a(o):
                 o = _first(o)
-                self.take(L + "attn.q_a", o[..., :q_lora], "t d", -1)
-                self.take(L + "attn.kv_a", o[..., q_lora:], "t d", -1)
+                self.take(L + "attn.q_a", o[..., :rank], "t d", -1)
+                self.take(L + "attn.kv_a", o[..., rank:], "t d", -1)
 
             self._out(fused, qkv_a)
         else:
-            for name, stage in (("q_a_proj", "attn.q_a"), ("kv_a_proj_with_mqa", "attn.kv_a")):
+            a_projs = (("q_a_proj", "attn.q_a"),) if q_lora else ()
+            for name, stage in a_projs + (("kv_a_proj_with_mqa", "attn.kv_a"),):
                 mod = getattr(attn, name, None)
                 _require(f"{at}.self_attn.{name}", mod, REPLICATED)
                 self._out(mod, lambda o, s=stage: self.take(L + s, _first(o), "t d", -1))
         # kv_b_proj is hooked but not expected: vLLM's MLA absorbs it into W_UK_T and W_UV after
         # loading and does not call it in a forward. The CUDA tree's q_a and kv_a norms run in
         # `fused_norm_rope` (`_cuda_functions`), which only reads their weights.
-        for name, classes, stage, dims, tail, split in (
+        query = (
             ("q_a_layernorm", RMS_NORM, "attn.q_a_norm", "t d", (-1,), False),
             ("q_b_proj", COLUMN, "attn.q", "t h(tp) d", (heads, qk), True),
+        ) if q_lora else (("q_proj", COLUMN, "attn.q", "t h(tp) d", (heads, qk), True),)
+        for name, classes, stage, dims, tail, split in query + (
             ("kv_a_layernorm", RMS_NORM, "attn.kv_a_norm", "t d", (-1,), False),
             ("kv_b_proj", COLUMN, "attn.kv", "t h(tp) d", (heads, -1), True),
         ):

@@ -28,15 +28,18 @@ FUSED_MOE = {"FusedMoE", "SharedFusedMoE", "MoERunner"}
 ROUTED_EXPERTS = {"RoutedExperts"}
 MLA_OP = {"MLAAttention"}
 INDEXER = {"Indexer", "DeepseekV32Indexer"}
-LAYER = {"DeepseekV2DecoderLayer"}
-ATTENTION = {"DeepseekV2MLAAttention", "DeepseekV2Attention"}
+# The CPU tree's model classes: DeepSeek-V2/V3/V3.2, Kimi-K2 and GLM-5 share `deepseek_v2.py`;
+# GLM-4.7-Flash (`glm4_moe_lite.py`) subclasses its attention and reuses GLM-4.5's MoE.
+MODEL = {"DeepseekV2Model", "GlmMoeDsaModel", "Glm4MoeLiteModel"}
+LAYER = {"DeepseekV2DecoderLayer", "Glm4MoeLiteDecoderLayer"}
+ATTENTION = {"DeepseekV2MLAAttention", "DeepseekV2Attention", "Glm4MoeLiteMLAAttention"}
 # vLLM 0.32's CUDA tree (`vllm/models/deepseek_v32/`): the attention is itself the MLA op, and
 # its norms, RoPE and DSA top-k run in module-level functions the probe wraps.
 CUDA_MODEL = {"DeepseekV32Model"}
 CUDA_LAYER = {"DeepseekV32DecoderLayer"}
 CUDA_ATTENTION = {"DeepseekV32Attention"}
-MOE = {"DeepseekV2MoE"}
-MLP = {"DeepseekV2MLP"}
+MOE = {"DeepseekV2MoE", "Glm4MoeLite"}
+MLP = {"DeepseekV2MLP", "Glm4MoeLiteMLP", "Glm4MoeMLP"}
 ROPE = {"RotaryEmbedding", "DeepseekScalingRotaryEmbedding"}
 LOGITS = {"LogitsProcessor"}
 
@@ -51,6 +54,8 @@ LAYER_PARAMS = [
     (r"self_attn\.q_a_layernorm\.weight", RMS_NORM),
     (r"self_attn\.kv_a_layernorm\.weight", RMS_NORM),
     (r"self_attn\.q_b_proj\.weight", COLUMN),
+    # DeepSeek-V2-Lite has no q LoRA: its query comes straight from the hidden state.
+    (r"self_attn\.q_proj\.weight", COLUMN),
     (r"self_attn\.kv_b_proj\.weight", COLUMN),
     (r"self_attn\.o_proj\.weight", ROW),
     (r"self_attn\.indexer\.wq_b\.weight", REPLICATED),

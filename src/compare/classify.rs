@@ -8,6 +8,7 @@ use super::fault::{Fault, FaultClass};
 use super::logits::LogitsHealth;
 use super::metrics::Metrics;
 use super::parts::{from_disagreement, from_parts};
+use super::softmax_fit::softmax_scale_fault;
 use super::stage_diff::{whole_values, Basis, StageDiff, Status};
 use super::sum_fit::sum_fault;
 use crate::model::Stage;
@@ -90,6 +91,9 @@ pub fn classify(
         return Ok(f);
     }
     if let Some(f) = op_fault(stages, i) {
+        return Ok(f);
+    }
+    if let Some(f) = softmax_scale_fault(reference, candidate, stages, i)? {
         return Ok(f);
     }
     if let Some(f) = sum_fault(reference, candidate, stages, i)? {

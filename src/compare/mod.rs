@@ -8,6 +8,7 @@ pub mod logits;
 pub mod metrics;
 pub mod parts;
 pub mod server_drift;
+pub mod softmax_fit;
 pub mod stage_diff;
 pub mod sum_fit;
 pub mod top_k;

@@ -20,7 +20,7 @@ use crate::exec::passes::Passes;
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::exec::ops::rope::{yarn_softmax_factor, Rope, RotateSpec};
+use crate::exec::ops::rope::{Rope, RotateSpec};
 use crate::exec::ops::ties::TieBreaks;
 use crate::exec::real::Real;
 use crate::exec::source::lazy_weight::LazyWeight;
@@ -249,7 +249,8 @@ pub fn attention<B: Backend>(
     cache.len += t;
 
     let total = start + t;
-    let scale = B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(yarn_softmax_factor(cfg));
+    let scale =
+        B::E::lit(qk as f64).powf(B::E::lit(-0.5)) * B::E::lit(hooks.yarn_softmax_factor(cfg));
     // The keys each position sees: its DSA selection, else every position up to its own (the
     // same set where the indexer keeps them all; the attention reads keys in any order).
     let keys: Vec<Vec<i32>> = be.host(Op::AttentionKeys, || {

@@ -579,8 +579,17 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
         .or_else(|| r.get("type"))
         .and_then(Json::as_str)
         .unwrap_or("default");
-    if ty != "yarn" {
-        return Ok(None);
+    match ty {
+        // vLLM's DeepSeek attention renames its config's `yarn` to `deepseek_yarn` in place,
+        // so a vLLM trace records that name for the same scaling.
+        "yarn" | "deepseek_yarn" => {}
+        "default" => return Ok(None),
+        other => {
+            return Err(cfg_err(
+                "rope_parameters.rope_type",
+                format!("`{other}` is not a rotary scaling the family runs (default, yarn)"),
+            ))
+        }
     }
     let num = |k: &str, default: f64| r.get(k).and_then(Json::as_f64).unwrap_or(default);
     let orig = r

@@ -9,6 +9,7 @@ mod endpoint;
 mod vllm32;
 mod vllm_gguf_load;
 mod vllm_today;
+mod vllm_today_family;
 mod vllm_today_fp8;
 mod vllm_today_gguf;
 mod vllm_today_server;

@@ -27,12 +27,19 @@ pub(crate) fn vllm_python() -> PathBuf {
 
 /// The tiny preset as a Hugging Face folder with GLM-5's MLA widths.
 pub(crate) fn model(dir: &Path) -> PathBuf {
-    let hf = dir.join("hf");
+    family_model(dir, "glm5")
+}
+
+/// `model` for a member of the family (`glmcheck synth --family`), in the folder `family`.
+pub(crate) fn family_model(dir: &Path, family: &str) -> PathBuf {
+    let hf = dir.join(family);
     common::synth_tiny(
         &hf,
         &[
             "--format",
             "hf",
+            "--family",
+            family,
             "--set",
             "kv_lora_rank=512",
             "--set",

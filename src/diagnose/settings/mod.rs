@@ -584,4 +584,43 @@ mod tests {
         };
         assert!(Settings::of(&own).unwrap().is_none());
     }
+
+    /// vLLM's DeepSeek attention renames its config's `yarn` to `deepseek_yarn` in place, and
+    /// its probe records the config so: the same scaling as the reference's, no mismatch; a
+    /// rotary scaling the family never runs is an error naming the field, not "no scaling".
+    #[test]
+    fn vllm_s_deepseek_yarn_is_the_reference_s_yarn_and_an_unknown_rope_type_is_an_error() {
+        let mut json = Glm5Config::glm5().to_hf_json();
+        json["model_type"] = "deepseek_v3".into();
+        json["rope_parameters"] = serde_json::json!({
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+            "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0,
+        });
+        let ours = Glm5Config::from_hf_json(&json.to_string()).unwrap();
+        assert!(ours.yarn.is_some());
+        let info = |rope_type: &str| {
+            let mut config = json.clone();
+            config["rope_parameters"]["rope_type"] = rope_type.into();
+            ModelInfo {
+                source: "model".into(),
+                config,
+                fingerprint: String::new(),
+                extra: Map::new(),
+            }
+        };
+        let vllm = info("deepseek_yarn");
+        let settings = Settings::of(&vllm).unwrap().expect("a config.json");
+        assert!(settings.mismatches(&ours).is_empty());
+        let default = info("default");
+        let none = Settings::of(&default).unwrap().expect("a config.json");
+        assert_eq!(none.mismatches(&ours)[0].key, "rope_scaling");
+        let err = Settings::of(&info("linear"))
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(
+            err.contains("rope_parameters.rope_type") && err.contains("linear"),
+            "{err}"
+        );
+    }
 }

@@ -8,6 +8,7 @@ use anyhow::Result;
 use crate::exec::backend::Backend;
 use crate::exec::faults::inject::{k_then_v_rows, Injection, Injection::*};
 use crate::exec::mat::Mat;
+use crate::exec::ops::rope::yarn_softmax_factor;
 use crate::model::config::TopkMethod;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::Glm5Config;
@@ -29,6 +30,14 @@ impl Hooks {
     /// The DSA indexer's RoPE pairing: the config's (`indexer-rope-neox` takes the other one).
     pub fn indexer_rope_interleave(self, configured: bool) -> bool {
         configured != (self.0 == Some(IndexerRopeNeox))
+    }
+
+    /// The softmax scale's multiplier from YaRN's mscale² (`yarn-mscale-dropped`: 1).
+    pub fn yarn_softmax_factor(self, cfg: &Glm5Config) -> f64 {
+        match self.0 {
+            Some(YarnMscaleDropped) => 1.0,
+            _ => yarn_softmax_factor(cfg),
+        }
     }
 
     /// Whether an f16 run rescales the residual stream as vLLM does (`fp16-overflow` does not).

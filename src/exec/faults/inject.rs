@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::compare::fault::FaultClass;
 use crate::dtype::Precision;
+use crate::exec::ops::rope::yarn_softmax_factor;
 use crate::model::config::TopkMethod;
 use crate::model::names::LayerWeight::{self, *};
 use crate::model::stages::stage_of;
@@ -44,6 +45,9 @@ pub enum Injection {
     /// Groups ranked by the other rule: their best score where the model sums their two best
     /// (`noaux_tc`), or the reverse (`group_limited_greedy`).
     GroupScoreSwapped,
+    /// YaRN's mscale² left out of the attention's softmax scale (the rotary embedding's own
+    /// mscale kept).
+    YarnMscaleDropped,
     /// kv_b assembled as every head's K rows, then every head's V rows, instead of per head.
     KvBSplitOrder,
     /// lm_head never loaded: all zeros.
@@ -201,6 +205,14 @@ pub const CATALOGUE: &[Entry] = &[
         "routed_scaling_factor applied to the routed experts' output a second time",
     ),
     entry(
+        "yarn-mscale-dropped",
+        "none (the model needs YaRN with mscale_all_dim: DeepSeek-V3, Kimi-K2)",
+        FaultClass::ScaleMismatch,
+        "L0.attn.ctx",
+        false,
+        "YaRN's mscale² left out of the attention's softmax scale",
+    ),
+    entry(
         "kv-b-split-order",
         "none",
         FaultClass::WeightLayout,
@@ -293,6 +305,7 @@ impl Injection {
             "routed-scale-twice" => no_arg(Injection::RoutedScaleTwice),
             "group-limit-ignored" => no_arg(Injection::GroupLimitIgnored),
             "group-score-swapped" => no_arg(Injection::GroupScoreSwapped),
+            "yarn-mscale-dropped" => no_arg(Injection::YarnMscaleDropped),
             "kv-b-split-order" => no_arg(Injection::KvBSplitOrder),
             "flat-lm-head" => no_arg(Injection::FlatLmHead),
             _ => bail!(
@@ -321,6 +334,7 @@ impl Injection {
             Injection::RoutedScaleTwice => "routed-scale-twice",
             Injection::GroupLimitIgnored => "group-limit-ignored",
             Injection::GroupScoreSwapped => "group-score-swapped",
+            Injection::YarnMscaleDropped => "yarn-mscale-dropped",
             Injection::KvBSplitOrder => "kv-b-split-order",
             Injection::FlatLmHead => "flat-lm-head",
             Injection::NanExpert(_) => "nan-expert",
@@ -414,6 +428,13 @@ impl Injection {
                     cfg.topk_method.name()
                 )
             }
+            Injection::YarnMscaleDropped if yarn_softmax_factor(cfg) == 1.0 => {
+                bail!(
+                    "--inject {}: the model's softmax scale has no YaRN mscale² (no YaRN, or \
+                     no mscale_all_dim)",
+                    e.name
+                )
+            }
             Injection::IndexerRopeNeox if !cfg.has_indexer(0) => {
                 bail!(
                     "--inject {}: the model has no DSA indexer in layer 0",
@@ -472,6 +493,7 @@ impl Injection {
             | Injection::GroupScoreSwapped => {
                 [at(moe, "moe.topk_ids"), at(moe, "moe.topk_weights")].concat()
             }
+            Injection::YarnMscaleDropped => at(0, "attn.ctx"),
             Injection::KvBSplitOrder => at(0, "attn.kv"),
             Injection::FlatLmHead => vec!["logits".into()],
             Injection::NanExpert(l) => at(l.unwrap_or(moe), "moe.routed"),

@@ -11,6 +11,10 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
   offset on every rank;
 * `router-bias-ignored`: the CPU router's grouped top-k (`fused_moe/router/cpu_router.py`)
   choosing experts without `e_score_correction_bias`;
+* `group-limit-ignored`: the same grouped top-k choosing among every expert group, not only
+  the best `topk_group` (DeepSeek-V2/V3's limit);
+* `yarn-mscale-dropped`: DeepSeek's MLA attention (`models/deepseek_v2.py`) leaving YaRN's
+  mscale² out of its softmax scale (the rotary embedding's own mscale kept);
 * `skip-o-proj-all-reduce`: the all-reduce of layer 1's `o_proj` partial sums left out: in the
   CPU tree by `RowParallelLinear.forward` (`linear.py`), in the CUDA tree, whose o_proj leaves
   its output un-reduced, by `fused_allreduce_rms_norm` before layer 1's post-attention norm
@@ -44,8 +48,9 @@ FUSE_SHARED_ENV = "GLMCHECK_VLLM_FUSE_SHARED_EXPERTS"
 # and QKV loaders, which 0.0.5 lacks.
 GGUF_RANK_FIX_ENV = "GLMCHECK_VLLM_GGUF_RANK_FIX"
 
-FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "skip-o-proj-all-reduce",
-          "rope-positions-shifted", "w13-halves-swapped", "fused-shared-halves-swapped", "requests-share-attention")
+FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "group-limit-ignored",
+          "yarn-mscale-dropped", "skip-o-proj-all-reduce", "rope-positions-shifted",
+          "w13-halves-swapped", "fused-shared-halves-swapped", "requests-share-attention")
 
 
 def register() -> None:
@@ -108,6 +113,30 @@ def _router_bias_ignored() -> None:
         return real(*args, **kwargs)
 
     cpu_router._grouped_topk = grouped_topk
+
+
+def _group_limit_ignored() -> None:
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    real = cpu_router._grouped_topk
+    signature = inspect.signature(real)
+
+    def grouped_topk(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.arguments["topk_group"] = call.arguments["num_expert_group"]
+        return real(*call.args, **call.kwargs)
+
+    cpu_router._grouped_topk = grouped_topk
+
+
+def _yarn_mscale_dropped() -> None:
+    from vllm.model_executor.models import deepseek_v2
+
+    # The module's own helper serves only the attention's softmax scale; the rotary
+    # embedding's mscale comes from `rotary_embedding/deepseek_scaling_rope.py`'s.
+    deepseek_v2.yarn_get_mscale = lambda *_args, **_kwargs: 1.0
 
 
 def _skip_o_proj_all_reduce() -> None:
