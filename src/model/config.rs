@@ -580,9 +580,9 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
         .and_then(Json::as_str)
         .unwrap_or("default");
     match ty {
-        // vLLM's DeepSeek attention renames its config's `yarn` to `deepseek_yarn` in place,
-        // so a vLLM trace records that name for the same scaling.
-        "yarn" | "deepseek_yarn" => {}
+        // vLLM's DeepSeek attention renames its config's `yarn` in place (`deepseek_llama_scaling`
+        // where `attention_factor` is 1), so a vLLM trace records its name for the same values.
+        "yarn" | "deepseek_yarn" | "deepseek_llama_scaling" => {}
         "default" => return Ok(None),
         other => {
             return Err(cfg_err(

@@ -153,12 +153,13 @@ fn the_fault_matrix_names_stage_and_class() {
 /// The family's own faults and the rest of the catalogue on every other member (Q4_K_M GGUFs
 /// of `synth --family`, TP 2, f32 and bf16): each planted fault that exists on the member is
 /// located and classed, the clean runs pass; the expert-group faults exist on DeepSeek-V2 (groups
-/// ranked by their best score) and V3 (by their two best) and are planted there.
+/// ranked by their best score) and V3 (by their two best) and are planted there, YaRN's mscale²
+/// left out of the softmax scale on the members with YaRN (V3, V3.2, Kimi-K2).
 #[test]
 fn the_fault_matrix_holds_on_every_member_of_the_family() {
     let dir = common::scratch();
     let mut missed = Vec::new();
-    let mut grouped = 0;
+    let (mut grouped, mut yarn) = (0, 0);
     for family in [
         "deepseek-v2",
         "deepseek-v2-lite",
@@ -174,6 +175,7 @@ fn the_fault_matrix_holds_on_every_member_of_the_family() {
         for c in &cases {
             let name = c["fault"].as_str().unwrap();
             grouped += usize::from(name.starts_with("group-"));
+            yarn += usize::from(name == "yarn-mscale-dropped");
             if c["ok"] != true {
                 missed.push(format!("{family} {name} {}: {c}", c["dtype"]));
             }
@@ -185,6 +187,7 @@ fn the_fault_matrix_holds_on_every_member_of_the_family() {
         2 * 2 * 3,
         "two group faults, two dtypes, V2, V3 and V3.2"
     );
+    assert_eq!(yarn, 2 * 3, "two dtypes, V3, V3.2 and Kimi-K2");
 }
 
 #[test]
@@ -326,6 +329,9 @@ fn the_catalogue_lists_every_fault_with_class_and_stage() {
         "indexer-rope-neox",
         "router-softmax",
         "routed-scale-twice",
+        "group-limit-ignored",
+        "group-score-swapped",
+        "yarn-mscale-dropped",
         "kv-b-split-order",
         "flat-lm-head",
         "nan-expert",
