@@ -10,7 +10,6 @@ use anyhow::Result;
 use super::fault::{Fault, FaultClass};
 use super::metrics::Metrics;
 use super::stage_diff::{whole_values, StageDiff, Status};
-use crate::exec::ops::rope::yarn_softmax_factor;
 use crate::model::{Glm5Config, Stage};
 use crate::trace::stats::TensorStats;
 use crate::trace::Trace;
@@ -165,7 +164,7 @@ pub fn softmax_scale_fault(
         },
     };
     let scores = inputs.scores();
-    let own = ((inputs.nope + inputs.rope) as f64).powf(-0.5) * yarn_softmax_factor(&cfg);
+    let own = ((inputs.nope + inputs.rope) as f64).powf(-0.5) * cfg.yarn_softmax_factor();
     // The reference's own output must come back at its own scale, else the recorded layout is
     // not the one read here.
     let (ref_ctx, _) = whole_values(reference, &s.stage)?.unwrap_or_default();
@@ -252,7 +251,7 @@ fn fitted_multiplier(distance: &dyn Fn(f64) -> Option<f64>, at_own: f64) -> f64 
 /// config gives) left out or applied twice, or another head size's square root in the scale.
 fn named_multipliers(cfg: &Glm5Config, inputs: &Inputs) -> Vec<(f64, String)> {
     let mut named = Vec::new();
-    let yarn = yarn_softmax_factor(cfg);
+    let yarn = cfg.yarn_softmax_factor();
     if yarn != 1.0 {
         named.push((
             1.0 / yarn,

@@ -57,7 +57,22 @@ pub struct Yarn {
     pub truncate: bool,
 }
 
+/// YaRN's `0.1·m·ln(scale) + 1` (1 for scale ≤ 1).
+pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
 impl Yarn {
+    /// The softmax scale's multiplier: DeepSeek-V3's `mscale²` from `mscale_all_dim`.
+    pub fn softmax_factor(&self) -> f64 {
+        self.mscale_all_dim
+            .map_or(1.0, |m| yarn_mscale(self.factor, m).powi(2))
+    }
+
     /// The real DeepSeek-V3 / Kimi-K2 YaRN settings' shape (mscale equal to mscale_all_dim, so
     /// cos/sin stay unscaled and only the softmax scale grows), for synthetic members.
     pub fn deepseek(factor: f64, original: u64) -> Yarn {
@@ -280,6 +295,11 @@ impl Glm5Config {
             indexer_types: Vec::new(),
             ..self
         }
+    }
+
+    /// The softmax scale's multiplier from YaRN (1 without).
+    pub fn yarn_softmax_factor(&self) -> f64 {
+        self.yarn.as_ref().map_or(1.0, Yarn::softmax_factor)
     }
 
     /// Whether the attention has a q LoRA (`q_a_proj`, its norm, `q_b_proj`).

@@ -198,6 +198,36 @@ pub(crate) fn bisect(model: &Path, out: &Path) -> Value {
     v
 }
 
+/// A clean capture's checks: no notes, `bisect` passes, and the trace is vLLM 0.32's at `tp`,
+/// recording each of `stages`; `what` names the run in failures.
+pub(crate) fn assert_clean(
+    model: &Path,
+    (out, summary): (&Path, &Value),
+    tp: u64,
+    what: &str,
+    stages: &[&str],
+) {
+    assert_eq!(summary["tp"], tp);
+    assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
+    let v = bisect(model, out);
+    assert_eq!(v["verdict"], "pass", "{what}: {v:#}");
+    let trace = json(&out.join("run.trace/manifest.json"));
+    assert_eq!(trace["producer"]["vllm"], "0.32.0");
+    assert_eq!(trace["tp"], tp);
+    let recorded: Vec<&str> = trace["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    for stage in stages {
+        assert!(
+            recorded.contains(stage),
+            "{what}: {stage} not recorded: {recorded:?}"
+        );
+    }
+}
+
 pub(crate) fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }

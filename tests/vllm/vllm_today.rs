@@ -22,7 +22,7 @@
 //! `vllm_today_gguf`; what they share in `vllm32`.
 
 use crate::common;
-use crate::vllm32::{assert_lists, bisect, capture, evidence, json, model, TREES};
+use crate::vllm32::{assert_clean, assert_lists, bisect, capture, evidence, json, model, TREES};
 
 use serde_json::Value;
 
@@ -37,29 +37,21 @@ fn clean(tp: u64) {
         .flat_map(|t| ["float32", "bfloat16"].map(|d| (t, d)))
     {
         let (out, summary) = capture(&hf, tree, tp, dtype, None);
-        assert_eq!(summary["tp"], tp);
-        assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
-        let v = bisect(&hf, &out);
-        assert_eq!(v["verdict"], "pass", "{tree} tree, TP {tp} {dtype}: {v:#}");
-        let trace = json(&out.join("run.trace/manifest.json"));
-        assert_eq!(trace["producer"]["vllm"], "0.32.0");
-        assert_eq!(trace["tp"], tp);
-        let stages: Vec<&str> = trace["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["name"].as_str().unwrap())
-            .collect();
-        for stage in [
-            "embed",
-            "L0.attn.index_topk",
-            "L1.moe.topk_ids",
-            "L1.moe.topk_weights",
-            "L2.moe.shared",
-            "logits",
-        ] {
-            assert!(stages.contains(&stage), "{stage} not recorded: {stages:?}");
-        }
+        let what = format!("{tree} tree, TP {tp} {dtype}");
+        assert_clean(
+            &hf,
+            (&out, &summary),
+            tp,
+            &what,
+            &[
+                "embed",
+                "L0.attn.index_topk",
+                "L1.moe.topk_ids",
+                "L1.moe.topk_weights",
+                "L2.moe.shared",
+                "logits",
+            ],
+        );
         let shards = json(&out.join("shards.json"));
         assert_eq!(shards["tp"], tp);
         assert_eq!(shards["producer"]["when"], "as loaded");

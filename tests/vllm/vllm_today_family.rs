@@ -12,7 +12,7 @@
 //! attention leaving YaRN's mscale² out of its softmax scale.
 
 use crate::common;
-use crate::vllm32::{bisect, capture, family_model, json};
+use crate::vllm32::{assert_clean, bisect, capture, family_model};
 
 use serde_json::Value;
 
@@ -22,26 +22,18 @@ fn clean(family: &str, tp: u64, dtype: &str) {
     let dir = common::scratch();
     let hf = family_model(dir.path(), family);
     let (out, summary) = capture(&hf, "cpu", tp, dtype, None);
-    assert_eq!(summary["tp"], tp);
-    assert_eq!(summary["notes"], Value::Array(vec![]), "{summary:#}");
-    let v = bisect(&hf, &out);
-    assert_eq!(v["verdict"], "pass", "{family}, TP {tp} {dtype}: {v:#}");
-    let trace = json(&out.join("run.trace/manifest.json"));
-    assert_eq!(trace["producer"]["vllm"], "0.32.0");
-    let stages: Vec<&str> = trace["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
-    for stage in [
-        "L0.attn.ctx",
-        "L1.moe.topk_ids",
-        "L1.moe.topk_weights",
-        "logits",
-    ] {
-        assert!(stages.contains(&stage), "{family}: {stage} not recorded");
-    }
+    assert_clean(
+        &hf,
+        (&out, &summary),
+        tp,
+        &format!("{family}, TP {tp} {dtype}"),
+        &[
+            "L0.attn.ctx",
+            "L1.moe.topk_ids",
+            "L1.moe.topk_weights",
+            "logits",
+        ],
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::compare::diff::Divergence;
 use crate::compare::{DiffReport, Fault, Status};
-use crate::exec::ops::rope::{yarn_attention_factor, yarn_softmax_factor};
+use crate::exec::ops::rope::yarn_attention_factor;
 use crate::model::config::HF_MODEL_TYPES;
 use crate::model::stage::kind_of;
 use crate::model::Glm5Config;
@@ -114,7 +114,7 @@ fn compared_fields(cfg: &Glm5Config) -> Map<String, Value> {
             "factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings,
             "cos_sin_scale": yarn_attention_factor(y),
-            "softmax_scale": yarn_softmax_factor(cfg),
+            "softmax_scale": cfg.yarn_softmax_factor(),
             "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow,
             "truncate": y.truncate,

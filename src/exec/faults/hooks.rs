@@ -8,7 +8,6 @@ use anyhow::Result;
 use crate::exec::backend::Backend;
 use crate::exec::faults::inject::{k_then_v_rows, Injection, Injection::*};
 use crate::exec::mat::Mat;
-use crate::exec::ops::rope::yarn_softmax_factor;
 use crate::model::config::TopkMethod;
 use crate::model::names::{LayerWeight, WeightId};
 use crate::model::Glm5Config;
@@ -36,7 +35,7 @@ impl Hooks {
     pub fn yarn_softmax_factor(self, cfg: &Glm5Config) -> f64 {
         match self.0 {
             Some(YarnMscaleDropped) => 1.0,
-            _ => yarn_softmax_factor(cfg),
+            _ => cfg.yarn_softmax_factor(),
         }
     }
 

@@ -7,7 +7,6 @@ use serde::Serialize;
 
 use crate::compare::fault::FaultClass;
 use crate::dtype::Precision;
-use crate::exec::ops::rope::yarn_softmax_factor;
 use crate::model::config::TopkMethod;
 use crate::model::names::LayerWeight::{self, *};
 use crate::model::stages::stage_of;
@@ -428,7 +427,7 @@ impl Injection {
                     cfg.topk_method.name()
                 )
             }
-            Injection::YarnMscaleDropped if yarn_softmax_factor(cfg) == 1.0 => {
+            Injection::YarnMscaleDropped if cfg.yarn_softmax_factor() == 1.0 => {
                 bail!(
                     "--inject {}: the model's softmax scale has no YaRN mscale² (no YaRN, or \
                      no mscale_all_dim)",

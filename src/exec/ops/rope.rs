@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use crate::exec::mat::Mat;
 use crate::exec::real::Real;
-use crate::model::config::{Glm5Config, Yarn};
+use crate::model::config::{yarn_mscale, Glm5Config, Yarn};
 
 /// The frequencies and cos/sin scale a model's RoPE uses, shared by MLA and the indexer.
 pub struct Rope<E> {
@@ -119,33 +119,12 @@ fn inv_freq(theta: f64, dim: usize) -> Vec<f64> {
         .collect()
 }
 
-/// YaRN's `0.1·m·ln(scale) + 1` (1 for scale ≤ 1).
-fn yarn_mscale(scale: f64, m: f64) -> f64 {
-    if scale <= 1.0 {
-        1.0
-    } else {
-        0.1 * m * scale.ln() + 1.0
-    }
-}
-
 /// The cos/sin scale: explicit, else the ratio of the two mscales, else from the factor alone.
 pub fn yarn_attention_factor(y: &Yarn) -> f64 {
     match (y.attention_factor, y.mscale, y.mscale_all_dim) {
         (Some(a), _, _) => a,
         (None, Some(m), Some(all)) => yarn_mscale(y.factor, m) / yarn_mscale(y.factor, all),
         _ => yarn_mscale(y.factor, 1.0),
-    }
-}
-
-/// The softmax scale's multiplier (DeepSeek-V3's `mscale²` from `mscale_all_dim`).
-pub fn yarn_softmax_factor(cfg: &Glm5Config) -> f64 {
-    match cfg
-        .yarn
-        .as_ref()
-        .and_then(|y| y.mscale_all_dim.map(|m| (y.factor, m)))
-    {
-        Some((factor, m)) => yarn_mscale(factor, m).powi(2),
-        None => 1.0,
     }
 }
 
