@@ -11,6 +11,7 @@
 #include "stages.h"
 #include "trace_writer.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -295,7 +296,12 @@ int main(int argc, char **argv) {
     if (model == nullptr) fail(std::string("llama.cpp cannot load ") + model_path);
     char arch[64] = "";
     llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch);
-    if (std::string(arch) != "glm-dsa") fail(std::string(model_path) + ": architecture `" + arch + "`, not glm-dsa", 2);
+    // The family's graphs: GLM-5's, and DeepSeek's (V2/V3, Kimi-K2, GLM-4.7-Flash; V3.2), which
+    // name their nodes alike.
+    const std::string family[] = {"glm-dsa", "deepseek2", "deepseek32"};
+    if (std::find(std::begin(family), std::end(family), std::string(arch)) == std::end(family)) {
+        fail(std::string(model_path) + ": architecture `" + arch + "`, not glm-dsa, deepseek2 or deepseek32", 2);
+    }
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     for (llama_token t : tokens) {
         if (t >= n_vocab) fail("token id " + std::to_string(t) + " is past the vocabulary (" + std::to_string(n_vocab) + ")", 2);
@@ -331,7 +337,7 @@ int main(int argc, char **argv) {
     const int rc = llama_decode(ctx, batch);
     llama_batch_free(batch);
     if (rc != 0) fail("llama_decode returned " + std::to_string(rc));
-    if (rec.stages.empty()) fail("the graph exposed no stage this probe knows (is it glm-dsa?)");
+    if (rec.stages.empty()) fail("the graph exposed no stage this probe knows (is it of the family: glm-dsa, deepseek2, deepseek32?)");
 
     glmcheck::Header h;
     h.producer_json = "{\"name\": \"glmcheck-llamacpp-probe\", \"llama_cpp\": " +

@@ -13,15 +13,18 @@ struct Rule {
     bool by_head;
 };
 
-// Graph names (src/models/glm-dsa.cpp, src/llama-graph.cpp of llama.cpp) to stages. A name
-// given to two nodes of a layer is told apart by its op: `qr` is q_a's MUL_MAT, then the norm's
-// MUL; `q_pe`/`k_pe` are a view before RoPE and the ROPE after; `kv_cmpr` a view, then the norm.
+// Graph names (src/models/glm-dsa.cpp, deepseek2.cpp, src/llama-graph.cpp of llama.cpp) to
+// stages. A name given to two nodes of a layer is told apart by its op: `qr` is q_a's MUL_MAT,
+// then the norm's MUL; `q_pe`/`k_pe` are a view before RoPE and the ROPE after; `kv_cmpr` a view,
+// then the norm. DeepSeek's graph names all of its query's steps `q`: q_a's MUL_MAT (told apart
+// by its weight, in `stage_of`), the norm's MUL, then q_b's (or V2-Lite's attn_q) MUL_MAT.
 const std::multimap<std::string, Rule> &rules() {
     static const std::multimap<std::string, Rule> r = {
         {"attn_norm", {"attn_norm", "t d", nullptr, false}},
         {"qr", {"attn.q_a", "t d", "MUL_MAT", false}},
         {"qr", {"attn.q_a_norm", "t d", "MUL", false}},
         {"q", {"attn.q", "t h(tp) d", "MUL_MAT", true}},
+        {"q", {"attn.q_a_norm", "t d", "MUL", false}},
         {"kv_cmpr_pe", {"attn.kv_a", "t d", "MUL_MAT", false}},
         {"kv_cmpr", {"attn.kv_a_norm", "t d", "MUL", false}},
         {"q_pe", {"attn.q_rope", "t h(tp) d", "ROPE", true}},
@@ -74,6 +77,11 @@ NodeStage stage_of(const std::string &name, const std::string &op, const std::st
         return {};
     }
     const std::string base = name.substr(0, dash), layer = name.substr(dash + 1);
+    const std::string q_a = ".attn_q_a.weight";
+    if (base == "q" && op == "MUL_MAT" && weight.size() > q_a.size() &&
+        weight.compare(weight.size() - q_a.size(), q_a.size(), q_a) == 0) {
+        return {"L" + layer + ".attn.q_a", "t d", false};
+    }
     const auto [lo, hi] = rules().equal_range(base);
     for (auto it = lo; it != hi; ++it) {
         const Rule &r = it->second;

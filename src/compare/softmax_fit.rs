@@ -129,15 +129,27 @@ pub fn softmax_scale_fault(
     let Some(stage) = Stage::parse(&s.stage).filter(|st| st.kind() == "attn.ctx") else {
         return Ok(None);
     };
-    let passing = |kind: &str| {
+    // Each input agrees, or the engine never forms it (llama.cpp's absorbed MLA has no
+    // `attn.kv`): the fit below is the evidence, and a fault in what was not compared would not
+    // fit a scale.
+    let agrees = |kind: &str| {
         let name = stage.sibling(kind).map(|n| n.to_string());
-        stages[..i].iter().any(|p| {
-            Some(&p.stage) == name.as_ref()
-                && (p.rank.is_none() || p.rank == s.rank)
-                && p.status == Status::Pass
-        })
+        let mut compared = stages[..i]
+            .iter()
+            .filter(|p| Some(&p.stage) == name.as_ref() && (p.rank.is_none() || p.rank == s.rank))
+            .peekable();
+        match compared.peek() {
+            None => candidate_lacks(candidate, name.as_deref()),
+            Some(_) => compared.all(|p| p.status == Status::Pass),
+        }
     };
-    if !INPUTS.iter().all(|k| passing(k)) {
+    let rotated_seen = ["attn.q_rope", "attn.k_rope"].iter().all(|k| {
+        !candidate_lacks(
+            candidate,
+            stage.sibling(k).map(|n| n.to_string()).as_deref(),
+        )
+    });
+    if !rotated_seen || !INPUTS.iter().all(|k| agrees(k)) {
         return Ok(None);
     }
     let Ok(cfg) = serde_json::from_value::<Glm5Config>(reference.manifest().model.config.clone())
@@ -245,6 +257,11 @@ fn fitted_multiplier(distance: &dyn Fn(f64) -> Option<f64>, at_own: f64) -> f64 
         }
     }
     ((lo + hi) / 2.0).exp()
+}
+
+/// Whether the candidate's trace holds no stage `name` (one it never computed).
+fn candidate_lacks(candidate: &Trace, name: Option<&str>) -> bool {
+    name.is_some_and(|n| candidate.stages().iter().all(|r| r.name != n))
 }
 
 /// The multipliers the model's own numbers explain: YaRN's mscale² (the softmax multiplier the

@@ -2,7 +2,8 @@
 //! its defaults for the keys a file leaves out.
 
 use super::config::{
-    cfg_err, glm_5_2_indexer_types, ConfigError, Glm5Config, IndexerKind, Member, TopkMethod, Yarn,
+    cfg_err, glm_5_2_indexer_types, yarn_mscale, ConfigError, Glm5Config, IndexerKind, Member,
+    TopkMethod, Yarn,
 };
 use super::family::llama_cpp_default_gating;
 use crate::weights::gguf::{GgufModel, Value};
@@ -176,19 +177,32 @@ fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, Con
     let Some(factor) = f("rope.scaling.factor")? else {
         return Ok(None);
     };
-    // llama.cpp's converter stores 0.1·mscale_all_dim as the yarn log multiplier and no mscale;
-    // DeepSeek's checkpoints set both equal, which leaves cos/sin unscaled.
-    let mscale_all_dim = f("rope.scaling.yarn_log_multiplier")?
-        .map(|m| m / 0.1)
-        .filter(|&m| m != 0.0);
-    Ok(Some(Yarn {
+    let mut yarn = llama_cpp_yarn(factor, f("rope.scaling.yarn_log_multiplier")?);
+    yarn.original_max_position_embeddings = u("rope.scaling.original_context_length")?.unwrap_or(0);
+    yarn.beta_fast = f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0);
+    yarn.beta_slow = f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0);
+    Ok(Some(yarn))
+}
+
+/// YaRN by `factor` as llama.cpp's family graphs run it from `rope.scaling.yarn_log_multiplier`
+/// (its converter writes 0.1·mscale_all_dim; DeepSeek's checkpoints set mscale equal, which
+/// leaves cos/sin unscaled and the softmax × mscale²). Absent or 0, llama.cpp scales cos/sin by
+/// YaRN's own mscale (0.1·ln(factor) + 1) and the softmax by its square: in transformers' terms
+/// an explicit attention_factor and mscale_all_dim 1. The original context and betas are the
+/// caller's to fill.
+pub fn llama_cpp_yarn(factor: f64, log_multiplier: Option<f64>) -> Yarn {
+    let mscale_all_dim = log_multiplier.map(|m| m / 0.1).filter(|&m| m != 0.0);
+    Yarn {
         factor,
-        original_max_position_embeddings: u("rope.scaling.original_context_length")?.unwrap_or(0),
-        attention_factor: None,
+        original_max_position_embeddings: 0,
+        attention_factor: match mscale_all_dim {
+            Some(_) => None,
+            None => Some(yarn_mscale(factor, 1.0)),
+        },
         mscale: mscale_all_dim,
-        mscale_all_dim,
-        beta_fast: f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-        beta_slow: f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        mscale_all_dim: mscale_all_dim.or(Some(1.0)),
+        beta_fast: 32.0,
+        beta_slow: 1.0,
         truncate: true,
-    }))
+    }
 }

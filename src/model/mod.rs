@@ -4,7 +4,7 @@
 
 pub mod config;
 pub mod family;
-mod gguf_config;
+pub mod gguf_config;
 pub mod kv_b;
 pub mod names;
 pub mod schema;

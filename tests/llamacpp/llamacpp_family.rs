@@ -36,7 +36,7 @@ use std::path::Path;
 const SHORT: &str = "5,77,300";
 const MEDIUM: &str = "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16";
 
-fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&str]) -> Model {
+pub(super) fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&str]) -> Model {
     let (src, n) = (llama_cpp().join("src"), GENERATE.to_string());
     let mut args = vec![
         dir.to_str().unwrap(),
@@ -224,7 +224,7 @@ fn missing_gating_func_reads_as_softmax_like_llama_cpp() {
     let model = make_model(
         dir.path(),
         "v3",
-        &["--yarn", "--no-gating-func"],
+        &["--yarn", "--drop-key", "expert_gating_func"],
         &sequences,
     );
     let json = assert_inspect(&model.gguf, "deepseek_v3");

@@ -1,8 +1,8 @@
-//! Every GGUF key llama.cpp's loader reads for glm-dsa is accounted for by bisect: compared with
-//! the reference's config (`KEYS`) or listed with what becomes of it (`OTHER_KEYS`). The keys
-//! are read from llama.cpp's own source in the tree the tests build — its generic
-//! hyperparameter loading, the glm-dsa loader and the key-name table — so a key a new llama.cpp
-//! reads fails this test until bisect says what it does with it.
+//! Every GGUF key llama.cpp's loaders read for the family is accounted for by bisect: compared
+//! with the reference's config (`KEYS`) or listed with what becomes of it (`OTHER_KEYS`). The
+//! keys are read from llama.cpp's own source in the tree the tests build — its generic
+//! hyperparameter loading, the glm-dsa, deepseek2 and deepseek32 loaders and the key-name table —
+//! so a key a new llama.cpp reads fails this test until bisect says what it does with it.
 
 use crate::common;
 
@@ -67,10 +67,9 @@ fn key_strings(arch_cpp: &str) -> Vec<(String, String)> {
 }
 
 #[test]
-fn every_key_llama_cpp_reads_for_glm_dsa_is_compared_or_accounted_for() {
+fn every_key_llama_cpp_reads_for_the_family_is_compared_or_accounted_for() {
     let src = source();
     let model = read(src.join("llama-model.cpp"));
-    let glm_dsa = read(src.join("models/glm-dsa.cpp"));
     let table = key_strings(&read(src.join("llama-arch.cpp")));
     assert!(
         table.len() > 100,
@@ -82,10 +81,13 @@ fn every_key_llama_cpp_reads_for_glm_dsa_is_compared_or_accounted_for() {
         &model,
         "void llama_model_base::load_hparams(llama_model_loader & ml)",
     ));
-    read_names.extend(kv_names(body(
-        &glm_dsa,
-        "void llama_model_glm_dsa::load_arch_hparams(",
-    )));
+    for arch in ["glm_dsa", "deepseek2", "deepseek32"] {
+        let file = read(src.join(format!("models/{}.cpp", arch.replace('_', "-"))));
+        read_names.extend(kv_names(body(
+            &file,
+            &format!("void llama_model_{arch}::load_arch_hparams("),
+        )));
+    }
     let read_keys: BTreeSet<String> = read_names
         .iter()
         .map(|name| {
@@ -110,7 +112,7 @@ fn every_key_llama_cpp_reads_for_glm_dsa_is_compared_or_accounted_for() {
     let stale: Vec<&String> = accounted.difference(&read_keys).collect();
     assert!(
         unaccounted.is_empty(),
-        "keys llama.cpp reads for glm-dsa that bisect neither compares nor accounts for: \
+        "keys llama.cpp reads for the family that bisect neither compares nor accounts for: \
          {unaccounted:?}"
     );
     assert!(

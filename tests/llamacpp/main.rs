@@ -10,6 +10,7 @@ mod llamacpp_family;
 mod llamacpp_keys;
 mod llamacpp_oracle;
 mod probe_llamacpp;
+mod probe_llamacpp_family;
 mod quantize_llamacpp;
 mod verify_llamacpp;
 mod verify_llamacpp_cases;

@@ -53,7 +53,7 @@ fn probe(gguf: &str, out: &Path) -> Trace {
 }
 
 /// The probe's trace of `gguf` on `tokens`, with `extra` options.
-fn probe_with(gguf: &str, out: &Path, tokens: &str, extra: &[&str]) -> Trace {
+pub(super) fn probe_with(gguf: &str, out: &Path, tokens: &str, extra: &[&str]) -> Trace {
     let run = Command::new(probe_bin())
         .arg(gguf)
         .args(["--tokens", tokens, "--threads", "2"])

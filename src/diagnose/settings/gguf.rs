@@ -4,8 +4,10 @@
 use serde_json::{Map, Value};
 
 use super::{Mismatch, KEYS};
+use crate::exec::ops::rope::yarn_attention_factor;
 use crate::model::config::{glm_5_2_indexer_types, IndexerKind};
 use crate::model::family::llama_cpp_default_gating;
+use crate::model::gguf_config::llama_cpp_yarn;
 use crate::model::Glm5Config;
 
 /// The recorded GGUF metadata of an engine trace, if it has any.
@@ -73,6 +75,25 @@ pub(super) fn gguf_mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Ve
     };
     if let Some(found) = scaling_found {
         add("rope.scaling.type", found);
+    } else if let (Some(y), "yarn") = (&cfg.yarn, scaling) {
+        // The same scaling's magnitudes: what llama.cpp makes of the log multiplier (absent or
+        // 0, YaRN's own mscale on cos/sin and its square on the softmax).
+        let log_multiplier = num("rope.scaling.yarn_log_multiplier");
+        let theirs = llama_cpp_yarn(factor, log_multiplier);
+        let (cos_sin, softmax) = (yarn_attention_factor(&theirs), theirs.softmax_factor());
+        let (ours_cos_sin, ours_softmax) = (yarn_attention_factor(y), y.softmax_factor());
+        if differs(cos_sin, ours_cos_sin) || differs(softmax, ours_softmax) {
+            let value = match log_multiplier {
+                Some(m) => format!("{m}"),
+                None => "absent".into(),
+            };
+            let found = format!(
+                "{value} (llama.cpp: cos/sin × {cos_sin:.4}, softmax scale × {softmax:.4}), \
+                 where the reference's YaRN gives cos/sin × {ours_cos_sin:.4} and softmax scale \
+                 × {ours_softmax:.4}"
+            );
+            add("rope.scaling.yarn_log_multiplier", found);
+        }
     }
     let base = num("rope.freq_base").unwrap_or(10000.0);
     if differs(base, cfg.rope_theta) {

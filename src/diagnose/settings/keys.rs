@@ -1,5 +1,5 @@
 //! The table of settings bisect compares ([`KEYS`]) and what becomes of every other key
-//! llama.cpp's glm-dsa loader reads ([`OTHER_KEYS`]).
+//! llama.cpp's loaders of the family (glm-dsa, deepseek2, deepseek32) read ([`OTHER_KEYS`]).
 
 use crate::compare::FaultClass;
 
@@ -22,7 +22,7 @@ pub(super) const ROPE: &[&str] = &["attn.q_rope", "attn.k_rope"];
 /// config fields of the same roles (two, the rotary styles, llama.cpp fixes by architecture).
 /// The keys that fix a tensor's shape (widths, counts, ranks) are checked by the loader against
 /// the tensors; [`OTHER_KEYS`] says what becomes of every other key read for glm-dsa.
-pub const KEYS: [Key; 13] = [
+pub const KEYS: [Key; 14] = [
     Key {
         key: Some("rope.scaling.type"),
         fields: &["yarn"],
@@ -31,6 +31,15 @@ pub const KEYS: [Key; 13] = [
         does:
             "the scaling (with `rope.scaling.factor` and `rope.scaling.original_context_length`) \
                rescales every rotary position or frequency",
+    },
+    Key {
+        key: Some("rope.scaling.yarn_log_multiplier"),
+        fields: &["yarn"],
+        stages: &["attn.q_rope", "attn.k_rope", "attn.ctx"],
+        class: FaultClass::RopeMismatch,
+        does: "0.1·mscale_all_dim (deepseek2, deepseek32): absent or 0, llama.cpp scales cos/sin \
+               by YaRN's mscale and the softmax by its square, where DeepSeek's YaRN leaves \
+               cos/sin unscaled and the softmax × mscale_all_dim's mscale²",
     },
     Key {
         key: Some("rope.freq_base"),
@@ -123,11 +132,12 @@ pub const KEYS: [Key; 13] = [
     },
 ];
 
-/// The other keys llama.cpp's loader reads for glm-dsa (its shared hyperparameters and the
-/// arch's own), each with what becomes of it: compared as part of a key of [`KEYS`], checked
-/// by the load against the tensors' shapes, without effect on the logits, or read only for
-/// another architecture. A test holds this list and [`KEYS`] to llama.cpp's own source.
-pub const OTHER_KEYS: [(&str, &str); 41] = [
+/// The other keys llama.cpp's loaders read for the family (its shared hyperparameters and the
+/// glm-dsa, deepseek2 and deepseek32 loaders' own), each with what becomes of it: compared as
+/// part of a key of [`KEYS`], checked by the load against the tensors' shapes, without effect
+/// on the logits, or read only for another architecture. A test holds this list and [`KEYS`] to
+/// llama.cpp's own source.
+pub const OTHER_KEYS: [(&str, &str); 45] = [
     ("general.name", "informational"),
     (
         "context_length",
@@ -252,5 +262,22 @@ pub const OTHER_KEYS: [(&str, &str); 41] = [
     (
         "attention.indexer.key_length",
         "the indexer's tensors' shapes: the load checks it",
+    ),
+    (
+        "vocab_size",
+        "deepseek2: with the token list's length, its test for GLM-4.7-Flash's shape where \
+         `expert_gating_func` is absent, compared with that key",
+    ),
+    (
+        "tokenizer.ggml.tokens",
+        "deepseek2: the vocabulary's size where `vocab_size` is absent (see `vocab_size`)",
+    ),
+    (
+        "attention.temperature_scale",
+        "deepseek2: Mistral Large 3's query temperature; no member of the family writes it",
+    ),
+    (
+        "attention.temperature_length",
+        "deepseek2: Mistral Large 3's query temperature; no member of the family writes it",
     ),
 ];

@@ -2,7 +2,7 @@
 llama.cpp's converter, for llama.cpp parity beyond GLM-5 (tests/llamacpp/llamacpp_family.rs).
 
 Usage: python -m glmcheck_oracle.llamacpp.family OUT_DIR ARCH --llama-cpp SRC [--yarn]
-           [--set KEY=JSON]... [--tokens IDS]... [--generate N] [--whole-kv-b] [--no-gating-func]
+           [--set KEY=JSON]... [--tokens IDS]... [--generate N] [--whole-kv-b] [--drop-key KEY]...
 
 ARCH is one of glmcheck_oracle.hf.deepseek_model's (v2, v2-lite, v3, kimi-k2, glm-4.7-flash;
 `--yarn` and `--set` as there). Writes into OUT_DIR:
@@ -14,7 +14,8 @@ ARCH is one of glmcheck_oracle.hf.deepseek_model's (v2, v2-lite, v3, kimi-k2, gl
   dense leading layers; the class has only `mlp_layer_types`);
 * `model-f32.gguf`: the converter's `--outtype f32` output (arch `deepseek2`), or with
   `--whole-kv-b` that file rewritten to the legacy whole `attn_kv_b` form, or with
-  `--no-gating-func` without its `expert_gating_func` key;
+  `--drop-key KEY` without that metadata key (the arch's prefix added: `expert_gating_func`,
+  `rope.scaling.yarn_log_multiplier`), as an older converter left it out;
 * `hf-logits-K.f32`: transformers' float32 logits of the K-th `--tokens` sequence, [T][V].
 
 Prints JSON: {"hf", "gguf", "vocab_size", "sequences": [{"tokens", "logits", "generated"}]},
@@ -78,9 +79,9 @@ def copy_metadata(reader, writer, drop=(), replace=None) -> None:
         writer.add_key_value(field.name, replace.get(field.name, field.contents()), vtype, sub)
 
 
-def rewrite(src: Path, dst: Path, whole_kv_b: bool, no_gating: bool) -> None:
-    """Copy an F32 deepseek2 GGUF with the legacy whole `attn_kv_b` and/or without
-    `expert_gating_func`.
+def rewrite(src: Path, dst: Path, whole_kv_b: bool, drop_keys: list) -> None:
+    """Copy an F32 deepseek2 GGUF with the legacy whole `attn_kv_b` and/or without the metadata
+    keys `drop_keys` (without the arch's prefix).
 
     The legacy form is what llama.cpp's converter wrote before MLA absorption (and what its
     deepseek2 loader still runs, unabsorbed, when `key_length_mla` is absent): per layer
@@ -93,9 +94,9 @@ def rewrite(src: Path, dst: Path, whole_kv_b: bool, no_gating: bool) -> None:
     arch = reader.fields["general.architecture"].contents()
     key = lambda k: f"{arch}.{k}"  # noqa: E731
     get = lambda k: reader.fields[key(k)].contents()  # noqa: E731
-    drop, replace = set(), {}
-    if no_gating:
-        drop.add(key("expert_gating_func"))
+    drop, replace = {key(k) for k in drop_keys}, {}
+    missing = drop - set(reader.fields)
+    assert not missing, f"the converter wrote none of {sorted(missing)}"
     if whole_kv_b:
         rope = get("rope.dimension_count")
         drop |= {key("attention.key_length_mla"), key("attention.value_length_mla")}
@@ -144,7 +145,7 @@ def main() -> None:
     ap.add_argument("--tokens", action="append", default=[])
     ap.add_argument("--generate", type=int, default=0)
     ap.add_argument("--whole-kv-b", action="store_true")
-    ap.add_argument("--no-gating-func", action="store_true")
+    ap.add_argument("--drop-key", action="append", default=[], metavar="KEY")
     a = ap.parse_args()
 
     sets = sizes(a.arch, a.yarn)
@@ -169,10 +170,10 @@ def main() -> None:
         sequences.append({"tokens": tokens, "logits": str(path), "generated": generated})
 
     gguf = a.out / "model-f32.gguf"
-    converted = a.out / "converted-f32.gguf" if a.whole_kv_b or a.no_gating_func else gguf
+    converted = a.out / "converted-f32.gguf" if a.whole_kv_b or a.drop_key else gguf
     glm.convert(a.llama_cpp, hf, converted, pre=PRE[a.arch])
     if converted != gguf:
-        rewrite(converted, gguf, a.whole_kv_b, a.no_gating_func)
+        rewrite(converted, gguf, a.whole_kv_b, a.drop_key)
     print(json.dumps({"hf": str(hf), "gguf": str(gguf), "vocab_size": model.config.vocab_size, "sequences": sequences}))
 
 
