@@ -6,6 +6,7 @@
 //! a `config.json`) against the reference's in [`settings`].
 
 pub mod manifest;
+pub mod router;
 pub mod settings;
 mod shards;
 mod weights;

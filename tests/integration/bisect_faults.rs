@@ -190,6 +190,38 @@ fn the_fault_matrix_holds_on_every_member_of_the_family() {
     assert_eq!(yarn, 2 * 3, "two dtypes, V3, V3.2 and Kimi-K2");
 }
 
+/// Another expert choice is named by the way of routing that gives it: the reference's router
+/// logits routed again with each common router fault, held to the candidate's ids at every
+/// position; ways this prompt cannot tell apart (on a tiny DeepSeek-V3, groups of two experts
+/// ranked by their best score keep the two best experts, as no limit does) are named together.
+#[test]
+fn another_expert_choice_is_named_by_the_way_of_routing_that_gives_it() {
+    let dir = common::scratch();
+    for (family, fault, says) in [
+        ("deepseek-v2", "group-limit-ignored", "every expert group competing: the group limit (the best 1 of 4 groups) left out"),
+        ("deepseek-v2", "group-score-swapped", "groups ranked by the sum of their two best scores where the model takes their best"),
+        ("deepseek-v3", "router-softmax", "softmax scores where the model takes sigmoid"),
+        ("deepseek-v3", "group-limit-ignored", "every expert group competing: the group limit (the best 2 of 4 groups) left out, or with groups ranked by their best score where the model sums their two best (this prompt does not tell them apart)"),
+    ] {
+        let model = dir.path().join(format!("{family}.gguf"));
+        if !model.exists() {
+            common::synth_tiny(&model, &["--family", family]);
+        }
+        let j = bisect(model.to_str().unwrap(), 1, "f32", Some(fault));
+        let f = &j["fault"];
+        assert_eq!(f["class"], "router_mismatch", "{family} {fault}: {j:#}");
+        assert_eq!(
+            f["summary"],
+            format!("L1.moe.topk_ids: the router chooses as with {says}"),
+            "{family} {fault}"
+        );
+        assert!(
+            f["evidence"].to_string().contains("give the candidate's choices at all"),
+            "{family} {fault}: {f:#}"
+        );
+    }
+}
+
 #[test]
 fn clean_candidates_pass_at_every_degree_and_dtype() {
     let dir = common::scratch();

@@ -71,6 +71,12 @@ fn vllm_s_router_choosing_among_every_expert_group_is_a_router_mismatch_at_the_f
     let v = faulty_v3("group-limit-ignored");
     assert_eq!(v["fault"]["class"], "router_mismatch", "{v:#}");
     assert_eq!(v["first_divergence"]["stage"], "L1.moe.topk_ids", "{v:#}");
+    // The reference's router logits routed again without the limit give vLLM's choices.
+    let summary = v["fault"]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("the router chooses as with every expert group competing"),
+        "{summary}"
+    );
 }
 
 #[test]

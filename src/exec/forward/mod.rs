@@ -15,6 +15,8 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 mod moe;
+
+pub(crate) use moe::route;
 pub mod recorder;
 mod residual_scale;
 pub mod timed;

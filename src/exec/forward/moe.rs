@@ -333,7 +333,7 @@ fn routed_experts<B: Backend>(
 /// score of the k-th expert minus the best unchosen one (how close the choice came to a tie).
 /// Scores are softmax or sigmoid; groups rank by the sum of their `group_best` best choice
 /// scores (2 for `noaux_tc`, 1 for `group_limited_greedy`, 0: no group limit).
-fn route<E: Real>(
+pub(crate) fn route<E: Real>(
     cfg: &crate::model::Glm5Config,
     (softmax_scores, group_best): (bool, usize),
     logits: &[E],

@@ -1,0 +1,166 @@
+//! Another expert choice, told apart: the reference's own router logits routed again the ways a
+//! router commonly goes wrong — scores by the other function, the expert-group limit left out or
+//! its groups ranked by the other rule, the correction bias left out. A way that gives the
+//! candidate's choice at every position names what the candidate's router does; the ids it is
+//! held to are kept whole by every probe's default recording.
+
+use anyhow::Result;
+
+use crate::compare::stage_diff::whole_values;
+use crate::compare::{DiffReport, FaultClass};
+use crate::exec::faults::hooks::Hooks;
+use crate::exec::forward::route;
+use crate::exec::source::WeightSource;
+use crate::model::config::TopkMethod;
+use crate::model::names::{LayerWeight, WeightId};
+use crate::model::{Glm5Config, Stage};
+use crate::trace::Trace;
+
+/// One way of routing: what it changes, in words, and its switches.
+struct Way {
+    what: String,
+    softmax: bool,
+    group_best: usize,
+    bias: bool,
+}
+
+/// The ways `cfg`'s router can go wrong that change a choice, its own way first.
+fn ways(cfg: &Glm5Config) -> Vec<Way> {
+    let softmax = cfg.scoring_func == "softmax";
+    let group_best = Hooks::new(None).group_rank_scores(cfg.topk_method);
+    let has_bias = cfg.topk_method.has_bias();
+    let own = |what: String| Way {
+        what,
+        softmax,
+        group_best,
+        bias: has_bias,
+    };
+    let mut ways = vec![own("the configured router".into())];
+    ways.push(Way {
+        softmax: !softmax,
+        ..own(match softmax {
+            true => "sigmoid scores where the model takes softmax".into(),
+            false => "softmax scores where the model takes sigmoid".into(),
+        })
+    });
+    if cfg.n_group > 1 && cfg.topk_group < cfg.n_group && group_best > 0 {
+        ways.push(Way {
+            group_best: 0,
+            ..own(format!(
+                "every expert group competing: the group limit (the best {} of {} groups) left \
+                 out",
+                cfg.topk_group, cfg.n_group
+            ))
+        });
+        ways.push(Way {
+            group_best: 3 - group_best,
+            ..own(match cfg.topk_method {
+                TopkMethod::NoauxTc => {
+                    "groups ranked by their best score where the model sums their two best".into()
+                }
+                _ => "groups ranked by the sum of their two best scores where the model takes \
+                      their best"
+                    .into(),
+            })
+        });
+    }
+    if has_bias {
+        ways.push(Way {
+            bias: false,
+            ..own("the correction bias (e_score_correction_bias) left out of the choice".into())
+        });
+    }
+    ways
+}
+
+/// Add to a `router_mismatch` at `L{n}.moe.topk_ids` the way of routing that gives the
+/// candidate's choices, where one does.
+pub fn explain_choice(
+    src: &WeightSource,
+    reference: &Trace,
+    candidate: &Trace,
+    report: &mut DiffReport,
+) -> Result<()> {
+    let Some(d) = &report.first_divergence else {
+        return Ok(());
+    };
+    let Some(fault) = report.fault.as_mut() else {
+        return Ok(());
+    };
+    let stage = Stage::parse(&d.stage);
+    let Some(l) = stage
+        .filter(|s| s.kind() == "moe.topk_ids" && fault.class == FaultClass::RouterMismatch)
+        .and_then(|s| s.layer())
+    else {
+        return Ok(());
+    };
+    let cfg = &src.cfg;
+    let logits_stage = Stage::layer_stage(l, "moe.router_logits").to_string();
+    let (Some((logits, shape)), Some((ours, _)), Some((theirs, their_shape))) = (
+        whole_values(reference, &logits_stage)?,
+        whole_values(reference, &d.stage)?,
+        whole_values(candidate, &d.stage)?,
+    ) else {
+        return Ok(());
+    };
+    let (e, k) = (
+        cfg.n_routed_experts as usize,
+        cfg.num_experts_per_tok as usize,
+    );
+    let t = shape.first().copied().unwrap_or(0) as usize;
+    if shape != [t as u64, e as u64]
+        || their_shape != [t as u64, k as u64]
+        || ours.len() != t * k
+        || t == 0
+    {
+        return Ok(());
+    }
+    let bias = match cfg.topk_method.has_bias() {
+        true => src.vector(WeightId::Layer(l, LayerWeight::RouterBias))?,
+        false => vec![0.0; e],
+    };
+    let zeros = vec![0.0f32; e];
+    let set = |ids: &[f32]| {
+        let mut s: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+        s.sort_unstable();
+        s
+    };
+    let matching = |way: &Way, target: &[f32]| {
+        (0..t)
+            .filter(|&p| {
+                let row = &logits[p * e..(p + 1) * e];
+                let bias = if way.bias { &bias } else { &zeros };
+                let (ids, _, _) = route(cfg, (way.softmax, way.group_best), row, bias, None);
+                let ids: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+                set(&ids) == set(&target[p * k..(p + 1) * k])
+            })
+            .count()
+    };
+    let all = ways(cfg);
+    // The configured way must give the reference's own choices, else the logits are not read
+    // as the router reads them.
+    if matching(&all[0], &ours) != t {
+        return Ok(());
+    }
+    let configured = matching(&all[0], &theirs);
+    let fits: Vec<&str> = all[1..]
+        .iter()
+        .filter(|w| matching(w, &theirs) == t)
+        .map(|w| w.what.as_str())
+        .collect();
+    let what = match fits[..] {
+        [] => return Ok(()),
+        [one] => one.to_string(),
+        // Ways that make the same choices on this prompt: named together, none preferred.
+        _ => format!(
+            "{} (this prompt does not tell them apart)",
+            fits.join(", or with ")
+        ),
+    };
+    fault.summary = format!("{}: the router chooses as with {what}", d.stage);
+    fault.evidence.push(format!(
+        "the reference's router logits at {logits_stage}, routed again with {what}, give the \
+         candidate's choices at all {t} positions (the configured router's at {configured})"
+    ));
+    Ok(())
+}
