@@ -59,8 +59,9 @@ pub struct SynthArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Storage mix (`f32`, `bf16`, `q8_0`, `q4_k_m`, `ud-iq`; `fp8`: GLM-5-FP8's Hugging Face
-    /// layout, 128×128 block scales), and `GLOB=TYPE` overrides (repeatable, first match wins),
-    /// e.g. `--quant q4_k_m --quant '*attn_k_b*=Q8_0'`.
+    /// layout, 128×128 block scales; `fp8-ue8m0`: DeepSeek-V3.1's, those scales rounded up to
+    /// powers of two, `scale_fmt: "ue8m0"`), and `GLOB=TYPE` overrides (repeatable, first match
+    /// wins), e.g. `--quant q4_k_m --quant '*attn_k_b*=Q8_0'`.
     #[arg(long = "quant", value_name = "MIX|GLOB=TYPE")]
     pub quant: Vec<String>,
     #[arg(long, value_enum, default_value = "gguf")]

@@ -3,9 +3,10 @@
 //! E4M3 value; the stored element is the weight divided by that scale, rounded to nearest even),
 //! as DeepSeek's and Z.ai's converters write them. Left in BF16, as in GLM-5-FP8: embeddings,
 //! `lm_head`, norms, the router (`mlp.gate`), the indexer's `weights_proj` and the MTP layer's
-//! `eh_proj`.
+//! `eh_proj`. DeepSeek-V3.1's layout (`--quant fp8-ue8m0`) rounds each scale up to a power of
+//! two, as DeepGEMM's UE8M0 cast does, and divides the weight by that.
 
-use crate::weights::fp8::DEFAULT_BLOCK;
+use crate::weights::fp8::{ScaleFmt, DEFAULT_BLOCK};
 
 /// The block edge, as `quantization_config.weight_block_size` gives it.
 pub const BLOCK: usize = DEFAULT_BLOCK;
@@ -33,9 +34,14 @@ pub fn scale_shape(rows: u64, cols: u64) -> Vec<u64> {
     vec![rows.div_ceil(b), cols.div_ceil(b)]
 }
 
-/// A row-major `rows`×`cols` weight as (each value divided by its block's scale, the scales):
-/// the first is what the FP8 tensor stores once rounded to E4M3.
-pub fn block_scaled(values: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+/// A row-major `rows`×`cols` weight as (each value divided by its block's scale, the scales in
+/// format `fmt`): the first is what the FP8 tensor stores once rounded to E4M3.
+pub fn block_scaled(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: ScaleFmt,
+) -> (Vec<f32>, Vec<f32>) {
     let b = BLOCK;
     let (block_rows, block_cols) = (rows.div_ceil(b), cols.div_ceil(b));
     let mut scales = vec![0f32; block_rows * block_cols];
@@ -46,9 +52,13 @@ pub fn block_scaled(values: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<
         }
     }
     // An all-zero block keeps scale 1: its elements are 0 either way.
-    scales
-        .iter_mut()
-        .for_each(|s| *s = if *s > 0.0 { *s / E4M3_MAX } else { 1.0 });
+    scales.iter_mut().for_each(|s| {
+        *s = match (*s > 0.0, fmt) {
+            (false, _) => 1.0,
+            (true, ScaleFmt::Float) => *s / E4M3_MAX,
+            (true, ScaleFmt::Ue8m0) => ceil_pow2(*s / E4M3_MAX),
+        }
+    });
     let scaled = values
         .chunks(cols)
         .enumerate()
@@ -60,4 +70,41 @@ pub fn block_scaled(values: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<
         })
         .collect();
     (scaled, scales)
+}
+
+/// The smallest power of two at or above a positive finite `s` (at least 2^−126, a UE8M0
+/// value): rounding up keeps every scaled value within E4M3's 448.
+fn ceil_pow2(s: f32) -> f32 {
+    const MANTISSA: u32 = 0x007f_ffff;
+    // A mantissa that is not zero carries into the exponent; zero stays as it is.
+    f32::from_bits((s.max(f32::MIN_POSITIVE).to_bits() + MANTISSA) & !MANTISSA)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::fp8::is_ue8m0;
+
+    #[test]
+    fn ue8m0_scales_are_the_next_power_of_two() {
+        for (s, up) in [
+            (1.0, 1.0),
+            (0.75, 1.0),
+            (1.0 + f32::EPSILON, 2.0),
+            (3.0e-3, 1.0 / 256.0),
+            (2f32.powi(-20), 2f32.powi(-20)),
+            (1e-45, f32::MIN_POSITIVE),
+        ] {
+            assert_eq!(ceil_pow2(s), up, "{s}");
+            assert!(is_ue8m0(up), "{up}");
+        }
+        // A block of absmax 1 gets 1/448 up to 2^-8; its values stay within E4M3's range.
+        let block: Vec<f32> = (0..BLOCK * BLOCK)
+            .map(|i| 1.0 - i as f32 / 8192.0)
+            .collect();
+        let (scaled, scales) = block_scaled(&block, BLOCK, BLOCK, ScaleFmt::Ue8m0);
+        assert_eq!(scales, [2f32.powi(-8)]);
+        assert_eq!(scaled[0], 256.0);
+        assert!(scaled.iter().all(|v| v.abs() <= E4M3_MAX));
+    }
 }

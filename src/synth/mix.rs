@@ -4,6 +4,7 @@
 use globset::{Glob, GlobMatcher};
 
 use crate::model::config::Glm5Config;
+use crate::weights::fp8::ScaleFmt;
 use crate::weights::quantize::fallback;
 use crate::weights::GgmlType;
 
@@ -26,18 +27,31 @@ pub enum Mix {
     /// GLM-5-FP8's Hugging Face layout: linear weights FP8 E4M3 with a float32
     /// `weight_scale_inv` per 128×128 block, the rest BF16. Not a GGUF mix.
     Fp8,
+    /// DeepSeek-V3.1's: [`Mix::Fp8`] with every scale a power of two (UE8M0, still stored as
+    /// float32) and `scale_fmt: "ue8m0"` in the config.
+    Fp8Ue8m0,
 }
 
 impl Mix {
     /// The `--quant` names, in declaration order.
-    const NAMES: [(Mix, &'static str); 6] = [
+    const NAMES: [(Mix, &'static str); 7] = [
         (Mix::F32, "f32"),
         (Mix::Bf16, "bf16"),
         (Mix::Q8_0, "q8_0"),
         (Mix::Q4KM, "q4_k_m"),
         (Mix::UdIq, "ud-iq"),
         (Mix::Fp8, "fp8"),
+        (Mix::Fp8Ue8m0, "fp8-ue8m0"),
     ];
+
+    /// The block scales' format of an FP8 mix; `None` for the others.
+    pub fn fp8_scales(self) -> Option<ScaleFmt> {
+        match self {
+            Mix::Fp8 => Some(ScaleFmt::Float),
+            Mix::Fp8Ue8m0 => Some(ScaleFmt::Ue8m0),
+            _ => None,
+        }
+    }
 
     /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) of a file of this mix, as its
     /// converter and quantizer record it.
@@ -47,8 +61,8 @@ impl Mix {
             Mix::Q8_0 => 7,
             Mix::Q4KM => 15,
             Mix::UdIq => 30,
-            // `write_gguf` refuses fp8 (a Hugging Face layout) before asking.
-            Mix::Bf16 | Mix::Fp8 => 32,
+            // `write_gguf` refuses the FP8 mixes (Hugging Face layouts) before asking.
+            Mix::Bf16 | Mix::Fp8 | Mix::Fp8Ue8m0 => 32,
         }
     }
 }
@@ -67,7 +81,7 @@ impl std::fmt::Display for Mix {
 impl std::str::FromStr for Mix {
     type Err = String;
 
-    /// `f32`, `bf16`, `q8_0`, `q4_k_m`, `ud-iq` or `fp8`, in any case.
+    /// `f32`, `bf16`, `q8_0`, `q4_k_m`, `ud-iq`, `fp8` or `fp8-ue8m0`, in any case.
     fn from_str(s: &str) -> Result<Self, String> {
         Mix::NAMES
             .iter()
@@ -108,7 +122,7 @@ pub fn mix_type(mix: Mix, name: &str, row_len: u64, n_dims: usize, n_layers: u64
     let more_bits = || layer_of(name).is_some_and(|i| use_more_bits(i, n_layers));
     let ty = match mix {
         Mix::F32 => GgmlType::F32,
-        Mix::Bf16 | Mix::Fp8 => GgmlType::BF16,
+        Mix::Bf16 | Mix::Fp8 | Mix::Fp8Ue8m0 => GgmlType::BF16,
         Mix::Q8_0 => GgmlType::Q8_0,
         Mix::Q4KM => {
             if name == "output.weight" {
@@ -244,6 +258,8 @@ mod tests {
     fn mix_names() {
         assert_eq!("Q4_K_M".parse(), Ok(Mix::Q4KM));
         assert_eq!("ud-iq".parse(), Ok(Mix::UdIq));
+        assert_eq!("FP8-UE8M0".parse(), Ok(Mix::Fp8Ue8m0));
+        assert_eq!(Mix::Fp8Ue8m0.to_string(), "fp8-ue8m0");
         assert!("q4".parse::<Mix>().is_err());
     }
 

@@ -67,7 +67,7 @@ impl SynthSpec {
         match self.mix {
             Mix::F32 => Ok(StoreAs::F32),
             // FP8's unquantized tensors are BF16, as in GLM-5-FP8.
-            Mix::Bf16 | Mix::Fp8 => Ok(StoreAs::Bf16),
+            Mix::Bf16 | Mix::Fp8 | Mix::Fp8Ue8m0 => Ok(StoreAs::Bf16),
             other => Err(format!("the Hugging Face form is f32 or bf16, not {other}")),
         }
     }

@@ -7,12 +7,12 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::fp8;
-use super::mix::Mix;
 use super::plan::{plan, rows, Planned};
 use super::weights::WeightGen;
 use super::{gguf_metadata, SynthSpec};
 use crate::model::schema::{ExpertForm, Family, KvBForm, Layout};
 use crate::rng::SplitMix;
+use crate::weights::fp8::ScaleFmt;
 use crate::weights::gguf::writer::GgufWriter;
 use crate::weights::quantize::{self, random_blocks};
 use crate::weights::safetensors_writer::{SafetensorsStreamWriter, StoreAs};
@@ -84,10 +84,11 @@ fn fast_blocks(
 
 /// Write the GGUF form to `path`.
 pub fn write_gguf(spec: &SynthSpec, path: &Path) -> std::io::Result<Written> {
-    if spec.mix == Mix::Fp8 {
-        return Err(std::io::Error::other(
-            "--quant fp8 is GLM-5-FP8's Hugging Face layout: give --format hf",
-        ));
+    if spec.mix.fp8_scales().is_some() {
+        return Err(std::io::Error::other(format!(
+            "--quant {} is a Hugging Face layout (GLM-5-FP8's, DeepSeek-V3.1's): give --format hf",
+            spec.mix
+        )));
     }
     let layout = Layout {
         family: Family::Gguf,
@@ -167,11 +168,13 @@ fn histogram(types: &[GgmlType]) -> BTreeMap<String, usize> {
 /// `spec.shard_bytes` (with `model.safetensors.index.json` when there are several), tokenizer.
 pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::Result<Written> {
     let store = spec.hf_store().map_err(std::io::Error::other)?;
-    let fp8_mix = spec.mix == Mix::Fp8;
+    let fp8_scales = spec.mix.fp8_scales();
+    let fp8_mix = fp8_scales.is_some();
     if fp8_mix && experts == ExpertForm::FusedGateUp {
-        return Err(std::io::Error::other(
-            "fp8: GLM-5-FP8 stores its experts one by one; leave --hf-experts at its default",
-        ));
+        return Err(std::io::Error::other(format!(
+            "{}: FP8 checkpoints store their experts one by one; leave --hf-experts at its default",
+            spec.mix
+        )));
     }
     std::fs::create_dir_all(dir)?;
     let layout = Layout {
@@ -221,11 +224,11 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
         }
         let mut w = SafetensorsStreamWriter::create(&dir.join(name), &header, &metadata)?;
         for p in members {
-            if stored(p).len() > 1 {
+            if let Some(fmt) = fp8_scales.filter(|_| stored(p).len() > 1) {
                 // Scales need whole blocks: the weight is generated whole (one at a time).
                 let whole = values(spec, &gen, p, 0..p.rows());
                 let (scaled, scales) =
-                    fp8::block_scaled(&whole, p.shape[0] as usize, p.shape[1] as usize);
+                    fp8::block_scaled(&whole, p.shape[0] as usize, p.shape[1] as usize, fmt);
                 w.write(&scaled)?;
                 w.write(&scales)?;
             } else {
@@ -252,13 +255,16 @@ pub fn write_hf(spec: &SynthSpec, dir: &Path, experts: ExpertForm) -> std::io::R
         "float32"
     }
     .into();
-    if fp8_mix {
+    if let Some(scales) = fp8_scales {
         config["quantization_config"] = serde_json::json!({
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [fp8::BLOCK, fp8::BLOCK],
         });
+        if scales == ScaleFmt::Ue8m0 {
+            config["quantization_config"]["scale_fmt"] = "ue8m0".into();
+        }
     }
     spec.tokenizer_hf_files(dir, &mut config)?;
     std::fs::write(

@@ -7,10 +7,12 @@
 //! reference (another quantizer's choices, an importance matrix) is `noise`; anything past it is
 //! a departure, explained by the relation it bears to the reference ([`relation`]) and classed
 //! by that relation and the weight's role. Memory stays at one unit (an expert, a block of
-//! rows) whatever the model's size.
+//! rows) whatever the model's size. FP8 block scales are held to the format the candidate's
+//! config declares ([`scales`]).
 
 mod kv_b;
 pub mod relation;
+pub mod scales;
 pub mod segments;
 pub mod units;
 
@@ -76,6 +78,28 @@ pub struct TensorCheck {
     pub bytes: u64,
 }
 
+impl TensorCheck {
+    /// The line of `t` before it is checked: skipped, nothing measured.
+    fn new(t: &TensorEntry) -> Self {
+        TensorCheck {
+            tensor: t.name.clone(),
+            ty: t.encoding.name().to_string(),
+            shape: t.shape.clone(),
+            status: Status::Skipped,
+            rel_diff: 0.0,
+            noise: 0.0,
+            blocks: 0,
+            blocks_requantized: 0,
+            blocks_exact: 0,
+            blocks_beyond: 0,
+            worst: 0.0,
+            factor: None,
+            why: None,
+            bytes: t.nbytes,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Summary {
     pub tensors: usize,
@@ -137,11 +161,16 @@ pub fn verify(
     opts: &Options,
 ) -> Result<VerifyReport> {
     let expected = schema::expected(&reference.cfg, cand.layout());
+    let scale_fmt = scales::declared(cand)?;
     let mut tensors = Vec::new();
     let mut findings = Vec::new();
     for t in selected(cand, opts.select) {
         let want = expected.iter().find(|e| e.name == t.name).map(|e| &e.shape);
-        let (check, finding) = check_tensor(reference, cand, t, want, opts.strict)?;
+        let (check, finding) = if scales::must_be_ue8m0(t, scale_fmt) {
+            scales::check(cand, t, scale_fmt)?
+        } else {
+            check_tensor(reference, cand, t, want, opts.strict)?
+        };
         (opts.progress)(&t.name, t.nbytes);
         tensors.push(check);
         findings.extend(finding);
@@ -181,22 +210,7 @@ pub fn check_tensor(
     expected_shape: Option<&Vec<u64>>,
     strict: bool,
 ) -> Result<(TensorCheck, Option<Finding>)> {
-    let mut line = TensorCheck {
-        tensor: t.name.clone(),
-        ty: t.encoding.name().to_string(),
-        shape: t.shape.clone(),
-        status: Status::Skipped,
-        rel_diff: 0.0,
-        noise: 0.0,
-        blocks: 0,
-        blocks_requantized: 0,
-        blocks_exact: 0,
-        blocks_beyond: 0,
-        worst: 0.0,
-        factor: None,
-        why: None,
-        bytes: t.nbytes,
-    };
+    let mut line = TensorCheck::new(t);
     let p = match plan(reference, cand, t) {
         Ok(p) => p,
         Err(skip) => {

@@ -1,8 +1,13 @@
 //! FP8 to f32, element by element and for block-scaled weights (GLM-5-FP8, DeepSeek-V3 layout).
 //!
 //! A block-scaled weight `W` [out, in] of FP8 comes with `W_scale_inv`
-//! [ceil(out/B), ceil(in/B)] in f32 or bf16; element (r, c) is `f32(W[r][c]) * scale[r/B][c/B]`,
-//! one f32 multiply, the same as the reference `weight_dequant` (`x.float() * s` per block).
+//! [ceil(out/B), ceil(in/B)] in f32, bf16 or F8_E8M0; element (r, c) is
+//! `f32(W[r][c]) * scale[r/B][c/B]`, one f32 multiply, the same as the reference `weight_dequant`
+//! (`x.float() * s` per block).
+//!
+//! DeepSeek-V3.1 declares `quantization_config.scale_fmt: "ue8m0"` ([`ScaleFmt`]): its scales,
+//! stored as f32, must be powers of two ([`is_ue8m0`]), since DeepGEMM's UE8M0 kernels keep only
+//! their exponent and would round any other scale silently.
 
 use std::ops::Range;
 
@@ -84,10 +89,56 @@ pub fn f8e5m2_to_f32(b: u8) -> f32 {
     E5M2[b as usize]
 }
 
+/// An F8_E8M0 byte as f32: 2^(e−127), exact in f32 (byte 0 is the subnormal 2^−127, as torch
+/// converts `float8_e8m0fnu`); 0xff is NaN.
+pub fn f8e8m0_to_f32(b: u8) -> f32 {
+    match b {
+        0 => f32::from_bits(UE8M0_MIN_BITS),
+        0xff => f32::NAN,
+        e => f32::from_bits(u32::from(e) << 23),
+    }
+}
+
+/// The bits of 2^−127, the smallest UE8M0 value (an f32 subnormal).
+const UE8M0_MIN_BITS: u32 = 1 << 22;
+
+/// Whether `v` is a UE8M0 value, 2^k with −127 ≤ k ≤ 127: positive, finite, no mantissa bit.
+pub fn is_ue8m0(v: f32) -> bool {
+    let bits = v.to_bits();
+    // `bits >> 23` keeps the sign bit, so negative values fall outside 1..=254.
+    bits == UE8M0_MIN_BITS || (bits & 0x007f_ffff == 0 && (1..=254).contains(&(bits >> 23)))
+}
+
+/// What a checkpoint's `quantization_config.scale_fmt` says its block scales are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleFmt {
+    /// No `scale_fmt` (GLM-5-FP8, DeepSeek-V3): any float.
+    Float,
+    /// `"ue8m0"` (DeepSeek-V3.1): powers of two, whichever dtype stores them.
+    Ue8m0,
+}
+
+impl ScaleFmt {
+    /// The format a parsed `config.json` declares; any other `scale_fmt` is an error naming it,
+    /// since glmcheck cannot tell what such scales mean.
+    pub fn of_config(config: &serde_json::Value) -> Result<Self, String> {
+        let fmt = config
+            .get("quantization_config")
+            .and_then(|q| q.get("scale_fmt"));
+        match fmt {
+            None | Some(serde_json::Value::Null) => Ok(ScaleFmt::Float),
+            Some(v) if v == "ue8m0" => Ok(ScaleFmt::Ue8m0),
+            Some(other) => Err(format!(
+                "quantization_config.scale_fmt is {other}; glmcheck knows \"ue8m0\" or none"
+            )),
+        }
+    }
+}
+
 /// Dequantize rows `rows` of a block-scaled FP8 weight of `set` into row-major f32.
 ///
 /// Only the bytes of those rows and the scale rows they need are read. `weight` is a 2-D
-/// F8_E4M3 or F8_E5M2 tensor, `scale` its f32 or bf16 `*_scale_inv` with one value per
+/// F8_E4M3 or F8_E5M2 tensor, `scale` its f32, bf16 or F8_E8M0 `*_scale_inv` with one value per
 /// `block`×`block` tile ([`DEFAULT_BLOCK`] in GLM-5 and DeepSeek-V3 checkpoints).
 pub fn dequant_block_scaled(
     set: &SafetensorsSet,
@@ -100,7 +151,7 @@ pub fn dequant_block_scaled(
     let table = match weight.encoding {
         Encoding::F8E4M3 => &E4M3,
         Encoding::F8E5M2 => &E5M2,
-        ref other => return Err(fail(format!("is {other}, not FP8"))),
+        ref other => return Err(fail(format!("is {other}, not FP8 E4M3 or E5M2"))),
     };
     let [out_dim, in_dim] = matrix_dims(weight)
         .filter(|&dims| holds(weight, dims, 1))
@@ -167,7 +218,7 @@ fn holds(t: &TensorEntry, [rows, cols]: [usize; 2], width: usize) -> bool {
 /// A scale element's width in bytes and its decoder.
 type ScaleElement = (usize, fn(&[u8]) -> f32);
 
-/// The scale must be f32 or bf16 with one value per `block`×`block` tile of a `dims` weight;
+/// The scale must be f32, bf16 or F8_E8M0 with one value per `block`×`block` tile of a `dims` weight;
 /// gives its element width and decoder.
 fn check_scale(
     scale: &TensorEntry,
@@ -180,9 +231,10 @@ fn check_scale(
     let element: ScaleElement = match scale.encoding {
         Encoding::Ggml(GgmlType::F32) => (4, |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
         Encoding::Ggml(GgmlType::BF16) => (2, |c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        Encoding::F8E8M0 => (1, |c| f8e8m0_to_f32(c[0])),
         ref other => {
             return Err(format!(
-                "scale `{}` is {other}, not F32 or BF16",
+                "scale `{}` is {other}, not F32, BF16 or F8_E8M0",
                 scale.name
             ))
         }
@@ -195,4 +247,54 @@ fn check_scale(
         ));
     }
     Ok(element)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ue8m0_values_are_the_powers_of_two_e8m0_holds() {
+        let byte_values: Vec<f32> = (0..255).map(f8e8m0_to_f32).collect();
+        assert!(byte_values.iter().all(|&v| is_ue8m0(v)));
+        assert_eq!(byte_values[127], 1.0);
+        assert_eq!(byte_values[0], 2f32.powi(-126) / 2.0);
+        assert!(f8e8m0_to_f32(0xff).is_nan());
+        // Below 2^-127 or beyond 2^127 E8M0 has no byte; 0, negatives and specials are none.
+        for v in [
+            2f32.powi(-126) / 4.0,
+            1.5,
+            0.0,
+            -1.0,
+            f32::INFINITY,
+            f32::NAN,
+        ] {
+            assert!(!is_ue8m0(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn scale_fmt_is_read_from_the_quantization_config() {
+        let fmt = |q: serde_json::Value| {
+            ScaleFmt::of_config(&serde_json::json!({ "quantization_config": q }))
+        };
+        assert_eq!(
+            fmt(serde_json::json!({"scale_fmt": "ue8m0"})),
+            Ok(ScaleFmt::Ue8m0)
+        );
+        assert_eq!(
+            fmt(serde_json::json!({"quant_method": "fp8"})),
+            Ok(ScaleFmt::Float)
+        );
+        assert_eq!(
+            fmt(serde_json::json!({"scale_fmt": null})),
+            Ok(ScaleFmt::Float)
+        );
+        assert_eq!(
+            ScaleFmt::of_config(&serde_json::json!({})),
+            Ok(ScaleFmt::Float)
+        );
+        let err = fmt(serde_json::json!({"scale_fmt": "ue4m3"})).unwrap_err();
+        assert!(err.contains("scale_fmt is \"ue4m3\""), "{err}");
+    }
 }

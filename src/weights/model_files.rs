@@ -208,7 +208,7 @@ impl ModelFiles {
     pub fn can_dequantize(&self, t: &TensorEntry) -> bool {
         match &t.encoding {
             Encoding::Ggml(ty) => ty.can_dequantize(),
-            Encoding::F8E4M3 | Encoding::F8E5M2 => true,
+            Encoding::F8E4M3 | Encoding::F8E5M2 | Encoding::F8E8M0 => true,
             Encoding::Other(_) => false,
         }
     }
@@ -276,7 +276,9 @@ impl ModelFiles {
                     decoder(*ty, src, out, row_len as usize).map_err(|e| fail(e.to_string()))?;
                 }
             }
-            Encoding::F8E4M3 | Encoding::F8E5M2 => *out = self.dequantize_fp8(t, rows)?,
+            Encoding::F8E4M3 | Encoding::F8E5M2 | Encoding::F8E8M0 => {
+                *out = self.dequantize_fp8(t, rows)?
+            }
             Encoding::Other(name) => return Err(fail(format!("{name} tensors have no f32 form"))),
         }
         Ok(())
@@ -339,11 +341,11 @@ impl ModelFiles {
         if let Some(scale) = set.get(&format!("{}_scale_inv", t.name)) {
             return fp8::dequant_block_scaled(set, t, scale, rows, FP8_BLOCK);
         }
-        // No block scales: the bytes are the values.
-        let convert = if t.encoding == Encoding::F8E4M3 {
-            fp8::f8e4m3_to_f32
-        } else {
-            fp8::f8e5m2_to_f32
+        // No block scales (or the scales themselves, as F8_E8M0): the bytes are the values.
+        let convert = match t.encoding {
+            Encoding::F8E4M3 => fp8::f8e4m3_to_f32,
+            Encoding::F8E5M2 => fp8::f8e5m2_to_f32,
+            _ => fp8::f8e8m0_to_f32,
         };
         let row_len = t.row_len() as usize;
         Ok(set.bytes(t)[rows.start * row_len..rows.end * row_len]

@@ -256,6 +256,7 @@ fn encoding(dtype: Dtype) -> Encoding {
         Dtype::I64 => GgmlType::I64,
         Dtype::F8_E4M3 => return Encoding::F8E4M3,
         Dtype::F8_E5M2 => return Encoding::F8E5M2,
+        Dtype::F8_E8M0 => return Encoding::F8E8M0,
         other => return Encoding::Other(other.to_string()),
     };
     Encoding::Ggml(ggml)

@@ -11,6 +11,9 @@ pub enum Encoding {
     F8E4M3,
     /// 8-bit float, 5 exponent and 2 mantissa bits.
     F8E5M2,
+    /// 8-bit power of two (OCP E8M0: exponent only, 2^(e−127), 0xff NaN): DeepSeek-V3.1's
+    /// UE8M0 block scales stored in their own dtype.
+    F8E8M0,
     /// A safetensors dtype glmcheck stores but does not turn into f32 (BOOL, U8, U16, …).
     Other(String),
 }
@@ -22,6 +25,7 @@ impl Encoding {
             Encoding::Ggml(t) => t.name(),
             Encoding::F8E4M3 => "F8_E4M3",
             Encoding::F8E5M2 => "F8_E5M2",
+            Encoding::F8E8M0 => "F8_E8M0",
             Encoding::Other(s) => s,
         }
     }

@@ -1,4 +1,5 @@
-//! The safetensors reader and FP8 dequantization against files and values written by torch.
+//! The safetensors reader and FP8 dequantization (E4M3 and E5M2 values, f32, bf16 and F8_E8M0
+//! block scales) against files and values written by torch.
 
 use crate::common;
 
@@ -7,7 +8,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use glmcheck::weights::fp8::{dequant_block_scaled, f8e4m3_to_f32, f8e5m2_to_f32, DEFAULT_BLOCK};
+use glmcheck::weights::fp8::{
+    dequant_block_scaled, f8e4m3_to_f32, f8e5m2_to_f32, f8e8m0_to_f32, is_ue8m0, DEFAULT_BLOCK,
+};
 use glmcheck::weights::safetensors::{SafetensorsSet, INDEX_NAME};
 use glmcheck::weights::{Encoding, GgmlType, TensorEntry};
 use serde_json::Value;
@@ -71,6 +74,7 @@ fn f32_values(t: &TensorEntry, bytes: &[u8]) -> Vec<f32> {
             .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
         Encoding::F8E4M3 => bytes.iter().map(|&b| f8e4m3_to_f32(b)).collect(),
+        Encoding::F8E8M0 => bytes.iter().map(|&b| f8e8m0_to_f32(b)).collect(),
         ref e => panic!("{}: no float conversion for {e}", t.name),
     }
 }
@@ -235,6 +239,7 @@ fn fp8_elements_match_torch_for_every_byte() {
     for (name, convert) in [
         ("e4m3", f8e4m3_to_f32 as fn(u8) -> f32),
         ("e5m2", f8e5m2_to_f32),
+        ("e8m0", f8e8m0_to_f32),
     ] {
         let want = u64s(&table[name]);
         assert_eq!(want.len(), 256);
@@ -249,6 +254,16 @@ fn fp8_elements_match_torch_for_every_byte() {
     }
     assert!(f8e4m3_to_f32(0x7f).is_nan() && f8e4m3_to_f32(0xff).is_nan());
     assert_eq!(f8e5m2_to_f32(0x7c), f32::INFINITY);
+    // Every E8M0 value torch gives is a UE8M0 scale, and nothing else is: not NaN, nor the
+    // floats next to each value.
+    for bits in u64s(&table["e8m0"]) {
+        let v = f32::from_bits(bits as u32);
+        assert_eq!(is_ue8m0(v), !v.is_nan(), "{v}");
+        assert!(
+            !is_ue8m0(v.next_up()) && !is_ue8m0(v.next_down()) && !is_ue8m0(-v),
+            "{v}"
+        );
+    }
 }
 
 /// The FP8 weights, their torch dequantization, and the bits of a row range of it.
@@ -291,8 +306,8 @@ impl Fp8Case {
 #[test]
 fn block_dequant_is_bit_identical_to_torch() {
     let case = Fp8Case::load();
-    // w has f32 scales, w2 bf16 ones.
-    for weight in ["w.weight", "w2.weight"] {
+    // w has f32 scales, w2 bf16 ones, w3 F8_E8M0 ones.
+    for weight in ["w.weight", "w2.weight", "w3.weight"] {
         for rows in [
             0..300,
             100..260,
@@ -329,6 +344,10 @@ fn block_dequant_rejects_what_does_not_fit() {
     assert!(err(w, s, 0..300, 0).contains("block size 0"));
     assert!(err(w, s, 200..301, DEFAULT_BLOCK).contains("outside its 300 rows"));
     assert!(err(s, s, 0..3, DEFAULT_BLOCK).contains("not FP8"));
+    let e8m0 = "w3.weight_scale_inv";
+    assert!(err("w3.weight", e8m0, 0..300, 64).contains("needs [5, 5]"));
+    assert!(err(e8m0, e8m0, 0..3, DEFAULT_BLOCK).contains("is F8_E8M0, not FP8"));
+    assert!(err(w, "w.weight", 0..1, DEFAULT_BLOCK).contains("not F32, BF16 or F8_E8M0"));
     let msg = err(w, "w2.weight", 0..1, DEFAULT_BLOCK);
     assert!(
         msg.contains("weight.safetensors: tensor `w.weight`") && msg.contains("scale `w2.weight`"),

@@ -38,6 +38,8 @@ pub enum Relation {
     Shape,
     /// `--exact`: within the type's noise, but not the bytes ggml's quantizer gives.
     NotReproduced,
+    /// FP8 block scales that must be UE8M0 (powers of two) and are not ([`super::scales`]).
+    ScaleFormat,
 }
 
 impl Relation {
@@ -56,6 +58,7 @@ impl Relation {
             Relation::GarbageBlocks => "garbage_blocks",
             Relation::Shape => "shape",
             Relation::NotReproduced => "not_reproduced",
+            Relation::ScaleFormat => "scale_format",
         }
     }
 }
@@ -102,7 +105,7 @@ pub fn class_of(relation: Relation, id: WeightId, whole: bool) -> FaultClass {
         _ if router => FaultClass::RouterMismatch,
         _ if indexer => FaultClass::IndexerMismatch,
         Relation::Zeros if id == WeightId::LmHead => FaultClass::FlatLogits,
-        Relation::ScalarMultiple => FaultClass::ScaleMismatch,
+        Relation::ScalarMultiple | Relation::ScaleFormat => FaultClass::ScaleMismatch,
         Relation::ExpertPermutation
         | Relation::RowPermutation
         | Relation::HeadPermutation

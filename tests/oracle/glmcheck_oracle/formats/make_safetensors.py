@@ -3,12 +3,12 @@
 
 Usage: python -m glmcheck_oracle.formats.make_safetensors OUTDIR
 
-OUTDIR/single/model.safetensors   F32, F16, BF16, I64, F8_E4M3 tensors, incl. a scalar and an empty one
+OUTDIR/single/model.safetensors   F32, F16, BF16, I64, F8_E4M3, F8_E8M0 tensors, incl. a scalar and an empty one
 OUTDIR/single/expected.json       per tensor: dtype, shape, raw bytes, and torch's f32 bits or int values
 OUTDIR/sharded/                   three shards and model.safetensors.index.json, plus expected.json
-OUTDIR/fp8/weight.safetensors     [300, 260] F8_E4M3 weights with f32 and bf16 *_scale_inv
+OUTDIR/fp8/weight.safetensors     [300, 260] F8_E4M3 weights with f32, bf16 and F8_E8M0 *_scale_inv
 OUTDIR/fp8/expected.safetensors   torch's f32 block dequantization of each weight
-OUTDIR/fp8_table.json             torch's f32 bits of all 256 F8_E4M3 and F8_E5M2 bytes
+OUTDIR/fp8_table.json             torch's f32 bits of all 256 F8_E4M3, F8_E5M2 and F8_E8M0 bytes
 """
 
 import argparse
@@ -24,6 +24,7 @@ DTYPE_NAMES = {
     torch.bfloat16: "BF16",
     torch.int64: "I64",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
 }
 BLOCK = 128
 
@@ -54,6 +55,13 @@ def fp8_bytes(g, shape):
     return b.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
+def e8m0_bytes(g, shape):
+    """Random F8_E8M0 (UE8M0 scales), every exponent but NaN's 0xff possible, both ends included."""
+    b = torch.randint(0, 255, shape, generator=g, dtype=torch.int32)
+    b.view(-1)[:2] = torch.tensor([0, 254])
+    return b.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
 def single_tensors(g):
     return {
         "f32.matrix": torch.randn(7, 5, generator=g),
@@ -63,6 +71,7 @@ def single_tensors(g):
         "bf16.vector": (torch.randn(33, generator=g) * 1e-3).to(torch.bfloat16),
         "i64.ids": torch.randint(-(2**62), 2**62, (3, 2), generator=g),
         "fp8.weight": fp8_bytes(g, (4, 9)),
+        "e8m0.scale_inv": e8m0_bytes(g, (3, 5)),
     }
 
 
@@ -104,11 +113,25 @@ def write_fp8(folder, g):
     scale = torch.rand(3, 3, generator=g) * 1e-3 + 1e-5
     w2 = fp8_bytes(g, (300, 260))
     scale2 = (torch.rand(3, 3, generator=g) * 4).to(torch.bfloat16)
+    # DeepSeek-V3.1's UE8M0 scales in their own dtype, 2^-127 and 2^127 among them.
+    w3 = fp8_bytes(g, (300, 260))
+    scale3 = e8m0_bytes(g, (3, 3))
     save_file(
-        {"w.weight": w, "w.weight_scale_inv": scale, "w2.weight": w2, "w2.weight_scale_inv": scale2},
+        {
+            "w.weight": w,
+            "w.weight_scale_inv": scale,
+            "w2.weight": w2,
+            "w2.weight_scale_inv": scale2,
+            "w3.weight": w3,
+            "w3.weight_scale_inv": scale3,
+        },
         folder / "weight.safetensors",
     )
-    expected = {"w.weight": block_dequant(w, scale), "w2.weight": block_dequant(w2, scale2)}
+    expected = {
+        "w.weight": block_dequant(w, scale),
+        "w2.weight": block_dequant(w2, scale2),
+        "w3.weight": block_dequant(w3, scale3.float()),
+    }
     assert all(e.dtype == torch.float32 for e in expected.values())
     save_file(expected, folder / "expected.safetensors")
 
@@ -118,6 +141,7 @@ def fp8_table():
     return {
         "e4m3": f32_bits(every.view(torch.float8_e4m3fn)),
         "e5m2": f32_bits(every.view(torch.float8_e5m2)),
+        "e8m0": f32_bits(every.view(torch.float8_e8m0fnu)),
     }
 
 
