@@ -1,10 +1,14 @@
 //! SGLang's own debug dumps as candidates: folders written by the unmodified `dumper.py` of the
-//! pinned SGLang wheel (`scripts/setup-sglang-dumper`) around a torch GLM-5 named and called as
-//! SGLang's DeepseekV2 tensor-parallel prefill (`glmcheck_oracle.sglang`, gloo ranks on CPU).
-//! Clean dumps pass at TP 1, 2 and 4; the faults planted in that model are located and classed;
-//! several forward passes, a truncated file and a pickle naming a foreign class end in exit 2.
+//! pinned SGLang wheel (`scripts/setup-sglang-dumper`) around a torch model of the family named
+//! and called as SGLang's DeepseekV2 tensor-parallel prefill (`glmcheck_oracle.sglang`, gloo
+//! ranks on CPU): GLM-5, and DeepSeek-V2, V2-Lite, V3, V3.2, Kimi-K2 and GLM-4.7-Flash as
+//! SGLang serves each. Clean dumps pass at TP 1, 2 and 4; the faults planted in that model are
+//! located and classed; several forward passes, a truncated file and a pickle naming a foreign
+//! class end in exit 2.
 
 use crate::common;
+
+use serde_json::Value;
 
 use std::path::Path;
 
@@ -34,10 +38,51 @@ pub fn dump_tokens(hf: &Path, tokens: &str, out: &Path, tp: &str, extra: &[&str]
     common::run_oracle("sglang.dump", &args);
 }
 
-pub fn tiny_hf(dir: &Path) -> std::path::PathBuf {
-    let hf = dir.join("hf");
-    common::synth_tiny(&hf, &["--format", "hf"]);
+/// `glmcheck synth --family FAMILY --format hf` of the tiny preset, in `dir/FAMILY`.
+pub fn family_hf(dir: &Path, family: &str) -> std::path::PathBuf {
+    let hf = dir.join(family);
+    common::synth_tiny(&hf, &["--format", "hf", "--family", family]);
     hf
+}
+
+pub fn tiny_hf(dir: &Path) -> std::path::PathBuf {
+    family_hf(dir, "glm5")
+}
+
+/// `bisect` of the clean dump `out` of `hf` at `tp` in `dtype`: a pass read as SGLang's, which
+/// compared each of `compared` and the last token's logits nearly exactly.
+fn assert_clean(hf: &Path, out: &Path, tp: &str, dtype: &str, compared: &[&str]) -> Value {
+    let j = common::bisect_candidate(hf, out, &[], 0);
+    let at = format!("{}, TP {tp} {dtype}", hf.display());
+    assert_eq!(j["verdict"], "pass", "{at}: {:#}", j["fault"]);
+    assert_eq!(j["bisect"]["backend"], "sglang", "{at}");
+    assert_eq!(j["bisect"]["tp"], tp.parse::<u64>().unwrap(), "{at}");
+    assert_eq!(j["bisect"]["dtype"], dtype, "{at}");
+    let stages: Vec<&str> = j["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["stage"].as_str().unwrap())
+        .collect();
+    for s in compared.iter().chain(&["logits"]) {
+        assert!(stages.contains(s), "{at}: {s} compared");
+    }
+    let logits = stage(&j, "logits");
+    assert!(
+        logits["cosine"].as_f64().unwrap() > 0.999,
+        "{at}: {logits:#}"
+    );
+    j
+}
+
+/// Stage `name` of a bisect's JSON.
+fn stage<'a>(j: &'a Value, name: &str) -> &'a Value {
+    j["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == name)
+        .unwrap_or_else(|| panic!("{name} compared: {j:#}"))
 }
 
 #[test]
@@ -47,49 +92,110 @@ fn clean_dumps_pass_at_every_tensor_parallel_degree() {
     for (tp, dtype) in [("1", "bf16"), ("2", "bf16"), ("4", "bf16"), ("2", "f32")] {
         let out = dir.path().join(format!("tp{tp}-{dtype}"));
         dump(&hf, &out, tp, &["--dtype", dtype]);
-        let j = common::bisect_candidate(&hf, &out, &[], 0);
-        let at = format!("TP {tp} {dtype}");
-        assert_eq!(j["verdict"], "pass", "{at}: {:#}", j["fault"]);
-        assert_eq!(j["bisect"]["backend"], "sglang", "{at}");
-        assert_eq!(j["bisect"]["tp"], tp.parse::<u64>().unwrap(), "{at}");
-        assert_eq!(j["bisect"]["dtype"], dtype, "{at}");
-        let stages: Vec<&str> = j["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["stage"].as_str().unwrap())
-            .collect();
         // SGLang's hooks show every stage of the MHA prefill but the DSA top-k (its indexer
         // returns nothing on a prompt shorter than index_topk): the logits of the last token.
-        for s in [
+        let compared = [
             "embed",
             "L0.attn.kv",
             "L1.attn.ctx",
             "L1.moe.topk_ids",
             "L2.out",
-            "logits",
-        ] {
-            assert!(stages.contains(&s), "{at}: {s} compared");
-        }
-        assert!(!stages.contains(&"L0.attn.index_topk"), "{at}");
-        let logits = j["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["stage"] == "logits")
-            .unwrap();
-        assert!(
-            logits["cosine"].as_f64().unwrap() > 0.999,
-            "{at}: {logits:#}"
-        );
+        ];
+        let j = assert_clean(&hf, &out, tp, dtype, &compared);
+        let stages = j["stages"].as_array().unwrap();
+        assert!(stages.iter().all(|s| s["stage"] != "L0.attn.index_topk"));
     }
 }
 
-/// Each `(fault, stage, class)` planted in the SGLang-named model at `tp` ranks and dumped with
-/// `extra`: bisect locates it at `stage` and names `class`.
-pub fn faults_located(tokens: &str, tp: &str, extra: &[&str], table: &[(&str, &str, &str)]) {
+/// One dump: TP, dtype and the dump command's extra options.
+type Run = (&'static str, &'static str, &'static [&'static str]);
+
+/// What each member of the family beside GLM-5 is dumped as: its runs and the stages glmcheck
+/// reads nowhere in the dump.
+const FAMILY_RUNS: [(&str, &[Run], &[&str]); 6] = [
+    (
+        "deepseek-v3",
+        &[
+            ("1", "bf16", &[]),
+            ("2", "bf16", &[]),
+            ("4", "bf16", &[]),
+            ("2", "f32", &[]),
+            // SGLang's default for DeepSeek-V3 on GPUs (dv2:3322, :3357-3373).
+            ("2", "bf16", &["--fuse-shared-experts"]),
+        ],
+        &[],
+    ),
+    ("deepseek-v2", &[("2", "bf16", &[])], &[]),
+    // No q LoRA: SGLang's q_proj, whose output glmcheck's map of SGLang's names does not read.
+    (
+        "deepseek-v2-lite",
+        &[("2", "bf16", &[])],
+        &["L0.attn.q", "L1.attn.q", "L2.attn.q"],
+    ),
+    ("kimi-k2", &[("2", "bf16", &[])], &[]),
+    ("glm-4.7-flash", &[("2", "bf16", &[])], &[]),
+    // V3 with GLM-5's DSA indexer: on a prompt within index_topk it returns nothing, as GLM-5's.
+    (
+        "deepseek-v3.2",
+        &[("2", "bf16", &[])],
+        &[
+            "L0.attn.index_topk",
+            "L1.attn.index_topk",
+            "L2.attn.index_topk",
+        ],
+    ),
+];
+
+#[test]
+fn clean_dumps_of_the_rest_of_the_family_pass_as_sglang_serves_each() {
     let dir = common::scratch();
-    let hf = tiny_hf(dir.path());
+    for (family, runs, unread) in FAMILY_RUNS {
+        let hf = family_hf(dir.path(), family);
+        for (tp, dtype, extra) in runs {
+            let out = dir
+                .path()
+                .join(format!("{family}-tp{tp}-{dtype}{}", extra.concat()));
+            dump(&hf, &out, tp, &[&["--dtype", dtype], *extra].concat());
+            // The MLA attention with its YaRN, the grouped router's choices and weights.
+            let compared = [
+                "L0.attn.q_rope",
+                "L0.attn.k_rope",
+                "L0.attn.kv",
+                "L0.attn.ctx",
+                "L1.moe.router_logits",
+                "L1.moe.topk_ids",
+                "L1.moe.topk_weights",
+                "L2.ffn.out",
+            ];
+            let j = assert_clean(&hf, &out, tp, dtype, &compared);
+            let at = format!("{family}, TP {tp} {dtype} {extra:?}");
+            let missing = &j["bisect"]["not_recorded"];
+            if extra.is_empty() {
+                let want: Vec<Value> = unread.iter().map(|s| Value::from(*s)).collect();
+                let got = missing.as_array().cloned().unwrap_or_default();
+                assert_eq!(got, want, "{at}");
+            } else {
+                // Fused: the routed and shared experts' outputs are one (as for GLM-5 below).
+                assert!(missing.to_string().contains("L1.moe.shared"), "{at}");
+            }
+            // The reference routed every position as SGLang did.
+            assert_eq!(stage(&j, "L1.moe.topk_ids")["rel_diff"], 0.0, "{at}");
+        }
+    }
+}
+
+/// Each `(fault, stage, class)` planted in the SGLang-named model of `family` at `tp` ranks and
+/// dumped with `extra`: bisect locates it at `stage` and names `class`. The bisects' JSON, in
+/// the table's order.
+pub fn faults_located(
+    family: &str,
+    (tokens, tp): (&str, &str),
+    extra: &[&str],
+    table: &[(&str, &str, &str)],
+) -> Vec<Value> {
+    let dir = common::scratch();
+    let hf = family_hf(dir.path(), family);
+    let mut found = Vec::new();
     for (fault, stage, class) in table {
         let out = dir.path().join(fault);
         let args = [extra, &["--fault", fault]].concat();
@@ -97,11 +203,17 @@ pub fn faults_located(tokens: &str, tp: &str, extra: &[&str], table: &[(&str, &s
         let j = common::bisect_candidate(&hf, &out, &[], 1);
         assert_eq!(
             j["first_divergence"]["stage"], *stage,
-            "{fault}: {:#}",
+            "{family} {fault}: {:#}",
             j["fault"]
         );
-        assert_eq!(j["fault"]["class"], *class, "{fault}: {:#}", j["fault"]);
+        assert_eq!(
+            j["fault"]["class"], *class,
+            "{family} {fault}: {:#}",
+            j["fault"]
+        );
+        found.push(j);
     }
+    found
 }
 
 /// The faults both dump mechanisms show at the same stage: (fault, stage, class).
@@ -121,12 +233,56 @@ pub const FAULTS_EITHER_SHOWS: [(&str, &str, &str); 5] = [
 fn faults_planted_in_the_sglang_model_are_located_and_classed() {
     let scale = ("routed-scale-twice", "L1.ffn.out", "scale_mismatch");
     faults_located(
-        TOKENS,
-        "2",
+        "glm5",
+        (TOKENS, "2"),
         &[],
         &[&FAULTS_EITHER_SHOWS[..], &[scale]].concat(),
     );
-    faults_located(TOKENS, "4", &[], &FAULTS_EITHER_SHOWS);
+    faults_located("glm5", (TOKENS, "4"), &[], &FAULTS_EITHER_SHOWS);
+}
+
+#[test]
+fn faults_of_the_family_s_own_features_are_located_and_classed_on_deepseek_v3() {
+    // DeepSeek-V3's router limits each token to the best 2 of 4 expert groups and its MLA
+    // attention multiplies the softmax scale by YaRN's mscale² (factor 40, mscale_all_dim 1:
+    // (0.1·ln 40 + 1)² = 1.8739). In f32, where glmcheck counts the router's choices.
+    let summary = |j: &Value| j["fault"]["summary"].as_str().unwrap().to_owned();
+    let found = faults_located(
+        "deepseek-v3",
+        (TOKENS, "2"),
+        &["--dtype", "f32"],
+        &[
+            ("group-limit-ignored", "L1.moe.topk_ids", "router_mismatch"),
+            ("yarn-mscale-dropped", "L0.attn.ctx", "scale_mismatch"),
+            ("router-softmax", "L1.moe.topk_weights", "router_mismatch"),
+        ],
+    );
+    let grouped = summary(&found[0]);
+    assert!(
+        grouped.contains(
+            "every expert group competing: the group limit (the best 2 of 4 groups) left out"
+        ),
+        "{grouped}"
+    );
+    assert_eq!(stage(&found[0], "L1.moe.topk_ids")["rel_diff"], 0.25);
+    let yarn = summary(&found[1]);
+    assert!(
+        yarn.contains("× 0.5337: YaRN's mscale² (1.8739, from mscale_all_dim) left out"),
+        "{yarn}"
+    );
+    // The same fit from a bf16 dump, SGLang's usual dtype.
+    let bf16 = summary(
+        &faults_located(
+            "deepseek-v3",
+            (TOKENS, "2"),
+            &[],
+            &[("yarn-mscale-dropped", "L0.attn.ctx", "scale_mismatch")],
+        )[0],
+    );
+    assert!(
+        bf16.contains("× 0.5337: YaRN's mscale² (1.8739, from mscale_all_dim) left out"),
+        "{bf16}"
+    );
 }
 
 /// `bisect MODEL --candidate DUMP`'s one-line error (exit 2).
@@ -304,22 +460,32 @@ fn gate_holds_sglang_dumps_to_a_baseline_made_from_one() {
 
 #[test]
 fn the_sglang_named_model_computes_what_transformers_does() {
-    // The fixture must be GLM-5 before its dumps can test glmcheck: every position's logits
-    // against transformers' GlmMoeDsaForCausalLM, at each TP, in f32.
+    // The fixture must be each member before its dumps can test glmcheck: every position's
+    // logits against transformers' class of the checkpoint, at the TPs its dumps use, in f32.
     let dir = common::scratch();
-    let hf = tiny_hf(dir.path());
-    let out = common::run_oracle(
-        "sglang.dump",
-        &[hf.to_str().unwrap(), TOKENS, "--check", "--tp", "1,2,4"],
-    );
-    let rows: Vec<serde_json::Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line per TP"))
-        .collect();
-    assert_eq!(rows.len(), 3, "{out}");
-    for r in &rows {
-        assert!(r["relative"].as_f64().unwrap() < 1e-5, "{r}");
-        assert_eq!(r["same_argmax"], true, "{r}");
+    for (family, tps) in [
+        ("glm5", "1,2,4"),
+        ("deepseek-v3", "1,2,4"),
+        ("deepseek-v2", "2"),
+        ("deepseek-v2-lite", "2"),
+        ("kimi-k2", "2"),
+        ("glm-4.7-flash", "2"),
+        ("deepseek-v3.2", "2"),
+    ] {
+        let hf = family_hf(dir.path(), family);
+        let out = common::run_oracle(
+            "sglang.dump",
+            &[hf.to_str().unwrap(), TOKENS, "--check", "--tp", tps],
+        );
+        let rows: Vec<Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line per TP"))
+            .collect();
+        assert_eq!(rows.len(), tps.split(',').count(), "{family}: {out}");
+        for r in &rows {
+            assert!(r["relative"].as_f64().unwrap() < 1e-5, "{family}: {r}");
+            assert_eq!(r["same_argmax"], true, "{family}: {r}");
+        }
     }
 }
 
@@ -341,8 +507,8 @@ fn shared_experts_fused_into_the_routed_ones_are_read_as_sglang_runs_glm5() {
     let notes = j["bisect"]["candidate_notes"].to_string();
     assert!(notes.contains("fused the shared experts"), "{notes}");
     faults_located(
-        TOKENS,
-        "2",
+        "glm5",
+        (TOKENS, "2"),
         &["--fuse-shared-experts"],
         &[
             ("router-softmax", "L1.moe.topk_weights", "router_mismatch"),

@@ -61,5 +61,5 @@ fn faults_in_pass_files_are_located_and_classed() {
     let scale = ("routed-scale-twice", "L1.out", "scale_mismatch");
     let table = [&FAULTS_EITHER_SHOWS[..], &[scale]].concat();
     let args = ["--mechanism", "tensor-hook", "--steps", "2"];
-    faults_located(TOKENS, "2", &args, &table);
+    faults_located("glm5", (TOKENS, "2"), &args, &table);
 }

@@ -1,7 +1,8 @@
 """Make an SGLang debug-dump folder with SGLang's own dumper: one prefill of TOKENS (one
-request) through the fixture's GLM-5 at TP ranks (gloo processes on this machine), the
-dumper in `all` non-intrusive mode registered on the model and stepped after each forward,
-as SGLang's model runner does (model_executor/model_runner.py:1394-1396, :1900-1901).
+request) through the fixture's model of HF_DIR (any member of the family) at TP ranks (gloo
+processes on this machine), the dumper in `all` non-intrusive mode registered on the model and
+stepped after each forward, as SGLang's model runner does (model_executor/model_runner.py:
+1394-1396, :1900-1901).
 
 Usage: python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS OUT_DIR TP
            [--dtype bf16|f32] [--fault NAME] [--steps N] [--mechanism dumper|tensor-hook]
@@ -11,7 +12,8 @@ Usage: python -m glmcheck_oracle.sglang.dump HF_DIR TOKENS OUT_DIR TP
 
 Writes OUT_DIR/glmcheck/*.pt (DUMPER_DIR=OUT_DIR, DUMPER_EXP_NAME=glmcheck; an older
 OUT_DIR/glmcheck is removed first) and prints that folder. `--steps N` adds N-1 greedy
-decode steps of one token each, each its own dumper step.
+decode steps of one token each, each its own dumper step (DSA models only: SGLang decodes the
+others on the absorbed MLA path, which the fixture does not build).
 
 `--fuse-shared-experts` builds the MoE layers as SGLang does by default for GLM-5 on CUDA
 (models/deepseek_v2.py:3319-3390 with glm4_moe.py:1285; the fixture skips the allow-list of
@@ -31,7 +33,7 @@ the top-level `model` (DeepseekV2Model) returns: its own output and the logits p
 which come after, land in the next pass's file, and the last forward's never (as in SGLang,
 which writes nothing at exit). Older TP*_PP*_Rank*_pid* folders in OUT_DIR are removed first;
 prints OUT_DIR. `--check` dumps nothing: it runs
-transformers' GlmMoeDsaForCausalLM and this model at each TP in f32 and prints, per TP, the
+transformers' class of the checkpoint and this model at each TP in f32 and prints, per TP, the
 largest logit difference over all positions relative to max|logit| and the difference from
 the first TP listed (one JSON line each), exiting 1 above 1e-4.
 """
@@ -92,8 +94,8 @@ def rank_main(rank, size, rendezvous, args, result_path):
     cfg = weights.config(args.hf_dir)
     if args.fuse_shared_experts:
         cfg["num_fused_shared_experts"] = cfg["n_shared_experts"]
-    model = glm.GlmMoeDsaForCausalLM(weights.load(args.hf_dir, cfg, dtype, args.fault), cfg,
-                                     dtype, args.fault)
+    model = glm.DeepseekV2ForCausalLM(weights.load(args.hf_dir, cfg, dtype, args.fault), cfg,
+                                      dtype, args.fault)
     tokens = [int(x) for x in args.tokens.split(",")]
     with torch.no_grad():
         if args.check:
@@ -138,12 +140,14 @@ def run_ranks(args, size, result_path=None):
 
 
 def check(args):
-    """This model at each TP against transformers' GlmMoeDsaForCausalLM, f32, all positions."""
+    """This model at each TP against transformers' class of the checkpoint, f32, all
+    positions."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from glmcheck_oracle.hf.load import causal_lm
 
     tokens = [int(x) for x in args.tokens.split(",")]
-    reference = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+    reference = causal_lm(args.hf_dir)
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0].float()
     scale = expected.abs().max().item()
@@ -181,7 +185,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--tp", default="1,2,4", help="with --check: the TP sizes")
     args = parser.parse_args(argv)
-    from glmcheck_oracle.sglang import model as glm, weights
+    from glmcheck_oracle.sglang import layers, model as glm, weights
 
     cfg = weights.config(args.hf_dir)
     n_tokens = len(args.tokens.split(",")) + args.steps - 1
@@ -190,11 +194,20 @@ def main(argv=None):
         # fixture bypasses for its 8 experts as --enforce-shared-experts-fusion does, :3340)
         parser.error(f"--fuse-shared-experts needs n_shared_experts 1, not "
                      f"{cfg.get('n_shared_experts')}")
-    if n_tokens > cfg["index_topk"]:
+    if cfg["dsa"] and n_tokens > cfg["index_topk"]:
         # SGLang prefills DSA with dense MHA only up to index_topk tokens
         # (layers/attention/dsa_backend.py:4064, arg_groups/model_hook.py:290); beyond,
         # it runs the absorbed MLA path with the indexer's top-k, which this fixture lacks.
         parser.error(f"{n_tokens} tokens > index_topk {cfg['index_topk']}")
+    if not cfg["dsa"] and args.steps > 1:
+        # Without DSA a decode step, no extend, takes the absorbed MLA path
+        # (attention_backend_handler.py:125-141), which this fixture does not build.
+        parser.error("--steps > 1 needs a DSA model; the dense MLA decode is not modelled")
+    if args.fault == "yarn-mscale-dropped" and not (
+            cfg["rope_scaling"] and layers.mla_softmax_scale(cfg["rope_scaling"], 1.0) != 1.0):
+        parser.error("--fault yarn-mscale-dropped needs YaRN with an mscale² other than 1")
+    if args.fault == "group-limit-ignored" and cfg["topk_group"] >= cfg["n_group"]:
+        parser.error("--fault group-limit-ignored needs topk_group < n_group")
     if args.check:
         args.dtype = "f32"
         return check(args)

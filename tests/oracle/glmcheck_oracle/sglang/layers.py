@@ -1,8 +1,10 @@
-"""The SGLang 0.5.23 building blocks GLM-5's modules are made of (sglang/srt/layers/), in
+"""The SGLang 0.5.23 building blocks the family's modules are made of (sglang/srt/layers/), in
 plain torch on this rank's shards, each called and returning as SGLang's does, since the
 dumper's hooks record exactly those arguments and return values. TP collectives go over the
 gloo world that dump.py starts, which is the TP group.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -83,20 +85,73 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(x.dtype)
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """rotary_embedding/yarn.py:60 (and configs/model_config.py:2617)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(rope_scaling, base: float) -> float:
+    """configs/model_config.py:2623 compute_mla_mscale_scaling, which the MLA attention applies
+    whenever it has a rope_scaling (dv2:2177-2178), by then renamed deepseek_yarn: the base
+    scale × yarn_get_mscale(factor, mscale_all_dim)², mscale_all_dim absent being 0, a factor
+    absent 1."""
+    if not (rope_scaling.get("apply_yarn_scaling", True)
+            and rope_scaling.get("apply_scale", True)):
+        return base
+    m = yarn_get_mscale(rope_scaling.get("factor", 1.0),
+                        float(rope_scaling.get("mscale_all_dim", False)))
+    return base * m * m
+
+
+def _yarn(rotary_dim, base, max_position, s):
+    """DeepseekScalingRotaryEmbedding (rotary_embedding/rope_variant.py:335), which every
+    rope_scaling of the MLA attention becomes (`deepseek_yarn`, factory.py:371-401 passing
+    these keys): the frequencies blended between interpolated and
+    extrapolated over YaRN's correction range (:380-404, yarn.py:14-51), and cos/sin ×
+    yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim) × attn_factor
+    (:364-368, :414-415)."""
+    factor = s.get("factor", 1.0)
+    original = s.get("original_max_position_embeddings", max_position)
+
+    def correction_dim(rotations):
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(s.get("beta_fast", 32))), 0)
+    high = min(math.ceil(correction_dim(s.get("beta_slow", 1))), rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    extrapolate = (1 - ramp) * s.get("extrapolation_factor", 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    mscale = (yarn_get_mscale(factor, float(s.get("mscale", 1)))
+              / yarn_get_mscale(factor, float(s.get("mscale_all_dim", 0)))
+              * s.get("attn_factor", 1))
+    return inv_freq, mscale
+
+
 class RotaryEmbedding(nn.Module):
     """rotary_embedding/base.py:321: `rotary_emb(positions, q, k)` rotates the first
     `rotary_dim` of each head and returns `(q, k)`; GPT-J pairs (x0,x1),(x2,x3)... rotated in
-    place when not `is_neox_style`, halves (x_i, x_{i+d/2}) when it is."""
+    place when not `is_neox_style`, halves (x_i, x_{i+d/2}) when it is. With the config's
+    `rope_scaling` it is DeepSeek's YaRN (`_yarn`)."""
 
-    def __init__(self, rotary_dim: int, base: float, is_neox_style: bool, dtype):
+    def __init__(self, rotary_dim: int, cfg: dict, is_neox_style: bool, dtype):
         super().__init__()
         self.rotary_dim, self.is_neox_style = rotary_dim, is_neox_style
-        self.inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        base = cfg["rope_theta"]
+        if cfg["rope_scaling"]:
+            self.inv_freq, self.mscale = _yarn(rotary_dim, base, cfg["max_position_embeddings"],
+                                               cfg["rope_scaling"])
+        else:
+            self.inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+            self.mscale = 1.0
         self.dtype = dtype
 
     def rotate(self, positions, x):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos = (angles.cos() * self.mscale).to(self.dtype)
+        sin = (angles.sin() * self.mscale).to(self.dtype)
         shape = x.shape
         x = x.reshape(shape[0], -1, shape[-1])
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]

@@ -1,8 +1,13 @@
-"""GLM-5 (`GlmMoeDsaForCausalLM`, config `model_type` `glm_moe_dsa`) in plain torch, shaped as
-SGLang 0.5.23 builds it, so that the real dumper's hooks see what they see in SGLang: the same
-`named_modules()` (models/deepseek_v2.py, "dv2" below), each module called with the same
-positional and keyword arguments, returning the same kinds of values, on a single-node TP
-prefill (no DP attention, EP, PP or CP; DSA's MHA one-shot prefill, where kv_b_proj runs).
+"""The family in plain torch, shaped as SGLang 0.5.23 builds it, so that the real dumper's hooks
+see what they see in SGLang: the same `named_modules()` (models/deepseek_v2.py, "dv2" below),
+each module called with the same positional and keyword arguments, returning the same kinds of
+values, on a single-node TP prefill (no DP attention, EP, PP or CP). GLM-5
+(`GlmMoeDsaForCausalLM`) and DeepSeek-V3.2 run DSA's MHA one-shot prefill; DeepSeek-V2, V2-Lite,
+V3 and Kimi-K2 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`) and GLM-4.7-Flash
+(`Glm4MoeLiteForCausalLM`, models/glm4_moe_lite.py) the dense MLA prefill, which on an empty
+prefix is the same MHA path (attention_backend_handler.py:125-138, MHA_ONE_SHOT on fa3 and
+flashinfer, :25; forward_mha.py:181 forward_normal_prepare, :296 forward_normal_core); kv_b_proj
+runs either way. Each member differs by its config (weights.config), never by a copy.
 The references "file:line" are into sglang/srt/ of the 0.5.23 wheel. Faults (`FAULTS`) are
 bugs planted here, as SGLang-like code could have them.
 """
@@ -12,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmcheck_oracle.sglang.layers import (Linear, LayerNorm, RadixAttention, RMSNorm,
-                                           RotaryEmbedding, all_gather_last, all_reduce, tp)
+                                           RotaryEmbedding, all_gather_last, all_reduce,
+                                           mla_softmax_scale, tp)
 from glmcheck_oracle.sglang.moe import MLP, MoE
 from glmcheck_oracle.sglang.standins import (Contribution, LogitsProcessorOutput,
                                              OwedOutput)
 
 FAULTS = ("skip-o-proj-all-reduce", "unsharded-kv-b", "rank-order-q-b", "rope-neox",
-          "router-softmax", "routed-scale-twice")
+          "router-softmax", "routed-scale-twice", "group-limit-ignored", "yarn-mscale-dropped")
 
 
 class Indexer(nn.Module):
@@ -39,8 +45,7 @@ class Indexer(nn.Module):
             self.wk = Linear(w["wk"])
             self.weights_proj = Linear(w["weights_proj"])
         self.k_norm = LayerNorm(w["k_norm.weight"], w["k_norm.bias"])
-        self.rotary_emb = RotaryEmbedding(self.rope_dim, cfg["rope_theta"],
-                                          not self.fused, dtype)
+        self.rotary_emb = RotaryEmbedding(self.rope_dim, cfg, not self.fused, dtype)
 
     def forward(self, x, q_lora, positions, forward_batch, layer_id, return_indices=True):
         if self.fused:
@@ -58,8 +63,10 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """DeepseekV2AttentionMLA (dv2:2010), on the MHA one-shot prefill
-    (forward_mha.py:181 forward_normal_prepare, :296 forward_normal_core)."""
+    """DeepseekV2AttentionMLA (dv2:2010), on the MHA prefill (forward_mha.py:181
+    forward_normal_prepare, :296 forward_normal_core): the query from the q LoRA
+    (fused_qkv_a_proj_with_mqa, q_a_layernorm, q_b_proj) or, with q_lora_rank null, from q_proj
+    beside kv_a_proj_with_mqa (dv2:2069-2101, forward_mha.py:188-222)."""
 
     def __init__(self, w, cfg, layer_id, dtype, fault):
         super().__init__()
@@ -68,34 +75,44 @@ class Attention(nn.Module):
         self.v_dim, self.q_lora, self.kv_lora = (cfg["v_head_dim"], cfg["q_lora_rank"],
                                                  cfg["kv_lora_rank"])
         self.local_heads = cfg["num_attention_heads"] // tp()[1]
-        self.fused_qkv_a_proj_with_mqa = Linear(w["fused_qkv_a"])
-        self.q_a_layernorm = RMSNorm(w["q_a_layernorm"], cfg["rms_norm_eps"])
-        self.q_b_proj = Linear(w["q_b_proj"])
+        if self.q_lora is not None:
+            self.fused_qkv_a_proj_with_mqa = Linear(w["fused_qkv_a"])
+            self.q_a_layernorm = RMSNorm(w["q_a_layernorm"], cfg["rms_norm_eps"])
+            self.q_b_proj = Linear(w["q_b_proj"])
+        else:
+            self.q_proj = Linear(w["q_proj"])
+            self.kv_a_proj_with_mqa = Linear(w["kv_a_proj_with_mqa"])
         self.kv_b_proj = Linear(w["kv_b_proj"])
         self.o_proj = Linear(w["o_proj"])
         self.kv_a_layernorm = RMSNorm(w["kv_a_layernorm"], cfg["rms_norm_eps"])
         # dv2:2166: is_neox_style = not rope_interleave (default True).
         neox = not cfg.get("rope_interleave", True)
-        self.rotary_emb = RotaryEmbedding(self.rope, cfg["rope_theta"],
-                                          neox != (fault == "rope-neox"), dtype)
+        self.rotary_emb = RotaryEmbedding(self.rope, cfg, neox != (fault == "rope-neox"), dtype)
         # A "shared" DSA layer (skip_topk) has no indexer and reuses the carried top-k
         # (dv2:2117); on this path it computes nothing either way.
         self.indexer = Indexer(w["indexer"], cfg, dtype) if w["indexer"] else None
         scaling = (self.nope + self.rope) ** -0.5
+        if cfg["rope_scaling"] and fault != "yarn-mscale-dropped":
+            scaling = mla_softmax_scale(cfg["rope_scaling"], scaling)
         self.attn_mqa = RadixAttention(scaling)
         self.attn_mha = RadixAttention(scaling)
 
     def forward(self, positions, hidden_states, forward_batch, zero_allocator,
                 input_on_attn_tp_slices=False, llama_4_scaling=None, prev_topk_indices=None):
-        # dv2:2525 prepare_qkv_latent, fetched lazily inside the attention (forward_mha.py:191)
-        latent = self.fused_qkv_a_proj_with_mqa(hidden_states)[0]
-        q, latent_cache = latent.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
-        q_lora = self.q_a_layernorm(q)
-        q = self.q_b_proj(q_lora)[0].view(-1, self.local_heads, self.nope + self.rope)
-        if self.indexer is not None:  # forward_mha.py:205, :107
-            self.indexer(x=hidden_states, q_lora=q_lora, positions=positions,
-                         forward_batch=forward_batch, layer_id=self.layer_id,
-                         return_indices=False)
+        if self.q_lora is not None:
+            # dv2:2525 prepare_qkv_latent, fetched lazily inside the attention
+            # (forward_mha.py:191)
+            latent = self.fused_qkv_a_proj_with_mqa(hidden_states)[0]
+            q, latent_cache = latent.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
+            q_lora = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_lora)[0].view(-1, self.local_heads, self.nope + self.rope)
+            if self.indexer is not None:  # forward_mha.py:205, :107
+                self.indexer(x=hidden_states, q_lora=q_lora, positions=positions,
+                             forward_batch=forward_batch, layer_id=self.layer_id,
+                             return_indices=False)
+        else:
+            q = self.q_proj(hidden_states)[0].view(-1, self.local_heads, self.nope + self.rope)
+            latent_cache = self.kv_a_proj_with_mqa(hidden_states)[0]
         q_pe = q[..., self.nope:]
         kv_a, _ = latent_cache.split([self.kv_lora, self.rope], dim=-1)
         latent_cache = latent_cache.unsqueeze(1)
@@ -104,7 +121,7 @@ class Attention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
         # The MLA KV cache (latent + roped k_pe); a later forward reads it back whole, as
-        # MHA one-shot does with a prefix (forward_mha.py:246-270).
+        # DSA's MHA one-shot does with a prefix (forward_mha.py:246-270).
         cache = forward_batch.kv_cache.setdefault(("mla", self.layer_id), [])
         cache.append((kv_a, k_pe))
         kv_a = torch.cat([c[0] for c in cache])
@@ -125,11 +142,14 @@ class DecoderLayer(nn.Module):
     (factories.py:741 always_partial; prepare.py:359), `norm(h, residual)` (add_norm.py:419),
     and the FFN's all-reduce is deferred to the next layer's input: at TP > 1 the layer
     returns `(OwedOutput, None)` (exit.py:315-330, stream.py:175), at TP 1 `(mlp output,
-    None)`, the residual staying in the stream (forward_batch.residual_stream)."""
+    None)`, the residual staying in the stream (forward_batch.residual_stream).
+    GLM-4.7-Flash's Glm4MoeLiteDecoderLayer.forward (glm4_moe_lite.py:529) goes through the
+    same boundaries and returns the OwedOutput or output alone (:561), which the dumper then
+    records as the layer's `output`."""
 
     def __init__(self, w, cfg, layer_id, dtype, fault):
         super().__init__()
-        self.layer_id, self.fault = layer_id, fault
+        self.layer_id, self.fault, self.lite = layer_id, fault, cfg["lite"]
         self.self_attn = Attention(w["self_attn"], cfg, layer_id, dtype, fault)
         self.mlp = MoE(w["mlp"], cfg, fault) if "gate" in w["mlp"] else MLP(w["mlp"])
         self.input_layernorm = RMSNorm(w["input_layernorm"], cfg["rms_norm_eps"])
@@ -138,7 +158,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, forward_batch, zero_allocator,
                 gemm_output_zero_allocator=None, llama_4_scaling=None, prev_topk_indices=None,
-                captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+                captured_last_layer_outputs=None, next_full_attention_layer_id=None,
+                capture_output=None):
         stream = forward_batch.residual_stream
         if stream.residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
@@ -156,7 +177,7 @@ class DecoderLayer(nn.Module):
         stream.residual = residual
         if tp()[1] > 1:
             hidden_states = OwedOutput(Contribution(hidden_states))
-        return hidden_states, None
+        return hidden_states if self.lite else (hidden_states, None)
 
 
 def complete(hidden_states):
@@ -224,17 +245,23 @@ class DeepseekV2Model(nn.Module):
         # value, as it skips None.
         topk_indices = None
         for i, layer in enumerate(self.layers):
-            hidden_states, topk_indices = layer(
-                positions, hidden_states, forward_batch, None, None, None,
-                prev_topk_indices=topk_indices, captured_last_layer_outputs=None,
-                next_full_attention_layer_id=i + 1 if i + 1 < len(self.layers) else None)
+            if layer.lite:  # Glm4MoeLiteModel.forward, glm4_moe_lite.py:651
+                hidden_states = layer(positions, hidden_states, forward_batch, None,
+                                      capture_output=None)
+            else:
+                hidden_states, topk_indices = layer(
+                    positions, hidden_states, forward_batch, None, None, None,
+                    prev_topk_indices=topk_indices, captured_last_layer_outputs=None,
+                    next_full_attention_layer_id=i + 1 if i + 1 < len(self.layers) else None)
         hidden_states, _ = self.norm(complete(hidden_states), stream.residual)
         return hidden_states
 
 
-class GlmMoeDsaForCausalLM(nn.Module):
-    """glm4_moe.py:1284 → DeepseekV2ForCausalLM (dv2:3248, forward :3405): the root, whose
-    `forward(input_ids, positions, forward_batch)` the model runner calls
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepseekV2ForCausalLM (dv2:3248, forward :3405), which GlmMoeDsaForCausalLM
+    (glm4_moe.py:1284), DeepseekV3ForCausalLM (dv2:3518) and DeepseekV32ForCausalLM (:3522)
+    are, and Glm4MoeLiteForCausalLM (glm4_moe_lite.py:685, forward :755) mirrors: the root,
+    whose `forward(input_ids, positions, forward_batch)` the model runner calls
     (runner/eager_runner.py:361) and the dumper wraps (dumper.py:777)."""
 
     def __init__(self, w, cfg, dtype, fault=None):

@@ -1,6 +1,8 @@
-"""GLM-5's feed-forward modules as SGLang 0.5.23 builds them on TP without EP
+"""The family's feed-forward modules as SGLang 0.5.23 builds them on TP without EP
 (models/deepseek_v2.py, "dv2" below): the dense layers' DeepseekV2MLP and the MoE layers'
-DeepseekV2MoE (gate, topk, experts, shared_experts), each returning this rank's partial sum.
+DeepseekV2MoE (gate, topk, experts, shared_experts), each returning this rank's partial sum;
+GLM-4.7-Flash's Glm4MoeLiteMLP and Glm4MoeLiteSparseMoeBlock (glm4_moe_lite.py:98, :173) have
+the same children, called with the same tensors, and differ only in the gate's dtype.
 """
 
 from typing import NamedTuple
@@ -29,13 +31,15 @@ class MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """dv2:497: logits = x · W^T in f32 from a weight in the model dtype (dv2:514, 593);
-    the correction bias in f32 (dv2:520)."""
+    """dv2:497: logits = x · W^T in f32 (dv2:593) from the weight as loaded (weights.py: the
+    model dtype, or f32 for GLM-4.7-Flash's Glm4MoeLiteGate, glm4_moe_lite.py:150-170); the
+    correction bias in f32 (dv2:520), None without noaux_tc."""
 
     def __init__(self, weight, bias):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(bias.float(), requires_grad=False)
+        self.e_score_correction_bias = (None if bias is None else
+                                        nn.Parameter(bias.float(), requires_grad=False))
 
     def forward(self, hidden_states, gemm_output_zero_allocator=None, forward_batch=None):
         return F.linear(hidden_states.float(), self.weight.float())
@@ -50,53 +54,65 @@ class StandardTopKOutput(NamedTuple):
 
 
 class TopK(nn.Module):
-    """layers/moe/topk.py:1780 biased_grouped_topk_impl: sigmoid scores, choice by score + bias
-    within the best groups (sum of each group's top 2), weights renormalized; the routed
-    scaling factor is left to the experts (dv2:761, 797)."""
+    """layers/moe/topk.py:2934-2962 select_experts with use_grouped_topk, which every member
+    asks for whatever its topk_method (dv2:786-797, glm4_moe_lite.py:223-233). Without a
+    correction bias (V2, V2-Lite), grouped_topk_gpu (:1384): softmax or sigmoid scores, groups
+    ranked by their best score, the others' scores zeroed, the top-k scores the weights. With
+    one, biased_grouped_topk_impl (:1780; the CUDA kernels compute the same): sigmoid scores
+    whatever scoring_func, groups ranked by the sum of their two best biased scores, the others
+    -inf, the choice by biased score and the weights the unbiased scores. Either way the
+    weights renormalized over the routed columns when norm_topk_prob (+1e-20, :158), and the
+    routed scaling factor left to the experts (dv2:761, 797)."""
 
     def __init__(self, cfg, bias, fault):
         super().__init__()
         self.k, self.groups, self.topk_group = (cfg["num_experts_per_tok"], cfg["n_group"],
                                                 cfg["topk_group"])
         self.renormalize, self.bias, self.fault = cfg["norm_topk_prob"], bias, fault
+        self.scoring = cfg.get("scoring_func", "softmax") if bias is None else "sigmoid"
         self.fused = cfg.get("num_fused_shared_experts", 0)
         self.scale = cfg["routed_scaling_factor"]
 
     def forward(self, hidden_states, router_logits):
-        scores = (router_logits.softmax(-1) if self.fault == "router-softmax"
-                  else router_logits.sigmoid())
-        choice = scores + self.bias
-        t, e = choice.shape
-        grouped = choice.view(t, self.groups, e // self.groups)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
-        best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, 1), float("-inf"))
+        scoring = "softmax" if self.fault == "router-softmax" else self.scoring
+        scores = router_logits.softmax(-1) if scoring == "softmax" else router_logits.sigmoid()
+        t, e = scores.shape
+        if self.bias is None:
+            choice, group_scores = scores, scores.view(t, self.groups, -1).max(-1).values
+            outside = 0.0
+        else:
+            choice = scores + self.bias
+            group_scores = choice.view(t, self.groups, -1).topk(2, dim=-1)[0].sum(-1)
+            outside = float("-inf")
+        if self.fault != "group-limit-ignored":
+            best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, 1), outside)
+        # The fused shared expert's column comes last: the choice sorted (:1425, :1822).
+        values, ids = choice.topk(self.k + self.fused, dim=-1, sorted=self.fused > 0)
+        weights = values if self.bias is None else scores.gather(1, ids)
+        routed = weights[:, : self.k]
+        if self.renormalize:
+            routed = routed / (routed.sum(-1, keepdim=True) + 1e-20)
         if self.fused:
-            return self._fused(scores, choice, e, router_logits)
-        ids = choice.topk(self.k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return StandardTopKOutput(weights, ids.to(torch.int32), router_logits)
+            return self._fused(routed, ids, e, router_logits)
+        return StandardTopKOutput(routed.float(), ids.to(torch.int32), router_logits)
 
-    def _fused(self, scores, choice, e, router_logits):
-        """The same router with the shared expert fused (--fuse-shared-experts), as
-        biased_grouped_topk_impl does with num_fused_shared_experts=1 (topk.py:1817-1853):
-        top_k = k + 1 (topk.py:733, dv2:703) chosen sorted, the last column's id overwritten
-        with the shared expert's, n_routed_experts (:1826-1833, randint over [e, e+1)), the
-        routed weights renormalized over the routed columns only (:1836-1844), and the last
-        column's weight 1/routed_scaling_factor (:1848-1852, fused_shared_expert_weight
-        :2473, the factor not being applied in top-k for the unquantized Triton runner), so
-        that the experts' final scaling makes the shared expert's weight 1. GLM-5's 256
-        experts at top-k 9 take the JIT router instead (topk.py:2175-2183), which writes the
-        same columns (kernels/ops/moe/moe_fused_gate.py:297-302)."""
-        ids = choice.topk(self.k + self.fused, dim=-1, sorted=True)[1]
-        weights = scores.gather(1, ids)
+    def _fused(self, routed, ids, e, router_logits):
+        """The shared expert fused (--fuse-shared-experts): top_k = k + 1 (topk.py:733,
+        dv2:703), the last column's id overwritten with the shared expert's, n_routed_experts
+        (:1427-1433, :1826-1833, randint over [e, e+1)), the routed weights renormalized over
+        the routed columns only (:1440-1449, :1835-1844), and the last column's weight
+        1/routed_scaling_factor (grouped :1435-1438 before renormalizing by the routed sum,
+        biased :1848-1852 with fused_shared_expert_weight :2473, the factor not being applied
+        in top-k for the unquantized Triton runner), so that the experts' final scaling makes
+        the shared expert's weight 1. GLM-5's 256 experts at top-k 9 take the JIT router
+        instead (topk.py:2175-2183), which writes the same columns
+        (kernels/ops/moe/moe_fused_gate.py:297-302)."""
+        ids = ids.clone()
         ids[:, -1] = e
-        if self.renormalize:
-            weights = weights / weights[:, :-1].sum(-1, keepdim=True)
-        weights[:, -1] = 1.0 / self.scale
+        shared = torch.full_like(routed[:, :1], 1.0 / self.scale)
+        weights = torch.cat([routed, shared], dim=-1)
         return StandardTopKOutput(weights.float(), ids.to(torch.int32), router_logits)
 
 
