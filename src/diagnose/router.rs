@@ -73,8 +73,9 @@ fn ways(cfg: &Glm5Config) -> Vec<Way> {
     ways
 }
 
-/// Add to a `router_mismatch` at `L{n}.moe.topk_ids` the way of routing that gives the
-/// candidate's choices, where one does.
+/// Add to a `router_mismatch` at `L{n}.moe.topk_ids` (or at its `topk_weights`, where a lower
+/// precision left the ids unjudged) the way of routing that gives the candidate's choices,
+/// where one does.
 pub fn explain_choice(
     src: &WeightSource,
     reference: &Trace,
@@ -89,17 +90,19 @@ pub fn explain_choice(
     };
     let stage = Stage::parse(&d.stage);
     let Some(l) = stage
-        .filter(|s| s.kind() == "moe.topk_ids" && fault.class == FaultClass::RouterMismatch)
+        .filter(|s| matches!(s.kind(), "moe.topk_ids" | "moe.topk_weights"))
+        .filter(|_| fault.class == FaultClass::RouterMismatch)
         .and_then(|s| s.layer())
     else {
         return Ok(());
     };
+    let ids_stage = Stage::layer_stage(l, "moe.topk_ids").to_string();
     let cfg = &src.cfg;
     let logits_stage = Stage::layer_stage(l, "moe.router_logits").to_string();
     let (Some((logits, shape)), Some((ours, _)), Some((theirs, their_shape))) = (
         whole_values(reference, &logits_stage)?,
-        whole_values(reference, &d.stage)?,
-        whole_values(candidate, &d.stage)?,
+        whole_values(reference, &ids_stage)?,
+        whole_values(candidate, &ids_stage)?,
     ) else {
         return Ok(());
     };
@@ -157,7 +160,7 @@ pub fn explain_choice(
             fits.join(", or with ")
         ),
     };
-    fault.summary = format!("{}: the router chooses as with {what}", d.stage);
+    fault.summary = format!("{ids_stage}: the router chooses as with {what}");
     fault.evidence.push(format!(
         "the reference's router logits at {logits_stage}, routed again with {what}, give the \
          candidate's choices at all {t} positions (the configured router's at {configured})"

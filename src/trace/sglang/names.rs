@@ -55,6 +55,8 @@ const LAYER_HOOKS: &[(&str, &str, Target)] = {
             Stage("attn.q_a_norm", Replicated),
         ),
         ("self_attn.q_b_proj", "output", Stage("attn.q", Heads)),
+        // DeepSeek-V2-Lite has no q LoRA: `q_proj` makes the query from the hidden state.
+        ("self_attn.q_proj", "output", Stage("attn.q", Heads)),
         (
             "self_attn.kv_a_layernorm",
             "output",
