@@ -75,12 +75,13 @@ fn ways(cfg: &Glm5Config) -> Vec<Way> {
 
 /// Add to a `router_mismatch` at `L{n}.moe.topk_ids` (or at its `topk_weights`, where a lower
 /// precision left the ids unjudged) the way of routing that gives the candidate's choices,
-/// where one does.
+/// where one does: in the summary when the traces alone classed the fault (`rename`), else as
+/// evidence beside the cause a setting or a weight already names.
 pub fn explain_choice(
     src: &WeightSource,
-    reference: &Trace,
-    candidate: &Trace,
+    (reference, candidate): (&Trace, &Trace),
     report: &mut DiffReport,
+    rename: bool,
 ) -> Result<()> {
     let Some(d) = &report.first_divergence else {
         return Ok(());
@@ -160,7 +161,9 @@ pub fn explain_choice(
             fits.join(", or with ")
         ),
     };
-    fault.summary = format!("{ids_stage}: the router chooses as with {what}");
+    if rename {
+        fault.summary = format!("{ids_stage}: the router chooses as with {what}");
+    }
     fault.evidence.push(format!(
         "the reference's router logits at {logits_stage}, routed again with {what}, give the \
          candidate's choices at all {t} positions (the configured router's at {configured})"

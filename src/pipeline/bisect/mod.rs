@@ -311,9 +311,9 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     }
     router::explain_choice(
         &reference_model.source(),
-        &reference,
-        &candidate,
+        (&reference, &candidate),
         &mut report,
+        classified_by == "traces",
     )?;
     bar.inc(1);
     bar.finish_and_clear();
