@@ -20,6 +20,11 @@ const INPUTS: [&str; 4] = ["attn.q", "attn.q_rope", "attn.kv", "attn.k_rope"];
 /// Scale multipliers tried before refining: 2^-4 .. 2^4 in steps of 2^(1/16).
 const GRID: i32 = 64;
 
+/// The most multiply-adds one attention pass may take (query·key products and value sums over
+/// every head): some 250 passes fit a scale, so a long prompt at full width (its scores alone
+/// t²·heads) is left unfitted rather than held for minutes; GLM-5's widths fit some 60 tokens.
+const BUDGET: usize = 1 << 26;
+
 /// The reference's own inputs of one layer's attention, per head.
 struct Inputs {
     t: usize,
@@ -156,7 +161,12 @@ pub fn softmax_scale_fault(
     else {
         return Ok(None);
     };
-    let Some(inputs) = reference_inputs(reference, &stage)? else {
+    let Some(inputs) = reference_inputs(reference, &stage)?.filter(|x| {
+        let keys: usize = x.keys.iter().map(Vec::len).sum();
+        keys.saturating_mul(x.heads)
+            .saturating_mul(x.nope + x.rope + x.v)
+            <= BUDGET
+    }) else {
         return Ok(None);
     };
     let tp = candidate.manifest().tp.max(1) as usize;
