@@ -158,7 +158,7 @@ impl Glm5Config {
             // DeepSeek-V3.2's rotates NeoX halves as DeepSeek's reference does.
             rope_interleave: true,
             indexer_rope_interleave: member != Member::DeepseekV32,
-            yarn: gguf_yarn(&f, &u)?,
+            yarn: gguf_yarn(&arch, &f, &u)?,
             index_n_heads: u("attention.indexer.head_count")?.unwrap_or(0),
             index_head_dim: u("attention.indexer.key_length")?.unwrap_or(0),
             index_topk: u("attention.indexer.top_k")?.unwrap_or(0),
@@ -173,34 +173,50 @@ impl Glm5Config {
 
 type NumGetter<'a, T> = dyn Fn(&str) -> Result<Option<T>, ConfigError> + 'a;
 
-fn gguf_yarn(f: &NumGetter<f64>, u: &NumGetter<u64>) -> Result<Option<Yarn>, ConfigError> {
+fn gguf_yarn(
+    arch: &str,
+    f: &NumGetter<f64>,
+    u: &NumGetter<u64>,
+) -> Result<Option<Yarn>, ConfigError> {
     let Some(factor) = f("rope.scaling.factor")? else {
         return Ok(None);
     };
-    let mut yarn = llama_cpp_yarn(factor, f("rope.scaling.yarn_log_multiplier")?);
+    let mut yarn = llama_cpp_yarn(arch, factor, f("rope.scaling.yarn_log_multiplier")?);
     yarn.original_max_position_embeddings = u("rope.scaling.original_context_length")?.unwrap_or(0);
     yarn.beta_fast = f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0);
     yarn.beta_slow = f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0);
     Ok(Some(yarn))
 }
 
-/// YaRN by `factor` as llama.cpp's family graphs run it from `rope.scaling.yarn_log_multiplier`
-/// (its converter writes 0.1·mscale_all_dim; DeepSeek's checkpoints set mscale equal, which
-/// leaves cos/sin unscaled and the softmax × mscale²). Absent or 0, llama.cpp scales cos/sin by
-/// YaRN's own mscale (0.1·ln(factor) + 1) and the softmax by its square: in transformers' terms
-/// an explicit attention_factor and mscale_all_dim 1. The original context and betas are the
+/// YaRN by `factor` as llama.cpp's graph for `arch` runs it from
+/// `rope.scaling.yarn_log_multiplier` (its converter writes 0.1·mscale_all_dim), in transformers'
+/// terms. Absent or 0 (and always for glm-dsa, whose loader never reads the key), llama.cpp
+/// scales cos/sin by YaRN's own mscale (0.1·ln(factor) + 1) and the softmax by its square. Given
+/// mscale_all_dim m, it takes mscale = m on deepseek2 (cos/sin unscaled, the softmax × m's
+/// mscale², DeepSeek's own YaRN) but mscale = 1 on the other archs: cos/sin × mscale(1)/mscale(m)
+/// and, its kq scale squaring that ratio too, the softmax × mscale(1)². The two agree where
+/// m = 1, as in DeepSeek-V3's and V3.2's configs. The original context and betas are the
 /// caller's to fill.
-pub fn llama_cpp_yarn(factor: f64, log_multiplier: Option<f64>) -> Yarn {
-    let mscale_all_dim = log_multiplier.map(|m| m / 0.1).filter(|&m| m != 0.0);
+pub fn llama_cpp_yarn(arch: &str, factor: f64, log_multiplier: Option<f64>) -> Yarn {
+    let mscale_all_dim = log_multiplier
+        .filter(|_| arch != "glm-dsa")
+        .map(|m| m / 0.1)
+        .filter(|&m| m != 0.0);
+    let (attention_factor, mscale, mscale_all_dim) = match mscale_all_dim {
+        None => (Some(yarn_mscale(factor, 1.0)), None, 1.0),
+        Some(m) if arch == "deepseek2" || m == 1.0 => (None, Some(m), m),
+        Some(m) => (
+            Some(yarn_mscale(factor, 1.0) / yarn_mscale(factor, m)),
+            Some(1.0),
+            1.0,
+        ),
+    };
     Yarn {
         factor,
         original_max_position_embeddings: 0,
-        attention_factor: match mscale_all_dim {
-            Some(_) => None,
-            None => Some(yarn_mscale(factor, 1.0)),
-        },
-        mscale: mscale_all_dim,
-        mscale_all_dim: mscale_all_dim.or(Some(1.0)),
+        attention_factor,
+        mscale,
+        mscale_all_dim: Some(mscale_all_dim),
         beta_fast: 32.0,
         beta_slow: 1.0,
         truncate: true,

@@ -1,7 +1,8 @@
 //! glmcheck against llama.cpp and transformers on the family's other members, converted the way
 //! their GGUFs are made: a tiny random DeepSeek-V3 (YaRN), DeepSeek-V2-Lite, DeepSeek-V2,
 //! Kimi-K2 and GLM-4.7-Flash built by transformers' own classes and converted by llama.cpp's
-//! converter to an F32 `deepseek2` GGUF (`glmcheck_oracle.llamacpp.family`), then run by
+//! converter to an F32 `deepseek2` GGUF, and DeepSeek-V3.2 (YaRN, its DSA indexer keeping 4
+//! positions) to a `deepseek32` one (`glmcheck_oracle.llamacpp.family`), then run by
 //! glmcheck, by llama.cpp (dump_logits, the whole prompt in one batch) and by transformers. At
 //! every position the logits agree within 1e-4 × max|logit| with the same top-1, and 16 greedy
 //! tokens are identical; `glmcheck inspect` names the member and passes the schema check.
@@ -18,6 +19,9 @@
 //!   softmax (V2/V2.5 files predate the key; GLM-4.7-Flash's 47/48-layer, 154880-token shape
 //!   reads as sigmoid), yet still chooses with `exp_probs_b` where the file has it: a V3 file
 //!   without the key runs softmax scores with the bias. glmcheck reads such a file the same way.
+//! * llama.cpp's context takes YaRN's mscale equal to mscale_all_dim on deepseek2 only; on
+//!   deepseek32 it takes 1 (src/llama-context.cpp), so a V3.2 file whose mscale_all_dim is not 1
+//!   runs another model: glmcheck reads it as llama.cpp does.
 //! * it reads `attention.q_lora_rank` as required unless the model has 26 or 27 layers (how it
 //!   tells DeepSeek-V2-Lite), so the V2-Lite model has 27 layers.
 //!
@@ -53,7 +57,12 @@ pub(super) fn make_model(dir: &Path, arch: &str, extra: &[&str], sequences: &[&s
 /// `glmcheck inspect`: the member it names, and the schema check passed.
 fn assert_inspect(gguf: &Path, member: &str) -> serde_json::Value {
     let json = common::glmcheck_json(["inspect".as_ref(), gguf.as_os_str(), "--json".as_ref()], 0);
-    assert_eq!(json["architecture"], "deepseek2", "{json}");
+    let arch = if member == "deepseek_v32" {
+        "deepseek32"
+    } else {
+        "deepseek2"
+    };
+    assert_eq!(json["architecture"], arch, "{json}");
     assert_eq!(json["family"]["member"], member, "{}", json["family"]);
     assert_eq!(json["schema"]["ok"], true, "{}", json["schema"]);
     json
@@ -138,6 +147,13 @@ fn worst_relative(a: &[f32], b: &[f32], vocab: usize) -> f64 {
 #[test]
 fn deepseek_v3_yarn_agrees() {
     check_member("v3", &["--yarn"], "deepseek_v3");
+}
+
+/// DeepSeek-V3.2: the converter writes arch `deepseek32` with the DSA indexer's keys, and
+/// llama.cpp runs the indexer (4 of 64 key positions kept at the long prompt).
+#[test]
+fn deepseek_v3_2_yarn_agrees() {
+    check_member("v32", &["--yarn"], "deepseek_v32");
 }
 
 #[test]
@@ -234,10 +250,20 @@ fn missing_gating_func_reads_as_softmax_like_llama_cpp() {
         json["config"]
     );
     assert_eq!(json["config"]["topk_method"], "noaux_tc");
+    agrees_with_llama_cpp_only(
+        dir.path(),
+        &model,
+        &sequences,
+        "v3 without expert_gating_func",
+    );
+}
+
+/// glmcheck's reading of `model`'s GGUF agrees with llama.cpp's run of it (logits and greedy
+/// tokens), and both run another model than the transformers checkpoint it was converted from.
+fn agrees_with_llama_cpp_only(dir: &Path, model: &Model, sequences: &[&str], what: &str) {
     for (k, ids) in sequences.iter().enumerate() {
-        let n = tokens_of(ids).len();
-        let what = format!("v3 without expert_gating_func, {n} tokens");
-        let Runs { ours, llama } = run_both(dir.path(), &model, k, ids);
+        let what = format!("{what}, {} tokens", tokens_of(ids).len());
+        let Runs { ours, llama } = run_both(dir, model, k, ids);
         let v = model.vocab;
         let vs_llama = agree(
             &format!("{what}: glmcheck vs llama.cpp"),
@@ -247,13 +273,36 @@ fn missing_gating_func_reads_as_softmax_like_llama_cpp() {
         );
         let off = worst_relative(&ours.0, &model.hf_logits[k], v);
         println!(
-            "{what}: max |Δlogit| glmcheck−llama.cpp {vs_llama:.2e}; off the sigmoid model by \
+            "{what}: max |Δlogit| glmcheck−llama.cpp {vs_llama:.2e}; off transformers' model by \
              {off:.2e} × max|logit|"
         );
         assert_eq!(ours.1, llama.1, "{what}: greedy tokens, llama.cpp");
         assert!(
             off > 100.0 * TOLERANCE,
-            "{what}: softmax gating should run another model than transformers' sigmoid one"
+            "{what}: llama.cpp's reading should run another model than transformers'"
         );
     }
+}
+
+/// DeepSeek-V2-Lite's YaRN (mscale = mscale_all_dim = 0.707) in a V3.2 checkpoint: llama.cpp's
+/// deepseek32 takes mscale 1 where deepseek2 takes mscale_all_dim, so it scales cos/sin by
+/// mscale(1)/mscale(0.707) and the softmax by mscale(1)², where transformers leaves cos/sin
+/// unscaled and the softmax × mscale(0.707)². glmcheck reads the file as llama.cpp runs it.
+#[test]
+fn deepseek32_takes_mscale_1_beside_another_mscale_all_dim_like_llama_cpp() {
+    let dir = common::scratch();
+    let sequences = [SHORT, MEDIUM];
+    let yarn = r#"rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+        "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}"#;
+    let model = make_model(dir.path(), "v32", &["--set", yarn], &sequences);
+    let json = assert_inspect(&model.gguf, "deepseek_v32");
+    let y = &json["config"]["yarn"];
+    assert_eq!(y["mscale_all_dim"], 1.0, "{y}");
+    agrees_with_llama_cpp_only(
+        dir.path(),
+        &model,
+        &sequences,
+        "v32 with mscale_all_dim 0.707",
+    );
 }

@@ -79,7 +79,7 @@ pub(super) fn gguf_mismatches(meta: &Map<String, Value>, cfg: &Glm5Config) -> Ve
         // The same scaling's magnitudes: what llama.cpp makes of the log multiplier (absent or
         // 0, YaRN's own mscale on cos/sin and its square on the softmax).
         let log_multiplier = num("rope.scaling.yarn_log_multiplier");
-        let theirs = llama_cpp_yarn(factor, log_multiplier);
+        let theirs = llama_cpp_yarn(arch, factor, log_multiplier);
         let (cos_sin, softmax) = (yarn_attention_factor(&theirs), theirs.softmax_factor());
         let (ours_cos_sin, ours_softmax) = (yarn_attention_factor(y), y.softmax_factor());
         if differs(cos_sin, ours_cos_sin) || differs(softmax, ours_softmax) {

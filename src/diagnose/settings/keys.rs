@@ -37,9 +37,10 @@ pub const KEYS: [Key; 14] = [
         fields: &["yarn"],
         stages: &["attn.q_rope", "attn.k_rope", "attn.ctx"],
         class: FaultClass::RopeMismatch,
-        does: "0.1·mscale_all_dim (deepseek2, deepseek32): absent or 0, llama.cpp scales cos/sin \
-               by YaRN's mscale and the softmax by its square, where DeepSeek's YaRN leaves \
-               cos/sin unscaled and the softmax × mscale_all_dim's mscale²",
+        does: "0.1·mscale_all_dim (deepseek2, deepseek32; glm-dsa never reads it): absent or 0, \
+               llama.cpp scales cos/sin by YaRN's mscale and the softmax by its square, where \
+               DeepSeek's YaRN leaves cos/sin unscaled and the softmax × mscale_all_dim's \
+               mscale²; deepseek32 takes mscale 1 beside any other mscale_all_dim",
     },
     Key {
         key: Some("rope.freq_base"),

@@ -65,7 +65,7 @@ def build(arch: str, neox: bool, yarn: bool, sets: dict):
         cfg = tf.Glm4MoeLiteConfig(**common)
         cls = tf.Glm4MoeLiteForCausalLM
     else:
-        cfg = tf.DeepseekV32Config(**common, index_n_heads=16, index_head_dim=32, index_topk=4)
+        cfg = tf.DeepseekV32Config(**{"index_n_heads": 16, "index_head_dim": 32, "index_topk": 4, **common})
         cls = tf.DeepseekV32ForCausalLM
     torch.manual_seed(5)
     model = cls(cfg).eval()

@@ -44,11 +44,12 @@ PRE = {
     "v2": "deepseek-llm",
     "v2-lite": "deepseek-llm",
     "v3": "deepseek-v3",
+    "v32": "deepseek-v3",
     "kimi-k2": "kimi-k2",
     "glm-4.7-flash": "glm4",
 }
 # Each member's real `scoring_func`.
-SCORING = {"v2": "softmax", "v2-lite": "softmax", "v3": "sigmoid", "kimi-k2": "sigmoid", "glm-4.7-flash": "sigmoid"}
+SCORING = {"v2": "softmax", "v2-lite": "softmax", "v3": "sigmoid", "v32": "sigmoid", "kimi-k2": "sigmoid", "glm-4.7-flash": "sigmoid"}
 
 
 def sizes(arch: str, yarn: bool) -> dict:
@@ -57,6 +58,8 @@ def sizes(arch: str, yarn: bool) -> dict:
     out = {"vocab_size": 512, "bos_token_id": glm.GMASK_ID, "eos_token_id": glm.EOS_ID, "pad_token_id": glm.EOS_ID}
     if arch == "v2-lite":
         out["num_hidden_layers"] = 27
+    if arch == "v32":
+        out["index_head_dim"] = 64
     if yarn:
         out["rope_parameters"] = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
@@ -156,6 +159,10 @@ def main() -> None:
         extra["first_k_dense_replace"] = sets.get("mlp_layer_types", ["dense"]).count("dense")
     deepseek_model.save(deepseek_model.build(a.arch, False, a.yarn, sets), a.arch, hf, **extra)
     glm.tokenizer().save_pretrained(hf)
+    if a.arch == "v32":
+        # DeepSeek-V3.2's tokenizer_config.json says so, and the converter asserts it.
+        path = hf / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True, "bos_token": "[gMASK]"}))
 
     # The reference is the reloaded checkpoint: what glmcheck and the converter read.
     model = causal_lm(str(hf))

@@ -125,6 +125,24 @@ def tokenizer():
     return fast
 
 
+def keep_add_bos_token(hf: Path) -> None:
+    """Load `hf`'s tokenizer with its `tokenizer_config.json` `add_bos_token`, as the converter's
+    pinned transformers (4.57) does: transformers 5 drops the key wherever a `tokenizer.json`
+    exists, and the converter's DeepSeek-V3.2 vocabulary asserts it."""
+    import transformers
+
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    if "add_bos_token" not in config:
+        return
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(path, *args, **kwargs):
+        kwargs.setdefault("add_bos_token", config["add_bos_token"])
+        return load(path, *args, **kwargs)
+
+    transformers.AutoTokenizer.from_pretrained = from_pretrained
+
+
 def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32", pre: str = "glm4") -> None:
     """Run the vendored convert_hf_to_gguf.py (`--outtype OUTTYPE`) in this process. Its pre-tokenizer check hashes the
     tokens of a fixed text and knows only real tokenizers; for the toy one it raises
@@ -144,6 +162,7 @@ def convert(llama_cpp: Path, hf: Path, gguf: Path, outtype: str = "f32", pre: st
             return pre
 
     TextModel.get_vocab_base_pre = vocab_base_pre
+    keep_add_bos_token(hf)
     sys.argv = ["convert_hf_to_gguf.py", str(hf), "--outtype", outtype, "--outfile", str(gguf)]
     convert_hf_to_gguf.main()
     if not gguf.exists():
