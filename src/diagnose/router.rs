@@ -83,17 +83,8 @@ pub fn explain_choice(
     report: &mut DiffReport,
     rename: bool,
 ) -> Result<()> {
-    let Some(d) = &report.first_divergence else {
-        return Ok(());
-    };
-    let Some(fault) = report.fault.as_mut() else {
-        return Ok(());
-    };
-    let stage = Stage::parse(&d.stage);
-    let Some(l) = stage
-        .filter(|s| matches!(s.kind(), "moe.topk_ids" | "moe.topk_weights"))
-        .filter(|_| fault.class == FaultClass::RouterMismatch)
-        .and_then(|s| s.layer())
+    let kinds = ["moe.topk_ids", "moe.topk_weights"];
+    let Some((l, fault)) = super::divergent_fault(report, &kinds, FaultClass::RouterMismatch)
     else {
         return Ok(());
     };
@@ -152,14 +143,8 @@ pub fn explain_choice(
         .filter(|w| matching(w, &theirs) == t)
         .map(|w| w.what.as_str())
         .collect();
-    let what = match fits[..] {
-        [] => return Ok(()),
-        [one] => one.to_string(),
-        // Ways that make the same choices on this prompt: named together, none preferred.
-        _ => format!(
-            "{} (this prompt does not tell them apart)",
-            fits.join(", or with ")
-        ),
+    let Some(what) = super::named_together(&fits) else {
+        return Ok(());
     };
     if rename {
         fault.summary = format!("{ids_stage}: the router chooses as with {what}");

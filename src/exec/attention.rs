@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::exec::backend::{Backend, HeadCut};
+use crate::dtype::Precision;
+use crate::exec::backend::{Backend, Cpu, HeadCut};
 use crate::exec::mat::{Mat, Queue};
 use crate::exec::ops::attention_core::AttentionInputs;
 use crate::exec::ops::indexer_core::IndexerInputs;
@@ -407,43 +408,19 @@ fn indexer<B: Backend>(
         src, l, start, be, ..
     } = step;
     let cfg = &src.cfg;
-    let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
-    let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
-    let t = hn.rows;
-    let (ih, ihd) = (cfg.index_n_heads as usize, cfg.index_head_dim as usize);
-    let q = be.linear(q_a_norm, &*matrix(IndexerQB)?)?;
-    let k_lin = be.linear(hn, &*matrix(IndexerK)?)?;
-    let k = be.layer_norm(
-        &k_lin,
-        &vector(IndexerKNorm)?,
-        &vector(IndexerKNormBias)?,
-        INDEXER_NORM_EPS,
-    )?;
-    let weights = be.linear(hn, &*matrix(IndexerProj)?)?;
-    // The key is one head of `ihd`; the rope dims lead each head.
-    let spec = RotateSpec {
-        width: ihd,
-        offset: 0,
-        start,
+    let rotation = IndexerRotation {
         interleaved: src
             .hooks()
             .indexer_rope_interleave(cfg.indexer_rope_interleave),
+        rope_trailing: false,
     };
-    let k = be.rounded(be.rope(&k, rope, spec)?)?;
-    let q = be.rounded(be.rope(&q, rope, spec)?)?;
-    cache.index_k.push(k);
-    let total = start + t;
-    let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
-    let scores = be.indexer_scores(&IndexerInputs {
-        q: &q,
-        keys: Passes(&cache.index_k),
-        weights: &weights,
-        heads: ih,
-        dim: ihd,
-        start,
-        scale: power(ihd),
-        head_scale: power(ih),
-    })?;
+    let scores = indexer_scores(
+        (be, src, l),
+        (hn, q_a_norm),
+        &mut cache.index_k,
+        (rope, rotation, start),
+    )?;
+    let total = start + hn.rows;
     let k_sel = (cfg.index_topk as usize).min(total);
     if k_sel == total && step.ties.is_none() && !scores.on_host() {
         // A thread of its own: it waits for the GPU, which no pool's worker should.
@@ -457,6 +434,82 @@ fn indexer<B: Backend>(
     let ranked = || rank(scores, (start, total), k_sel, step.ties, l);
     let (selection, gaps) = be.host(Op::IndexerTopk, ranked);
     Ok(Chosen::Known(selection, Some(gaps)))
+}
+
+/// How the indexer rotates its query and key heads: in interleaved pairs or NeoX halves, on
+/// each head's leading rope dims or (a layout bug) its trailing ones.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerRotation {
+    pub interleaved: bool,
+    pub rope_trailing: bool,
+}
+
+/// The indexer's `[t, positions]` scores of the new positions (`start`…) from the layer's
+/// normed hidden state `hn` and q LoRA `q_a_norm`, their keys appended to `keys`.
+fn indexer_scores<B: Backend>(
+    (be, src, l): (&B, &WeightSource, u64),
+    (hn, q_a_norm): (&Mat<B::E>, &Mat<B::E>),
+    keys: &mut Vec<Mat<B::E>>,
+    (rope, rotation, start): (&Rope<B::E>, IndexerRotation, usize),
+) -> Result<Mat<B::E>> {
+    let cfg = &src.cfg;
+    let matrix = |role| src.matrix_in(be, WeightId::Layer(l, role));
+    let vector = |role| src.vector_in(be, WeightId::Layer(l, role));
+    let (ih, ihd) = (cfg.index_n_heads as usize, cfg.index_head_dim as usize);
+    let q = be.linear(q_a_norm, &*matrix(IndexerQB)?)?;
+    let k_lin = be.linear(hn, &*matrix(IndexerK)?)?;
+    let k = be.layer_norm(
+        &k_lin,
+        &vector(IndexerKNorm)?,
+        &vector(IndexerKNormBias)?,
+        INDEXER_NORM_EPS,
+    )?;
+    let weights = be.linear(hn, &*matrix(IndexerProj)?)?;
+    // The key is one head of `ihd`; the rope dims lead each head.
+    let spec = RotateSpec {
+        width: ihd,
+        offset: match rotation.rope_trailing {
+            true => ihd - cfg.qk_rope_head_dim as usize,
+            false => 0,
+        },
+        start,
+        interleaved: rotation.interleaved,
+    };
+    let k = be.rounded(be.rope(&k, rope, spec)?)?;
+    let q = be.rounded(be.rope(&q, rope, spec)?)?;
+    keys.push(k);
+    let power = |n: usize| B::E::lit(n as f64).powf(B::E::lit(-0.5));
+    be.indexer_scores(&IndexerInputs {
+        q: &q,
+        keys: Passes(keys),
+        weights: &weights,
+        heads: ih,
+        dim: ihd,
+        start,
+        scale: power(ihd),
+        head_scale: power(ih),
+    })
+}
+
+/// For a diagnosis: the indexer of layer `l` choosing over a whole prompt from its inputs, in
+/// f32 on the CPU, its rope as `rotation` says.
+pub fn indexer_choices(
+    src: &WeightSource,
+    l: u64,
+    (hn, q_a_norm): (&Mat<f32>, &Mat<f32>),
+    rotation: IndexerRotation,
+) -> Result<Selection> {
+    let be = Cpu::new(Precision::F32);
+    let rope = Rope::new(&src.cfg);
+    let scores = indexer_scores(
+        (&be, src, l),
+        (hn, q_a_norm),
+        &mut Vec::new(),
+        (&rope, rotation, 0),
+    )?;
+    let t = hn.rows;
+    let k_sel = (src.cfg.index_topk as usize).min(t);
+    Ok(rank(scores.fetched()?, (0, t), k_sel, None, l).0)
 }
 
 /// Per query of `scores` (`[t, total]`, the first at position `start`), the causal top

@@ -222,6 +222,37 @@ fn another_expert_choice_is_named_by_the_way_of_routing_that_gives_it() {
     }
 }
 
+/// Another DSA key choice, named by the rotation that gives it: GLM-5's indexer (adjacent pairs)
+/// turning NeoX halves, and DeepSeek-V3.2's (NeoX halves) turning adjacent pairs, the bug its
+/// indexer met in several engines.
+#[test]
+fn another_dsa_choice_is_named_by_the_rotation_that_gives_it() {
+    let dir = common::scratch();
+    for (family, says) in [
+        (
+            "glm5",
+            "rotated in NeoX halves where the model turns adjacent pairs",
+        ),
+        (
+            "deepseek-v3.2",
+            "rotated in adjacent pairs where the model turns NeoX halves",
+        ),
+    ] {
+        let model = dir.path().join(format!("{family}.gguf"));
+        common::synth_tiny(&model, &["--family", family]);
+        let j = bisect(model.to_str().unwrap(), 1, "f32", Some("indexer-rope-neox"));
+        let f = &j["fault"];
+        assert_eq!(f["class"], "indexer_mismatch", "{family}: {j:#}");
+        let summary = f["summary"].as_str().unwrap();
+        assert!(
+            summary.starts_with(
+                "L0.attn.index_topk: the DSA indexer chooses as with its query and key"
+            ) && summary.contains(says),
+            "{family}: {summary}"
+        );
+    }
+}
+
 #[test]
 fn clean_candidates_pass_at_every_degree_and_dtype() {
     let dir = common::scratch();

@@ -14,8 +14,10 @@
 //! (`glmcheck_oracle.vllm32`, `GLMCHECK_VLLM_FAULT`) are each located at their first divergent
 //! stage and classed (the CUDA tree at TP 2 and 4, the CPU tree at TP 4): its loader cutting
 //! `kv_b_proj` at rank 0's offset on every rank (the story's fault), its router ignoring the
-//! correction bias, an o_proj all-reduce left out, RoPE positions off by one, and the experts'
-//! loader swapping gate and up.
+//! correction bias, an o_proj all-reduce left out, RoPE positions off by one, the experts'
+//! loader swapping gate and up, and the DSA indexer's rotary embedding built in the other pair
+//! order (DeepSeek-V3.2's bug in vLLM, here on GLM-5), named by the rotation that gives vLLM's
+//! choices.
 //!
 //! FP8 checkpoints and fused shared experts are in `vllm_today_fp8`, a running server and the
 //! captures that cannot be made in `vllm_today_server`, GGUFs through vllm-gguf-plugin in
@@ -208,6 +210,26 @@ fn experts_loaded_with_gate_and_up_swapped_are_a_weight_layout_of_w13_on_every_r
         assert!(
             summary.contains(&format!("{tp} of {tp} ranks")),
             "{summary}"
+        );
+    }
+}
+
+#[test]
+fn an_indexer_rotating_the_other_pairs_is_an_indexer_mismatch_in_the_first_layer() {
+    for (tree, tp, v) in faulty("indexer-rope-style-flipped") {
+        assert_eq!(
+            v["fault"]["class"], "indexer_mismatch",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
+        assert_eq!(
+            v["first_divergence"]["stage"], "L0.attn.index_topk",
+            "{tree} tree, TP {tp}: {v:#}"
+        );
+        // The reference's indexer inputs scored again in NeoX halves give vLLM's choices.
+        let summary = v["fault"]["summary"].as_str().unwrap();
+        assert!(
+            summary.contains("rotated in NeoX halves where the model turns adjacent pairs"),
+            "{tree} tree, TP {tp}: {summary}"
         );
     }
 }

@@ -18,7 +18,7 @@ use super::record::{prompt_tokens, record, RunSpec};
 use super::Model;
 use crate::compare::{diff, DiffOptions, DiffReport, Fault, FaultClass, Status};
 use crate::diagnose::manifest::{check_only, CheckedShard};
-use crate::diagnose::{check_shards, drill_down, router, CandidateRun};
+use crate::diagnose::{check_shards, drill_down, indexer, router, CandidateRun};
 use crate::dtype::Precision;
 use crate::exec::ops::ties::TieBreaks;
 use crate::model::names::WeightId;
@@ -309,12 +309,10 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
     if let (Some(f), Some(r)) = (&mut report.fault, &replay) {
         f.evidence.push(r.evidence());
     }
-    router::explain_choice(
-        &reference_model.source(),
-        (&reference, &candidate),
-        &mut report,
-        classified_by == "traces",
-    )?;
+    let source = reference_model.source();
+    let by_traces = classified_by == "traces";
+    router::explain_choice(&source, (&reference, &candidate), &mut report, by_traces)?;
+    indexer::explain_choice(&source, (&reference, &candidate), &mut report, by_traces)?;
     bar.inc(1);
     bar.finish_and_clear();
     let text = |ids: &[u32]| -> anyhow::Result<Option<String>> {

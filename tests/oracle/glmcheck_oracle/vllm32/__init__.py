@@ -15,6 +15,12 @@ as a bug in vLLM would be. Each fault changes one piece of vLLM and nothing arou
   the best `topk_group` (DeepSeek-V2/V3's limit);
 * `yarn-mscale-dropped`: DeepSeek's MLA attention (`models/deepseek_v2.py`) leaving YaRN's
   mscale² out of its softmax scale (the rotary embedding's own mscale kept);
+* `indexer-rope-style-flipped`: DeepSeek's MLA attention of either tree
+  (`models/deepseek_v2.py`'s `DeepseekV2MLAAttention`, `models/deepseek_v32/attention.py`'s
+  `DeepseekV32Attention`) building the DSA indexer's rotary embedding in the other pair order
+  than `indexer_rope_interleave` says (the config itself untouched): the kind of bug vLLM
+  shipped for DeepSeek-V3.2, whose indexer rotated adjacent pairs where the model rotates NeoX
+  halves, here on GLM-5, whose indexer rotates adjacent pairs;
 * `skip-o-proj-all-reduce`: the all-reduce of layer 1's `o_proj` partial sums left out: in the
   CPU tree by `RowParallelLinear.forward` (`linear.py`), in the CUDA tree, whose o_proj leaves
   its output un-reduced, by `fused_allreduce_rms_norm` before layer 1's post-attention norm
@@ -49,7 +55,7 @@ FUSE_SHARED_ENV = "GLMCHECK_VLLM_FUSE_SHARED_EXPERTS"
 GGUF_RANK_FIX_ENV = "GLMCHECK_VLLM_GGUF_RANK_FIX"
 
 FAULTS = ("unsharded-kv-b", "kv-b-scales-unsharded", "router-bias-ignored", "group-limit-ignored",
-          "yarn-mscale-dropped", "skip-o-proj-all-reduce", "rope-positions-shifted",
+          "yarn-mscale-dropped", "indexer-rope-style-flipped", "skip-o-proj-all-reduce", "rope-positions-shifted",
           "w13-halves-swapped", "fused-shared-halves-swapped", "requests-share-attention")
 
 
@@ -137,6 +143,28 @@ def _yarn_mscale_dropped() -> None:
     # The module's own helper serves only the attention's softmax scale; the rotary
     # embedding's mscale comes from `rotary_embedding/deepseek_scaling_rope.py`'s.
     deepseek_v2.yarn_get_mscale = lambda *_args, **_kwargs: 1.0
+
+
+def _indexer_rope_style_flipped() -> None:
+    import inspect
+
+    from vllm.model_executor.models import deepseek_v2
+    from vllm.models.deepseek_v32 import attention
+
+    for cls in (deepseek_v2.DeepseekV2MLAAttention, attention.DeepseekV32Attention):
+        real = cls.__init__
+        signature = inspect.signature(real)
+
+        def init(self, *args, real=real, signature=signature, **kwargs):
+            config = signature.bind(self, *args, **kwargs).arguments["config"]
+            said = getattr(config, "indexer_rope_interleave", False)
+            config.indexer_rope_interleave = not said
+            try:
+                real(self, *args, **kwargs)
+            finally:
+                config.indexer_rope_interleave = said
+
+        cls.__init__ = init
 
 
 def _skip_o_proj_all_reduce() -> None:
