@@ -7,12 +7,16 @@
 //! the best single score (DeepSeek-V2), `q_proj` without q LoRA (V2-Lite), Kimi-K2's
 //! `model_type` on DeepSeek-V3's class with one group, and GLM-4.7-Flash's `mlp_layer_types`.
 //! On each: logits within 1e-4 × max|logit|, the same top-1 at every position, 16 identical
-//! greedy tokens.
+//! greedy tokens. Beyond these hand-picked members, configs drawn at random per class (sizes,
+//! head dims, layers, experts and groups, routing switches, RoPE layout, theta and YaRN, V3.2's
+//! indexer) from fixed seeds must agree too, so that no field the tests never set goes unread.
 
 use crate::common;
 
 use glmcheck::trace::Trace;
 use serde_json::Value;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 const TOKENS: &str = "1,7,42,300,5,99,123,64,17,250,3,8";
 
@@ -47,7 +51,8 @@ struct Agreed {
     _dir: tempfile::TempDir,
 }
 
-/// Build `arch` with transformers into `dir/model`, run both sides and compare.
+/// Build `arch` with transformers into `dir/model`, run both sides and compare; every failure
+/// names the config it ran.
 fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Agreed {
     let dir = common::scratch();
     let model = dir.path().join("model");
@@ -55,26 +60,31 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Agreed {
     let mut args = vec![model_s, arch];
     args.extend(flags);
     common::run_oracle("hf.deepseek_model", &args);
+    let what = format!("{arch} {flags:?} {}", config_values(&model));
 
     let trace_dir = dir.path().join("ours.trace");
-    let ours = common::glmcheck_json(
-        [
-            "run",
-            model_s,
-            "--tokens",
-            TOKENS,
-            "--generate",
-            "16",
-            "--json",
-            "--out",
-            trace_dir.to_str().unwrap(),
-        ],
-        0,
+    let out = common::glmcheck_output(&[
+        "run",
+        model_s,
+        "--tokens",
+        TOKENS,
+        "--generate",
+        "16",
+        "--json",
+        "--out",
+        trace_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{what}: glmcheck run exits {:?}: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
     );
+    let ours: Value = serde_json::from_slice(&out.stdout).unwrap();
     let trace = Trace::open(&trace_dir).unwrap();
     let x = trace.tensor("logits", None).unwrap().unwrap();
     let (y, vocab) = hf_logits(&model, TOKENS);
-    assert_logits_agree(&format!("{arch} {flags:?}"), &x, &y);
+    assert_logits_agree(&what, &x, &y);
     let argmax = |v: &[f32]| -> Vec<usize> {
         v.chunks_exact(vocab)
             .map(|row| {
@@ -84,22 +94,37 @@ fn agrees_with_transformers(arch: &str, flags: &[&str]) -> Agreed {
             })
             .collect()
     };
-    assert_eq!(
-        argmax(&x),
-        argmax(&y),
-        "{arch} {flags:?}: top-1 per position"
-    );
+    assert_eq!(argmax(&x), argmax(&y), "{what}: top-1 per position");
     let generated: Value =
         serde_json::from_str(&common::run_oracle("hf.generate", &[model_s, TOKENS, "16"])).unwrap();
-    assert_eq!(
-        ours["generated"], generated,
-        "{arch} {flags:?}: 16 greedy tokens"
-    );
+    assert_eq!(ours["generated"], generated, "{what}: 16 greedy tokens");
     Agreed {
         trace,
         model,
         _dir: dir,
     }
+}
+
+/// The saved config.json on one line, less the keys no forward reads, to name a failing config.
+fn config_values(model: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(model.join("config.json")).unwrap();
+    let mut cfg: serde_json::Map<String, Value> = serde_json::from_str(&text).unwrap();
+    for k in [
+        "architectures",
+        "attention_dropout",
+        "bos_token_id",
+        "dtype",
+        "eos_token_id",
+        "initializer_range",
+        "output_router_logits",
+        "pad_token_id",
+        "pretraining_tp",
+        "transformers_version",
+        "use_cache",
+    ] {
+        cfg.remove(k);
+    }
+    Value::Object(cfg).to_string()
 }
 
 /// The member `glmcheck inspect` names the folder, and the switches it lists as unlike GLM-5.
@@ -188,5 +213,60 @@ fn glm_4_7_flash_dense_then_sparse_layers_agrees_with_transformers() {
         unlike,
         ["attention", "indexer_rope", "expert_groups"],
         "GLM-5 without DSA, in the oracle's two groups"
+    );
+}
+
+/// Seeds of `hf.deepseek_model --random` per class, picked so that together they cover both
+/// sides of every drawn switch (YaRN and its mscales, q LoRA or none, 0–2 shared experts, no
+/// leading dense layer, group limits, normalised or raw weights, v ≠ nope, V2's two top-k
+/// methods, NeoX or interleaved RoPE, V3.2's indexer top-k below and above the sequence).
+/// V3.2's seeds keep `rope_interleave` true: its class rotates MLA in interleaved pairs whatever
+/// the key says.
+const RANDOM_SEEDS: [(&str, [u64; 4]); 6] = [
+    ("v2", [1, 4, 5, 10]),
+    ("v2-lite", [0, 2, 3, 6]),
+    ("v3", [1, 3, 4, 16]),
+    ("v32", [3, 10, 22, 34]),
+    ("kimi-k2", [1, 3, 6, 16]),
+    ("glm-4.7-flash", [1, 3, 4, 16]),
+];
+
+#[test]
+fn random_configs_of_every_class_agree_with_transformers() {
+    let cases: Vec<(&str, u64)> = RANDOM_SEEDS
+        .iter()
+        .flat_map(|&(arch, seeds)| seeds.map(|seed| (arch, seed)))
+        .collect();
+    // Each case is three Python start-ups: run them side by side, every failure collected.
+    let next = AtomicUsize::new(0);
+    let failures = Mutex::new(Vec::new());
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                while let Some(&(arch, seed)) = cases.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let seed = seed.to_string();
+                    let run = std::panic::catch_unwind(|| {
+                        agrees_with_transformers(arch, &["--random", &seed]);
+                    });
+                    if let Err(panic) = run {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        failures.lock().unwrap().push(msg);
+                    }
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {} random configs disagree with transformers:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
     );
 }

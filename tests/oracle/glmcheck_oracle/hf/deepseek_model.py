@@ -1,9 +1,12 @@
 """Build a tiny random member of the MLA/MoE family with transformers' own class and save it.
 
-Usage: python -m glmcheck_oracle.hf.deepseek_model OUT ARCH [--neox] [--yarn] [--set KEY=JSON]...
+Usage: python -m glmcheck_oracle.hf.deepseek_model OUT ARCH [--neox] [--yarn] [--random SEED]
+    [--set KEY=JSON]...
 ARCH: v2 (DeepseekV2: softmax, group_limited_greedy, no bias), v2-lite (no q LoRA, greedy),
 v3, v32, kimi-k2 (DeepseekV3 in one group, saved with Kimi-K2's `model_type: kimi_k2`),
-glm-4.7-flash (Glm4MoeLite). `--set` overrides a config field (e.g. `--set n_group=4`).
+glm-4.7-flash (Glm4MoeLite). `--random SEED` draws the sizes, routing, RoPE and YaRN settings
+from `random.Random(SEED)` within what ARCH's class runs (see `drawn_config`); `--set` then
+overrides a config field (e.g. `--set n_group=4`).
 
 transformers' GLM-5 class always rotates interleaved pairs; its DeepSeek-V3 class rotates NeoX
 halves when `rope_interleave` is false, and its DeepSeek-V3.2 indexer always does: these models
@@ -16,8 +19,94 @@ gives logits so flat that top-1 would hinge on rounding.
 import argparse
 import json
 import os
+import random
 
 import torch
+
+
+def drawn_config(arch: str, seed: int) -> dict:
+    """Config fields for ARCH drawn from `random.Random(seed)`: what real checkpoints vary, kept
+    tiny, and only values ARCH's transformers class accepts and runs.
+
+    Experts per group stay >= 2 (the sigmoid classes rank a group by its two best scores) and a
+    token never chooses more experts than its open groups hold (the rest would be masked ties);
+    the V3.2 indexer keeps >= 16 heads so its ReLU'd scores have no exact ties to break.
+    """
+    r = random.Random(seed)
+    v2 = arch in ("v2", "v2-lite")
+    heads = r.choice([1, 2, 3, 4, 6, 8])
+    # DeepseekV2Config alone insists on heads dividing the hidden size.
+    hidden = r.choice([h for h in range(32, 129, 16) if not v2 or h % heads == 0])
+    layers = r.randint(2, 4)
+    rope_dim = r.choice([2, 4, 6, 8, 12, 16])
+    nope = r.choice([8, 12, 16, 24, 32])
+    c = dict(
+        vocab_size=r.randint(320, 512), hidden_size=hidden,
+        intermediate_size=r.choice([48, 64, 96, 128, 160]),
+        moe_intermediate_size=r.choice([16, 24, 32, 48]), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        kv_lora_rank=r.choice([8, 16, 24, 32, 48]), qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=nope if r.random() < 0.4 else r.choice([8, 12, 20, 32]),
+        first_k_dense_replace=r.randint(0, layers - 1), n_shared_experts=r.choice([0, 1, 2]),
+        routed_scaling_factor=round(r.uniform(0.5, 3.0), 3), norm_topk_prob=r.random() < 0.5,
+        rms_norm_eps=r.choice([1e-6, 1e-5, 1e-3]),
+        # No EOS: `generate(min_new_tokens=...)` would mask its logit, which a plain greedy
+        # argmax (glmcheck's) keeps; on a tiny random model it is as likely as any token.
+        eos_token_id=None,
+    )
+    if arch == "v2-lite":
+        c["q_lora_rank"] = None
+    elif arch in ("v2", "v3", "kimi-k2", "glm-4.7-flash"):
+        c["q_lora_rank"] = r.choice([None, 16, 24, 32, 48])
+    else:
+        c["q_lora_rank"] = r.choice([16, 24, 32, 48])
+    # Routing: groups of experts, the groups a token may use, the experts it chooses.
+    if arch == "kimi-k2":
+        n_group, per_group = 1, r.randint(4, 16)
+    elif v2:
+        n_group, per_group = r.choice([1, 2, 3, 4]), r.randint(1, 4)
+    else:
+        n_group, per_group = r.choice([1, 2, 4]), r.randint(2, 4)
+    topk_group = r.randint(1, n_group)
+    c.update(n_routed_experts=n_group * per_group, n_group=n_group, topk_group=topk_group,
+             num_experts_per_tok=r.randint(1, min(topk_group * per_group, 6)))
+    if v2:
+        method = "greedy" if arch == "v2-lite" else r.choice(["greedy", "group_limited_greedy"])
+        c["topk_method"] = method
+        if method == "greedy":
+            c["num_experts_per_tok"] = r.randint(1, min(n_group * per_group, 6))
+    # The class's own scoring, as real config.json files spell it (the classes never read it).
+    if r.random() < 0.5:
+        c["scoring_func"] = "softmax" if v2 else "sigmoid"
+    # DeepseekV32's MLA never reads the key (always interleaved pairs); it is drawn there too,
+    # as a config.json may carry it.
+    if not v2:
+        c["rope_interleave"] = r.random() < 0.5
+    theta = r.choice([10000.0, 50000.0, 1e6])
+    if r.random() < 0.5:
+        factor = r.choice([2.0, 4.0, 8.0, 16.0, 40.0])
+        orig = r.choice([16, 32, 64, 4096])
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                "original_max_position_embeddings": orig,
+                "beta_fast": r.choice([16, 32, 64]), "beta_slow": r.choice([1, 2])}
+        for key in ("mscale", "mscale_all_dim"):
+            m = r.choice([None, 0.707, 1.0])
+            if m is not None:
+                rope[key] = m
+        c["rope_parameters"] = rope
+        c["max_position_embeddings"] = int(orig * factor)
+    else:
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        c["max_position_embeddings"] = r.choice([256, 4096, 163840])
+    if arch == "v32":
+        c.update(index_n_heads=r.choice([16, 24, 32]),
+                 index_head_dim=r.choice([d for d in (8, 16, 24, 32, 48) if d >= rope_dim]),
+                 index_topk=r.choice([2, 4, 8, 12, 20, 64]))
+    if arch == "glm-4.7-flash":
+        dense = c.pop("first_k_dense_replace")
+        c["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (layers - dense)
+    return c
 
 
 def build(arch: str, neox: bool, yarn: bool, sets: dict):
@@ -94,9 +183,12 @@ def main() -> None:
     ap.add_argument("arch", choices=["v2", "v2-lite", "v3", "v32", "kimi-k2", "glm-4.7-flash"])
     ap.add_argument("--neox", action="store_true")
     ap.add_argument("--yarn", action="store_true")
+    ap.add_argument("--random", type=int, metavar="SEED")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
     a = ap.parse_args()
     sets = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    if a.random is not None:
+        sets = {**drawn_config(a.arch, a.random), **sets}
     save(build(a.arch, a.neox, a.yarn, sets), a.arch, a.out)
 
 
