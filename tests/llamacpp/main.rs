@@ -14,3 +14,4 @@ mod probe_llamacpp_family;
 mod quantize_llamacpp;
 mod verify_llamacpp;
 mod verify_llamacpp_cases;
+mod verify_llamacpp_family;

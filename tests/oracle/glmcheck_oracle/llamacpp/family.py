@@ -3,6 +3,7 @@ llama.cpp's converter, for llama.cpp parity beyond GLM-5 (tests/llamacpp/llamacp
 
 Usage: python -m glmcheck_oracle.llamacpp.family OUT_DIR ARCH --llama-cpp SRC [--yarn]
            [--set KEY=JSON]... [--tokens IDS]... [--generate N] [--whole-kv-b] [--drop-key KEY]...
+           [--wide] [--quantize TYPE]...
 
 ARCH is one of glmcheck_oracle.hf.deepseek_model's (v2, v2-lite, v3, kimi-k2, glm-4.7-flash;
 `--yarn` and `--set` as there). Writes into OUT_DIR:
@@ -16,11 +17,23 @@ ARCH is one of glmcheck_oracle.hf.deepseek_model's (v2, v2-lite, v3, kimi-k2, gl
   `--whole-kv-b` that file rewritten to the legacy whole `attn_kv_b` form, or with
   `--drop-key KEY` without that metadata key (the arch's prefix added: `expert_gating_func`,
   `rope.scaling.yarn_log_multiplier`), as an older converter left it out;
-* `hf-logits-K.f32`: transformers' float32 logits of the K-th `--tokens` sequence, [T][V].
+* `hf-logits-K.f32`: transformers' float32 logits of the K-th `--tokens` sequence, [T][V];
+* with `--quantize TYPE` (llama-quantize's name, e.g. Q8_0, Q4_K_M): `TYPE.gguf` (lower case),
+  `llama-quantize model-f32.gguf TYPE.gguf TYPE`, the tool found as
+  glmcheck_oracle.llamacpp.quants finds it in the oracle folder holding SRC (`$LLAMA_QUANTIZE`
+  names another).
 
-Prints JSON: {"hf", "gguf", "vocab_size", "sequences": [{"tokens", "logits", "generated"}]},
-`generated` being transformers' `--generate N` greedy tokens (argmax over the whole vocabulary,
-as llama.cpp's dump_logits and glmcheck take them: `generate`'s min_new_tokens would mask EOS).
+Prints JSON: {"hf", "gguf", "vocab_size", "sequences": [{"tokens", "logits", "generated"}],
+"quants": {TYPE: path}, "types": {"f32" or TYPE: {tensor: GGML type name}}}, `generated` being
+transformers' `--generate N` greedy tokens (argmax over the whole vocabulary, as llama.cpp's
+dump_logits and glmcheck take them: `generate`'s min_new_tokens would mask EOS); `quants` and
+`types` only with `--quantize`. Without `--tokens` transformers never reloads the checkpoint.
+
+`--wide` widens the model for K-quants as glmcheck_oracle.llamacpp.quants widens GLM-5 (see
+`WIDE`): the rows of every matrix llama-quantize quantizes are 256 or 512 values long (hidden,
+q_lora_rank, kv_lora_rank, heads x v_head_dim, intermediate and moe_intermediate sizes, the V3.2
+indexer's inputs), but attn_k_b's, qk_nope_head_dim (64) long, for which llama-quantize falls
+back to another type as it does on the real models.
 
 What the sizes keep clear of: llama.cpp reads `attention.q_lora_rank` as required unless the
 model has 26 or 27 layers (its test for DeepSeek-V2-Lite), so the V2-Lite model (no q LoRA) has
@@ -38,6 +51,7 @@ import torch
 from glmcheck_oracle.hf import deepseek_model
 from glmcheck_oracle.hf.load import causal_lm
 from glmcheck_oracle.llamacpp import model as glm
+from glmcheck_oracle.llamacpp import quants
 
 # The converter's pre-tokenizer name for each member's real tokenizer.
 PRE = {
@@ -52,10 +66,26 @@ PRE = {
 SCORING = {"v2": "softmax", "v2-lite": "softmax", "v3": "sigmoid", "v32": "sigmoid", "kimi-k2": "sigmoid", "glm-4.7-flash": "sigmoid"}
 
 
-def sizes(arch: str, yarn: bool) -> dict:
+# `--wide`: widths for K-quants (the module doc); layers, experts and routing stay deepseek_model's
+# (3 layers, 8 routed experts and a shared one).
+WIDE = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64,
+    qk_rope_head_dim=16, v_head_dim=64,
+)
+# V2-Lite keeps the 27 layers llama.cpp needs (the module doc): all but the last two dense, with
+# a narrower FFN, so that its F32 file stays small (72 MB; the 3-layer members' 22 MB).
+WIDE_V2_LITE = dict(intermediate_size=256, first_k_dense_replace=25)
+
+
+def sizes(arch: str, yarn: bool, wide: bool = False) -> dict:
     """Overrides of deepseek_model's config: GLM-5's oracle vocabulary (512, so the tests share
-    its token sequences) and what llama.cpp needs (see the module doc)."""
+    its token sequences) and what llama.cpp needs (see the module doc); `wide`: `WIDE`."""
     out = {"vocab_size": 512, "bos_token_id": glm.GMASK_ID, "eos_token_id": glm.EOS_ID, "pad_token_id": glm.EOS_ID}
+    if wide:
+        out.update(WIDE, q_lora_rank=None if arch == "v2-lite" else WIDE["q_lora_rank"])
+        if arch == "v2-lite":
+            out.update(WIDE_V2_LITE)
     if arch == "v2-lite":
         out["num_hidden_layers"] = 27
     if arch == "v32":
@@ -149,9 +179,11 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=0)
     ap.add_argument("--whole-kv-b", action="store_true")
     ap.add_argument("--drop-key", action="append", default=[], metavar="KEY")
+    ap.add_argument("--wide", action="store_true")
+    ap.add_argument("--quantize", action="append", default=[], metavar="TYPE")
     a = ap.parse_args()
 
-    sets = sizes(a.arch, a.yarn)
+    sets = sizes(a.arch, a.yarn, a.wide)
     sets.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)})
     hf = a.out / "hf"
     extra = {"scoring_func": SCORING[a.arch]}
@@ -165,7 +197,7 @@ def main() -> None:
         path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True, "bos_token": "[gMASK]"}))
 
     # The reference is the reloaded checkpoint: what glmcheck and the converter read.
-    model = causal_lm(str(hf))
+    model = causal_lm(str(hf)) if a.tokens else None
     sequences = []
     for k, ids in enumerate(a.tokens):
         tokens = [int(t) for t in ids.split(",")]
@@ -181,7 +213,22 @@ def main() -> None:
     glm.convert(a.llama_cpp, hf, converted, pre=PRE[a.arch])
     if converted != gguf:
         rewrite(converted, gguf, a.whole_kv_b, a.drop_key)
-    print(json.dumps({"hf": str(hf), "gguf": str(gguf), "vocab_size": model.config.vocab_size, "sequences": sequences}))
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    out = {"hf": str(hf), "gguf": str(gguf), "vocab_size": vocab, "sequences": sequences}
+    if a.quantize:
+        out.update(quantize(a.llama_cpp.resolve().parent, gguf, a.quantize))
+    print(json.dumps(out))
+
+
+def quantize(oracle: Path, f32: Path, qtypes: list) -> dict:
+    """`llama-quantize` of the F32 GGUF to each of `qtypes`, beside it: {"quants", "types"}."""
+    quantize_tool = quants.tool(oracle, "llama-quantize", "LLAMA_QUANTIZE")
+    files = {}
+    for qtype in qtypes:
+        files[qtype] = f32.parent / f"{qtype.lower()}.gguf"
+        quants.run([quantize_tool, f32.name, files[qtype].name, qtype, quants.THREADS], f32.parent)
+    types = {"f32": quants.types_of(f32), **{q: quants.types_of(p) for q, p in files.items()}}
+    return {"quants": {q: str(p) for q, p in files.items()}, "types": types}
 
 
 if __name__ == "__main__":
