@@ -7,10 +7,12 @@
 
 use anyhow::Result;
 
+use super::choice::{divergent_fault, named_together, Choices, Fit};
 use crate::compare::stage_diff::whole_values;
 use crate::compare::{DiffReport, FaultClass};
 use crate::exec::attention::{indexer_choices, IndexerRotation};
 use crate::exec::mat::Mat;
+use crate::exec::ops::ties::TieBreaks;
 use crate::exec::source::WeightSource;
 use crate::model::{Glm5Config, Stage};
 use crate::trace::Trace;
@@ -57,11 +59,12 @@ pub fn explain_choice(
     src: &WeightSource,
     (reference, candidate): (&Trace, &Trace),
     report: &mut DiffReport,
-    rename: bool,
+    (rename, ties): (bool, Option<&TieBreaks>),
 ) -> Result<()> {
-    let kinds = ["attn.index_topk"];
-    let Some((l, fault)) = super::divergent_fault(report, &kinds, FaultClass::IndexerMismatch)
-    else {
+    // Where a lower precision left the top-k unjudged for near ties, the divergence is first
+    // seen at the attention it feeds.
+    let kinds = ["attn.index_topk", "attn.ctx"];
+    let Some((l, fault)) = divergent_fault(report, &kinds, FaultClass::IndexerMismatch) else {
         return Ok(());
     };
     let stage = |kind| Stage::layer_stage(l, kind).to_string();
@@ -85,34 +88,38 @@ pub fn explain_choice(
     if q_a.rows != t || shape != [t as u64, k as u64] || ours.len() != t * k || t == 0 {
         return Ok(());
     }
-    let set = |ids: &[f32]| {
-        let mut s: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-        s.sort_unstable();
-        s
-    };
-    let matching = |chosen: &[Vec<i32>], target: &[f32]| {
-        (0..t)
-            .filter(|&p| {
-                let ids: Vec<f32> = chosen[p].iter().map(|&i| i as f32).collect();
-                set(&ids) == set(&target[p * k..(p + 1) * k])
-            })
-            .count()
-    };
+    let reference_tie = |p: usize| ties.is_some_and(|t| t.dsa_at(l, p).is_some());
+    let near: Option<&dyn Fn(usize) -> bool> = ties.map(|_| &reference_tie as _);
     let all = rotations(&src.cfg);
-    let chosen = |rotation| indexer_choices(src, l, (&hn, &q_a), rotation);
+    let choose = |rotation| -> Result<Choices> {
+        let (chosen, gaps) = indexer_choices(src, l, (&hn, &q_a), rotation)?;
+        let ids = chosen
+            .into_iter()
+            .map(|row| row.into_iter().map(i64::from).collect())
+            .collect();
+        Ok(Choices { ids, gaps })
+    };
     // The configured rotation must give the reference's own choices, else the inputs are not
     // read as the indexer reads them.
-    let configured = chosen(all[0].0)?;
-    if matching(&configured, &ours) != t {
+    let own = choose(all[0].0)?;
+    if !own.fit(&ours, k, near).holds(t) {
         return Ok(());
     }
-    let mut fits = Vec::new();
+    // A hypothesis counts where the configured choice cannot hold the candidate's, even at near
+    // ties.
+    let configured = own.fit(&theirs, k, near);
+    if configured.holds(t) {
+        return Ok(());
+    }
+    let mut fitting: Vec<(&str, Fit)> = Vec::new();
     for (rotation, what) in &all[1..] {
-        if matching(&chosen(*rotation)?, &theirs) == t {
-            fits.push(what.as_str());
+        let fit = choose(*rotation)?.fit(&theirs, k, near);
+        if fit.holds(t) {
+            fitting.push((what, fit));
         }
     }
-    let Some(what) = super::named_together(&fits) else {
+    let names: Vec<&str> = fitting.iter().map(|(what, _)| *what).collect();
+    let Some(what) = named_together(&names) else {
         return Ok(());
     };
     if rename {
@@ -120,9 +127,10 @@ pub fn explain_choice(
     }
     fault.evidence.push(format!(
         "the reference's indexer inputs at layer {l} (attn_norm, attn.q_a_norm), scored again \
-         with {what}, give the candidate's choices at all {t} positions (the configured \
-         rotation's at {})",
-        matching(&configured, &theirs)
+         with {what}, give the candidate's choices at {} (the configured rotation's at \
+         {})",
+        fitting[0].1.positions(t),
+        configured.same
     ));
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! against the plan in [`manifest`], and the settings an engine ran with (a GGUF's metadata,
 //! a `config.json`) against the reference's in [`settings`].
 
+mod choice;
 pub mod indexer;
 pub mod manifest;
 pub mod router;
@@ -14,10 +15,9 @@ mod weights;
 
 use anyhow::Result;
 
-use crate::compare::{DiffReport, Fault, FaultClass};
+use crate::compare::Fault;
 use crate::exec::source::WeightSource;
 use crate::model::names::WeightId;
-use crate::model::Stage;
 
 pub use shards::check_shards;
 pub use weights::check_weights;
@@ -46,31 +46,4 @@ pub fn drill_down(
         }
     }
     check_weights(reference, cand, ids)
-}
-
-/// The ways that each give the candidate's choice, as one phrase: the one, or all named
-/// together where this prompt does not tell them apart (none preferred); none, no phrase.
-fn named_together(fits: &[&str]) -> Option<String> {
-    match fits {
-        [] => None,
-        [one] => Some(one.to_string()),
-        _ => Some(format!(
-            "{} (this prompt does not tell them apart)",
-            fits.join(", or with ")
-        )),
-    }
-}
-
-/// The layer of a first divergence at a stage of one of `kinds` whose fault is of `class`, and
-/// that fault, to explain further.
-fn divergent_fault<'a>(
-    report: &'a mut DiffReport,
-    kinds: &[&str],
-    class: FaultClass,
-) -> Option<(u64, &'a mut Fault)> {
-    let l = Stage::parse(&report.first_divergence.as_ref()?.stage)
-        .filter(|s| kinds.contains(&s.kind()))
-        .and_then(|s| s.layer())?;
-    let fault = report.fault.as_mut().filter(|f| f.class == class)?;
-    Some((l, fault))
 }

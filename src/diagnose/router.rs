@@ -6,10 +6,12 @@
 
 use anyhow::Result;
 
+use super::choice::{divergent_fault, named_together, Choices, Fit};
 use crate::compare::stage_diff::whole_values;
 use crate::compare::{DiffReport, FaultClass};
 use crate::exec::faults::hooks::Hooks;
 use crate::exec::forward::route;
+use crate::exec::ops::ties::TieBreaks;
 use crate::exec::source::WeightSource;
 use crate::model::config::TopkMethod;
 use crate::model::names::{LayerWeight, WeightId};
@@ -81,11 +83,10 @@ pub fn explain_choice(
     src: &WeightSource,
     (reference, candidate): (&Trace, &Trace),
     report: &mut DiffReport,
-    rename: bool,
+    (rename, ties): (bool, Option<&TieBreaks>),
 ) -> Result<()> {
     let kinds = ["moe.topk_ids", "moe.topk_weights"];
-    let Some((l, fault)) = super::divergent_fault(report, &kinds, FaultClass::RouterMismatch)
-    else {
+    let Some((l, fault)) = divergent_fault(report, &kinds, FaultClass::RouterMismatch) else {
         return Ok(());
     };
     let ids_stage = Stage::layer_stage(l, "moe.topk_ids").to_string();
@@ -115,35 +116,39 @@ pub fn explain_choice(
         false => vec![0.0; e],
     };
     let zeros = vec![0.0f32; e];
-    let set = |ids: &[f32]| {
-        let mut s: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-        s.sort_unstable();
-        s
-    };
-    let matching = |way: &Way, target: &[f32]| {
-        (0..t)
-            .filter(|&p| {
+    let choose = |way: &Way| {
+        let bias = if way.bias { &bias } else { &zeros };
+        let (ids, gaps) = (0..t)
+            .map(|p| {
                 let row = &logits[p * e..(p + 1) * e];
-                let bias = if way.bias { &bias } else { &zeros };
-                let (ids, _, _) = route(cfg, (way.softmax, way.group_best), row, bias, None);
-                let ids: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
-                set(&ids) == set(&target[p * k..(p + 1) * k])
+                let (ids, _, gap) = route(cfg, (way.softmax, way.group_best), row, bias, None);
+                (ids.into_iter().map(|i| i as i64).collect(), gap)
             })
-            .count()
+            .unzip();
+        Choices { ids, gaps }
     };
+    let reference_tie = |p: usize| ties.is_some_and(|t| t.moe_at(l, p).is_some());
+    let near: Option<&dyn Fn(usize) -> bool> = ties.map(|_| &reference_tie as _);
     let all = ways(cfg);
     // The configured way must give the reference's own choices, else the logits are not read
     // as the router reads them.
-    if matching(&all[0], &ours) != t {
+    let own = choose(&all[0]);
+    if !own.fit(&ours, k, near).holds(t) {
         return Ok(());
     }
-    let configured = matching(&all[0], &theirs);
-    let fits: Vec<&str> = all[1..]
+    // A hypothesis counts where the configured choice cannot hold the candidate's, even at near
+    // ties.
+    let configured = own.fit(&theirs, k, near);
+    if configured.holds(t) {
+        return Ok(());
+    }
+    let fitting: Vec<(&str, Fit)> = all[1..]
         .iter()
-        .filter(|w| matching(w, &theirs) == t)
-        .map(|w| w.what.as_str())
+        .map(|w| (w.what.as_str(), choose(w).fit(&theirs, k, near)))
+        .filter(|(_, fit)| fit.holds(t))
         .collect();
-    let Some(what) = super::named_together(&fits) else {
+    let names: Vec<&str> = fitting.iter().map(|(what, _)| *what).collect();
+    let Some(what) = named_together(&names) else {
         return Ok(());
     };
     if rename {
@@ -151,7 +156,9 @@ pub fn explain_choice(
     }
     fault.evidence.push(format!(
         "the reference's router logits at {logits_stage}, routed again with {what}, give the \
-         candidate's choices at all {t} positions (the configured router's at {configured})"
+         candidate's choices at {} (the configured router's at {})",
+        fitting[0].1.positions(t),
+        configured.same
     ));
     Ok(())
 }

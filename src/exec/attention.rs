@@ -492,13 +492,14 @@ fn indexer_scores<B: Backend>(
 }
 
 /// For a diagnosis: the indexer of layer `l` choosing over a whole prompt from its inputs, in
-/// f32 on the CPU, its rope as `rotation` says.
+/// f32 on the CPU, its rope as `rotation` says; with each position's gap between its k-th
+/// score and the best unchosen one.
 pub fn indexer_choices(
     src: &WeightSource,
     l: u64,
     (hn, q_a_norm): (&Mat<f32>, &Mat<f32>),
     rotation: IndexerRotation,
-) -> Result<Selection> {
+) -> Result<(Selection, Vec<f32>)> {
     let be = Cpu::new(Precision::F32);
     let rope = Rope::new(&src.cfg);
     let scores = indexer_scores(
@@ -509,7 +510,7 @@ pub fn indexer_choices(
     )?;
     let t = hn.rows;
     let k_sel = (src.cfg.index_topk as usize).min(t);
-    Ok(rank(scores.fetched()?, (0, t), k_sel, None, l).0)
+    Ok(rank(scores.fetched()?, (0, t), k_sel, None, l))
 }
 
 /// Per query of `scores` (`[t, total]`, the first at position `start`), the causal top

@@ -253,6 +253,28 @@ fn another_dsa_choice_is_named_by_the_rotation_that_gives_it() {
     }
 }
 
+/// In bf16 at TP 2 the candidate breaks near ties its own way (or takes the reference's choice
+/// there): a hypothesis still names the choice where it holds every other position.
+#[test]
+fn another_choice_in_bf16_is_named_beside_its_near_ties() {
+    let dir = common::scratch();
+    for (family, fault, says) in [
+        ("deepseek-v3", "router-softmax", "L1.moe.topk_ids: the router chooses as with softmax scores where the model takes sigmoid"),
+        ("glm5", "indexer-rope-neox", "L0.attn.index_topk: the DSA indexer chooses as with its query and key rotated in NeoX halves where the model turns adjacent pairs"),
+    ] {
+        let model = dir.path().join(format!("{family}.gguf"));
+        common::synth_tiny(&model, &["--family", family]);
+        let j = bisect(model.to_str().unwrap(), 2, "bf16", Some(fault));
+        let f = &j["fault"];
+        assert_eq!(f["summary"], says, "{family} {fault}: {j:#}");
+        let evidence = f["evidence"].to_string();
+        assert!(
+            evidence.contains("give the candidate's choices at"),
+            "{family} {fault}: {evidence}"
+        );
+    }
+}
+
 #[test]
 fn clean_candidates_pass_at_every_degree_and_dtype() {
     let dir = common::scratch();

@@ -310,9 +310,9 @@ pub fn bisect(args: &BisectOptions) -> anyhow::Result<BisectReport> {
         f.evidence.push(r.evidence());
     }
     let source = reference_model.source();
-    let by_traces = classified_by == "traces";
-    router::explain_choice(&source, (&reference, &candidate), &mut report, by_traces)?;
-    indexer::explain_choice(&source, (&reference, &candidate), &mut report, by_traces)?;
+    let how = (classified_by == "traces", lower.then_some(&ties));
+    router::explain_choice(&source, (&reference, &candidate), &mut report, how)?;
+    indexer::explain_choice(&source, (&reference, &candidate), &mut report, how)?;
     bar.inc(1);
     bar.finish_and_clear();
     let text = |ids: &[u32]| -> anyhow::Result<Option<String>> {
