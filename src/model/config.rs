@@ -323,6 +323,7 @@ impl Glm5Config {
                 format!("`{model_type}` is none of {}", HF_MODEL_TYPES.join(", ")),
             )
         })?;
+        refuse_unrun_switches(&j)?;
         let mut cfg = Self::from_family_json(&j, member)?;
         if !member.has_indexer() {
             cfg = cfg.without_indexer();
@@ -344,16 +345,28 @@ impl Glm5Config {
                             )
                         })?,
                 };
+                cfg.scoring_func = "softmax".into();
+                if cfg.topk_method == TopkMethod::Greedy {
+                    // Greedy routing never reads the groups.
+                    (cfg.n_group, cfg.topk_group) = (1, 1);
+                }
             }
             Member::DeepseekV32 => {
+                // Its class turns MLA's interleaved pairs whatever `rope_interleave` says.
+                cfg.rope_interleave = true;
                 cfg.indexer_rope_interleave = false;
                 cfg.indexer_types = vec![IndexerKind::Full; cfg.num_hidden_layers as usize];
             }
-            Member::Glm47Flash => {
-                cfg.first_k_dense_replace = leading_dense_layers(&j, cfg.num_hidden_layers)?
-                    .unwrap_or(cfg.first_k_dense_replace);
-            }
-            Member::Glm5 | Member::DeepseekV3 | Member::KimiK2 => {}
+            Member::Glm5 | Member::DeepseekV3 | Member::KimiK2 | Member::Glm47Flash => {}
+        }
+        if member != Member::DeepseekV2 {
+            // Every class but V2's scores with sigmoid whatever `scoring_func` says.
+            cfg.scoring_func = "sigmoid".into();
+        }
+        if matches!(member, Member::Glm47Flash | Member::DeepseekV32) {
+            // These classes build each layer's MLP from `mlp_layer_types`.
+            cfg.first_k_dense_replace = leading_dense_layers(&j, cfg.num_hidden_layers)?
+                .unwrap_or(cfg.first_k_dense_replace);
         }
         cfg.validate()?;
         Ok(cfg)
@@ -637,6 +650,27 @@ fn yarn_from_json(r: &Json) -> Result<Option<Yarn>, ConfigError> {
 
 /// GLM-4.7-Flash's `mlp_layer_types` ("dense"/"sparse" per layer) as the number of leading
 /// dense layers; the forward runs only dense-then-sparse schedules.
+/// A config.json switch the family's checkpoints never turn on and glmcheck does not run
+/// (biases on the attention's or the MLPs' projections, another activation) is refused, not
+/// silently run another way than the checkpoint's class runs it.
+fn refuse_unrun_switches(j: &Json) -> Result<(), ConfigError> {
+    for key in ["attention_bias", "mlp_bias"] {
+        if j.get(key).and_then(Json::as_bool) == Some(true) {
+            return Err(cfg_err(
+                key,
+                "true: glmcheck runs the family without biases",
+            ));
+        }
+    }
+    match j.get("hidden_act").and_then(Json::as_str) {
+        Some(act) if act != "silu" => Err(cfg_err(
+            "hidden_act",
+            format!("`{act}`: glmcheck runs the family's MLPs with silu"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn leading_dense_layers(j: &Json, layers: u64) -> Result<Option<u64>, ConfigError> {
     let Some(kinds) = j.get("mlp_layer_types").filter(|v| !v.is_null()) else {
         return Ok(None);

@@ -151,12 +151,12 @@ mod tests {
             "rope_theta=8e6",
             "index_topk_freq=4",
             "index_skip_topk_offset=3",
-            "scoring_func=softmax",
+            "norm_topk_prob=false",
         ];
         let cfg = apply_overrides(&base, &sets.map(String::from)).unwrap();
         assert_eq!(cfg.num_hidden_layers, 8);
         assert_eq!(cfg.rope_theta, 8e6);
-        assert_eq!(cfg.scoring_func, "softmax");
+        assert!(!cfg.norm_topk_prob);
         // transformers' rule: full iff max(i − 3 + 1, 0) % 4 == 0.
         let full: Vec<bool> = cfg
             .indexer_types

@@ -552,6 +552,43 @@ fn an_indexer_head_narrower_than_its_rope_is_a_one_line_error() {
     }
 }
 
+/// A config.json switch glmcheck does not run (biases on the projections, another activation)
+/// is one line, exit 2, naming the folder and the field, not a run of another model.
+#[test]
+fn a_config_switch_glmcheck_does_not_run_is_a_one_line_error() {
+    let dir = common::scratch();
+    let hf = dir.path().join("hf");
+    common::synth_tiny(&hf, &["--format", "hf"]);
+    let config = hf.join("config.json");
+    let clean: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    for (key, value, says) in [
+        (
+            "attention_bias",
+            serde_json::json!(true),
+            "true: glmcheck runs the family without biases",
+        ),
+        (
+            "mlp_bias",
+            serde_json::json!(true),
+            "true: glmcheck runs the family without biases",
+        ),
+        (
+            "hidden_act",
+            serde_json::json!("gelu"),
+            "`gelu`: glmcheck runs the family's MLPs with silu",
+        ),
+    ] {
+        let mut j = clean.clone();
+        j[key] = value;
+        std::fs::write(&config, serde_json::to_vec_pretty(&j).unwrap()).unwrap();
+        let err = common::run_error_line(&hf);
+        for part in [hf.to_str().unwrap(), key, says] {
+            assert!(err.contains(part), "{part}: {err}");
+        }
+    }
+}
+
 /// A trace whose manifest is broken (a stage's shape rewritten to `[-1]` in a trace `glmcheck
 /// run` wrote) is one line, exit 2, from every command that reads traces, naming the trace
 /// folder once and the stage's field.

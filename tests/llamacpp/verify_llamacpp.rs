@@ -108,7 +108,7 @@ fn artifacts() -> &'static Artifacts {
 }
 
 /// `glmcheck ARGS…`: its exit code and its stdout as JSON (Null when it printed none).
-fn glmcheck(args: &[&str]) -> (i32, Value, String) {
+pub(crate) fn glmcheck(args: &[&str]) -> (i32, Value, String) {
     let out = common::glmcheck_output(args);
     let json = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
     (
@@ -118,7 +118,7 @@ fn glmcheck(args: &[&str]) -> (i32, Value, String) {
     )
 }
 
-fn verify(reference: &Path, candidate: &Path) -> (i32, Value, String) {
+pub(crate) fn verify(reference: &Path, candidate: &Path) -> (i32, Value, String) {
     glmcheck(&[
         "verify",
         reference.to_str().unwrap(),
@@ -127,7 +127,7 @@ fn verify(reference: &Path, candidate: &Path) -> (i32, Value, String) {
     ])
 }
 
-fn bisect(reference: &Path, candidate: &Path) -> (i32, Value, String) {
+pub(crate) fn bisect(reference: &Path, candidate: &Path) -> (i32, Value, String) {
     glmcheck(&[
         "bisect",
         reference.to_str().unwrap(),
@@ -148,17 +148,17 @@ enum Case {
 }
 
 /// One line of the table, with what went wrong (empty: the case passed).
-struct Row {
-    file: String,
-    reference: &'static str,
-    fault: String,
-    tensor: String,
-    verify: String,
-    bisect: String,
-    problems: Vec<String>,
+pub(crate) struct Row {
+    pub file: String,
+    pub reference: &'static str,
+    pub fault: String,
+    pub tensor: String,
+    pub verify: String,
+    pub bisect: String,
+    pub problems: Vec<String>,
 }
 
-fn verify_cell(code: i32, j: &Value) -> String {
+pub(crate) fn verify_cell(code: i32, j: &Value) -> String {
     let findings: Vec<String> = j["findings"]
         .as_array()
         .map(|f| {
@@ -181,14 +181,14 @@ fn verify_cell(code: i32, j: &Value) -> String {
     }
 }
 
-fn bisect_cell(code: i32, j: &Value) -> String {
+pub(crate) fn bisect_cell(code: i32, j: &Value) -> String {
     let class = j["fault"]["class"].as_str().unwrap_or("—");
     let stage = j["first_divergence"]["stage"].as_str().unwrap_or("—");
     format!("exit {code}: {class} / {stage}")
 }
 
 /// The exit code a command must give, its stderr shown otherwise.
-fn exit(problems: &mut Vec<String>, what: &str, code: i32, want: i32, stderr: &str) {
+pub(crate) fn exit(problems: &mut Vec<String>, what: &str, code: i32, want: i32, stderr: &str) {
     if code != want {
         let tail: String = stderr.lines().rev().take(6).collect::<Vec<_>>().join(" | ");
         problems.push(format!("{what} exited {code}, not {want} ({tail})"));
@@ -289,13 +289,52 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
         reference.replace('.', "_")
     );
     let candidate = a.dir.join(name);
+    let planting = Planting {
+        fault: f.fault,
+        tensor: f.tensor,
+        args: f.args,
+        class: f.class,
+        relation: f.relation,
+    };
+    let (verify, bisect, problems) = plant_and_judge(honest, &candidate, reference_path, &planting);
+    Row {
+        file: format!("{}.gguf", f.file),
+        reference,
+        fault: format!("{} {}", f.fault, f.args.join(" "))
+            .trim()
+            .to_string(),
+        tensor: format!("`{}` ({})", f.tensor, a.ty(f.file, f.tensor)),
+        verify,
+        bisect,
+        problems,
+    }
+}
+
+/// A fault for `formats.plant_gguf_fault` (FAULT, TENSOR, ARGS) and what verify (class,
+/// relation) and bisect (class) must call it.
+pub(crate) struct Planting<'a> {
+    pub fault: &'a str,
+    pub tensor: &'a str,
+    pub args: &'a [&'a str],
+    pub class: &'a str,
+    pub relation: &'a str,
+}
+
+/// `p` planted into a copy of `honest` at `candidate`, then verify and bisect against
+/// `reference`: their table cells, and every way they miss the planted tensor and only it.
+pub(crate) fn plant_and_judge(
+    honest: &Path,
+    candidate: &Path,
+    reference: &Path,
+    p: &Planting,
+) -> (String, String, Vec<String>) {
     let mut args = vec![
         honest.to_str().unwrap(),
         candidate.to_str().unwrap(),
-        f.fault,
-        f.tensor,
+        p.fault,
+        p.tensor,
     ];
-    args.extend(f.args);
+    args.extend(p.args);
     let stdout = common::run_oracle("formats.plant_gguf_fault", &args);
     let plant: Value = serde_json::from_str(stdout.trim()).unwrap();
     let mut problems = Vec::new();
@@ -306,7 +345,7 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
         ));
     }
 
-    let (vcode, v, stderr) = verify(reference_path, &candidate);
+    let (vcode, v, stderr) = verify(reference, candidate);
     exit(&mut problems, "verify", vcode, 1, &stderr);
     if v["verdict"] != "fail" {
         problems.push(format!("verify verdict {}", v["verdict"]));
@@ -320,7 +359,7 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
     let findings = v["findings"].as_array().cloned().unwrap_or_default();
     let others: Vec<&Value> = findings
         .iter()
-        .filter(|x| x["tensor"] != f.tensor)
+        .filter(|x| x["tensor"] != p.tensor)
         .map(|x| &x["tensor"])
         .collect();
     if !others.is_empty() {
@@ -328,50 +367,40 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
     }
     if !findings
         .iter()
-        .any(|x| x["tensor"] == f.tensor && x["class"] == f.class && x["relation"] == f.relation)
+        .any(|x| x["tensor"] == p.tensor && x["class"] == p.class && x["relation"] == p.relation)
     {
         problems.push(format!(
             "verify: no {}/{} finding on {}: {}",
-            f.class,
-            f.relation,
-            f.tensor,
+            p.class,
+            p.relation,
+            p.tensor,
             Value::Array(findings.clone())
         ));
     }
 
-    let (bcode, b, stderr) = bisect(reference_path, &candidate);
+    let (bcode, b, stderr) = bisect(reference, candidate);
     exit(&mut problems, "bisect", bcode, 1, &stderr);
     if b["verdict"] != "fail" {
         problems.push(format!("bisect verdict {}", b["verdict"]));
     }
-    if b["fault"]["class"] != f.class {
+    if b["fault"]["class"] != p.class {
         problems.push(format!(
             "bisect class {}, not {}",
-            b["fault"]["class"], f.class
+            b["fault"]["class"], p.class
         ));
     }
-    if b["fault"]["weight"] != f.tensor {
+    if b["fault"]["weight"] != p.tensor {
         problems.push(format!(
             "bisect blames {}, not {}",
-            b["fault"]["weight"], f.tensor
+            b["fault"]["weight"], p.tensor
         ));
     }
 
     if problems.is_empty() {
         // Kept only to look into a failure.
-        let _ = std::fs::remove_file(&candidate);
+        let _ = std::fs::remove_file(candidate);
     }
-    Row {
-        file: format!("{}.gguf", f.file),
-        reference,
-        fault: format!("{} {}", f.fault, f.args.join(" "))
-            .trim()
-            .to_string(),
-        tensor: format!("`{}` ({})", f.tensor, a.ty(f.file, f.tensor)),
-        verify: verify_cell(vcode, &v),
-        bisect: bisect_cell(bcode, &b),
-        problems,
-    }
+    (verify_cell(vcode, &v), bisect_cell(bcode, &b), problems)
 }
 
 fn markdown(rows: &[Row]) -> String {

@@ -21,14 +21,14 @@
 
 use crate::common;
 use crate::llamacpp_oracle::llama_cpp;
+use crate::verify_llamacpp::{
+    bisect, bisect_cell, exit, plant_and_judge, verify, verify_cell, Planting, Row,
+};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
-
-/// 16 token ids below the vocabulary size (512).
-const TOKENS: &str = "39,100,7,200,5,6,7,8,9,10,11,12,300,301,17,450";
 
 /// llama-quantize's types made of every member (the keys of `llamacpp.family`'s `quants`).
 const QUANTS: [&str; 2] = ["Q8_0", "Q4_K_M"];
@@ -143,80 +143,8 @@ fn make(arch: &'static str, extra: &[&str]) -> Member {
     }
 }
 
-/// `glmcheck ARGS…`: its exit code, its stdout as JSON (Null when it printed none), its stderr.
-fn glmcheck(args: &[&str]) -> (i32, Value, String) {
-    let out = common::glmcheck_output(args);
-    (
-        out.status.code().unwrap_or(-1),
-        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn verify(reference: &Path, candidate: &Path) -> (i32, Value, String) {
-    glmcheck(&[
-        "verify",
-        reference.to_str().unwrap(),
-        candidate.to_str().unwrap(),
-        "--json",
-    ])
-}
-
-fn bisect(reference: &Path, candidate: &Path) -> (i32, Value, String) {
-    glmcheck(&[
-        "bisect",
-        reference.to_str().unwrap(),
-        "--candidate",
-        candidate.to_str().unwrap(),
-        "--json",
-        "--tokens",
-        TOKENS,
-        "--generate",
-        "0",
-    ])
-}
-
-/// One line of a member's table, with what went wrong (empty: the case passed).
-struct Row {
-    file: String,
-    reference: &'static str,
-    fault: String,
-    tensor: String,
-    verify: String,
-    bisect: String,
-    problems: Vec<String>,
-}
-
-fn verify_cell(code: i32, j: &Value) -> String {
-    let findings: Vec<String> = j["findings"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|f| format!("{}/{}", f["class"], f["relation"]).replace('"', ""))
-        .collect();
-    if findings.is_empty() {
-        format!("exit {code}, {} failed", j["summary"]["failed"])
-    } else {
-        format!("exit {code}: {}", findings.join(", "))
-    }
-}
-
-fn bisect_cell(code: i32, j: &Value) -> String {
-    let class = j["fault"]["class"].as_str().unwrap_or("—");
-    let stage = j["first_divergence"]["stage"].as_str().unwrap_or("—");
-    format!("exit {code}: {class} / {stage}")
-}
-
 fn file_name(path: &Path) -> String {
     path.file_name().unwrap().to_string_lossy().into_owned()
-}
-
-/// The exit code a command must give, its stderr shown otherwise.
-fn exit(problems: &mut Vec<String>, what: &str, code: i32, want: i32, stderr: &str) {
-    if code != want {
-        let tail: String = stderr.lines().rev().take(6).collect::<Vec<_>>().join(" | ");
-        problems.push(format!("{what} exited {code}, not {want} ({tail})"));
-    }
 }
 
 /// An honest file: both commands pass with nothing found; verify reproduces llama.cpp's bytes.
@@ -299,66 +227,15 @@ fn planted(m: &Member, f: &Fault, reference: &'static str) -> Row {
         f.fault,
         f.tensor.trim_end_matches(".weight")
     ));
-    let mut args = vec![
-        m.file(f.file).to_str().unwrap(),
-        candidate.to_str().unwrap(),
-        f.fault,
-        f.tensor,
-    ];
-    args.extend(f.args);
-    let plant: Value =
-        serde_json::from_str(common::run_oracle("formats.plant_gguf_fault", &args).trim()).unwrap();
-    let mut problems = Vec::new();
-    if plant["check"]["confirmed"] != true {
-        problems.push(format!("the fault is not planted: {}", plant["check"]));
-    }
-
-    let (vcode, v, stderr) = verify(reference_path, &candidate);
-    exit(&mut problems, "verify", vcode, 1, &stderr);
-    if v["verdict"] != "fail" || v["summary"]["failed"] != 1 {
-        problems.push(format!(
-            "verify verdict {}, {} tensors failed, not 1",
-            v["verdict"], v["summary"]["failed"]
-        ));
-    }
-    let findings = v["findings"].as_array().cloned().unwrap_or_default();
-    let others: Vec<&Value> = findings
-        .iter()
-        .filter(|x| x["tensor"] != f.tensor)
-        .map(|x| &x["tensor"])
-        .collect();
-    if !others.is_empty() {
-        problems.push(format!("verify also blames {others:?}"));
-    }
-    if !findings
-        .iter()
-        .any(|x| x["tensor"] == f.tensor && x["class"] == f.class && x["relation"] == f.relation)
-    {
-        problems.push(format!(
-            "verify: no {}/{} finding on {}: {}",
-            f.class,
-            f.relation,
-            f.tensor,
-            Value::Array(findings.clone())
-        ));
-    }
-
-    let (bcode, b, stderr) = bisect(reference_path, &candidate);
-    exit(&mut problems, "bisect", bcode, 1, &stderr);
-    if b["verdict"] != "fail" {
-        problems.push(format!("bisect verdict {}", b["verdict"]));
-    }
-    if b["fault"]["class"] != f.class || b["fault"]["weight"] != f.tensor {
-        problems.push(format!(
-            "bisect: {} on {}, not {} on {}",
-            b["fault"]["class"], b["fault"]["weight"], f.class, f.tensor
-        ));
-    }
-
-    if problems.is_empty() {
-        // Kept only to look into a failure.
-        let _ = std::fs::remove_file(&candidate);
-    }
+    let planting = Planting {
+        fault: f.fault,
+        tensor: f.tensor,
+        args: f.args,
+        class: f.class,
+        relation: f.relation,
+    };
+    let (verify, bisect, problems) =
+        plant_and_judge(m.file(f.file), &candidate, reference_path, &planting);
     Row {
         file: file_name(m.file(f.file)),
         reference,
@@ -366,8 +243,8 @@ fn planted(m: &Member, f: &Fault, reference: &'static str) -> Row {
             .trim()
             .to_string(),
         tensor: format!("`{}` ({})", f.tensor, m.ty(f.file, f.tensor)),
-        verify: verify_cell(vcode, &v),
-        bisect: bisect_cell(bcode, &b),
+        verify,
+        bisect,
         problems,
     }
 }

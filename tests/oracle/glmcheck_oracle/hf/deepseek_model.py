@@ -76,9 +76,9 @@ def drawn_config(arch: str, seed: int) -> dict:
         c["topk_method"] = method
         if method == "greedy":
             c["num_experts_per_tok"] = r.randint(1, min(n_group * per_group, 6))
-    # The class's own scoring, as real config.json files spell it (the classes never read it).
-    if r.random() < 0.5:
-        c["scoring_func"] = "softmax" if v2 else "sigmoid"
+    # Either scoring: the classes never read it (V2 softmax-scores, the others sigmoid).
+    if (x := r.random()) < 0.5:
+        c["scoring_func"] = "softmax" if x < 0.25 else "sigmoid"
     # DeepseekV32's MLA never reads the key (always interleaved pairs); it is drawn there too,
     # as a config.json may carry it.
     if not v2:
