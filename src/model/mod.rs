@@ -5,6 +5,7 @@
 pub mod config;
 pub mod family;
 pub mod gguf_config;
+mod hf_json;
 pub mod kv_b;
 pub mod names;
 pub mod schema;
