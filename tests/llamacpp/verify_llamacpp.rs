@@ -289,14 +289,7 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
         reference.replace('.', "_")
     );
     let candidate = a.dir.join(name);
-    let planting = Planting {
-        fault: f.fault,
-        tensor: f.tensor,
-        args: f.args,
-        class: f.class,
-        relation: f.relation,
-    };
-    let (verify, bisect, problems) = plant_and_judge(honest, &candidate, reference_path, &planting);
+    let (verify, bisect, problems) = plant_and_judge(honest, &candidate, reference_path, f);
     Row {
         file: format!("{}.gguf", f.file),
         reference,
@@ -310,31 +303,21 @@ fn planted(a: &Artifacts, f: &Fault, reference: &'static str) -> Row {
     }
 }
 
-/// A fault for `formats.plant_gguf_fault` (FAULT, TENSOR, ARGS) and what verify (class,
-/// relation) and bisect (class) must call it.
-pub(crate) struct Planting<'a> {
-    pub fault: &'a str,
-    pub tensor: &'a str,
-    pub args: &'a [&'a str],
-    pub class: &'a str,
-    pub relation: &'a str,
-}
-
-/// `p` planted into a copy of `honest` at `candidate`, then verify and bisect against
+/// `f` planted into a copy of `honest` at `candidate`, then verify and bisect against
 /// `reference`: their table cells, and every way they miss the planted tensor and only it.
 pub(crate) fn plant_and_judge(
     honest: &Path,
     candidate: &Path,
     reference: &Path,
-    p: &Planting,
+    f: &Fault,
 ) -> (String, String, Vec<String>) {
     let mut args = vec![
         honest.to_str().unwrap(),
         candidate.to_str().unwrap(),
-        p.fault,
-        p.tensor,
+        f.fault,
+        f.tensor,
     ];
-    args.extend(p.args);
+    args.extend(f.args);
     let stdout = common::run_oracle("formats.plant_gguf_fault", &args);
     let plant: Value = serde_json::from_str(stdout.trim()).unwrap();
     let mut problems = Vec::new();
@@ -359,7 +342,7 @@ pub(crate) fn plant_and_judge(
     let findings = v["findings"].as_array().cloned().unwrap_or_default();
     let others: Vec<&Value> = findings
         .iter()
-        .filter(|x| x["tensor"] != p.tensor)
+        .filter(|x| x["tensor"] != f.tensor)
         .map(|x| &x["tensor"])
         .collect();
     if !others.is_empty() {
@@ -367,13 +350,13 @@ pub(crate) fn plant_and_judge(
     }
     if !findings
         .iter()
-        .any(|x| x["tensor"] == p.tensor && x["class"] == p.class && x["relation"] == p.relation)
+        .any(|x| x["tensor"] == f.tensor && x["class"] == f.class && x["relation"] == f.relation)
     {
         problems.push(format!(
             "verify: no {}/{} finding on {}: {}",
-            p.class,
-            p.relation,
-            p.tensor,
+            f.class,
+            f.relation,
+            f.tensor,
             Value::Array(findings.clone())
         ));
     }
@@ -383,16 +366,16 @@ pub(crate) fn plant_and_judge(
     if b["verdict"] != "fail" {
         problems.push(format!("bisect verdict {}", b["verdict"]));
     }
-    if b["fault"]["class"] != p.class {
+    if b["fault"]["class"] != f.class {
         problems.push(format!(
             "bisect class {}, not {}",
-            b["fault"]["class"], p.class
+            b["fault"]["class"], f.class
         ));
     }
-    if b["fault"]["weight"] != p.tensor {
+    if b["fault"]["weight"] != f.tensor {
         problems.push(format!(
             "bisect blames {}, not {}",
-            b["fault"]["weight"], p.tensor
+            b["fault"]["weight"], f.tensor
         ));
     }
 

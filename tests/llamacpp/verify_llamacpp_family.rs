@@ -22,8 +22,9 @@
 use crate::common;
 use crate::llamacpp_oracle::llama_cpp;
 use crate::verify_llamacpp::{
-    bisect, bisect_cell, exit, plant_and_judge, verify, verify_cell, Planting, Row,
+    bisect, bisect_cell, exit, plant_and_judge, verify, verify_cell, Row,
 };
+use crate::verify_llamacpp_cases::Fault;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,20 +33,6 @@ use serde_json::{json, Value};
 
 /// llama-quantize's types made of every member (the keys of `llamacpp.family`'s `quants`).
 const QUANTS: [&str; 2] = ["Q8_0", "Q4_K_M"];
-
-/// One planted fault: the file it goes into ("f32" or one of `QUANTS`),
-/// `formats.plant_gguf_fault`'s FAULT, TENSOR and ARGS, and what verify (class, relation) and
-/// bisect (class) must call it.
-struct Fault {
-    file: &'static str,
-    fault: &'static str,
-    tensor: &'static str,
-    args: &'static [&'static str],
-    class: &'static str,
-    relation: &'static str,
-    /// Also run with the F32 GGUF as the reference.
-    gguf_reference: bool,
-}
 
 const fn fault(
     file: &'static str,
@@ -227,15 +214,7 @@ fn planted(m: &Member, f: &Fault, reference: &'static str) -> Row {
         f.fault,
         f.tensor.trim_end_matches(".weight")
     ));
-    let planting = Planting {
-        fault: f.fault,
-        tensor: f.tensor,
-        args: f.args,
-        class: f.class,
-        relation: f.relation,
-    };
-    let (verify, bisect, problems) =
-        plant_and_judge(m.file(f.file), &candidate, reference_path, &planting);
+    let (verify, bisect, problems) = plant_and_judge(m.file(f.file), &candidate, reference_path, f);
     Row {
         file: file_name(m.file(f.file)),
         reference,
